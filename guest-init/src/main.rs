@@ -1,0 +1,105 @@
+//! guest-init's entry point: see the library docs for the boot sequence.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::sync::mpsc::sync_channel;
+use std::time::Duration;
+
+use guest_init::supervisor::{self, Outbox, Reaper, Table};
+use guest_init::{mounts, sys, vsock};
+use krunbox_protocol::{
+    Failure, FrameDecoder, GuestMessage, Hello, HostMessage, CONTROL_PORT, PROTOCOL_VERSION,
+};
+
+/// Frames queued for the host before output readers block (backpressure).
+const OUTBOX_DEPTH: usize = 64;
+
+fn main() {
+    // Everything below reports to the console (the host keeps it as the VM's log) and powers
+    // off on failure: PID 1 exiting would panic the kernel, which says nothing useful.
+    if let Err(err) = run() {
+        eprintln!("guest-init: {err}");
+    }
+    sys::power_off();
+}
+
+fn run() -> Result<(), String> {
+    let reaper = Reaper::start().map_err(|e| format!("reaper: {e}"))?;
+    mounts::mount_early().map_err(|e| format!("early mounts: {e}"))?;
+
+    let conn = vsock::connect_host(CONTROL_PORT, Duration::from_secs(10))
+        .map_err(|e| format!("connecting to the host on vsock port {CONTROL_PORT}: {e}"))?;
+    let mut reader = conn.try_clone().map_err(|e| format!("dup: {e}"))?;
+    let outbox = start_writer(conn)?;
+
+    outbox.send(&GuestMessage::Hello(Hello {
+        version: PROTOCOL_VERSION,
+        guest_init: env!("CARGO_PKG_VERSION").into(),
+        kernel_release: sys::kernel_release(),
+    }));
+
+    let mut decoder = FrameDecoder::new();
+    let setup = match next_message(&mut reader, &mut decoder)? {
+        HostMessage::Setup(setup) => setup,
+        other => return Err(format!("expected Setup from the host, got {other:?}")),
+    };
+    let setup_result = mounts::switch_root(&setup.root)
+        .map_err(|e| format!("switching to root {}: {e}", setup.root.device))
+        .and_then(|()| sys::set_hostname(&setup.hostname).map_err(|e| e.to_string()));
+    if let Err(message) = setup_result {
+        outbox.send(&GuestMessage::SetupFailed(Failure {
+            message: message.clone(),
+        }));
+        // Give the writer a moment to flush the report before power-off.
+        std::thread::sleep(Duration::from_millis(100));
+        return Err(message);
+    }
+    outbox.send(&GuestMessage::Ready);
+
+    let table = Table::default();
+    loop {
+        match next_message(&mut reader, &mut decoder)? {
+            HostMessage::Exec(exec) => supervisor::start(exec, &reaper, &table, &outbox),
+            HostMessage::Signal(sig) => table.signal(sig.id, sig.signal),
+            HostMessage::Shutdown => return Ok(()),
+            HostMessage::Setup(_) => return Err("Setup sent twice".into()),
+        }
+    }
+}
+
+/// One writer thread owns the socket's write half; everyone else queues frames to it.
+fn start_writer(mut conn: File) -> Result<Outbox, String> {
+    let (tx, rx) = sync_channel::<Vec<u8>>(OUTBOX_DEPTH);
+    std::thread::Builder::new()
+        .name("writer".into())
+        .spawn(move || {
+            for frame in rx {
+                if let Err(err) = conn.write_all(&frame) {
+                    eprintln!("guest-init: host connection lost while writing: {err}");
+                    sys::power_off();
+                }
+            }
+        })
+        .map_err(|e| format!("writer thread: {e}"))?;
+    Ok(Outbox::new(tx))
+}
+
+/// Reads until one whole, valid host message is decoded. Any protocol error or EOF ends the
+/// session: a host that sends garbage is not trusted to send anything else.
+fn next_message(reader: &mut File, decoder: &mut FrameDecoder) -> Result<HostMessage, String> {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        if let Some(frame) = decoder.next_frame().map_err(|e| e.to_string())? {
+            return HostMessage::decode(&frame).map_err(|e| e.to_string());
+        }
+        let want = decoder.wanted().min(buf.len());
+        let n = reader
+            .read(&mut buf[..want])
+            .map_err(|e| format!("reading from host: {e}"))?;
+        if n == 0 {
+            decoder.finish().map_err(|e| e.to_string())?;
+            return Err("the host closed the control connection".into());
+        }
+        decoder.push(&buf[..n]).map_err(|e| e.to_string())?;
+    }
+}

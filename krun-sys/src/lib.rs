@@ -1,0 +1,342 @@
+//! The one boundary between krunbox and libkrun.
+//!
+//! libkrun exposes a C API (`krun_*` functions returning `0` or a negative errno). The crates.io
+//! `libkrun` crate builds that API from source and links it statically, so no system libkrun is
+//! needed. Every `unsafe` call into it lives in this file, behind [`Context`], whose methods take
+//! Rust types and return [`KrunError`] for negative returns.
+//!
+//! `krun_start_enter` takes over the calling process (it runs the VMM event loop and exits the
+//! process when the guest powers off), so a [`Context`] is meant to be built and started in a
+//! dedicated helper process — krunbox's `krunbox-vmm`.
+//!
+//! ```no_run
+//! use krun_sys::{Context, LogLevel};
+//!
+//! krun_sys::set_log_level(LogLevel::Warn).unwrap();
+//! let mut ctx = Context::new().unwrap();
+//! ctx.set_vm_config(1, 512).unwrap();
+//! ctx.add_disk("root", "/path/to/image.erofs".as_ref(), true).unwrap();
+//! ctx.set_root_disk_remount("/dev/vda", "erofs", Some("ro")).unwrap();
+//! let err = ctx.start_enter(); // only returns if the VM could not start
+//! eprintln!("{err}");
+//! ```
+
+use std::ffi::{CString, NulError};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+
+/// The virtio-fs tag of the root filesystem libkrun creates for block-device roots.
+pub const ROOT_FS_TAG: &str = "/dev/root";
+
+/// A libkrun call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum KrunError {
+    /// libkrun returned a negative errno.
+    #[error("libkrun {call} failed: {} (errno {errno})", std::io::Error::from_raw_os_error(*errno))]
+    Call {
+        /// The C function.
+        call: &'static str,
+        /// The positive errno.
+        errno: i32,
+    },
+    /// An argument could not be passed as a C string.
+    #[error("argument to libkrun {call} contains a NUL byte: {source}")]
+    Nul {
+        /// The C function.
+        call: &'static str,
+        /// Where the NUL was.
+        source: NulError,
+    },
+    /// A number did not fit the C type.
+    #[error("argument to libkrun {call} is out of range: {detail}")]
+    Range {
+        /// The C function.
+        call: &'static str,
+        /// What was out of range.
+        detail: String,
+    },
+}
+
+impl KrunError {
+    /// The errno, if libkrun returned one.
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            KrunError::Call { errno, .. } => Some(*errno),
+            _ => None,
+        }
+    }
+}
+
+fn check(call: &'static str, ret: i32) -> Result<i32, KrunError> {
+    if ret < 0 {
+        Err(KrunError::Call { call, errno: -ret })
+    } else {
+        Ok(ret)
+    }
+}
+
+fn cstr(call: &'static str, s: impl AsRef<[u8]>) -> Result<CString, KrunError> {
+    CString::new(s.as_ref()).map_err(|source| KrunError::Nul { call, source })
+}
+
+fn cpath(call: &'static str, p: &Path) -> Result<CString, KrunError> {
+    cstr(call, p.as_os_str().as_bytes())
+}
+
+/// libkrun's log verbosity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum LogLevel {
+    /// Nothing.
+    Off = 0,
+    /// Errors only.
+    Error = 1,
+    /// Errors and warnings.
+    Warn = 2,
+    /// Informational.
+    Info = 3,
+    /// Debugging.
+    Debug = 4,
+    /// Everything.
+    Trace = 5,
+}
+
+/// Sets libkrun's global log level (logs go to the process's stderr).
+pub fn set_log_level(level: LogLevel) -> Result<(), KrunError> {
+    check("krun_set_log_level", krun::krun_set_log_level(level as u32)).map(drop)
+}
+
+/// One VM configuration, consumed by [`Context::start_enter`].
+#[derive(Debug)]
+pub struct Context {
+    id: u32,
+}
+
+impl Context {
+    /// Creates a configuration context.
+    pub fn new() -> Result<Self, KrunError> {
+        let id = check("krun_create_ctx", krun::krun_create_ctx())?;
+        Ok(Self { id: id as u32 })
+    }
+
+    /// Number of vCPUs and guest RAM in MiB.
+    pub fn set_vm_config(&mut self, vcpus: u8, ram_mib: u32) -> Result<(), KrunError> {
+        check(
+            "krun_set_vm_config",
+            krun::krun_set_vm_config(self.id, vcpus, ram_mib),
+        )
+        .map(drop)
+    }
+
+    /// Attaches a raw disk image as a virtio-blk device (`/dev/vda`, `/dev/vdb`, … in order).
+    pub fn add_disk(&mut self, block_id: &str, path: &Path, read_only: bool) -> Result<(), KrunError> {
+        let id = cstr("krun_add_disk", block_id)?;
+        let path = cpath("krun_add_disk", path)?;
+        // SAFETY: both pointers are valid NUL-terminated strings for the duration of the call;
+        // libkrun copies them.
+        check("krun_add_disk", unsafe {
+            krun::krun_add_disk(self.id, id.as_ptr(), path.as_ptr(), read_only)
+        })
+        .map(drop)
+    }
+
+    /// Boots from a block device: libkrun serves a root virtio-fs with no host directory behind
+    /// it (only the mount points `dev`, `proc`, `sys`, `newroot` and any overlay files), and
+    /// records the device for the init to mount.
+    pub fn set_root_disk_remount(
+        &mut self,
+        device: &str,
+        fstype: &str,
+        options: Option<&str>,
+    ) -> Result<(), KrunError> {
+        const CALL: &str = "krun_set_root_disk_remount";
+        let device = cstr(CALL, device)?;
+        let fstype = cstr(CALL, fstype)?;
+        let options = options.map(|o| cstr(CALL, o)).transpose()?;
+        // SAFETY: valid C strings (or NULL for options) for the call's duration; libkrun copies.
+        check(CALL, unsafe {
+            krun::krun_set_root_disk_remount(
+                self.id,
+                device.as_ptr(),
+                fstype.as_ptr(),
+                options.as_ref().map_or(std::ptr::null(), |o| o.as_ptr()),
+            )
+        })
+        .map(drop)
+    }
+
+    /// Turns off libkrun's own init so that an overlay file can take the `/init.krun` name.
+    pub fn disable_implicit_init(&mut self) -> Result<(), KrunError> {
+        check(
+            "krun_disable_implicit_init",
+            krun::krun_disable_implicit_init(self.id),
+        )
+        .map(drop)
+    }
+
+    /// Adds a file to a virtio-fs device's virtual overlay (e.g. the init binary at
+    /// `init.krun` on [`ROOT_FS_TAG`]). The data must live as long as the VM: the caller hands
+    /// over a `'static` slice (in the VMM helper process, a leaked buffer).
+    pub fn add_overlay_file(
+        &mut self,
+        fs_tag: &str,
+        path: &str,
+        data: &'static [u8],
+        mode: u32,
+    ) -> Result<(), KrunError> {
+        const CALL: &str = "krun_fs_add_overlay_file";
+        let tag = cstr(CALL, fs_tag)?;
+        let path = cstr(CALL, path)?;
+        // SAFETY: strings are valid for the call (copied by libkrun); `data` is 'static as
+        // libkrun's header requires (it keeps the pointer for the VM's lifetime).
+        check(CALL, unsafe {
+            krun::krun_fs_add_overlay_file(
+                self.id,
+                tag.as_ptr(),
+                path.as_ptr(),
+                data.as_ptr(),
+                data.len(),
+                mode,
+                false,
+            )
+        })
+        .map(drop)
+    }
+
+    /// Removes the implicit vsock device (which would carry TSI networking) and adds one with
+    /// the given TSI feature bits; `0` gives a vsock with no network impersonation at all.
+    pub fn set_vsock(&mut self, tsi_features: u32) -> Result<(), KrunError> {
+        check(
+            "krun_disable_implicit_vsock",
+            krun::krun_disable_implicit_vsock(self.id),
+        )?;
+        check("krun_add_vsock", krun::krun_add_vsock(self.id, tsi_features)).map(drop)
+    }
+
+    /// Maps a guest vsock port to a host unix socket. With `listen == false` the guest
+    /// connects and libkrun connects to the (already listening) host socket at `path`.
+    pub fn add_vsock_port(&mut self, port: u32, path: &Path, listen: bool) -> Result<(), KrunError> {
+        const CALL: &str = "krun_add_vsock_port2";
+        let path = cpath(CALL, path)?;
+        // SAFETY: valid C string for the call; libkrun copies it.
+        check(CALL, unsafe {
+            krun::krun_add_vsock_port2(self.id, port, path.as_ptr(), listen)
+        })
+        .map(drop)
+    }
+
+    /// Writes the guest console (kernel messages, init's stdout/stderr) to a file.
+    pub fn set_console_output(&mut self, path: &Path) -> Result<(), KrunError> {
+        const CALL: &str = "krun_set_console_output";
+        let path = cpath(CALL, path)?;
+        // SAFETY: valid C string for the call; libkrun copies it.
+        check(CALL, unsafe {
+            krun::krun_set_console_output(self.id, path.as_ptr())
+        })
+        .map(drop)
+    }
+
+    /// Uses a kernel file instead of libkrunfw's bundled one.
+    ///
+    /// `format` is libkrun's `KRUN_KERNEL_FORMAT_*` number (0 raw, 1 ELF, 2 PE+gzip,
+    /// 3 image+bz2, 4 image+gzip, 5 image+zstd).
+    pub fn set_kernel(
+        &mut self,
+        kernel: &Path,
+        format: u32,
+        initramfs: Option<&Path>,
+        cmdline: Option<&str>,
+    ) -> Result<(), KrunError> {
+        const CALL: &str = "krun_set_kernel";
+        let kernel = cpath(CALL, kernel)?;
+        let initramfs = initramfs.map(|p| cpath(CALL, p)).transpose()?;
+        let cmdline = cmdline.map(|c| cstr(CALL, c)).transpose()?;
+        // SAFETY: valid C strings or NULL for the call's duration; libkrun copies them.
+        check(CALL, unsafe {
+            krun::krun_set_kernel(
+                self.id,
+                kernel.as_ptr(),
+                format,
+                initramfs.as_ref().map_or(std::ptr::null(), |p| p.as_ptr()),
+                cmdline.as_ref().map_or(std::ptr::null(), |c| c.as_ptr()),
+            )
+        })
+        .map(drop)
+    }
+
+    /// Sets environment variables passed to the guest's init (on the kernel command line,
+    /// so they are visible to the guest: never put secrets here).
+    pub fn set_env(&mut self, vars: &[(&str, &str)]) -> Result<(), KrunError> {
+        const CALL: &str = "krun_set_env";
+        let owned = vars
+            .iter()
+            .map(|(k, v)| cstr(CALL, format!("{k}={v}")))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut ptrs: Vec<*const libc::c_char> = owned.iter().map(|c| c.as_ptr()).collect();
+        ptrs.push(std::ptr::null());
+        // SAFETY: a NULL-terminated array of valid C strings, alive for the call; libkrun
+        // copies the strings.
+        check(CALL, unsafe { krun::krun_set_env(self.id, ptrs.as_ptr()) }).map(drop)
+    }
+
+    /// Starts the VM. On success this never returns: libkrun runs the VMM in this process and
+    /// exits the process when the guest powers off. It returns only the error that kept the VM
+    /// from starting.
+    pub fn start_enter(self) -> KrunError {
+        let ret = krun::krun_start_enter(self.id);
+        std::mem::forget(self);
+        KrunError::Call {
+            call: "krun_start_enter",
+            errno: if ret < 0 { -ret } else { libc::EINVAL },
+        }
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // A context that was never started is freed; errors here have no one to report to.
+        let _ = krun::krun_free_ctx(self.id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn configuration_calls_map_errno_to_typed_errors() {
+        let mut ctx = Context::new().unwrap();
+        ctx.set_vm_config(1, 256).unwrap();
+        // A vsock port needs a vsock device: libkrun says ENODEV after it was disabled.
+        check(
+            "krun_disable_implicit_vsock",
+            krun::krun_disable_implicit_vsock(ctx.id),
+        )
+        .unwrap();
+        let err = ctx
+            .add_vsock_port(1024, Path::new("/tmp/x.sock"), false)
+            .unwrap_err();
+        assert_eq!(err.errno(), Some(libc::ENODEV), "{err}");
+        // A root remount without any disk is refused with EINVAL.
+        let err = ctx.set_root_disk_remount("/dev/vda", "erofs", None).unwrap_err();
+        assert_eq!(err.errno(), Some(libc::EINVAL), "{err}");
+        // NUL bytes never reach C.
+        assert!(matches!(
+            ctx.add_disk("ro\0ot", Path::new("/x"), true),
+            Err(KrunError::Nul { .. })
+        ));
+    }
+
+    #[test]
+    fn block_root_with_overlay_init_is_accepted() {
+        let mut ctx = Context::new().unwrap();
+        ctx.set_vm_config(1, 256).unwrap();
+        ctx.add_disk("root", Path::new("/nonexistent.img"), true).unwrap();
+        ctx.set_root_disk_remount("/dev/vda", "erofs", Some("ro")).unwrap();
+        ctx.disable_implicit_init().unwrap();
+        static INIT: &[u8] = b"\x7fELF";
+        ctx.add_overlay_file(ROOT_FS_TAG, "init.krun", INIT, 0o755).unwrap();
+        ctx.set_vsock(0).unwrap();
+        ctx.add_vsock_port(1024, Path::new("/tmp/x.sock"), false).unwrap();
+    }
+}

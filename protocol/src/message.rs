@@ -1,0 +1,647 @@
+//! The messages, their kind numbers, and their bounds.
+
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+use serde_bytes::ByteBuf;
+
+use crate::frame::{Frame, MAX_FRAME_BODY};
+use crate::limits::*;
+use crate::ProtocolError;
+
+/// Host → guest messages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HostMessage {
+    /// Sent once, after the guest's hello: how to finish booting.
+    Setup(Setup),
+    /// Start a process.
+    Exec(Exec),
+    /// Send a signal to a process's whole process group.
+    Signal(SignalProcess),
+    /// Sync filesystems and power the VM off.
+    Shutdown,
+}
+
+/// Guest → host messages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GuestMessage {
+    /// First frame on the connection.
+    Hello(Hello),
+    /// Setup finished: the guest accepts commands.
+    Ready,
+    /// Setup failed; the guest will power off.
+    SetupFailed(Failure),
+    /// A process started.
+    Started(Started),
+    /// A chunk of a process's stdout or stderr.
+    Output(Output),
+    /// A process ended (its streams are fully sent before this).
+    Exited(Exited),
+    /// A process could not be started.
+    ExecFailed(ExecFailed),
+}
+
+/// Kind numbers. Never reuse a retired number.
+mod kind {
+    pub const SETUP: u16 = 1;
+    pub const EXEC: u16 = 2;
+    pub const SIGNAL: u16 = 3;
+    pub const SHUTDOWN: u16 = 4;
+
+    pub const HELLO: u16 = 101;
+    pub const READY: u16 = 102;
+    pub const SETUP_FAILED: u16 = 103;
+    pub const STARTED: u16 = 104;
+    pub const OUTPUT: u16 = 105;
+    pub const EXITED: u16 = 106;
+    pub const EXEC_FAILED: u16 = 107;
+}
+
+/// How the guest mounts its root filesystem.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RootMount {
+    /// Guest block device, e.g. `/dev/vda`.
+    pub device: String,
+    /// Filesystem type, e.g. `erofs`.
+    pub fstype: String,
+    /// Whether to mount it read-only.
+    pub read_only: bool,
+}
+
+/// Boot parameters the host sends after [`Hello`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Setup {
+    /// The guest's hostname.
+    pub hostname: String,
+    /// The root filesystem to switch to.
+    pub root: RootMount,
+}
+
+/// Start one process.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Exec {
+    /// Host-chosen id, unique among this connection's live processes.
+    pub id: u32,
+    /// `argv[0]` is the program (looked up in the command's `PATH` if it has no `/`).
+    pub argv: Vec<ByteBuf>,
+    /// The complete environment; nothing else is inherited.
+    pub env: Vec<(ByteBuf, ByteBuf)>,
+    /// Working directory (default `/`).
+    pub cwd: Option<ByteBuf>,
+    /// User id to run as (default 0).
+    pub uid: Option<u32>,
+    /// Group id to run as (default: `uid`'s value, or 0).
+    pub gid: Option<u32>,
+    /// Kill the process group after this many milliseconds and report it as timed out.
+    pub timeout_ms: Option<u64>,
+}
+
+/// Signal a process group.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SignalProcess {
+    /// The process id from [`Exec::id`].
+    pub id: u32,
+    /// Linux signal number.
+    pub signal: i32,
+}
+
+/// The guest's greeting.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// Must equal [`crate::PROTOCOL_VERSION`].
+    pub version: u32,
+    /// guest-init's crate version.
+    pub guest_init: String,
+    /// `uname -r` of the guest kernel.
+    pub kernel_release: String,
+}
+
+/// A failure described by the guest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Failure {
+    /// Human-readable description, including the failing step and errno text.
+    pub message: String,
+}
+
+/// A process started.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Started {
+    /// The process id from [`Exec::id`].
+    pub id: u32,
+    /// Its pid inside the guest.
+    pub pid: u32,
+}
+
+/// Which output stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Stream {
+    /// File descriptor 1.
+    Stdout,
+    /// File descriptor 2.
+    Stderr,
+}
+
+/// A chunk of output.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Output {
+    /// The process id from [`Exec::id`].
+    pub id: u32,
+    /// Which stream.
+    pub stream: Stream,
+    /// At most [`MAX_CHUNK`] bytes.
+    pub data: ByteBuf,
+}
+
+/// How a process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ExitStatus {
+    /// It exited with this code.
+    Code(i32),
+    /// It was terminated by this signal.
+    Signal(i32),
+}
+
+/// A process ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Exited {
+    /// The process id from [`Exec::id`].
+    pub id: u32,
+    /// Exit code or signal.
+    pub status: ExitStatus,
+    /// Whether guest-init killed it because its timeout expired.
+    pub timed_out: bool,
+}
+
+/// Why a process could not start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ExecErrorKind {
+    /// The program (or the working directory) does not exist.
+    NotFound,
+    /// Not executable, or not permitted.
+    PermissionDenied,
+    /// Anything else.
+    Other,
+}
+
+/// A process could not be started.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecFailed {
+    /// The process id from [`Exec::id`].
+    pub id: u32,
+    /// Classification for typed host errors.
+    pub kind: ExecErrorKind,
+    /// The errno, if one applies.
+    pub errno: i32,
+    /// What failed, e.g. `chdir /nope: No such file or directory`.
+    pub message: String,
+}
+
+fn encode_body<T: Serialize>(kind: u16, value: &T) -> Result<Frame, ProtocolError> {
+    let body = postcard::to_allocvec(value).map_err(|e| ProtocolError::Malformed {
+        message: "outgoing",
+        reason: e.to_string(),
+    })?;
+    if body.len() > MAX_FRAME_BODY {
+        return Err(ProtocolError::FrameTooLarge {
+            len: body.len() as u64,
+            max: MAX_FRAME_BODY,
+        });
+    }
+    Ok(Frame { kind, body })
+}
+
+fn decode_body<T: DeserializeOwned>(message: &'static str, body: &[u8]) -> Result<T, ProtocolError> {
+    let (value, rest) =
+        postcard::take_from_bytes(body).map_err(|e| ProtocolError::Malformed {
+            message,
+            reason: e.to_string(),
+        })?;
+    if !rest.is_empty() {
+        return Err(ProtocolError::Malformed {
+            message,
+            reason: format!("{} trailing bytes", rest.len()),
+        });
+    }
+    Ok(value)
+}
+
+fn expect_empty(message: &'static str, body: &[u8]) -> Result<(), ProtocolError> {
+    if body.is_empty() {
+        Ok(())
+    } else {
+        Err(ProtocolError::Malformed {
+            message,
+            reason: format!("expected an empty body, got {} bytes", body.len()),
+        })
+    }
+}
+
+fn bound(field: &'static str, len: usize, max: usize) -> Result<(), ProtocolError> {
+    if len > max {
+        return Err(ProtocolError::OutOfBounds {
+            field,
+            detail: format!("{len} > {max}"),
+        });
+    }
+    Ok(())
+}
+
+fn no_nul(field: &'static str, bytes: &[u8]) -> Result<(), ProtocolError> {
+    if bytes.contains(&0) {
+        return Err(ProtocolError::OutOfBounds {
+            field,
+            detail: "contains a NUL byte".into(),
+        });
+    }
+    Ok(())
+}
+
+fn text(field: &'static str, s: &str) -> Result<(), ProtocolError> {
+    bound(field, s.len(), MAX_TEXT)
+}
+
+impl Exec {
+    /// Checks every bound and the C-string rules execve imposes.
+    pub fn validate(&self) -> Result<(), ProtocolError> {
+        bound("argv count", self.argv.len(), MAX_ARGS)?;
+        bound("env count", self.env.len(), MAX_ENV)?;
+        if self.argv.is_empty() {
+            return Err(ProtocolError::OutOfBounds {
+                field: "argv",
+                detail: "is empty (argv[0] names the program)".into(),
+            });
+        }
+        if self.argv[0].is_empty() {
+            return Err(ProtocolError::OutOfBounds {
+                field: "argv[0]",
+                detail: "is empty".into(),
+            });
+        }
+        let mut total = 0usize;
+        for arg in &self.argv {
+            no_nul("argv", arg)?;
+            total += arg.len() + 1;
+        }
+        for (key, value) in &self.env {
+            no_nul("env key", key)?;
+            no_nul("env value", value)?;
+            if key.is_empty() || key.contains(&b'=') {
+                return Err(ProtocolError::OutOfBounds {
+                    field: "env key",
+                    detail: "is empty or contains '='".into(),
+                });
+            }
+            total += key.len() + value.len() + 2;
+        }
+        bound("argv+env bytes", total, MAX_EXEC_BYTES)?;
+        if let Some(cwd) = &self.cwd {
+            no_nul("cwd", cwd)?;
+            bound("cwd", cwd.len(), MAX_TEXT)?;
+        }
+        Ok(())
+    }
+}
+
+impl Setup {
+    fn validate(&self) -> Result<(), ProtocolError> {
+        text("hostname", &self.hostname)?;
+        text("root device", &self.root.device)?;
+        text("root fstype", &self.root.fstype)?;
+        for (field, s) in [
+            ("hostname", &self.hostname),
+            ("root device", &self.root.device),
+            ("root fstype", &self.root.fstype),
+        ] {
+            no_nul(field, s.as_bytes())?;
+        }
+        Ok(())
+    }
+}
+
+impl HostMessage {
+    /// Encodes into a frame, checking bounds first.
+    pub fn to_frame(&self) -> Result<Frame, ProtocolError> {
+        match self {
+            HostMessage::Setup(m) => {
+                m.validate()?;
+                encode_body(kind::SETUP, m)
+            }
+            HostMessage::Exec(m) => {
+                m.validate()?;
+                encode_body(kind::EXEC, m)
+            }
+            HostMessage::Signal(m) => encode_body(kind::SIGNAL, m),
+            HostMessage::Shutdown => Ok(Frame {
+                kind: kind::SHUTDOWN,
+                body: Vec::new(),
+            }),
+        }
+    }
+
+    /// Encodes into wire bytes (header + body).
+    pub fn encode(&self) -> Result<Vec<u8>, ProtocolError> {
+        self.to_frame()?.to_bytes()
+    }
+
+    /// Decodes and validates a frame received by the guest.
+    pub fn decode(frame: &Frame) -> Result<Self, ProtocolError> {
+        let body = &frame.body[..];
+        Ok(match frame.kind {
+            kind::SETUP => {
+                let m: Setup = decode_body("Setup", body)?;
+                m.validate()?;
+                HostMessage::Setup(m)
+            }
+            kind::EXEC => {
+                let m: Exec = decode_body("Exec", body)?;
+                m.validate()?;
+                HostMessage::Exec(m)
+            }
+            kind::SIGNAL => HostMessage::Signal(decode_body("Signal", body)?),
+            kind::SHUTDOWN => {
+                expect_empty("Shutdown", body)?;
+                HostMessage::Shutdown
+            }
+            kind => {
+                return Err(ProtocolError::UnknownKind {
+                    kind,
+                    direction: "host-to-guest",
+                })
+            }
+        })
+    }
+}
+
+impl GuestMessage {
+    /// Encodes into a frame, checking bounds first.
+    pub fn to_frame(&self) -> Result<Frame, ProtocolError> {
+        self.validate()?;
+        match self {
+            GuestMessage::Hello(m) => encode_body(kind::HELLO, m),
+            GuestMessage::Ready => Ok(Frame {
+                kind: kind::READY,
+                body: Vec::new(),
+            }),
+            GuestMessage::SetupFailed(m) => encode_body(kind::SETUP_FAILED, m),
+            GuestMessage::Started(m) => encode_body(kind::STARTED, m),
+            GuestMessage::Output(m) => encode_body(kind::OUTPUT, m),
+            GuestMessage::Exited(m) => encode_body(kind::EXITED, m),
+            GuestMessage::ExecFailed(m) => encode_body(kind::EXEC_FAILED, m),
+        }
+    }
+
+    /// Encodes into wire bytes (header + body).
+    pub fn encode(&self) -> Result<Vec<u8>, ProtocolError> {
+        self.to_frame()?.to_bytes()
+    }
+
+    fn validate(&self) -> Result<(), ProtocolError> {
+        match self {
+            GuestMessage::Hello(m) => {
+                text("guest_init version", &m.guest_init)?;
+                text("kernel release", &m.kernel_release)
+            }
+            GuestMessage::SetupFailed(m) => text("failure message", &m.message),
+            GuestMessage::ExecFailed(m) => text("exec failure message", &m.message),
+            GuestMessage::Output(m) => bound("output chunk", m.data.len(), MAX_CHUNK),
+            GuestMessage::Ready | GuestMessage::Started(_) | GuestMessage::Exited(_) => Ok(()),
+        }
+    }
+
+    /// Decodes and validates a frame received by the host. Hostile input gives an error,
+    /// never a panic.
+    pub fn decode(frame: &Frame) -> Result<Self, ProtocolError> {
+        let body = &frame.body[..];
+        let message = match frame.kind {
+            kind::HELLO => GuestMessage::Hello(decode_body("Hello", body)?),
+            kind::READY => {
+                expect_empty("Ready", body)?;
+                GuestMessage::Ready
+            }
+            kind::SETUP_FAILED => GuestMessage::SetupFailed(decode_body("SetupFailed", body)?),
+            kind::STARTED => GuestMessage::Started(decode_body("Started", body)?),
+            kind::OUTPUT => GuestMessage::Output(decode_body("Output", body)?),
+            kind::EXITED => GuestMessage::Exited(decode_body("Exited", body)?),
+            kind::EXEC_FAILED => GuestMessage::ExecFailed(decode_body("ExecFailed", body)?),
+            kind => {
+                return Err(ProtocolError::UnknownKind {
+                    kind,
+                    direction: "guest-to-host",
+                })
+            }
+        };
+        message.validate()?;
+        Ok(message)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{FrameDecoder, FRAME_HEADER_LEN, PROTOCOL_VERSION};
+
+    fn exec() -> Exec {
+        Exec {
+            id: 3,
+            argv: vec![ByteBuf::from(b"sh".to_vec()), ByteBuf::from(b"-c".to_vec())],
+            env: vec![(ByteBuf::from(b"PATH".to_vec()), ByteBuf::from(b"/bin".to_vec()))],
+            cwd: Some(ByteBuf::from(b"/tmp".to_vec())),
+            uid: Some(1000),
+            gid: None,
+            timeout_ms: Some(2000),
+        }
+    }
+
+    fn all_guest_messages() -> Vec<GuestMessage> {
+        vec![
+            GuestMessage::Hello(Hello {
+                version: PROTOCOL_VERSION,
+                guest_init: "0.1.0".into(),
+                kernel_release: "6.12.91".into(),
+            }),
+            GuestMessage::Ready,
+            GuestMessage::SetupFailed(Failure {
+                message: "mount /dev/vda: EINVAL".into(),
+            }),
+            GuestMessage::Started(Started { id: 1, pid: 42 }),
+            GuestMessage::Output(Output {
+                id: 1,
+                stream: Stream::Stderr,
+                data: ByteBuf::from(vec![0u8, 255, 10]),
+            }),
+            GuestMessage::Exited(Exited {
+                id: 1,
+                status: ExitStatus::Signal(9),
+                timed_out: true,
+            }),
+            GuestMessage::ExecFailed(ExecFailed {
+                id: 2,
+                kind: ExecErrorKind::NotFound,
+                errno: 2,
+                message: "nope".into(),
+            }),
+        ]
+    }
+
+    #[test]
+    fn every_message_round_trips_through_the_decoder() {
+        let mut wire = Vec::new();
+        for m in all_guest_messages() {
+            wire.extend(m.encode().unwrap());
+        }
+        let host = vec![
+            HostMessage::Setup(Setup {
+                hostname: "box".into(),
+                root: RootMount {
+                    device: "/dev/vda".into(),
+                    fstype: "erofs".into(),
+                    read_only: true,
+                },
+            }),
+            HostMessage::Exec(exec()),
+            HostMessage::Signal(SignalProcess { id: 3, signal: 9 }),
+            HostMessage::Shutdown,
+        ];
+        // Byte-at-a-time delivery exercises every partial state of the decoder.
+        let mut decoder = FrameDecoder::new();
+        let mut got = Vec::new();
+        for byte in &wire {
+            decoder.push(std::slice::from_ref(byte)).unwrap();
+            while let Some(frame) = decoder.next_frame().unwrap() {
+                got.push(GuestMessage::decode(&frame).unwrap());
+            }
+        }
+        decoder.finish().unwrap();
+        assert_eq!(got, all_guest_messages());
+
+        for m in host {
+            let mut decoder = FrameDecoder::new();
+            decoder.push(&m.encode().unwrap()).unwrap();
+            let frame = decoder.next_frame().unwrap().unwrap();
+            assert_eq!(HostMessage::decode(&frame).unwrap(), m);
+        }
+    }
+
+    #[test]
+    fn oversized_header_is_refused_before_the_body_arrives() {
+        let mut decoder = FrameDecoder::new();
+        let mut header = ((MAX_FRAME_BODY + 1) as u32).to_le_bytes().to_vec();
+        header.extend_from_slice(&101u16.to_le_bytes());
+        let err = decoder.push(&header).unwrap_err();
+        assert!(matches!(err, ProtocolError::FrameTooLarge { .. }), "{err}");
+        // Once poisoned, it stays poisoned: a stream can't be resynchronised.
+        assert!(decoder.push(&[0; 16]).is_err());
+        assert!(decoder.next_frame().is_err());
+    }
+
+    #[test]
+    fn unknown_kinds_and_wrong_directions_are_typed_errors() {
+        let frame = Frame {
+            kind: 999,
+            body: vec![],
+        };
+        assert!(matches!(
+            GuestMessage::decode(&frame),
+            Err(ProtocolError::UnknownKind { kind: 999, .. })
+        ));
+        // A host-to-guest kind arriving at the host is unknown there.
+        let exec_frame = HostMessage::Exec(exec()).to_frame().unwrap();
+        assert!(matches!(
+            GuestMessage::decode(&exec_frame),
+            Err(ProtocolError::UnknownKind { .. })
+        ));
+    }
+
+    #[test]
+    fn garbage_bodies_are_malformed_not_panics() {
+        let mut state = 0x9e3779b97f4a7c15u64;
+        for len in 0..300usize {
+            let body: Vec<u8> = (0..len)
+                .map(|_| {
+                    // xorshift: deterministic pseudo-random bytes.
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    state as u8
+                })
+                .collect();
+            for kind in [1u16, 2, 3, 4, 101, 102, 103, 104, 105, 106, 107, 0, 65535] {
+                let frame = Frame {
+                    kind,
+                    body: body.clone(),
+                };
+                let _ = GuestMessage::decode(&frame);
+                let _ = HostMessage::decode(&frame);
+            }
+        }
+    }
+
+    #[test]
+    fn trailing_bytes_are_refused() {
+        let mut frame = GuestMessage::Started(Started { id: 1, pid: 2 })
+            .to_frame()
+            .unwrap();
+        frame.body.push(0);
+        assert!(matches!(
+            GuestMessage::decode(&frame),
+            Err(ProtocolError::Malformed { .. })
+        ));
+    }
+
+    #[test]
+    fn exec_bounds_are_enforced_on_both_ends() {
+        let mut bad = exec();
+        bad.argv[0] = ByteBuf::from(b"s\0h".to_vec());
+        assert!(HostMessage::Exec(bad.clone()).encode().is_err());
+        // A hostile encoder skipping validation is still caught by decode.
+        let frame = Frame {
+            kind: 2,
+            body: postcard::to_allocvec(&bad).unwrap(),
+        };
+        assert!(matches!(
+            HostMessage::decode(&frame),
+            Err(ProtocolError::OutOfBounds { .. })
+        ));
+
+        let mut empty = exec();
+        empty.argv.clear();
+        assert!(HostMessage::Exec(empty).encode().is_err());
+
+        let mut bad_env = exec();
+        bad_env.env.push((ByteBuf::from(b"A=B".to_vec()), ByteBuf::new()));
+        assert!(HostMessage::Exec(bad_env).encode().is_err());
+
+        let mut huge = exec();
+        huge.argv.push(ByteBuf::from(vec![b'x'; MAX_EXEC_BYTES]));
+        assert!(HostMessage::Exec(huge).encode().is_err());
+    }
+
+    #[test]
+    fn output_chunks_are_bounded() {
+        let big = GuestMessage::Output(Output {
+            id: 1,
+            stream: Stream::Stdout,
+            data: ByteBuf::from(vec![0; MAX_CHUNK + 1]),
+        });
+        assert!(big.encode().is_err());
+        // Same bytes built by hand (as a hostile guest would) are refused on decode.
+        let body = postcard::to_allocvec(&Output {
+            id: 1,
+            stream: Stream::Stdout,
+            data: ByteBuf::from(vec![0; MAX_CHUNK + 1]),
+        })
+        .unwrap();
+        let frame = Frame { kind: 105, body };
+        assert!(GuestMessage::decode(&frame).is_err());
+    }
+
+    #[test]
+    fn truncated_stream_is_reported() {
+        let bytes = GuestMessage::Ready.encode().unwrap();
+        let mut decoder = FrameDecoder::new();
+        decoder.push(&bytes[..FRAME_HEADER_LEN - 1]).unwrap();
+        assert!(decoder.next_frame().unwrap().is_none());
+        assert!(matches!(
+            decoder.finish(),
+            Err(ProtocolError::TruncatedFrame { buffered: 5 })
+        ));
+    }
+}

@@ -1,0 +1,149 @@
+//! Where krunbox finds what it needs at run time: the VMM helper binary, the guest-init binary,
+//! and libkrunfw (the guest kernel).
+//!
+//! Each can be given explicitly (builder or environment variable); otherwise krunbox looks
+//! where its own build and set-up put them.
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+
+/// The musl target guest-init is built for (a static binary runs on any root image).
+pub const GUEST_INIT_TARGET: &str = "x86_64-unknown-linux-musl";
+
+/// The library file libkrun loads the guest kernel from.
+pub const LIBKRUNFW_SONAME: &str = "libkrunfw.so.5";
+
+/// krunbox's cache directory: `$KRUNBOX_CACHE_DIR`, else `$XDG_CACHE_HOME/krunbox`, else
+/// `~/.cache/krunbox`. Built-in images and libkrunfw live here.
+///
+/// ```
+/// let dir = krunbox::cache_dir();
+/// assert!(dir.is_absolute() || dir.starts_with("."));
+/// ```
+pub fn cache_dir() -> PathBuf {
+    krunbox_rootfs::default_cache_dir()
+}
+
+/// Resolved run-time files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Artifacts {
+    /// The `krunbox-vmm` helper binary.
+    pub vmm_helper: PathBuf,
+    /// The static guest-init binary.
+    pub guest_init: PathBuf,
+    /// A directory containing `libkrunfw.so.5`, used as the helper's library path.
+    pub libkrunfw_dir: PathBuf,
+}
+
+/// Optional overrides for [`Artifacts::locate`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct ArtifactOverrides {
+    pub vmm_helper: Option<PathBuf>,
+    pub guest_init: Option<PathBuf>,
+    pub libkrunfw_dir: Option<PathBuf>,
+}
+
+/// Directories near the running executable where cargo puts binaries: the executable's own
+/// directory and, for test and bench binaries in `target/<profile>/deps`, its parent.
+fn exe_dirs() -> Vec<PathBuf> {
+    let Ok(exe) = std::env::current_exe() else {
+        return Vec::new();
+    };
+    let mut dirs = Vec::new();
+    if let Some(dir) = exe.parent() {
+        dirs.push(dir.to_path_buf());
+        if dir.file_name().is_some_and(|n| n == "deps") {
+            if let Some(parent) = dir.parent() {
+                dirs.push(parent.to_path_buf());
+            }
+        }
+    }
+    dirs
+}
+
+fn first_file(candidates: &[PathBuf]) -> Option<PathBuf> {
+    candidates.iter().find(|p| p.is_file()).cloned()
+}
+
+impl Artifacts {
+    /// Finds every artifact, or says which one is missing and how to get it.
+    ///
+    /// Order for each: the explicit override, then an environment variable
+    /// (`KRUNBOX_VMM`, `KRUNBOX_GUEST_INIT`, `KRUNBOX_LIBKRUNFW_DIR`), then the usual places.
+    ///
+    /// ```no_run
+    /// let artifacts = krunbox::Artifacts::locate().unwrap();
+    /// println!("guest-init: {}", artifacts.guest_init.display());
+    /// ```
+    pub fn locate() -> Result<Artifacts> {
+        Self::locate_with(&ArtifactOverrides::default())
+    }
+
+    pub(crate) fn locate_with(over: &ArtifactOverrides) -> Result<Artifacts> {
+        Ok(Artifacts {
+            vmm_helper: locate_vmm_helper(over.vmm_helper.as_deref())?,
+            guest_init: locate_guest_init(over.guest_init.as_deref())?,
+            libkrunfw_dir: locate_libkrunfw(over.libkrunfw_dir.as_deref())?,
+        })
+    }
+}
+
+fn explicit_or_env(explicit: Option<&Path>, var: &str) -> Option<PathBuf> {
+    explicit
+        .map(Path::to_path_buf)
+        .or_else(|| std::env::var_os(var).map(PathBuf::from))
+}
+
+pub(crate) fn locate_vmm_helper(explicit: Option<&Path>) -> Result<PathBuf> {
+    let candidates = match explicit_or_env(explicit, "KRUNBOX_VMM") {
+        Some(p) => vec![p],
+        None => exe_dirs().into_iter().map(|d| d.join("krunbox-vmm")).collect(),
+    };
+    first_file(&candidates).ok_or_else(|| Error::MissingArtifact {
+        what: "the krunbox-vmm helper binary",
+        looked_in: candidates,
+        fix: "build it with `cargo build --bin krunbox-vmm` (it is installed next to `krunbox`), or set KRUNBOX_VMM".into(),
+    })
+}
+
+pub(crate) fn locate_guest_init(explicit: Option<&Path>) -> Result<PathBuf> {
+    let candidates = match explicit_or_env(explicit, "KRUNBOX_GUEST_INIT") {
+        Some(p) => vec![p],
+        None => {
+            let mut c = Vec::new();
+            for dir in exe_dirs() {
+                c.push(dir.join("guest-init"));
+                // Inside a cargo target directory: target/<profile>[/deps] → target/<musl>/release.
+                for ancestor in dir.ancestors().take(3) {
+                    c.push(ancestor.join(GUEST_INIT_TARGET).join("release").join("guest-init"));
+                }
+            }
+            c.dedup();
+            c
+        }
+    };
+    first_file(&candidates).ok_or_else(|| Error::MissingArtifact {
+        what: "the guest-init binary",
+        looked_in: candidates,
+        fix: format!(
+            "build it with `cargo build -p guest-init --release --target {GUEST_INIT_TARGET}` (after `rustup target add {GUEST_INIT_TARGET}`), or set KRUNBOX_GUEST_INIT"
+        ),
+    })
+}
+
+pub(crate) fn locate_libkrunfw(explicit: Option<&Path>) -> Result<PathBuf> {
+    let candidates = match explicit_or_env(explicit, "KRUNBOX_LIBKRUNFW_DIR") {
+        Some(p) => vec![p],
+        None => vec![cache_dir().join("libkrunfw")],
+    };
+    candidates
+        .iter()
+        .find(|d| d.join(LIBKRUNFW_SONAME).exists())
+        .cloned()
+        .ok_or_else(|| Error::MissingArtifact {
+            what: "libkrunfw (the guest kernel, libkrunfw.so.5)",
+            looked_in: candidates,
+            fix: "run `scripts/fetch-libkrunfw.sh` (fetches Debian's libkrunfw5 into the krunbox cache), or set KRUNBOX_LIBKRUNFW_DIR to a directory containing libkrunfw.so.5".into(),
+        })
+}

@@ -1,0 +1,167 @@
+//! The `krunbox` command line: run an isolated command in a microVM, or check the host.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use krunbox::{BuiltinImage, HostCapabilities, Rootfs, Sandbox};
+use tokio::io::AsyncWriteExt;
+
+/// Exit code for krunbox's own failures (as opposed to the command's), following `docker run`.
+const KRUNBOX_FAILED: u8 = 125;
+
+#[derive(Parser)]
+#[command(name = "krunbox", version, about = "Run commands inside libkrun microVMs")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Boot a microVM, run one command in it, and exit with the command's exit code
+    /// (124 on timeout, 128+N when killed by signal N, 125 when krunbox itself failed).
+    Run(RunArgs),
+    /// Report what this host can do: KVM (by a real probe), run-time files, images.
+    Doctor {
+        /// Exit 0 only if microVMs boot natively on this host (3 otherwise).
+        #[arg(long)]
+        exit_code: bool,
+    },
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Built-in image (`busybox`, `agent`) or a path to an image file.
+    #[arg(long, default_value = "agent")]
+    image: String,
+    /// SHA-256 the image file must have (required with an image path).
+    #[arg(long)]
+    image_sha256: Option<String>,
+    /// Filesystem type of an image file.
+    #[arg(long, default_value = "erofs")]
+    image_fstype: String,
+    /// vCPUs.
+    #[arg(long, default_value_t = 1)]
+    cpus: u8,
+    /// Guest memory in MiB.
+    #[arg(long, default_value_t = 512)]
+    memory: u32,
+    /// Environment variable for the command (repeatable). The host environment is never passed.
+    #[arg(long = "env", short = 'e', value_name = "K=V")]
+    env: Vec<String>,
+    /// Working directory in the guest.
+    #[arg(long, short = 'w')]
+    workdir: Option<PathBuf>,
+    /// Kill the command (and everything it started) after this many seconds; exit 124.
+    #[arg(long)]
+    timeout: Option<f64>,
+    /// The command and its arguments.
+    #[arg(last = true, required = true)]
+    command: Vec<String>,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "krunbox=info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .without_time()
+        .with_target(false)
+        .init();
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("krunbox: cannot start the async runtime: {e}");
+            return ExitCode::from(KRUNBOX_FAILED);
+        }
+    };
+    runtime.block_on(async {
+        match cli.command {
+            Cmd::Run(args) => match run(args).await {
+                Ok(code) => code,
+                Err(e) => {
+                    eprintln!("krunbox: {e}");
+                    ExitCode::from(KRUNBOX_FAILED)
+                }
+            },
+            Cmd::Doctor { exit_code } => {
+                let caps = HostCapabilities::probe().await;
+                print!("{}", caps.report());
+                if exit_code && !caps.can_boot_guests() {
+                    ExitCode::from(3)
+                } else {
+                    ExitCode::SUCCESS
+                }
+            }
+        }
+    })
+}
+
+fn rootfs(args: &RunArgs) -> Result<Rootfs, String> {
+    if let Ok(image) = args.image.parse::<BuiltinImage>() {
+        return Ok(Rootfs::builtin(image));
+    }
+    let sha = args.image_sha256.as_deref().ok_or_else(|| {
+        format!(
+            "`{}` is not a built-in image (busybox, agent); an image file needs --image-sha256",
+            args.image
+        )
+    })?;
+    Ok(Rootfs::image(&args.image, &args.image_fstype, sha))
+}
+
+async fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    let sandbox = Sandbox::builder()
+        .rootfs(rootfs(&args)?)
+        .cpus(args.cpus)
+        .memory_mib(args.memory)
+        .build()?;
+    let vm = sandbox.boot().await?;
+
+    let mut cmd = vm.command(&args.command[0]);
+    cmd.args(&args.command[1..]);
+    for kv in &args.env {
+        let (k, v) = kv
+            .split_once('=')
+            .ok_or_else(|| format!("--env {kv:?} must look like KEY=VALUE"))?;
+        cmd.env(k, v);
+    }
+    if let Some(dir) = &args.workdir {
+        cmd.current_dir(dir);
+    }
+    if let Some(secs) = args.timeout {
+        let timeout = Duration::try_from_secs_f64(secs)
+            .map_err(|_| format!("--timeout {secs} is not a valid number of seconds"))?;
+        cmd.timeout(timeout);
+    }
+
+    let mut child = cmd.spawn().await?;
+    let mut stdout = child.stdout.take().expect("fresh child has stdout");
+    let mut stderr = child.stderr.take().expect("fresh child has stderr");
+    let copy_out = async {
+        let mut out = tokio::io::stdout();
+        tokio::io::copy(&mut stdout, &mut out).await?;
+        out.flush().await
+    };
+    let copy_err = async {
+        let mut err = tokio::io::stderr();
+        tokio::io::copy(&mut stderr, &mut err).await?;
+        err.flush().await
+    };
+    let (r1, r2) = tokio::join!(copy_out, copy_err);
+    r1?;
+    r2?;
+    let status = child.wait().await?;
+    vm.shutdown().await?;
+    let code = match (status.code(), status.signal()) {
+        (Some(code), _) => code,
+        (None, Some(sig)) => 128 + sig,
+        (None, None) => KRUNBOX_FAILED as i32,
+    };
+    Ok(ExitCode::from(code.clamp(0, 255) as u8))
+}

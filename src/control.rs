@@ -1,0 +1,301 @@
+//! The host end of the control channel: handshake, then one reader and one writer task
+//! multiplexing every process of an instance by id.
+//!
+//! Every byte from the guest goes through [`FrameDecoder`] and [`GuestMessage::decode`], which
+//! bound and validate it; the first violation stops the instance (the guest is hostile, and a
+//! stream cannot be resynchronised after garbage).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{mpsc, oneshot, Notify};
+
+use crate::error::{Error, Result};
+use crate::protocol::{
+    ExecFailed, Exited, FrameDecoder, GuestMessage, Hello, HostMessage, ProtocolError, Setup,
+    Stream, PROTOCOL_VERSION,
+};
+
+/// Reads until one whole guest message is decoded. `Ok(None)` on a clean end of stream.
+pub(crate) async fn read_message<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    decoder: &mut FrameDecoder,
+    buf: &mut [u8],
+) -> Result<Option<GuestMessage>> {
+    loop {
+        if let Some(frame) = decoder.next_frame()? {
+            return Ok(Some(GuestMessage::decode(&frame)?));
+        }
+        let want = decoder.wanted().min(buf.len());
+        let n = reader
+            .read(&mut buf[..want])
+            .await
+            .map_err(Error::io("reading the guest control channel"))?;
+        if n == 0 {
+            decoder.finish()?;
+            return Ok(None);
+        }
+        decoder.push(&buf[..n])?;
+    }
+}
+
+/// Hello → version check → Setup → Ready. Returns the guest's hello.
+pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    decoder: &mut FrameDecoder,
+    setup: Setup,
+) -> Result<Hello> {
+    let mut buf = vec![0u8; 64 * 1024];
+    let hello = match read_message(stream, decoder, &mut buf).await? {
+        Some(GuestMessage::Hello(hello)) => hello,
+        Some(other) => {
+            return Err(Error::Protocol(ProtocolError::Malformed {
+                message: "handshake",
+                reason: format!("expected Hello first, got {}", message_name(&other)),
+            }))
+        }
+        None => {
+            return Err(Error::GuestSetup {
+                message: "guest-init closed the control connection before saying hello".into(),
+            })
+        }
+    };
+    if hello.version != PROTOCOL_VERSION {
+        return Err(Error::Protocol(ProtocolError::VersionMismatch {
+            ours: PROTOCOL_VERSION,
+            theirs: hello.version,
+        }));
+    }
+    let bytes = HostMessage::Setup(setup).encode()?;
+    stream
+        .write_all(&bytes)
+        .await
+        .map_err(Error::io("sending setup to the guest"))?;
+    match read_message(stream, decoder, &mut buf).await? {
+        Some(GuestMessage::Ready) => Ok(hello),
+        Some(GuestMessage::SetupFailed(failure)) => Err(Error::GuestSetup {
+            message: failure.message,
+        }),
+        Some(other) => Err(Error::Protocol(ProtocolError::Malformed {
+            message: "handshake",
+            reason: format!("expected Ready or SetupFailed, got {}", message_name(&other)),
+        })),
+        None => Err(Error::GuestSetup {
+            message: "guest-init closed the control connection during setup".into(),
+        }),
+    }
+}
+
+fn message_name(m: &GuestMessage) -> &'static str {
+    match m {
+        GuestMessage::Hello(_) => "Hello",
+        GuestMessage::Ready => "Ready",
+        GuestMessage::SetupFailed(_) => "SetupFailed",
+        GuestMessage::Started(_) => "Started",
+        GuestMessage::Output(_) => "Output",
+        GuestMessage::Exited(_) => "Exited",
+        GuestMessage::ExecFailed(_) => "ExecFailed",
+    }
+}
+
+/// How a process's life ended, as seen by the host.
+#[derive(Debug)]
+pub(crate) enum ProcessEnd {
+    Exited(Exited),
+    Failed(ExecFailed),
+    /// The instance stopped first.
+    Gone(String),
+}
+
+/// The receiving ends for one process.
+pub(crate) struct ProcessChannels {
+    pub stdout: mpsc::UnboundedReceiver<Vec<u8>>,
+    pub stderr: mpsc::UnboundedReceiver<Vec<u8>>,
+    pub started: oneshot::Receiver<u32>,
+    pub end: oneshot::Receiver<ProcessEnd>,
+}
+
+struct Slot {
+    stdout: Option<mpsc::UnboundedSender<Vec<u8>>>,
+    stderr: Option<mpsc::UnboundedSender<Vec<u8>>>,
+    started: Option<oneshot::Sender<u32>>,
+    end: Option<oneshot::Sender<ProcessEnd>>,
+}
+
+#[derive(Default)]
+struct State {
+    procs: HashMap<u32, Slot>,
+    /// Set once the channel is unusable; new processes fail with this reason.
+    gone: Option<String>,
+}
+
+/// A live control channel.
+pub(crate) struct Control {
+    outgoing: mpsc::UnboundedSender<Vec<u8>>,
+    state: Mutex<State>,
+    /// Notified when the guest broke the protocol: the instance must stop the VM.
+    pub violated: Arc<Notify>,
+    /// The protocol error, if that is why the channel ended.
+    pub violation: Mutex<Option<ProtocolError>>,
+}
+
+impl Control {
+    /// Starts the reader and writer tasks on an established (post-handshake) stream.
+    pub fn start<S>(stream: S, decoder: FrameDecoder) -> Arc<Control>
+    where
+        S: AsyncRead + AsyncWrite + Send + 'static,
+    {
+        let (mut reader, mut writer) = tokio::io::split(stream);
+        let (outgoing, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+        let control = Arc::new(Control {
+            outgoing,
+            state: Mutex::new(State::default()),
+            violated: Arc::new(Notify::new()),
+            violation: Mutex::new(None),
+        });
+
+        tokio::spawn(async move {
+            while let Some(bytes) = rx.recv().await {
+                if writer.write_all(&bytes).await.is_err() {
+                    break;
+                }
+            }
+        });
+
+        let c = control.clone();
+        tokio::spawn(async move {
+            let mut decoder = decoder;
+            let mut buf = vec![0u8; 64 * 1024];
+            let reason = loop {
+                match read_message(&mut reader, &mut decoder, &mut buf).await {
+                    Ok(Some(message)) => {
+                        if let Err(err) = c.dispatch(message) {
+                            break c.violate(err);
+                        }
+                    }
+                    Ok(None) => break "the guest closed the control connection".to_string(),
+                    Err(Error::Protocol(err)) => break c.violate(err),
+                    Err(err) => break err.to_string(),
+                }
+            };
+            c.fail_all(reason);
+        });
+        control
+    }
+
+    fn violate(&self, err: ProtocolError) -> String {
+        tracing::warn!(error = %err, "guest broke the control protocol; stopping the instance");
+        let reason = format!("the guest broke the control protocol: {err}");
+        *self.violation.lock().unwrap_or_else(|p| p.into_inner()) = Some(err);
+        self.violated.notify_one();
+        reason
+    }
+
+    fn dispatch(&self, message: GuestMessage) -> Result<(), ProtocolError> {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let unknown = |id: u32| ProtocolError::Malformed {
+            message: "process message",
+            reason: format!("no process with id {id}"),
+        };
+        match message {
+            GuestMessage::Started(started) => {
+                let slot = state.procs.get_mut(&started.id).ok_or(unknown(started.id))?;
+                if let Some(tx) = slot.started.take() {
+                    let _ = tx.send(started.pid);
+                }
+            }
+            GuestMessage::Output(output) => {
+                let slot = state.procs.get_mut(&output.id).ok_or(unknown(output.id))?;
+                let tx = match output.stream {
+                    Stream::Stdout => &slot.stdout,
+                    Stream::Stderr => &slot.stderr,
+                };
+                // A reader that went away just doesn't want the bytes.
+                if let Some(tx) = tx {
+                    let _ = tx.send(output.data.into_vec());
+                }
+            }
+            GuestMessage::Exited(exited) => {
+                let mut slot = state.procs.remove(&exited.id).ok_or(unknown(exited.id))?;
+                if let Some(tx) = slot.end.take() {
+                    let _ = tx.send(ProcessEnd::Exited(exited));
+                }
+            }
+            GuestMessage::ExecFailed(failed) => {
+                let mut slot = state.procs.remove(&failed.id).ok_or(unknown(failed.id))?;
+                if let Some(tx) = slot.end.take() {
+                    let _ = tx.send(ProcessEnd::Failed(failed));
+                }
+            }
+            other @ (GuestMessage::Hello(_) | GuestMessage::Ready | GuestMessage::SetupFailed(_)) => {
+                return Err(ProtocolError::Malformed {
+                    message: "control",
+                    reason: format!("{} after setup", message_name(&other)),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends every pending process with `reason` and refuses new ones.
+    pub fn fail_all(&self, reason: String) {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if state.gone.is_none() {
+            state.gone = Some(reason.clone());
+        }
+        for (_, mut slot) in state.procs.drain() {
+            if let Some(tx) = slot.end.take() {
+                let _ = tx.send(ProcessEnd::Gone(reason.clone()));
+            }
+        }
+    }
+
+    /// Why the channel is unusable, if it is.
+    pub fn gone(&self) -> Option<String> {
+        self.state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .gone
+            .clone()
+    }
+
+    /// Registers process `id` (before its Exec is sent, so no message can outrun the slot).
+    pub fn register(&self, id: u32) -> Result<ProcessChannels> {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(reason) = &state.gone {
+            return Err(Error::InstanceGone {
+                reason: reason.clone(),
+            });
+        }
+        let (out_tx, stdout) = mpsc::unbounded_channel();
+        let (err_tx, stderr) = mpsc::unbounded_channel();
+        let (started_tx, started) = oneshot::channel();
+        let (end_tx, end) = oneshot::channel();
+        state.procs.insert(
+            id,
+            Slot {
+                stdout: Some(out_tx),
+                stderr: Some(err_tx),
+                started: Some(started_tx),
+                end: Some(end_tx),
+            },
+        );
+        Ok(ProcessChannels {
+            stdout,
+            stderr,
+            started,
+            end,
+        })
+    }
+
+    /// Queues a message for the guest.
+    pub fn send(&self, message: &HostMessage) -> Result<()> {
+        let bytes = message.encode()?;
+        self.outgoing.send(bytes).map_err(|_| Error::InstanceGone {
+            reason: self
+                .gone()
+                .unwrap_or_else(|| "the control channel is closed".into()),
+        })
+    }
+}

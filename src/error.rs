@@ -1,0 +1,124 @@
+//! The one error type of the public API.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::protocol::{ExecErrorKind, ProtocolError};
+
+/// Everything that can go wrong booting a sandbox or running a command in it.
+///
+/// Each message says what to do about it.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A file krunbox needs at run time (VMM helper, guest-init, libkrunfw) was not found.
+    #[error("{what} not found (looked in: {}); {fix}", display_paths(.looked_in))]
+    MissingArtifact {
+        /// What is missing.
+        what: &'static str,
+        /// Where krunbox looked.
+        looked_in: Vec<PathBuf>,
+        /// How to get it.
+        fix: String,
+    },
+    /// The root image's SHA-256 differs from the recorded one: it was modified or corrupted.
+    #[error("refusing to boot: image {path} has SHA-256 {actual}, expected {expected}; the image was modified or corrupted — rebuild it (`krunbox-rootfs build --force NAME`) or restore the original")]
+    ImageDigestMismatch {
+        /// The image file.
+        path: PathBuf,
+        /// The recorded digest.
+        expected: String,
+        /// What the file hashes to now.
+        actual: String,
+    },
+    /// Building a built-in image failed.
+    #[error("building the built-in image failed: {0}")]
+    ImageBuild(#[from] krunbox_rootfs::BuildError),
+    /// The sandbox definition is invalid.
+    #[error("invalid sandbox configuration: {0}")]
+    InvalidConfig(String),
+    /// The VMM helper process could not be started.
+    #[error("could not start the VMM helper {path}: {source}")]
+    VmmSpawn {
+        /// The helper binary.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The VM stopped unexpectedly (VMM crash, guest kernel panic, KVM failure).
+    #[error("the microVM stopped unexpectedly ({status}){}", console_hint(.console_tail))]
+    VmExited {
+        /// How the helper process ended.
+        status: String,
+        /// The last lines of the guest console and VMM log.
+        console_tail: String,
+    },
+    /// The guest did not finish booting in time.
+    #[error("the microVM did not become ready within {after:?}; if this host cannot run KVM guests (see `krunbox doctor`), use the nested harness{}", console_hint(.console_tail))]
+    BootTimeout {
+        /// The boot deadline.
+        after: Duration,
+        /// The last lines of the guest console and VMM log.
+        console_tail: String,
+    },
+    /// guest-init could not finish setting up the guest.
+    #[error("guest setup failed: {message}")]
+    GuestSetup {
+        /// guest-init's report.
+        message: String,
+    },
+    /// The guest sent bytes that violate the control protocol. The guest is treated as hostile:
+    /// the instance is shut down.
+    #[error("the guest broke the control protocol: {0}; the instance was stopped")]
+    Protocol(#[from] ProtocolError),
+    /// The command could not be started in the guest.
+    #[error("cannot run {program:?} in the guest: {message}")]
+    Exec {
+        /// The program.
+        program: String,
+        /// Not found, permission denied, or other.
+        kind: ExecErrorKind,
+        /// guest-init's description, with the errno text.
+        message: String,
+    },
+    /// The instance is no longer running (shut down, or the VM stopped).
+    #[error("the sandbox instance is not running: {reason}")]
+    InstanceGone {
+        /// Why it stopped.
+        reason: String,
+    },
+    /// A host I/O error.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The error.
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    pub(crate) fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
+        let context = context.into();
+        move |source| Error::Io { context, source }
+    }
+}
+
+fn display_paths(paths: &[PathBuf]) -> String {
+    paths
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn console_hint(tail: &str) -> String {
+    if tail.trim().is_empty() {
+        String::new()
+    } else {
+        format!("; last console output:\n{tail}")
+    }
+}
+
+/// Shorthand for results in this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,296 @@
+//! A running sandbox: boot, supervision of the VMM helper, shutdown.
+
+use std::ffi::OsStr;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::UnixListener;
+use tokio::sync::watch;
+
+use crate::control::{self, Control};
+use crate::error::{Error, Result};
+use crate::process::Command;
+use crate::protocol::{FrameDecoder, HostMessage, RootMount, Setup};
+use crate::rootfs;
+use crate::sandbox::SandboxConfig;
+use crate::vmm::{self, VmmConfig};
+
+/// How long [`Instance::shutdown`] waits for the guest to power off before killing the VMM.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// A booted microVM, from [`Sandbox::boot`](crate::Sandbox::boot).
+///
+/// Cloning gives another handle to the same VM. The VM stops on [`shutdown`](Self::shutdown),
+/// or when the last handle is dropped (then it is killed at once).
+///
+/// ```no_run
+/// # async fn demo() -> krunbox::Result<()> {
+/// use krunbox::{BuiltinImage, Rootfs, Sandbox};
+///
+/// let sandbox = Sandbox::builder().rootfs(Rootfs::builtin(BuiltinImage::Busybox)).build()?;
+/// let vm = sandbox.boot().await?;
+/// let out = vm.command("uname").arg("-r").output().await?;
+/// println!("guest kernel: {}", out.stdout_text().trim());
+/// vm.shutdown().await?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Instance {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    control: Arc<Control>,
+    next_id: AtomicU32,
+    kernel_release: String,
+    /// `Some(description)` once the VMM helper has exited.
+    exited: watch::Receiver<Option<String>>,
+    /// Asks the supervisor task to kill the VMM helper.
+    kill: watch::Sender<bool>,
+    /// Held so the helper's lifeline pipe stays open while the instance lives.
+    _lifeline: OwnedFd,
+    dir: tempfile::TempDir,
+}
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Instance")
+            .field("kernel_release", &self.kernel_release)
+            .field("dir", &self.dir.path())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Closing the lifeline (a field) also ends the helper; this makes it immediate.
+        let _ = self.kill.send(true);
+        self.control.fail_all("the instance was dropped".into());
+    }
+}
+
+/// Where per-instance sockets and logs live: a local filesystem (unix sockets can't live on
+/// network filesystems), short paths (sun_path is 108 bytes).
+fn runtime_dir() -> PathBuf {
+    std::env::var_os("XDG_RUNTIME_DIR")
+        .map(PathBuf::from)
+        .filter(|d| d.is_dir())
+        .unwrap_or_else(std::env::temp_dir)
+}
+
+fn tail(dir: &Path) -> String {
+    vmm::log_tail(&[&dir.join("console.log"), &dir.join("vmm.log")], 25)
+}
+
+pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
+    let cache_dir = config.cache_dir.clone();
+    let rootfs_def = config.rootfs.clone();
+    let image = tokio::task::spawn_blocking(move || {
+        let mut progress = |line: &str| tracing::info!(target: "krunbox::image", "{line}");
+        let (path, fstype, sha256) = rootfs::resolve(&rootfs_def, &cache_dir, &mut progress)?;
+        rootfs::verify(&path, &fstype, &sha256)
+    })
+    .await
+    .map_err(|e| Error::io("verifying the root image")(std::io::Error::other(e)))??;
+    tracing::debug!(image = %image.path.display(), sha256 = %image.sha256, "root image verified");
+
+    let dir = tempfile::Builder::new()
+        .prefix("krunbox-")
+        .tempdir_in(runtime_dir())
+        .map_err(Error::io("creating the instance directory"))?;
+    let socket = dir.path().join("control.sock");
+    let listener =
+        UnixListener::bind(&socket).map_err(Error::io(format!("binding {}", socket.display())))?;
+
+    let vmm_config = VmmConfig {
+        cpus: config.cpus,
+        memory_mib: config.memory_mib,
+        root_fstype: image.fstype.clone(),
+        guest_init: config.artifacts.guest_init.clone(),
+        control_socket: socket.clone(),
+        console_log: dir.path().join("console.log"),
+        kernel: config.kernel.clone(),
+        log_level: config.vmm_log_level,
+    };
+    let config_path = dir.path().join("vmm.json");
+    std::fs::write(
+        &config_path,
+        serde_json::to_vec_pretty(&vmm_config).expect("VmmConfig serialises"),
+    )
+    .map_err(Error::io("writing the VMM configuration"))?;
+    let log = std::fs::File::create(dir.path().join("vmm.log"))
+        .map_err(Error::io("creating the VMM log"))?;
+    let (lifeline_read, lifeline_write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+        .map_err(|e| Error::io("creating the lifeline pipe")(e.into()))?;
+    let mut child = vmm::spawn(
+        &config.artifacts.vmm_helper,
+        &config.artifacts.libkrunfw_dir,
+        &config_path,
+        &image.file,
+        &lifeline_read,
+        log,
+    )?;
+    drop(lifeline_read);
+    drop(image);
+
+    // Accept the guest's connection and finish the handshake, unless the VM dies or the
+    // deadline passes first.
+    let deadline = tokio::time::sleep(config.boot_timeout);
+    tokio::pin!(deadline);
+    let setup = Setup {
+        hostname: config.hostname.clone(),
+        root: RootMount {
+            device: "/dev/vda".into(),
+            fstype: vmm_config.root_fstype.clone(),
+            read_only: true,
+        },
+    };
+    let handshake = async {
+        let (mut stream, _) = listener
+            .accept()
+            .await
+            .map_err(Error::io("accepting the guest's control connection"))?;
+        let mut decoder = FrameDecoder::new();
+        let hello = control::handshake(&mut stream, &mut decoder, setup).await?;
+        Ok::<_, Error>((stream, decoder, hello))
+    };
+    let outcome = tokio::select! {
+        result = handshake => result,
+        status = child.wait() => Err(Error::VmExited {
+            status: status.map(|s| s.to_string()).unwrap_or_else(|e| e.to_string()),
+            console_tail: tail(dir.path()),
+        }),
+        _ = &mut deadline => Err(Error::BootTimeout {
+            after: config.boot_timeout,
+            console_tail: tail(dir.path()),
+        }),
+    };
+    let (stream, decoder, hello) = match outcome {
+        Ok(v) => v,
+        Err(err) => {
+            let _ = child.start_kill();
+            let _ = child.wait().await;
+            // A guest that died while the handshake failed explains the failure better.
+            return Err(match err {
+                Error::GuestSetup { message } => Error::GuestSetup {
+                    message: format!("{message}\n{}", tail(dir.path())),
+                },
+                other => other,
+            });
+        }
+    };
+    drop(listener);
+    tracing::debug!(kernel = %hello.kernel_release, guest_init = %hello.guest_init, "guest ready");
+
+    let control = Control::start(stream, decoder);
+    let (exited_tx, exited) = watch::channel(None);
+    let (kill, mut kill_rx) = watch::channel(false);
+    let violated = control.violated.clone();
+    let c = control.clone();
+    let dir_path = dir.path().to_path_buf();
+    tokio::spawn(async move {
+        let status = loop {
+            tokio::select! {
+                status = child.wait() => break status,
+                _ = violated.notified() => { let _ = child.start_kill(); }
+                changed = kill_rx.changed() => {
+                    if changed.is_err() || *kill_rx.borrow() {
+                        let _ = child.start_kill();
+                    }
+                }
+            }
+        };
+        let description = match status {
+            Ok(s) if s.success() => "the VM powered off".to_string(),
+            Ok(s) => format!("the VM stopped ({s})\n{}", tail(&dir_path)),
+            Err(e) => format!("waiting for the VMM failed: {e}"),
+        };
+        c.fail_all(description.clone());
+        let _ = exited_tx.send(Some(description));
+    });
+
+    Ok(Instance {
+        inner: Arc::new(Inner {
+            control,
+            next_id: AtomicU32::new(1),
+            kernel_release: hello.kernel_release,
+            exited,
+            kill,
+            _lifeline: lifeline_write,
+            dir,
+        }),
+    })
+}
+
+impl Instance {
+    /// Builds a command to run `program` in this VM.
+    ///
+    /// ```no_run
+    /// # async fn demo(vm: &krunbox::Instance) -> krunbox::Result<()> {
+    /// let status = vm.command("true").status().await?;
+    /// assert!(status.success());
+    /// # Ok(()) }
+    /// ```
+    pub fn command(&self, program: impl AsRef<OsStr>) -> Command {
+        Command::new(self.clone(), program.as_ref())
+    }
+
+    /// The guest kernel's release (`uname -r` inside the VM), as reported at boot.
+    pub fn kernel_release(&self) -> &str {
+        &self.inner.kernel_release
+    }
+
+    /// Whether the VM is still running.
+    pub fn is_running(&self) -> bool {
+        self.inner.exited.borrow().is_none() && self.inner.control.gone().is_none()
+    }
+
+    /// The protocol violation that stopped this instance, if the guest sent garbage.
+    pub fn protocol_violation(&self) -> Option<crate::protocol::ProtocolError> {
+        self.inner
+            .control
+            .violation
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Asks the guest to sync and power off, and waits for the VM to stop (killing it if it
+    /// takes longer than a few seconds). Running processes are ended.
+    ///
+    /// ```no_run
+    /// # async fn demo(vm: krunbox::Instance) -> krunbox::Result<()> {
+    /// vm.shutdown().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn shutdown(&self) -> Result<()> {
+        let _ = self.inner.control.send(&HostMessage::Shutdown);
+        let mut exited = self.inner.exited.clone();
+        let wait = exited.wait_for(|e| e.is_some());
+        if tokio::time::timeout(SHUTDOWN_GRACE, wait).await.is_err() {
+            tracing::warn!("guest did not power off in {SHUTDOWN_GRACE:?}; killing the VMM");
+            let _ = self.inner.kill.send(true);
+            let _ = exited.wait_for(|e| e.is_some()).await;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn control(&self) -> Result<Arc<Control>> {
+        if let Some(reason) = self.inner.exited.borrow().as_ref() {
+            return Err(Error::InstanceGone {
+                reason: reason.clone(),
+            });
+        }
+        if let Some(err) = self.protocol_violation() {
+            return Err(Error::Protocol(err));
+        }
+        Ok(self.inner.control.clone())
+    }
+
+    pub(crate) fn next_process_id(&self) -> u32 {
+        self.inner.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+}

@@ -1,0 +1,61 @@
+//! # krunbox
+//!
+//! Run untrusted commands — shells, compilers, package managers, model-written code — inside
+//! libkrun microVMs, from async Rust.
+//!
+//! A [`Sandbox`] is a reusable definition (root filesystem, vCPUs, memory). Each
+//! [`Sandbox::boot`] starts a fresh microVM and returns an [`Instance`], on which
+//! [`Instance::command`] builds commands shaped like [`tokio::process::Command`].
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use krunbox::{BuiltinImage, Rootfs, Sandbox};
+//!
+//! #[tokio::main]
+//! async fn main() -> krunbox::Result<()> {
+//!     let sandbox = Sandbox::builder()
+//!         .rootfs(Rootfs::builtin(BuiltinImage::Agent))
+//!         .build()?;
+//!     let vm = sandbox.boot().await?;
+//!     let out = vm
+//!         .command("python3")
+//!         .args(["-c", "import platform; print(platform.release())"])
+//!         .timeout(Duration::from_secs(30))
+//!         .output()
+//!         .await?;
+//!     println!("{} -> {}", out.status, out.stdout_text());
+//!     vm.shutdown().await
+//! }
+//! ```
+//!
+//! ## How it fits together
+//!
+//! Each running VM is a `krunbox-vmm` helper process (libkrun's `krun_start_enter` takes over
+//! the process that calls it). Inside the VM, krunbox's own `guest-init` is PID 1; it talks to
+//! this library over vsock using the [`protocol`] crate. See `docs/architecture.md`.
+
+#![warn(missing_docs)]
+
+mod artifacts;
+mod capabilities;
+mod control;
+mod error;
+mod instance;
+mod process;
+mod rootfs;
+mod sandbox;
+#[doc(hidden)]
+pub mod vmm;
+
+/// The host↔guest control protocol (shared with `guest-init`).
+pub mod protocol {
+    pub use krunbox_protocol::*;
+}
+
+pub use artifacts::{cache_dir, Artifacts};
+pub use capabilities::{HostCapabilities, ImageState, KvmStatus};
+pub use error::{Error, Result};
+pub use instance::Instance;
+pub use process::{Child, ChildStderr, ChildStdout, Command, ExitStatus, Output, TIMEOUT_EXIT_CODE};
+pub use rootfs::{BuiltinImage, Rootfs};
+pub use sandbox::{Sandbox, SandboxBuilder, MAX_CPUS, MIN_MEMORY_MIB};

@@ -1,0 +1,220 @@
+//! The VMM backend: one helper process per running VM.
+//!
+//! `krun_start_enter` takes over its calling process and exits it when the guest powers off, so
+//! the library never calls it itself. Each boot spawns the `krunbox-vmm` helper (this crate's
+//! second binary), hands it a [`VmmConfig`] file and the already-verified root image as an
+//! inherited file descriptor, and supervises it like any child process. The services the guest
+//! talks to (the control channel today; filesystems and network later) stay in the library's
+//! process, reached through unix sockets that libkrun bridges to guest vsock ports.
+
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::protocol::CONTROL_PORT;
+
+/// The file descriptor number the root image is passed on.
+pub const ROOT_IMAGE_FD: i32 = 3;
+
+/// The file descriptor of the helper's lifeline: the read end of a pipe whose write end only the
+/// library's instance holds. EOF means the instance (or the whole library process) is gone, and
+/// the helper exits at once. Unlike `PR_SET_PDEATHSIG`, this follows the process, not the thread
+/// that happened to spawn the helper.
+pub const LIFELINE_FD: i32 = 4;
+
+/// Everything the helper needs to configure libkrun. Written as JSON by the library, read by
+/// `krunbox-vmm`; both are built from this crate, so the format is private to one build.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct VmmConfig {
+    /// vCPUs.
+    pub cpus: u8,
+    /// Guest RAM in MiB.
+    pub memory_mib: u32,
+    /// Filesystem type of the root image (on fd [`ROOT_IMAGE_FD`]).
+    pub root_fstype: String,
+    /// The guest-init binary, served to the guest as `/init.krun`.
+    pub guest_init: PathBuf,
+    /// Host unix socket bridged to guest vsock port [`CONTROL_PORT`].
+    pub control_socket: PathBuf,
+    /// Where the guest console goes.
+    pub console_log: PathBuf,
+    /// A custom kernel instead of libkrunfw's.
+    pub kernel: Option<KernelConfig>,
+    /// libkrun log level (0 off … 5 trace).
+    pub log_level: u32,
+}
+
+/// A custom guest kernel.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct KernelConfig {
+    /// Kernel image.
+    pub path: PathBuf,
+    /// libkrun's `KRUN_KERNEL_FORMAT_*` number.
+    pub format: u32,
+    /// Optional initramfs.
+    pub initramfs: Option<PathBuf>,
+    /// Kernel command line.
+    pub cmdline: Option<String>,
+}
+
+/// Entry point of the `krunbox-vmm` helper binary. Only returns (with an exit code) if the VM
+/// could not be started; otherwise libkrun exits the process when the guest powers off.
+#[doc(hidden)]
+pub fn helper_main() -> i32 {
+    let args: Vec<String> = std::env::args().collect();
+    let [_, config_path] = &args[..] else {
+        eprintln!("usage: krunbox-vmm CONFIG.json (started by the krunbox library, not by hand)");
+        return 2;
+    };
+    let config: VmmConfig = match std::fs::read(config_path)
+        .map_err(|e| e.to_string())
+        .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string()))
+    {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("krunbox-vmm: cannot read {config_path}: {e}");
+            return 2;
+        }
+    };
+    watch_lifeline();
+    match configure(&config) {
+        Ok(ctx) => {
+            let err = ctx.start_enter();
+            eprintln!("krunbox-vmm: the VM did not start: {err}");
+            1
+        }
+        Err(e) => {
+            eprintln!("krunbox-vmm: {e}");
+            1
+        }
+    }
+}
+
+/// Exits the helper (and with it the VM) as soon as the library drops its end of the lifeline.
+fn watch_lifeline() {
+    std::thread::spawn(|| {
+        let mut byte = 0u8;
+        loop {
+            // SAFETY: reading one byte into a valid buffer from the inherited lifeline fd.
+            let n = unsafe { libc::read(LIFELINE_FD, &mut byte as *mut u8 as *mut libc::c_void, 1) };
+            if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            // EOF, error (fd not passed), or unexpected data: the owner is gone or confused.
+            // SAFETY: _exit skips atexit handlers, which libkrun's threads may be racing.
+            unsafe { libc::_exit(0) };
+        }
+    });
+}
+
+fn configure(config: &VmmConfig) -> std::result::Result<krun_sys::Context, String> {
+    use krun_sys::{Context, LogLevel, ROOT_FS_TAG};
+    let level = match config.log_level {
+        0 => LogLevel::Off,
+        1 => LogLevel::Error,
+        2 => LogLevel::Warn,
+        3 => LogLevel::Info,
+        4 => LogLevel::Debug,
+        _ => LogLevel::Trace,
+    };
+    krun_sys::set_log_level(level).map_err(|e| e.to_string())?;
+    // The init binary must outlive the VM; this process ends with the VM, so leaking is exact.
+    let init: &'static [u8] = Box::leak(
+        std::fs::read(&config.guest_init)
+            .map_err(|e| format!("reading guest-init {}: {e}", config.guest_init.display()))?
+            .into_boxed_slice(),
+    );
+    let mut ctx = Context::new().map_err(|e| e.to_string())?;
+    let step = |r: std::result::Result<(), krun_sys::KrunError>| r.map_err(|e| e.to_string());
+    step(ctx.set_vm_config(config.cpus, config.memory_mib))?;
+    if let Some(kernel) = &config.kernel {
+        step(ctx.set_kernel(
+            &kernel.path,
+            kernel.format,
+            kernel.initramfs.as_deref(),
+            kernel.cmdline.as_deref(),
+        ))?;
+    }
+    // The image arrives as an inherited, already-verified descriptor: open it by that fd so a
+    // path swap after verification cannot substitute another file.
+    let image = PathBuf::from(format!("/proc/self/fd/{ROOT_IMAGE_FD}"));
+    step(ctx.add_disk("root", &image, true))?;
+    step(ctx.set_root_disk_remount("/dev/vda", &config.root_fstype, Some("ro")))?;
+    step(ctx.disable_implicit_init())?;
+    step(ctx.add_overlay_file(ROOT_FS_TAG, "init.krun", init, 0o755))?;
+    // No TSI: the guest gets no network through the vsock device, only our port.
+    step(ctx.set_vsock(0))?;
+    step(ctx.add_vsock_port(CONTROL_PORT, &config.control_socket, false))?;
+    // Explicitly empty: nothing of this process's environment reaches the guest.
+    step(ctx.set_env(&[]))?;
+    step(ctx.set_console_output(&config.console_log))?;
+    Ok(ctx)
+}
+
+/// Starts the helper for one VM. The root image descriptor becomes the helper's fd
+/// [`ROOT_IMAGE_FD`], the lifeline's read end fd [`LIFELINE_FD`].
+pub(crate) fn spawn(
+    helper: &Path,
+    libkrunfw_dir: &Path,
+    config_path: &Path,
+    root_image: &std::fs::File,
+    lifeline: &impl AsRawFd,
+    log: std::fs::File,
+) -> Result<tokio::process::Child> {
+    let image_fd = root_image.as_raw_fd();
+    let lifeline_fd = lifeline.as_raw_fd();
+    let log_err = log
+        .try_clone()
+        .map_err(Error::io("duplicating the VMM log file"))?;
+    let mut cmd = tokio::process::Command::new(helper);
+    cmd.arg(config_path)
+        .env_clear()
+        .env("LD_LIBRARY_PATH", libkrunfw_dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(log))
+        .stderr(Stdio::from(log_err))
+        .kill_on_drop(true);
+    if let Some(level) = std::env::var_os("RUST_LOG") {
+        cmd.env("RUST_LOG", level);
+    }
+    // SAFETY: only async-signal-safe calls (dup, dup2, fcntl) between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            // Move both sources out of the way first, so neither dup2 clobbers the other.
+            let image = libc::fcntl(image_fd, libc::F_DUPFD_CLOEXEC, 10);
+            let lifeline = libc::fcntl(lifeline_fd, libc::F_DUPFD_CLOEXEC, 10);
+            if image < 0
+                || lifeline < 0
+                || libc::dup2(image, ROOT_IMAGE_FD) < 0
+                || libc::dup2(lifeline, LIFELINE_FD) < 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd.spawn().map_err(|source| Error::VmmSpawn {
+        path: helper.to_path_buf(),
+        source,
+    })
+}
+
+/// The last `lines` lines of the given log files, for error reports.
+pub(crate) fn log_tail(paths: &[&Path], lines: usize) -> String {
+    let mut out = String::new();
+    for path in paths {
+        if let Ok(bytes) = std::fs::read(path) {
+            let text = String::from_utf8_lossy(&bytes);
+            let all: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+            let start = all.len().saturating_sub(lines);
+            for line in &all[start..] {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+    }
+    out
+}

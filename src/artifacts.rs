@@ -98,7 +98,10 @@ fn explicit_or_env(explicit: Option<&Path>, var: &str) -> Option<PathBuf> {
 pub(crate) fn locate_vmm_helper(explicit: Option<&Path>) -> Result<PathBuf> {
     let candidates = match explicit_or_env(explicit, "KRUNBOX_VMM") {
         Some(p) => vec![p],
-        None => exe_dirs().into_iter().map(|d| d.join("krunbox-vmm")).collect(),
+        None => exe_dirs()
+            .into_iter()
+            .map(|d| d.join("krunbox-vmm"))
+            .collect(),
     };
     first_file(&candidates).ok_or_else(|| Error::MissingArtifact {
         what: "the krunbox-vmm helper binary",
@@ -113,23 +116,103 @@ pub(crate) fn locate_guest_init(explicit: Option<&Path>) -> Result<PathBuf> {
         None => {
             let mut c = Vec::new();
             for dir in exe_dirs() {
-                c.push(dir.join("guest-init"));
+                // Only the musl build: a `guest-init` next to the host binaries in a cargo target
+                // directory is the workspace's glibc build, which cannot run as the guest's init.
                 // Inside a cargo target directory: target/<profile>[/deps] → target/<musl>/release.
                 for ancestor in dir.ancestors().take(3) {
-                    c.push(ancestor.join(GUEST_INIT_TARGET).join("release").join("guest-init"));
+                    c.push(
+                        ancestor
+                            .join(GUEST_INIT_TARGET)
+                            .join("release")
+                            .join("guest-init"),
+                    );
                 }
             }
             c.dedup();
             c
         }
     };
-    first_file(&candidates).ok_or_else(|| Error::MissingArtifact {
+    let found = first_file(&candidates).ok_or_else(|| Error::MissingArtifact {
         what: "the guest-init binary",
         looked_in: candidates,
         fix: format!(
             "build it with `cargo build -p guest-init --release --target {GUEST_INIT_TARGET}` (after `rustup target add {GUEST_INIT_TARGET}`), or set KRUNBOX_GUEST_INIT"
         ),
-    })
+    })?;
+    check_static_elf(&found)?;
+    Ok(found)
+}
+
+/// guest-init runs before any root image is mounted, so it must be a static x86-64 ELF: no
+/// program interpreter (PT_INTERP), which would be looked up in an empty root and fail with a
+/// bare "ENOENT" from the guest kernel.
+pub(crate) fn check_static_elf(path: &Path) -> Result<()> {
+    const PT_INTERP: u32 = 3;
+    let bad = |why: String| {
+        Error::InvalidConfig(format!(
+        "guest-init {} {why}; build it with `cargo build -p guest-init --release --target {GUEST_INIT_TARGET}`",
+        path.display()
+    ))
+    };
+    let bytes = std::fs::read(path).map_err(Error::io(format!("reading {}", path.display())))?;
+    let u16_at = |o: usize| {
+        bytes
+            .get(o..o + 2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]) as usize)
+    };
+    let u32_at = |o: usize| {
+        bytes
+            .get(o..o + 4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    };
+    let u64_at = |o: usize| {
+        bytes
+            .get(o..o + 8)
+            .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize)
+    };
+    // e_ident: magic, ELFCLASS64 (2), little endian (1); e_machine 62 = x86-64.
+    if bytes.get(..6) != Some(&[0x7f, b'E', b'L', b'F', 2, 1][..]) || u16_at(18) != Some(62) {
+        return Err(bad("is not an x86-64 ELF executable".into()));
+    }
+    let (Some(phoff), Some(phentsize), Some(phnum)) = (u64_at(0x20), u16_at(0x36), u16_at(0x38))
+    else {
+        return Err(bad("has a truncated ELF header".into()));
+    };
+    for i in 0..phnum {
+        let entry = phoff.saturating_add(i.saturating_mul(phentsize));
+        match u32_at(entry) {
+            Some(PT_INTERP) => {
+                return Err(bad(
+                    "is dynamically linked (it has an ELF interpreter); it must be static".into(),
+                ))
+            }
+            Some(_) => {}
+            None => return Err(bad("has truncated program headers".into())),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dynamic_and_non_elf_binaries_are_refused_as_guest_init() {
+        // The test binary itself is a dynamically linked glibc executable.
+        let me = std::env::current_exe().unwrap();
+        let err = check_static_elf(&me).unwrap_err();
+        assert!(err.to_string().contains("dynamically linked"), "{err}");
+        let dir = tempfile::tempdir().unwrap();
+        let text = dir.path().join("init");
+        std::fs::write(&text, b"#!/bin/sh\n").unwrap();
+        assert!(check_static_elf(&text)
+            .unwrap_err()
+            .to_string()
+            .contains("not an x86-64 ELF"));
+        std::fs::write(&text, b"\x7fELF\x02\x01").unwrap();
+        assert!(check_static_elf(&text).is_err());
+    }
 }
 
 pub(crate) fn locate_libkrunfw(explicit: Option<&Path>) -> Result<PathBuf> {

@@ -79,7 +79,10 @@ pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
         }),
         Some(other) => Err(Error::Protocol(ProtocolError::Malformed {
             message: "handshake",
-            reason: format!("expected Ready or SetupFailed, got {}", message_name(&other)),
+            reason: format!(
+                "expected Ready or SetupFailed, got {}",
+                message_name(&other)
+            ),
         })),
         None => Err(Error::GuestSetup {
             message: "guest-init closed the control connection during setup".into(),
@@ -200,7 +203,10 @@ impl Control {
         };
         match message {
             GuestMessage::Started(started) => {
-                let slot = state.procs.get_mut(&started.id).ok_or(unknown(started.id))?;
+                let slot = state
+                    .procs
+                    .get_mut(&started.id)
+                    .ok_or(unknown(started.id))?;
                 if let Some(tx) = slot.started.take() {
                     let _ = tx.send(started.pid);
                 }
@@ -228,7 +234,9 @@ impl Control {
                     let _ = tx.send(ProcessEnd::Failed(failed));
                 }
             }
-            other @ (GuestMessage::Hello(_) | GuestMessage::Ready | GuestMessage::SetupFailed(_)) => {
+            other @ (GuestMessage::Hello(_)
+            | GuestMessage::Ready
+            | GuestMessage::SetupFailed(_)) => {
                 return Err(ProtocolError::Malformed {
                     message: "control",
                     reason: format!("{} after setup", message_name(&other)),

@@ -85,6 +85,25 @@ fn tail(dir: &Path) -> String {
     vmm::log_tail(&[&dir.join("console.log"), &dir.join("vmm.log")], 25)
 }
 
+/// The guest's initial root: guest-init as `/init.krun` (the name the libkrun kernel command
+/// line asks for) and the mount points guest-init uses before it switches to the image. It holds
+/// a private copy of guest-init, so the guest never sees any other host file.
+fn prepare_boot_dir(instance_dir: &Path, guest_init: &Path) -> Result<PathBuf> {
+    let boot = instance_dir.join("boot");
+    for dir in ["", "dev", "proc", "sys", "newroot"] {
+        std::fs::create_dir_all(boot.join(dir))
+            .map_err(Error::io(format!("creating {}", boot.join(dir).display())))?;
+    }
+    let init = boot.join("init.krun");
+    std::fs::copy(guest_init, &init).map_err(Error::io(format!(
+        "copying {} into the boot directory",
+        guest_init.display()
+    )))?;
+    std::fs::set_permissions(&init, std::os::unix::fs::PermissionsExt::from_mode(0o555))
+        .map_err(Error::io("making init.krun executable"))?;
+    Ok(boot)
+}
+
 pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     let cache_dir = config.cache_dir.clone();
     let rootfs_def = config.rootfs.clone();
@@ -97,10 +116,15 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     .map_err(|e| Error::io("verifying the root image")(std::io::Error::other(e)))??;
     tracing::debug!(image = %image.path.display(), sha256 = %image.sha256, "root image verified");
 
-    let dir = tempfile::Builder::new()
+    let mut dir = tempfile::Builder::new()
         .prefix("krunbox-")
         .tempdir_in(runtime_dir())
         .map_err(Error::io("creating the instance directory"))?;
+    // For debugging boots: keep the console and VMM logs after the instance is gone.
+    if std::env::var_os("KRUNBOX_KEEP_INSTANCE_DIR").is_some() {
+        dir.disable_cleanup(true);
+        tracing::info!(dir = %dir.path().display(), "keeping the instance directory");
+    }
     let socket = dir.path().join("control.sock");
     let listener =
         UnixListener::bind(&socket).map_err(Error::io(format!("binding {}", socket.display())))?;
@@ -109,7 +133,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         cpus: config.cpus,
         memory_mib: config.memory_mib,
         root_fstype: image.fstype.clone(),
-        guest_init: config.artifacts.guest_init.clone(),
+        boot_dir: prepare_boot_dir(dir.path(), &config.artifacts.guest_init)?,
         control_socket: socket.clone(),
         console_log: dir.path().join("console.log"),
         kernel: config.kernel.clone(),

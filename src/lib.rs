@@ -56,6 +56,8 @@ pub use artifacts::{cache_dir, Artifacts};
 pub use capabilities::{HostCapabilities, ImageState, KvmStatus};
 pub use error::{Error, Result};
 pub use instance::Instance;
-pub use process::{Child, ChildStderr, ChildStdout, Command, ExitStatus, Output, TIMEOUT_EXIT_CODE};
+pub use process::{
+    Child, ChildStderr, ChildStdout, Command, ExitStatus, Output, TIMEOUT_EXIT_CODE,
+};
 pub use rootfs::{BuiltinImage, Rootfs};
 pub use sandbox::{Sandbox, SandboxBuilder, MAX_CPUS, MIN_MEMORY_MIB};

@@ -196,7 +196,9 @@ impl Command {
         let exec = self.to_exec(id);
         // Bounds are checked here so a bad argument is an error at the call, not in the guest.
         let message = HostMessage::Exec(exec);
-        message.encode().map_err(|e| Error::InvalidConfig(format!("command: {e}")))?;
+        message
+            .encode()
+            .map_err(|e| Error::InvalidConfig(format!("command: {e}")))?;
         let channels = control.register(id)?;
         control.send(&message)?;
         let mut end = channels.end;
@@ -293,7 +295,10 @@ impl Child {
         }
         self.instance
             .control()?
-            .send(&HostMessage::Signal(SignalProcess { id: self.key, signal }))
+            .send(&HostMessage::Signal(SignalProcess {
+                id: self.key,
+                signal,
+            }))
     }
 
     /// Kills the process group with SIGKILL and waits for the process to end.
@@ -307,7 +312,10 @@ impl Child {
         if let Some(status) = self.status {
             return Ok(status);
         }
-        let end = self.end.as_mut().expect("end receiver present until a status is known");
+        let end = self
+            .end
+            .as_mut()
+            .expect("end receiver present until a status is known");
         let result = match self.host_deadline {
             None => end.await,
             Some(deadline) => match tokio::time::timeout(deadline, &mut *end).await {
@@ -315,10 +323,13 @@ impl Child {
                 Err(_) => {
                     // guest-init should have reported the timeout long ago; enforce it here.
                     tracing::warn!(id = self.key, "guest did not report a timeout; killing");
-                    let _ = self.instance.control()?.send(&HostMessage::Signal(SignalProcess {
-                        id: self.key,
-                        signal: libc::SIGKILL,
-                    }));
+                    let _ = self
+                        .instance
+                        .control()?
+                        .send(&HostMessage::Signal(SignalProcess {
+                            id: self.key,
+                            signal: libc::SIGKILL,
+                        }));
                     end.await.map(|e| match e {
                         ProcessEnd::Exited(mut exited) => {
                             exited.timed_out = true;
@@ -383,7 +394,11 @@ impl Receiver {
         }
     }
 
-    fn poll_read(&mut self, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+    fn poll_read(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
         while self.pos == self.chunk.len() {
             match self.rx.poll_recv(cx) {
                 Poll::Ready(Some(chunk)) => {
@@ -411,13 +426,21 @@ pub struct ChildStdout(Receiver);
 pub struct ChildStderr(Receiver);
 
 impl AsyncRead for ChildStdout {
-    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
         self.get_mut().0.poll_read(cx, buf)
     }
 }
 
 impl AsyncRead for ChildStderr {
-    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
         self.get_mut().0.poll_read(cx, buf)
     }
 }

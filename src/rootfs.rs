@@ -101,7 +101,8 @@ pub(crate) fn resolve(
 
 /// Opens `path`, hashes the open file, and fails closed on a mismatch.
 pub(crate) fn verify(path: &Path, fstype: &str, expected: &str) -> Result<VerifiedImage> {
-    let mut file = File::open(path).map_err(Error::io(format!("opening root image {}", path.display())))?;
+    let mut file =
+        File::open(path).map_err(Error::io(format!("opening root image {}", path.display())))?;
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
@@ -138,14 +139,19 @@ mod tests {
     fn digest_check_passes_and_fails_closed() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("img");
-        std::fs::File::create(&path).unwrap().write_all(b"abc").unwrap();
+        std::fs::File::create(&path)
+            .unwrap()
+            .write_all(b"abc")
+            .unwrap();
         let good = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad";
         let verified = verify(&path, "erofs", good).unwrap();
         assert_eq!(verified.sha256, good);
 
         std::fs::write(&path, b"abd").unwrap();
         match verify(&path, "erofs", good) {
-            Err(Error::ImageDigestMismatch { expected, actual, .. }) => {
+            Err(Error::ImageDigestMismatch {
+                expected, actual, ..
+            }) => {
                 assert_eq!(expected, good);
                 assert_ne!(actual, good);
             }

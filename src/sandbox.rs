@@ -104,7 +104,10 @@ impl Default for SandboxBuilder {
             cache_dir: None,
             overrides: ArtifactOverrides::default(),
             kernel: None,
-            vmm_log_level: 1,
+            vmm_log_level: std::env::var("KRUNBOX_VMM_LOG_LEVEL")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(1),
         }
     }
 }

@@ -35,8 +35,9 @@ pub struct VmmConfig {
     pub memory_mib: u32,
     /// Filesystem type of the root image (on fd [`ROOT_IMAGE_FD`]).
     pub root_fstype: String,
-    /// The guest-init binary, served to the guest as `/init.krun`.
-    pub guest_init: PathBuf,
+    /// The directory served read-only as the guest's initial root: guest-init as `init.krun`
+    /// plus empty mount points (see `instance::prepare_boot_dir`).
+    pub boot_dir: PathBuf,
     /// Host unix socket bridged to guest vsock port [`CONTROL_PORT`].
     pub control_socket: PathBuf,
     /// Where the guest console goes.
@@ -99,7 +100,8 @@ fn watch_lifeline() {
         let mut byte = 0u8;
         loop {
             // SAFETY: reading one byte into a valid buffer from the inherited lifeline fd.
-            let n = unsafe { libc::read(LIFELINE_FD, &mut byte as *mut u8 as *mut libc::c_void, 1) };
+            let n =
+                unsafe { libc::read(LIFELINE_FD, &mut byte as *mut u8 as *mut libc::c_void, 1) };
             if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
                 continue;
             }
@@ -121,12 +123,6 @@ fn configure(config: &VmmConfig) -> std::result::Result<krun_sys::Context, Strin
         _ => LogLevel::Trace,
     };
     krun_sys::set_log_level(level).map_err(|e| e.to_string())?;
-    // The init binary must outlive the VM; this process ends with the VM, so leaking is exact.
-    let init: &'static [u8] = Box::leak(
-        std::fs::read(&config.guest_init)
-            .map_err(|e| format!("reading guest-init {}: {e}", config.guest_init.display()))?
-            .into_boxed_slice(),
-    );
     let mut ctx = Context::new().map_err(|e| e.to_string())?;
     let step = |r: std::result::Result<(), krun_sys::KrunError>| r.map_err(|e| e.to_string());
     step(ctx.set_vm_config(config.cpus, config.memory_mib))?;
@@ -141,10 +137,11 @@ fn configure(config: &VmmConfig) -> std::result::Result<krun_sys::Context, Strin
     // The image arrives as an inherited, already-verified descriptor: open it by that fd so a
     // path swap after verification cannot substitute another file.
     let image = PathBuf::from(format!("/proc/self/fd/{ROOT_IMAGE_FD}"));
+    // Read-only: nothing in the guest can write to the host through the boot directory, and
+    // guest-init detaches it once it has switched to the image.
+    step(ctx.add_virtiofs(ROOT_FS_TAG, &config.boot_dir, true))?;
     step(ctx.add_disk("root", &image, true))?;
-    step(ctx.set_root_disk_remount("/dev/vda", &config.root_fstype, Some("ro")))?;
     step(ctx.disable_implicit_init())?;
-    step(ctx.add_overlay_file(ROOT_FS_TAG, "init.krun", init, 0o755))?;
     // No TSI: the guest gets no network through the vsock device, only our port.
     step(ctx.set_vsock(0))?;
     step(ctx.add_vsock_port(CONTROL_PORT, &config.control_socket, false))?;

@@ -16,7 +16,9 @@ fn main() {
     {
         let bytes: Vec<u8> = match mode.as_str() {
             "oversized" => vec![0xff, 0xff, 0xff, 0xff, 101, 0],
-            _ => (0..4096u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect(),
+            _ => (0..4096u32)
+                .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+                .collect(),
         };
         let _ = conn.write_all(&bytes);
         std::thread::sleep(Duration::from_secs(30));

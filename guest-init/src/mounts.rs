@@ -19,7 +19,8 @@ pub fn mount_early() -> io::Result<()> {
     ] {
         match mount(src, target, Some(fstype), libc::MS_NOSUID, None) {
             Ok(()) => {}
-            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {}
+            // The kernel may have mounted devtmpfs itself (CONFIG_DEVTMPFS_MOUNT).
+            Err(e) if e.kind() == io::ErrorKind::ResourceBusy => {}
             Err(e) => return Err(e),
         }
     }
@@ -76,10 +77,21 @@ pub fn switch_root(root: &RootMount) -> io::Result<()> {
         nosuid_nodev,
         Some("mode=1777"),
     )?;
-    for (dir, mode) in [("/run", "755"), ("/var/tmp", "1777"), ("/root", "700"), ("/home", "755")] {
+    for (dir, mode) in [
+        ("/run", "755"),
+        ("/var/tmp", "1777"),
+        ("/root", "700"),
+        ("/home", "755"),
+    ] {
         let target = format!("{NEW_ROOT}{dir}");
         if std::path::Path::new(&target).is_dir() {
-            mount("tmpfs", &target, Some("tmpfs"), nosuid_nodev, Some(&format!("mode={mode}")))?;
+            mount(
+                "tmpfs",
+                &target,
+                Some("tmpfs"),
+                nosuid_nodev,
+                Some(&format!("mode={mode}")),
+            )?;
         }
     }
 
@@ -95,7 +107,10 @@ pub fn switch_root(root: &RootMount) -> io::Result<()> {
             "pivot_root",
             libc::syscall(libc::SYS_pivot_root, dot.as_ptr(), dot.as_ptr()) as libc::c_int,
         )?;
-        check("umount old root", libc::umount2(dot.as_ptr(), libc::MNT_DETACH))?;
+        check(
+            "umount old root",
+            libc::umount2(dot.as_ptr(), libc::MNT_DETACH),
+        )?;
         check("chdir /", libc::chdir(slash.as_ptr()))?;
     }
     Ok(())

@@ -99,7 +99,10 @@ impl Reaper {
             // SAFETY: reading into a buffer of the right size from our signalfd.
             let n = unsafe { libc::read(sfd, info.as_mut_ptr() as *mut libc::c_void, info.len()) };
             if n < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
-                eprintln!("guest-init: signalfd read failed: {}", io::Error::last_os_error());
+                eprintln!(
+                    "guest-init: signalfd read failed: {}",
+                    io::Error::last_os_error()
+                );
                 std::thread::sleep(Duration::from_millis(50));
             }
             let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
@@ -255,8 +258,14 @@ pub fn start(exec: Exec, reaper: &Arc<Reaper>, table: &Table, outbox: &Outbox) {
     }));
 
     let readers: Vec<_> = [
-        child.stdout.take().map(|s| (Stream::Stdout, Box::new(s) as Box<dyn Read + Send>)),
-        child.stderr.take().map(|s| (Stream::Stderr, Box::new(s) as Box<dyn Read + Send>)),
+        child
+            .stdout
+            .take()
+            .map(|s| (Stream::Stdout, Box::new(s) as Box<dyn Read + Send>)),
+        child
+            .stderr
+            .take()
+            .map(|s| (Stream::Stderr, Box::new(s) as Box<dyn Read + Send>)),
     ]
     .into_iter()
     .flatten()
@@ -266,7 +275,9 @@ pub fn start(exec: Exec, reaper: &Arc<Reaper>, table: &Table, outbox: &Outbox) {
     })
     .collect();
 
-    let deadline = exec.timeout_ms.map(|ms| Instant::now() + Duration::from_millis(ms));
+    let deadline = exec
+        .timeout_ms
+        .map(|ms| Instant::now() + Duration::from_millis(ms));
     let (reaper, table, outbox) = (reaper.clone(), table.clone(), outbox.clone());
     let supervise = move || {
         let mut timed_out = false;
@@ -290,7 +301,11 @@ pub fn start(exec: Exec, reaper: &Arc<Reaper>, table: &Table, outbox: &Outbox) {
         for reader in readers {
             let _ = reader.join();
         }
-        table.0.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+        table
+            .0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&id);
         outbox.send(&GuestMessage::Exited(Exited {
             id,
             status,

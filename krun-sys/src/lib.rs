@@ -15,8 +15,8 @@
 //! krun_sys::set_log_level(LogLevel::Warn).unwrap();
 //! let mut ctx = Context::new().unwrap();
 //! ctx.set_vm_config(1, 512).unwrap();
+//! ctx.add_virtiofs(krun_sys::ROOT_FS_TAG, "/run/boot-dir".as_ref(), true).unwrap();
 //! ctx.add_disk("root", "/path/to/image.erofs".as_ref(), true).unwrap();
-//! ctx.set_root_disk_remount("/dev/vda", "erofs", Some("ro")).unwrap();
 //! let err = ctx.start_enter(); // only returns if the VM could not start
 //! eprintln!("{err}");
 //! ```
@@ -25,7 +25,7 @@ use std::ffi::{CString, NulError};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
-/// The virtio-fs tag of the root filesystem libkrun creates for block-device roots.
+/// The virtio-fs tag the guest kernel mounts as its root filesystem.
 pub const ROOT_FS_TAG: &str = "/dev/root";
 
 /// A libkrun call failed.
@@ -129,7 +129,12 @@ impl Context {
     }
 
     /// Attaches a raw disk image as a virtio-blk device (`/dev/vda`, `/dev/vdb`, … in order).
-    pub fn add_disk(&mut self, block_id: &str, path: &Path, read_only: bool) -> Result<(), KrunError> {
+    pub fn add_disk(
+        &mut self,
+        block_id: &str,
+        path: &Path,
+        read_only: bool,
+    ) -> Result<(), KrunError> {
         let id = cstr("krun_add_disk", block_id)?;
         let path = cpath("krun_add_disk", path)?;
         // SAFETY: both pointers are valid NUL-terminated strings for the duration of the call;
@@ -203,6 +208,25 @@ impl Context {
         .map(drop)
     }
 
+    /// Shares a host directory with the guest over virtio-fs under `tag`. With
+    /// [`ROOT_FS_TAG`] it becomes the guest's root filesystem. `read_only` makes the device
+    /// refuse every write, whatever the guest mounts it as.
+    pub fn add_virtiofs(
+        &mut self,
+        tag: &str,
+        dir: &Path,
+        read_only: bool,
+    ) -> Result<(), KrunError> {
+        const CALL: &str = "krun_add_virtiofs3";
+        let tag = cstr(CALL, tag)?;
+        let dir = cpath(CALL, dir)?;
+        // SAFETY: valid C strings for the call; libkrun copies them. shm_size 0: no DAX window.
+        check(CALL, unsafe {
+            krun::krun_add_virtiofs3(self.id, tag.as_ptr(), dir.as_ptr(), 0, read_only)
+        })
+        .map(drop)
+    }
+
     /// Removes the implicit vsock device (which would carry TSI networking) and adds one with
     /// the given TSI feature bits; `0` gives a vsock with no network impersonation at all.
     pub fn set_vsock(&mut self, tsi_features: u32) -> Result<(), KrunError> {
@@ -210,12 +234,21 @@ impl Context {
             "krun_disable_implicit_vsock",
             krun::krun_disable_implicit_vsock(self.id),
         )?;
-        check("krun_add_vsock", krun::krun_add_vsock(self.id, tsi_features)).map(drop)
+        check(
+            "krun_add_vsock",
+            krun::krun_add_vsock(self.id, tsi_features),
+        )
+        .map(drop)
     }
 
     /// Maps a guest vsock port to a host unix socket. With `listen == false` the guest
     /// connects and libkrun connects to the (already listening) host socket at `path`.
-    pub fn add_vsock_port(&mut self, port: u32, path: &Path, listen: bool) -> Result<(), KrunError> {
+    pub fn add_vsock_port(
+        &mut self,
+        port: u32,
+        path: &Path,
+        listen: bool,
+    ) -> Result<(), KrunError> {
         const CALL: &str = "krun_add_vsock_port2";
         let path = cpath(CALL, path)?;
         // SAFETY: valid C string for the call; libkrun copies it.
@@ -318,7 +351,9 @@ mod tests {
             .unwrap_err();
         assert_eq!(err.errno(), Some(libc::ENODEV), "{err}");
         // A root remount without any disk is refused with EINVAL.
-        let err = ctx.set_root_disk_remount("/dev/vda", "erofs", None).unwrap_err();
+        let err = ctx
+            .set_root_disk_remount("/dev/vda", "erofs", None)
+            .unwrap_err();
         assert_eq!(err.errno(), Some(libc::EINVAL), "{err}");
         // NUL bytes never reach C.
         assert!(matches!(
@@ -328,15 +363,32 @@ mod tests {
     }
 
     #[test]
+    fn read_only_root_directory_with_a_disk_is_accepted() {
+        let dir = std::env::temp_dir();
+        let mut ctx = Context::new().unwrap();
+        ctx.add_virtiofs(ROOT_FS_TAG, &dir, true).unwrap();
+        ctx.add_disk("root", Path::new("/nonexistent.img"), true)
+            .unwrap();
+        ctx.disable_implicit_init().unwrap();
+        ctx.set_vsock(0).unwrap();
+        // A second vsock device is refused.
+        assert_eq!(ctx.set_vsock(0).unwrap_err().errno(), Some(libc::EEXIST));
+    }
+
+    #[test]
     fn block_root_with_overlay_init_is_accepted() {
         let mut ctx = Context::new().unwrap();
         ctx.set_vm_config(1, 256).unwrap();
-        ctx.add_disk("root", Path::new("/nonexistent.img"), true).unwrap();
-        ctx.set_root_disk_remount("/dev/vda", "erofs", Some("ro")).unwrap();
+        ctx.add_disk("root", Path::new("/nonexistent.img"), true)
+            .unwrap();
+        ctx.set_root_disk_remount("/dev/vda", "erofs", Some("ro"))
+            .unwrap();
         ctx.disable_implicit_init().unwrap();
         static INIT: &[u8] = b"\x7fELF";
-        ctx.add_overlay_file(ROOT_FS_TAG, "init.krun", INIT, 0o755).unwrap();
+        ctx.add_overlay_file(ROOT_FS_TAG, "init.krun", INIT, 0o755)
+            .unwrap();
         ctx.set_vsock(0).unwrap();
-        ctx.add_vsock_port(1024, Path::new("/tmp/x.sock"), false).unwrap();
+        ctx.add_vsock_port(1024, Path::new("/tmp/x.sock"), false)
+            .unwrap();
     }
 }

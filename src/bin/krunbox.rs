@@ -12,7 +12,11 @@ use tokio::io::AsyncWriteExt;
 const KRUNBOX_FAILED: u8 = 125;
 
 #[derive(Parser)]
-#[command(name = "krunbox", version, about = "Run commands inside libkrun microVMs")]
+#[command(
+    name = "krunbox",
+    version,
+    about = "Run commands inside libkrun microVMs"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Cmd,

@@ -193,6 +193,22 @@ pub(crate) fn check_static_elf(path: &Path) -> Result<()> {
     Ok(())
 }
 
+pub(crate) fn locate_libkrunfw(explicit: Option<&Path>) -> Result<PathBuf> {
+    let candidates = match explicit_or_env(explicit, "KRUNBOX_LIBKRUNFW_DIR") {
+        Some(p) => vec![p],
+        None => vec![cache_dir().join("libkrunfw")],
+    };
+    candidates
+        .iter()
+        .find(|d| d.join(LIBKRUNFW_SONAME).exists())
+        .cloned()
+        .ok_or_else(|| Error::MissingArtifact {
+            what: "libkrunfw (the guest kernel, libkrunfw.so.5)",
+            looked_in: candidates,
+            fix: "run `scripts/fetch-libkrunfw.sh` (fetches Debian's libkrunfw5 into the krunbox cache), or set KRUNBOX_LIBKRUNFW_DIR to a directory containing libkrunfw.so.5".into(),
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -213,20 +229,4 @@ mod tests {
         std::fs::write(&text, b"\x7fELF\x02\x01").unwrap();
         assert!(check_static_elf(&text).is_err());
     }
-}
-
-pub(crate) fn locate_libkrunfw(explicit: Option<&Path>) -> Result<PathBuf> {
-    let candidates = match explicit_or_env(explicit, "KRUNBOX_LIBKRUNFW_DIR") {
-        Some(p) => vec![p],
-        None => vec![cache_dir().join("libkrunfw")],
-    };
-    candidates
-        .iter()
-        .find(|d| d.join(LIBKRUNFW_SONAME).exists())
-        .cloned()
-        .ok_or_else(|| Error::MissingArtifact {
-            what: "libkrunfw (the guest kernel, libkrunfw.so.5)",
-            looked_in: candidates,
-            fix: "run `scripts/fetch-libkrunfw.sh` (fetches Debian's libkrunfw5 into the krunbox cache), or set KRUNBOX_LIBKRUNFW_DIR to a directory containing libkrunfw.so.5".into(),
-        })
 }

@@ -139,6 +139,9 @@ pub(crate) struct Control {
     state: Mutex<State>,
     /// Notified when the guest broke the protocol: the instance must stop the VM.
     pub violated: Arc<Notify>,
+    /// Notified when the connection ended without a protocol violation (EOF or I/O error).
+    /// The instance then finds out from the VMM why, and ends pending processes with that.
+    pub closed: Arc<Notify>,
     /// The protocol error, if that is why the channel ended.
     pub violation: Mutex<Option<ProtocolError>>,
 }
@@ -155,6 +158,7 @@ impl Control {
             outgoing,
             state: Mutex::new(State::default()),
             violated: Arc::new(Notify::new()),
+            closed: Arc::new(Notify::new()),
             violation: Mutex::new(None),
         });
 
@@ -170,19 +174,17 @@ impl Control {
         tokio::spawn(async move {
             let mut decoder = decoder;
             let mut buf = vec![0u8; 64 * 1024];
-            let reason = loop {
+            loop {
                 match read_message(&mut reader, &mut decoder, &mut buf).await {
                     Ok(Some(message)) => {
                         if let Err(err) = c.dispatch(message) {
-                            break c.violate(err);
+                            break c.fail_all(c.violate(err));
                         }
                     }
-                    Ok(None) => break "the guest closed the control connection".to_string(),
-                    Err(Error::Protocol(err)) => break c.violate(err),
-                    Err(err) => break err.to_string(),
+                    Err(Error::Protocol(err)) => break c.fail_all(c.violate(err)),
+                    Ok(None) | Err(_) => break c.closed.notify_one(),
                 }
-            };
-            c.fail_all(reason);
+            }
         });
         control
     }

@@ -3,7 +3,7 @@
 use std::ffi::OsStr;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,6 +17,9 @@ use crate::protocol::{FrameDecoder, HostMessage, RootMount, Setup};
 use crate::rootfs;
 use crate::sandbox::SandboxConfig;
 use crate::vmm::{self, VmmConfig};
+
+/// How long the VMM may outlive its guest's control connection before it is killed.
+const CLOSED_GRACE: Duration = Duration::from_secs(5);
 
 /// How long [`Instance::shutdown`] waits for the guest to power off before killing the VMM.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
@@ -44,6 +47,8 @@ pub struct Instance {
 
 struct Inner {
     control: Arc<Control>,
+    vmm_pid: Option<u32>,
+    shutdown_requested: Arc<AtomicBool>,
     next_id: AtomicU32,
     kernel_release: String,
     /// `Some(description)` once the VMM helper has exited.
@@ -209,10 +214,14 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     drop(listener);
     tracing::debug!(kernel = %hello.kernel_release, guest_init = %hello.guest_init, "guest ready");
 
+    let vmm_pid = child.id();
     let control = Control::start(stream, decoder);
     let (exited_tx, exited) = watch::channel(None);
     let (kill, mut kill_rx) = watch::channel(false);
+    let shutdown_requested = Arc::new(AtomicBool::new(false));
+    let requested = shutdown_requested.clone();
     let violated = control.violated.clone();
+    let closed = control.closed.clone();
     let c = control.clone();
     let dir_path = dir.path().to_path_buf();
     tokio::spawn(async move {
@@ -220,6 +229,15 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             tokio::select! {
                 status = child.wait() => break status,
                 _ = violated.notified() => { let _ = child.start_kill(); }
+                _ = closed.notified() => {
+                    // The guest hung up: normally because the VM is going down. Give the VMM a
+                    // moment to exit so its status explains what happened; a VM that keeps
+                    // running without its control channel is useless, so then stop it.
+                    match tokio::time::timeout(CLOSED_GRACE, child.wait()).await {
+                        Ok(status) => break status,
+                        Err(_) => { let _ = child.start_kill(); }
+                    }
+                }
                 changed = kill_rx.changed() => {
                     if changed.is_err() || *kill_rx.borrow() {
                         let _ = child.start_kill();
@@ -228,7 +246,10 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             }
         };
         let description = match status {
-            Ok(s) if s.success() => "the VM powered off".to_string(),
+            Ok(_) if requested.load(Ordering::SeqCst) => "the VM was shut down".to_string(),
+            Ok(s) if s.success() => {
+                "the guest stopped the VM (power-off, reset or kernel panic)".to_string()
+            }
             Ok(s) => format!("the VM stopped ({s})\n{}", tail(&dir_path)),
             Err(e) => format!("waiting for the VMM failed: {e}"),
         };
@@ -239,6 +260,8 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     Ok(Instance {
         inner: Arc::new(Inner {
             control,
+            vmm_pid,
+            shutdown_requested,
             next_id: AtomicU32::new(1),
             kernel_release: hello.kernel_release,
             exited,
@@ -267,6 +290,16 @@ impl Instance {
         &self.inner.kernel_release
     }
 
+    /// The host pid of this VM's `krunbox-vmm` helper process (for monitoring its CPU and
+    /// memory), or `None` once it has been reaped.
+    pub fn vmm_pid(&self) -> Option<u32> {
+        if self.inner.exited.borrow().is_some() {
+            None
+        } else {
+            self.inner.vmm_pid
+        }
+    }
+
     /// Whether the VM is still running.
     pub fn is_running(&self) -> bool {
         self.inner.exited.borrow().is_none() && self.inner.control.gone().is_none()
@@ -291,6 +324,7 @@ impl Instance {
     /// # Ok(()) }
     /// ```
     pub async fn shutdown(&self) -> Result<()> {
+        self.inner.shutdown_requested.store(true, Ordering::SeqCst);
         let _ = self.inner.control.send(&HostMessage::Shutdown);
         let mut exited = self.inner.exited.clone();
         let wait = exited.wait_for(|e| e.is_some());

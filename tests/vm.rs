@@ -340,28 +340,59 @@ fn garbage_on_the_control_channel_is_a_typed_error() {
     });
 }
 
+/// Runs a command that never finishes normally because the VM dies under it (`die` is called
+/// once the command is running), then checks the typed error and that the host carries on.
+async fn assert_vm_death_is_reported<F>(die: F)
+where
+    F: FnOnce(&Instance),
+{
+    let vm = busybox().boot().await.unwrap();
+    let mut child = vm.command("sleep").arg("600").spawn().await.unwrap();
+    die(&vm);
+    match child.wait().await {
+        Err(Error::InstanceGone { reason }) => {
+            assert!(reason.contains("VM"), "the reason names the VM: {reason}")
+        }
+        other => panic!("expected InstanceGone, got {other:?}"),
+    }
+    assert!(!vm.is_running());
+    match vm.command("true").output().await {
+        Err(Error::InstanceGone { .. }) => {}
+        other => panic!("a dead instance must refuse commands, got {other:?}"),
+    }
+    // The library is fine: a new VM from the same definition boots and works.
+    let again = busybox().boot().await.unwrap();
+    assert!(again.command("true").status().await.unwrap().success());
+    again.shutdown().await.unwrap();
+}
+
 #[test]
-fn a_guest_kernel_panic_is_reported_and_the_host_survives() {
+fn a_guest_that_resets_mid_command_is_reported_and_the_host_survives() {
     rt().block_on(async {
-        let vm = busybox().boot().await.unwrap();
-        // Crash the guest kernel. The command never returns normally.
-        let result = vm
-            .command("sh")
-            .args(["-c", "echo c > /proc/sysrq-trigger"])
-            .output()
-            .await;
-        match result {
-            Err(Error::InstanceGone { .. }) => {}
-            other => panic!("expected InstanceGone after a guest panic, got {other:?}"),
-        }
-        assert!(!vm.is_running());
-        match vm.command("true").output().await {
-            Err(Error::InstanceGone { .. }) => {}
-            other => panic!("a dead instance must refuse commands, got {other:?}"),
-        }
-        // The library is fine: a new VM boots.
-        let again = busybox().boot().await.unwrap();
-        assert!(again.command("true").status().await.unwrap().success());
-        again.shutdown().await.unwrap();
+        // An abrupt guest reset: what a guest kernel panic (panic=-1) or a hostile root
+        // process looks like from the host.
+        assert_vm_death_is_reported(|vm| {
+            let vm = vm.clone();
+            tokio::spawn(async move {
+                let _ = vm.command("reboot").arg("-f").output().await;
+            });
+        })
+        .await;
+    });
+}
+
+#[test]
+fn a_vmm_crash_is_reported_and_the_host_survives() {
+    rt().block_on(async {
+        assert_vm_death_is_reported(|vm| {
+            let pid = vm.vmm_pid().expect("running VM has a helper pid");
+            // The test started this helper (through boot) and ends it by its pid.
+            nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            )
+            .unwrap();
+        })
+        .await;
     });
 }

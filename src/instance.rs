@@ -247,8 +247,12 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         };
         let description = match status {
             Ok(_) if requested.load(Ordering::SeqCst) => "the VM was shut down".to_string(),
-            Ok(s) if s.success() => {
-                "the guest stopped the VM (power-off, reset or kernel panic)".to_string()
+            Ok(s) if s.success() => format!(
+                "the guest stopped the VM (power-off, reset or kernel panic)\n{}",
+                tail(&dir_path)
+            ),
+            Ok(s) if s.code() == Some(vmm::LIFELINE_EXIT_CODE) => {
+                "the VMM helper exited because its instance handle was dropped".to_string()
             }
             Ok(s) => format!("the VM stopped ({s})\n{}", tail(&dir_path)),
             Err(e) => format!("waiting for the VMM failed: {e}"),

@@ -25,6 +25,9 @@ pub const ROOT_IMAGE_FD: i32 = 3;
 /// that happened to spawn the helper.
 pub const LIFELINE_FD: i32 = 4;
 
+/// The helper's exit code when its lifeline broke (the instance or the library process went).
+pub const LIFELINE_EXIT_CODE: i32 = 70;
+
 /// Everything the helper needs to configure libkrun. Written as JSON by the library, read by
 /// `krunbox-vmm`; both are built from this crate, so the format is private to one build.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -107,7 +110,7 @@ fn watch_lifeline() {
             }
             // EOF, error (fd not passed), or unexpected data: the owner is gone or confused.
             // SAFETY: _exit skips atexit handlers, which libkrun's threads may be racing.
-            unsafe { libc::_exit(0) };
+            unsafe { libc::_exit(LIFELINE_EXIT_CODE) };
         }
     });
 }

@@ -19,16 +19,25 @@ fn main() {
     // off on failure: PID 1 exiting would panic the kernel, which says nothing useful.
     if let Err(err) = run() {
         eprintln!("guest-init: {err}");
+        // The console is drained asynchronously by the VMM: give it a moment, or the one line
+        // that explains the failure is lost with the VM.
+        std::thread::sleep(Duration::from_millis(300));
     }
     sys::power_off();
 }
 
 fn run() -> Result<(), String> {
+    // Two breadcrumbs on the console (kept in the host's instance log): they tell a boot that
+    // never reached guest-init from one that never reached the host.
+    eprintln!("guest-init: started");
     let reaper = Reaper::start().map_err(|e| format!("reaper: {e}"))?;
     mounts::mount_early().map_err(|e| format!("early mounts: {e}"))?;
 
-    let conn = vsock::connect_host(CONTROL_PORT, Duration::from_secs(10))
+    // Patient: under nested emulation with several VMs booting, the host can take long to
+    // answer. The host owns the boot deadline and kills the VM when it passes.
+    let conn = vsock::connect_host(CONTROL_PORT, Duration::from_secs(600))
         .map_err(|e| format!("connecting to the host on vsock port {CONTROL_PORT}: {e}"))?;
+    eprintln!("guest-init: connected to the host");
     let mut reader = conn.try_clone().map_err(|e| format!("dup: {e}"))?;
     let outbox = start_writer(conn)?;
 
@@ -76,6 +85,7 @@ fn start_writer(mut conn: File) -> Result<Outbox, String> {
             for frame in rx {
                 if let Err(err) = conn.write_all(&frame) {
                     eprintln!("guest-init: host connection lost while writing: {err}");
+                    std::thread::sleep(Duration::from_millis(300));
                     sys::power_off();
                 }
             }

@@ -145,66 +145,13 @@ impl Context {
         .map(drop)
     }
 
-    /// Boots from a block device: libkrun serves a root virtio-fs with no host directory behind
-    /// it (only the mount points `dev`, `proc`, `sys`, `newroot` and any overlay files), and
-    /// records the device for the init to mount.
-    pub fn set_root_disk_remount(
-        &mut self,
-        device: &str,
-        fstype: &str,
-        options: Option<&str>,
-    ) -> Result<(), KrunError> {
-        const CALL: &str = "krun_set_root_disk_remount";
-        let device = cstr(CALL, device)?;
-        let fstype = cstr(CALL, fstype)?;
-        let options = options.map(|o| cstr(CALL, o)).transpose()?;
-        // SAFETY: valid C strings (or NULL for options) for the call's duration; libkrun copies.
-        check(CALL, unsafe {
-            krun::krun_set_root_disk_remount(
-                self.id,
-                device.as_ptr(),
-                fstype.as_ptr(),
-                options.as_ref().map_or(std::ptr::null(), |o| o.as_ptr()),
-            )
-        })
-        .map(drop)
-    }
-
-    /// Turns off libkrun's own init so that an overlay file can take the `/init.krun` name.
+    /// Turns off libkrun's own init: the root filesystem's `/init.krun` is then the guest's
+    /// first process.
     pub fn disable_implicit_init(&mut self) -> Result<(), KrunError> {
         check(
             "krun_disable_implicit_init",
             krun::krun_disable_implicit_init(self.id),
         )
-        .map(drop)
-    }
-
-    /// Adds a file to a virtio-fs device's virtual overlay (e.g. the init binary at
-    /// `init.krun` on [`ROOT_FS_TAG`]). The data must live as long as the VM: the caller hands
-    /// over a `'static` slice (in the VMM helper process, a leaked buffer).
-    pub fn add_overlay_file(
-        &mut self,
-        fs_tag: &str,
-        path: &str,
-        data: &'static [u8],
-        mode: u32,
-    ) -> Result<(), KrunError> {
-        const CALL: &str = "krun_fs_add_overlay_file";
-        let tag = cstr(CALL, fs_tag)?;
-        let path = cstr(CALL, path)?;
-        // SAFETY: strings are valid for the call (copied by libkrun); `data` is 'static as
-        // libkrun's header requires (it keeps the pointer for the VM's lifetime).
-        check(CALL, unsafe {
-            krun::krun_fs_add_overlay_file(
-                self.id,
-                tag.as_ptr(),
-                path.as_ptr(),
-                data.as_ptr(),
-                data.len(),
-                mode,
-                false,
-            )
-        })
         .map(drop)
     }
 
@@ -350,11 +297,7 @@ mod tests {
             .add_vsock_port(1024, Path::new("/tmp/x.sock"), false)
             .unwrap_err();
         assert_eq!(err.errno(), Some(libc::ENODEV), "{err}");
-        // A root remount without any disk is refused with EINVAL.
-        let err = ctx
-            .set_root_disk_remount("/dev/vda", "erofs", None)
-            .unwrap_err();
-        assert_eq!(err.errno(), Some(libc::EINVAL), "{err}");
+        assert!(err.to_string().contains("krun_add_vsock_port2"), "{err}");
         // NUL bytes never reach C.
         assert!(matches!(
             ctx.add_disk("ro\0ot", Path::new("/x"), true),
@@ -363,32 +306,38 @@ mod tests {
     }
 
     #[test]
-    fn read_only_root_directory_with_a_disk_is_accepted() {
+    fn a_listening_vsock_port_on_an_existing_path_is_refused() {
         let dir = std::env::temp_dir();
         let mut ctx = Context::new().unwrap();
+        ctx.set_vsock(0).unwrap();
+        // listen = true means libkrun creates the socket: an existing path is EEXIST.
+        let err = ctx.add_vsock_port(1025, &dir, true).unwrap_err();
+        assert_eq!(err.errno(), Some(libc::EEXIST), "{err}");
+    }
+
+    #[test]
+    fn the_krunbox_configuration_is_accepted() {
+        let dir = std::env::temp_dir();
+        let mut ctx = Context::new().unwrap();
+        ctx.set_vm_config(2, 512).unwrap();
         ctx.add_virtiofs(ROOT_FS_TAG, &dir, true).unwrap();
         ctx.add_disk("root", Path::new("/nonexistent.img"), true)
             .unwrap();
         ctx.disable_implicit_init().unwrap();
         ctx.set_vsock(0).unwrap();
-        // A second vsock device is refused.
-        assert_eq!(ctx.set_vsock(0).unwrap_err().errno(), Some(libc::EEXIST));
-    }
-
-    #[test]
-    fn block_root_with_overlay_init_is_accepted() {
-        let mut ctx = Context::new().unwrap();
-        ctx.set_vm_config(1, 256).unwrap();
-        ctx.add_disk("root", Path::new("/nonexistent.img"), true)
-            .unwrap();
-        ctx.set_root_disk_remount("/dev/vda", "erofs", Some("ro"))
-            .unwrap();
-        ctx.disable_implicit_init().unwrap();
-        static INIT: &[u8] = b"\x7fELF";
-        ctx.add_overlay_file(ROOT_FS_TAG, "init.krun", INIT, 0o755)
-            .unwrap();
-        ctx.set_vsock(0).unwrap();
         ctx.add_vsock_port(1024, Path::new("/tmp/x.sock"), false)
             .unwrap();
+        ctx.set_env(&[]).unwrap();
+        ctx.set_console_output(Path::new("/tmp/console.log"))
+            .unwrap();
+        // A context id that was freed is unknown to libkrun.
+        let id = ctx.id;
+        drop(ctx);
+        assert_eq!(
+            check("krun_set_vm_config", krun::krun_set_vm_config(id, 1, 256))
+                .unwrap_err()
+                .errno(),
+            Some(libc::ENOENT)
+        );
     }
 }

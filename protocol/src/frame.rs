@@ -97,7 +97,9 @@ impl FrameDecoder {
             return FRAME_HEADER_LEN - self.buf.len();
         }
         let len = u32::from_le_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]]) as usize;
-        (FRAME_HEADER_LEN + len).saturating_sub(self.buf.len()).max(1)
+        (FRAME_HEADER_LEN + len)
+            .saturating_sub(self.buf.len())
+            .max(1)
     }
 
     /// Pops the next whole frame, if one is buffered.

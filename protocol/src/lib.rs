@@ -53,6 +53,44 @@ mod message;
 pub use frame::{Frame, FrameDecoder, FRAME_HEADER_LEN, MAX_FRAME_BODY};
 pub use message::*;
 
+/// The fuzzing property, shared by `fuzz/` (cargo fuzz) and this crate's tests: feed `data` to
+/// a decoder in chunks whose sizes come from the data itself, decode every frame in both
+/// directions, and check that nothing panics, that the decoder never buffers more than one
+/// frame, and that every message that decodes re-encodes to a frame that decodes to the same
+/// message.
+#[doc(hidden)]
+pub fn fuzz_control_stream(data: &[u8]) {
+    let Some((&split, rest)) = data.split_first() else {
+        return;
+    };
+    let chunk = usize::from(split % 64) + 1;
+    let mut decoder = FrameDecoder::new();
+    for piece in rest.chunks(chunk) {
+        if decoder.push(piece).is_err() {
+            return;
+        }
+        loop {
+            match decoder.next_frame() {
+                Ok(Some(frame)) => {
+                    if let Ok(message) = GuestMessage::decode(&frame) {
+                        let again = GuestMessage::decode(&message.to_frame().expect("re-encodes"))
+                            .expect("re-decodes");
+                        assert_eq!(again, message);
+                    }
+                    if let Ok(message) = HostMessage::decode(&frame) {
+                        let again = HostMessage::decode(&message.to_frame().expect("re-encodes"))
+                            .expect("re-decodes");
+                        assert_eq!(again, message);
+                    }
+                }
+                Ok(None) => break,
+                Err(_) => return,
+            }
+        }
+        assert!(decoder.wanted() <= FRAME_HEADER_LEN + MAX_FRAME_BODY);
+    }
+}
+
 /// The protocol version spoken by this build. Bumped on any incompatible change.
 pub const PROTOCOL_VERSION: u32 = 1;
 

@@ -1,0 +1,433 @@
+#!/usr/bin/env bash
+# nested.sh: run a command where libkrun can really boot guests.
+#
+# The host's /dev/kvm is nested PVM, which only runs PVM-built guest kernels,
+# so libkrun's guests cannot boot on it (shared/notes/kvm-on-these-machines.md).
+# Instead we boot a throwaway "L1" VM under QEMU's software emulation (TCG)
+# with an emulated AMD SVM CPU: Debian bookworm's kernel loads kvm-amd and
+# gets a /dev/kvm that libkrun can use. L1 sees the host's whole filesystem
+# read-only over virtio-9p and runs the command there, at the caller's cwd.
+#
+#   scripts/nested.sh prepare
+#       Install QEMU & co., fetch the L1 kernel, build the initramfs (cached).
+#   scripts/nested.sh run [--mem MIB] [--cwd DIR] [--env NAME[=VALUE]]...
+#                         [--keep DIR]... -- CMD [ARG]...
+#       Boot L1, run CMD in it, power L1 off; exits with CMD's exit status.
+#       CMD's stdout/stderr stream live to ours (as ttys only if ours are);
+#       its stdin is /dev/null. Nothing else L1 prints reaches the terminal.
+#
+# Inside L1: / is the host's / read-only; /tmp, /var/tmp, /run, /dev/shm are
+# fresh tmpfs (so Unix sockets and libkrun's own files live on tmpfs, never on
+# 9p) and HOME=/tmp/home. Host directories that those tmpfs would hide are
+# bound back at the same path: the cwd, $KRUNBOX_CACHE_DIR, CMD's directory,
+# LD_LIBRARY_PATH entries and every --keep DIR. Build on the host: L1's CPU
+# is emulated and roughly 10-50x slower.
+#
+# Exit status of `run`: CMD's, or 124 on timeout (KRUNBOX_NESTED_TIMEOUT
+# seconds, default 4800), 125 if L1 failed before reporting one, 130/143 when
+# interrupted. KRUNBOX_NESTED_VERBOSE=1 prints timings and keeps L1's logs.
+set -euo pipefail
+# shellcheck source=lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+NESTED_DIR=$KRUNBOX_CACHE_DIR/nested
+
+# Modules L1 loads, by name; their dependencies come from the kernel
+# package's modules.dep. Ones built into the kernel are skipped.
+# KRUNBOX_NESTED_MODULES adds more (space-separated).
+read -ra ROOT_MODULES <<<"virtio_pci 9pnet_virtio 9p kvm_amd ${KRUNBOX_NESTED_MODULES:-}"
+declare -A MODULE_PARAMS=(
+    # Guests of libkrun write MSRs KVM does not emulate; its (harmless)
+    # "Unhandled WRMSR(0xc0010007)" reports would be noise.
+    [kvm]="report_ignored_msrs=0"
+    [kvm_amd]="nested=1"
+)
+
+# L1's kernel command line. Its console (ttyS0) goes to a log file, never to
+# the terminal. TCG makes all vCPUs read one host clock, so the TSC can be
+# trusted: that skips a slow sync check and gives a vDSO clock (HPET reads
+# would trap); lpj= skips the second vCPU's slow delay-loop calibration.
+KERNEL_CMDLINE="console=ttyS0 quiet loglevel=3 panic=-1 mitigations=off tsc=reliable lpj=10000000"
+
+# The environment CMD gets, besides HOME and --env: these names or prefixes.
+PASS_ENV='^(PATH|USER|LOGNAME|LANG|LC_[A-Z_]+|TZ|TERM|COLORTERM|NO_COLOR|CI|LD_LIBRARY_PATH|KRUNBOX_[A-Za-z0-9_]*|CARGO_[A-Za-z0-9_]*|RUST_[A-Za-z0-9_]*|RUSTUP_[A-Za-z0-9_]*|RUSTC|RUSTC_[A-Za-z0-9_]*|RUSTFLAGS|RUSTDOCFLAGS)$'
+
+# PID 1 of L1 (busybox sh, in the initramfs). Changing it changes the
+# initramfs' cache key, so `prepare` rebuilds.
+init_script() {
+    cat <<'EOF'
+#!/bin/sh
+# PID 1 of krunbox's nested-KVM L1 VM, written by scripts/nested.sh.
+# Its own messages go to the console (ttyS0), which the host logs to a file.
+# shellcheck disable=SC2015 # "a && b || die": die when either fails
+export PATH=/bin
+die() { echo "nested-init: $*"; poweroff -f; }
+mount -t proc proc /proc && mount -t sysfs sysfs /sys && mount -t devtmpfs dev /dev ||
+    die "early mounts failed"
+while read -r mod params; do
+    # shellcheck disable=SC2086 # params are words by design
+    insmod "/modules/$mod" $params || die "insmod $mod failed"
+done </modules.load
+ip link set lo up
+hostname krunbox-l1
+
+# The host's / read-only. cache=loose: nothing writes through this mount, so
+# L1 may cache pages and metadata freely, which makes it far faster.
+r=/newroot
+opts=trans=virtio,version=9p2000.L,msize=512000
+mkdir -p $r /host
+mount -t 9p -o "$opts,cache=loose,ro" hostroot $r || die "cannot mount the host's /"
+mount --bind $r /host # the host's view, before tmpfs hide parts of it
+mount -t proc proc $r/proc && mount -t sysfs sysfs $r/sys &&
+    mount -t devtmpfs dev $r/dev && mkdir -p $r/dev/pts $r/dev/shm &&
+    mount -t devpts -o gid=5,mode=620,ptmxmode=666 devpts $r/dev/pts &&
+    mount -t tmpfs -o mode=1777 tmpfs $r/dev/shm &&
+    mount -t tmpfs -o mode=1777 tmpfs $r/tmp &&
+    mount -t tmpfs -o mode=1777 tmpfs $r/var/tmp &&
+    mount -t tmpfs -o mode=755 tmpfs $r/run || die "mounting the new root failed"
+mount -t cgroup2 cgroup2 $r/sys/fs/cgroup 2>/dev/null
+# devtmpfs has no /dev/fd & co.; bash process substitution and many tools need them.
+ln -s /proc/self/fd $r/dev/fd && ln -s /proc/self/fd/0 $r/dev/stdin &&
+    ln -s /proc/self/fd/1 $r/dev/stdout && ln -s /proc/self/fd/2 $r/dev/stderr
+mkdir -p $r/tmp/home $r/run/krunbox
+# The writable export: the command script in, results out.
+s=$r/run/krunbox
+mount -t 9p -o "$opts" krunbox $s || die "cannot mount the scratch export"
+while read -r dir; do
+    mkdir -p "$r$dir" && mount --bind "/host$dir" "$r$dir" || die "cannot keep $dir"
+done <$s/keep
+
+# CMD writes to ttyS1 (stdout) and ttyS2 (stderr) with no \n -> \r\n
+# translation; when the caller's side is not a terminal, through pipes, so
+# that CMD does not see a tty either.
+out=/dev/ttyS1 err=/dev/ttyS2
+stty -F $out raw -echo && stty -F $err raw -echo
+pids=
+if [ ! -e $s/stdout-tty ]; then
+    mkfifo /out
+    cat /out >$out &
+    pids="$pids $!" out=/out
+fi
+if [ ! -e $s/stderr-tty ]; then
+    mkfifo /err
+    cat /err >$err &
+    pids="$pids $!" err=/err
+fi
+cut -d' ' -f1 /proc/uptime >$s/boot-seconds
+env -i /bin/chroot $r /bin/sh /run/krunbox/cmd.sh </dev/null >$out 2>$err
+echo $? >$s/exit-status
+cut -d' ' -f1 /proc/uptime >$s/end-seconds
+# Let the pipes drain, but do not wait for children CMD left running.
+for _ in 1 2 3 4 5 6 7 8 9 10; do
+    alive=
+    for p in $pids; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [ -n "$alive" ] || break
+    sleep 0.2
+done
+sync
+poweroff -f
+EOF
+}
+
+# need_qemu: install qemu-system-x86. Machines of this project come with
+# qemu-utils from bookworm-backports, which bookworm's own qemu-system-x86
+# conflicts with (apt would remove qemu-utils), so when it is there we take
+# qemu-system-x86 of the very same version from bookworm-backports through
+# a private sources list (the machine's apt configuration is not changed).
+need_qemu() {
+    command -v qemu-system-x86_64 >/dev/null && return 0
+    local ver
+    ver=$(dpkg-query -W -f='${Version}' qemu-utils 2>/dev/null || true)
+    if [[ $ver != *bpo* ]]; then
+        need_apt qemu-system-x86
+        return
+    fi
+    local dir=$KRUNBOX_CACHE_DIR/apt-backports
+    mkdir -p "$dir"
+    printf 'deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] %s bookworm-backports main\n' \
+        "$(debian_mirror)" >"$dir/sources.list"
+    log "apt-get install qemu-system-x86=$ver (bookworm-backports, like qemu-utils)"
+    apt_private "$dir" update -qq >&2
+    apt_private "$dir" install -y -qq --no-install-recommends --no-remove \
+        -t bookworm-backports "qemu-system-x86=$ver" >/dev/null
+    rm -rf "$dir"
+}
+
+# prepare [cached]: make sure everything `run` needs is there; set KERNEL
+# and INITRD. With "cached", a kernel already in the cache is used without
+# asking apt (slow) whether a newer one came out.
+prepare() {
+    need_qemu
+    need_apt busybox-static cpio kmod xz-utils
+    mkdir -p "$NESTED_DIR"
+    exec {lock}>"$NESTED_DIR/.lock"
+    flock "$lock" # parallel runs wait for one prepare instead of racing it
+
+    # The L1 kernel: the package bookworm's linux-image-amd64 points at.
+    local kdir=
+    if [[ ${1:-} == cached ]]; then
+        kdir=$(compgen -G "$NESTED_DIR/linux-image-*/kernel.deb" | head -n1)
+        kdir=${kdir%/kernel.deb}
+    fi
+    if [[ -z $kdir ]]; then
+        apt_lists_present || apt_update_once
+        local pkg ver
+        pkg=$(apt-cache depends linux-image-amd64 2>/dev/null |
+            awk '$1 == "Depends:" && $2 ~ /^linux-image-6\.1\.0-.*-amd64$/ { print $2; exit }')
+        [[ -n $pkg ]] || die "apt knows no linux-image-6.1.0-*-amd64 (is this bookworm?)"
+        ver=$(apt-cache policy "$pkg" | awk '$1 == "Candidate:" { print $2 }')
+        kdir=$NESTED_DIR/${pkg}_$ver
+    fi
+    if [[ ! -s $kdir/kernel.deb ]]; then
+        log "downloading $pkg $ver"
+        rm -rf "$NESTED_DIR"/linux-image-* # older kernels, if any
+        mkdir -p "$kdir/dl"
+        (cd "$kdir/dl" && apt-get download -qq -o APT::Sandbox::User=root "$pkg=$ver" >&2)
+        mv "$kdir"/dl/*.deb "$kdir/kernel.deb"
+        rmdir "$kdir/dl"
+    fi
+
+    local key
+    key=$( {
+        init_script
+        declare -p ROOT_MODULES MODULE_PARAMS
+        dpkg-deb -f "$kdir/kernel.deb" Package Version
+        dpkg-query -W -f='${Version}' busybox-static
+    } | sha256sum | cut -c1-16)
+    KERNEL=$kdir/vmlinux
+    INITRD=$kdir/initrd-$key.gz
+    [[ -s $INITRD && -s $KERNEL ]] || build_initramfs "$kdir"
+    exec {lock}>&-
+}
+
+# build_initramfs KDIR: unpack KDIR/kernel.deb, take the kernel and the
+# modules L1 needs, and write $INITRD (cpio newc, gzip).
+build_initramfs() {
+    local kdir=$1 tmp kver
+    log "building the L1 initramfs"
+    tmp=$(mktemp -d "$NESTED_DIR/build.XXXXXX")
+    # shellcheck disable=SC2064 # expand $tmp now
+    trap "rm -rf '$tmp'" EXIT
+    dpkg-deb -x "$kdir/kernel.deb" "$tmp/x"
+    kver=$(ls "$tmp/x/lib/modules")
+    local mods=$tmp/x/lib/modules/$kver
+    # The package ships no modules.dep (its postinst runs depmod): make it.
+    depmod -b "$tmp/x" "$kver"
+
+    # Depth-first over modules.dep, dependencies before dependents.
+    local -A deps=() byname=() seen=()
+    local -a order=()
+    local line path name
+    while IFS= read -r line; do
+        path=${line%%:*}
+        deps[$path]=${line#*:}
+        name=${path##*/}
+        name=${name%.ko*}
+        byname[${name//-/_}]=$path
+    done <"$mods/modules.dep"
+    visit() {
+        [[ -n ${seen[$1]:-} ]] && return
+        seen[$1]=1
+        local d
+        for d in ${deps[$1]}; do visit "$d"; done
+        order+=("$1")
+    }
+    for name in "${ROOT_MODULES[@]}"; do
+        name=${name//-/_}
+        if [[ -n ${byname[$name]:-} ]]; then
+            visit "${byname[$name]}"
+        elif ! sed 's/-/_/g' "$mods/modules.builtin" | grep -q "/$name\.ko$"; then
+            die "kernel $kver has no module $name"
+        fi
+    done
+
+    local stage=$tmp/stage
+    mkdir -p "$stage"/{bin,modules,proc,sys,dev,newroot,host}
+    cp /bin/busybox "$stage/bin/busybox"
+    local applet
+    for applet in $(/bin/busybox --list); do
+        [[ $applet == busybox ]] || ln -s busybox "$stage/bin/$applet"
+    done
+    init_script >"$stage/init"
+    chmod 755 "$stage/init"
+    for path in "${order[@]}"; do
+        name=${path##*/}
+        cp "$mods/$path" "$stage/modules/$name"
+        name=${name%.ko*}
+        printf '%s %s\n' "${path##*/}" "${MODULE_PARAMS[${name//-/_}]:-}"
+    done >"$stage/modules.load"
+
+    # QEMU boots the uncompressed ELF kernel through its PVH entry point, so
+    # neither the BIOS runs nor the kernel XZ-decompresses itself: under TCG
+    # that saves about 5 s per boot. The XZ stream starts at its magic bytes.
+    local bz=$tmp/x/boot/vmlinuz-$kver off
+    off=$(LC_ALL=C grep -obUaP '\xfd7zXZ\x00' "$bz" | awk -F: 'NR == 1 { print $1 }')
+    # (xz stops after the stream, while tail may still be writing: tail's
+    # SIGPIPE must not count as a failure, hence no plain pipe.)
+    xz -dc --single-stream < <(tail -c +$((off + 1)) "$bz") >"$kdir/vmlinux.new"
+    cmp -s -n 4 <(printf '\177ELF') "$kdir/vmlinux.new" || die "no ELF kernel inside $bz"
+    (cd "$stage" && find . | LC_ALL=C sort | cpio -o -H newc -R 0:0 --quiet) |
+        gzip -1 >"$kdir/initrd.new"
+    rm -f "$kdir"/initrd-*.gz
+    mv "$kdir/vmlinux.new" "$KERNEL"
+    mv "$kdir/initrd.new" "$INITRD"
+    rm -rf "$tmp"
+    trap - EXIT
+    log "L1 kernel $kver, modules: ${order[*]##*/}"
+}
+
+# q WORD: WORD quoted for any POSIX shell ('...' with ' as '\'').
+q() { printf "'%s'" "${1//\'/\'\\\'\'}"; }
+
+run() {
+    local mem=8192 cwd=$PWD
+    local -a keep=() envs=()
+    while (($#)); do
+        case $1 in
+        --mem) mem=$2; shift 2 ;;
+        --cwd) cwd=$2; shift 2 ;;
+        --env) envs+=("$2"); shift 2 ;;
+        --keep) keep+=("$2"); shift 2 ;;
+        --) shift; break ;;
+        *) usage ;;
+        esac
+    done
+    (($#)) || usage
+    [[ -d $cwd ]] || die "no such directory: $cwd"
+    cwd=$(cd "$cwd" && pwd -P)
+    prepare cached
+
+    # Globals, not locals: the EXIT trap may run after run() has unwound.
+    d=$(mktemp -d "${TMPDIR:-/tmp}/krunbox-nested.XXXXXX")
+    share=$d/share
+    mkdir "$share"
+
+    # The command, as a script for the host's /bin/sh inside L1: the
+    # environment, the cwd, then exec of the arguments, each one quoted.
+    local name var
+    {
+        for name in $(compgen -e); do
+            if [[ $name =~ $PASS_ENV ]]; then echo "export $(q "$name=${!name}")"; fi
+        done
+        # The toolchain stays where it is although HOME moves to tmpfs.
+        if [[ -z ${CARGO_HOME:-} && -d $HOME/.cargo ]]; then
+            echo "export $(q "CARGO_HOME=$HOME/.cargo")"
+        fi
+        if [[ -z ${RUSTUP_HOME:-} && -d $HOME/.rustup ]]; then
+            echo "export $(q "RUSTUP_HOME=$HOME/.rustup")"
+        fi
+        echo "export HOME=/tmp/home"
+        for var in "${envs[@]}"; do
+            name=${var%%=*}
+            [[ $name =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] || die "bad --env $var"
+            [[ $var == *=* ]] || var="$name=${!name:-}"
+            echo "export $(q "$var")"
+        done
+        echo "cd $(q "$cwd") || exit 125"
+        printf 'exec'
+        for var in "$@"; do printf ' %s' "$(q "$var")"; done
+        echo
+    } >"$share/cmd.sh"
+
+    # Host directories under L1's tmpfs mounts that the command needs.
+    local -a want=("$cwd" "$KRUNBOX_CACHE_DIR" "${keep[@]}") libdirs=()
+    if [[ $1 == */* ]]; then want+=("$(dirname "$1")"); fi
+    IFS=: read -ra libdirs <<<"${LD_LIBRARY_PATH:-}"
+    for var in "${want[@]}" "${libdirs[@]}"; do
+        [[ -d $var ]] || continue
+        var=$(cd "$var" && pwd -P)
+        [[ $var != *$'\n'* ]] || die "a newline in $var"
+        if [[ $var =~ ^/(tmp|var/tmp|run|dev/shm)/ ]]; then echo "$var"; fi
+    done | LC_ALL=C sort -u >"$share/keep"
+
+    if [[ -t 1 ]]; then touch "$share/stdout-tty"; fi
+    if [[ -t 2 ]]; then touch "$share/stderr-tty"; fi
+
+    # QEMU writes CMD's output into FIFOs that cat copies to our stdout and
+    # stderr: works whatever those are (terminal, pipe, file, socket) and
+    # QEMU never touches the terminal's settings.
+    mkfifo "$d/out" "$d/err"
+    cat <"$d/out" &
+    cat_out=$!
+    cat <"$d/err" >&2 &
+    cat_err=$!
+
+    # shellcheck disable=SC2054 # commas inside QEMU's option values
+    local -a qemu=(
+        qemu-system-x86_64 -nodefaults -no-user-config -nographic -no-reboot
+        -accel tcg,thread=multi -smp 2 -cpu max,+svm -m "$mem"
+        -kernel "$KERNEL" -initrd "$INITRD" -append "$KERNEL_CMDLINE"
+        -serial "file:$d/console.log" -serial "file:$d/out" -serial "file:$d/err"
+        -virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap
+        -virtfs "local,path=$share,mount_tag=krunbox,security_model=none,multidevs=remap"
+    )
+    # setpriv --pdeathsig: QEMU and the timer die with us even if we are
+    # SIGKILLed (e.g. by CI's own timeout) and cannot clean up.
+    local t0=$EPOCHREALTIME
+    setpriv --pdeathsig KILL -- "${qemu[@]}" </dev/null >"$d/qemu.log" 2>&1 &
+    qpid=$!
+    setpriv --pdeathsig KILL -- sleep "${KRUNBOX_NESTED_TIMEOUT:-4800}" &
+    spid=$!
+
+    # Whatever happens from here on, our QEMU, sleep and cats go away.
+    # drain: wait until the cats have copied all output. A QEMU that died
+    # before opening the FIFOs leaves them blocked in open(): open the FIFOs
+    # ourselves (read-write never blocks), closing gives them their EOF.
+    drain() {
+        : 1<>"$d/out" 1<>"$d/err"
+        wait "$cat_out" "$cat_err" 2>/dev/null || true
+    }
+    # stop PID...: kill and reap these children of ours (empty: gone already).
+    stop() {
+        local pid
+        for pid; do if [[ -n $pid ]]; then kill "$pid" 2>/dev/null || true; fi; done
+        for pid; do if [[ -n $pid ]]; then wait "$pid" 2>/dev/null || true; fi; done
+    }
+    # shellcheck disable=SC2317 # called from the traps below
+    cleanup() {
+        [[ -d $d ]] || return 0
+        stop "$qpid" "$spid"
+        drain
+        if [[ ${KRUNBOX_NESTED_VERBOSE:-} == 1 ]]; then log "L1 logs kept in $d"; else rm -rf "$d"; fi
+    }
+    trap 'cleanup; exit 130' INT
+    trap 'cleanup; exit 143' TERM HUP
+    trap cleanup EXIT
+
+    local first
+    wait -n -p first "$qpid" "$spid" || true
+    if [[ $first == "$spid" ]]; then
+        spid=
+        log "timed out after ${KRUNBOX_NESTED_TIMEOUT:-4800} s, killing L1 (QEMU pid $qpid)"
+        echo "error: nested.sh run: timed out: $*" >&2
+        exit 124
+    fi
+    qpid= # reaped: from now on its pid is no longer ours to kill
+    stop "$spid"
+    spid=
+    drain
+    if [[ ! -s $share/exit-status ]]; then
+        printf 'error: L1 ended without an exit status; its console and QEMU said:\n' >&2
+        tail -n 30 "$d/console.log" "$d/qemu.log" >&2 2>/dev/null || true
+        exit 125
+    fi
+    if [[ ${KRUNBOX_NESTED_VERBOSE:-} == 1 ]]; then
+        local total boot end
+        total=$(awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }')
+        read -r boot <"$share/boot-seconds"
+        read -r end <"$share/end-seconds"
+        log "wall ${total}s; L1 kernel uptime at CMD start ${boot}s, at CMD end ${end}s"
+    fi
+    exit "$(cat "$share/exit-status")"
+}
+
+usage() {
+    sed -n '2,/^set -euo/{/^set/d; s/^# \{0,1\}//; p}' "${BASH_SOURCE[0]}" >&2
+    exit 2
+}
+
+case ${1:-} in
+prepare) prepare && log "L1 ready: $KERNEL $INITRD" ;;
+run) shift; run "$@" ;;
+*) usage ;;
+esac

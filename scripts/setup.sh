@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# setup.sh: everything krunbox needs on a fresh Debian/Ubuntu machine, idempotent and cached.
+#
+#   Debian packages   erofs-utils, mmdebstrap, busybox-static (image building)
+#   Rust target       x86_64-unknown-linux-musl (guest-init is a static binary)
+#   libkrunfw         the guest kernel, Debian sid's libkrunfw5, into the krunbox cache
+#   build             the workspace (krunbox, krunbox-vmm, krunbox-rootfs) and guest-init
+#   images            the built-in busybox and agent images, into the krunbox cache
+#   nested harness    when this host's KVM cannot boot guests: QEMU, the L1 kernel, initramfs
+#
+# Prints, as its last line on stdout, `native` or `nested`: where microVMs will run.
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=lib.sh
+source "$here/lib.sh"
+cd "$here/.."
+
+need_apt erofs-utils mmdebstrap busybox-static
+
+musl=x86_64-unknown-linux-musl
+if ! rustup target list --installed | grep -qx "$musl"; then
+    log "rustup target add $musl"
+    rustup target add "$musl" >&2
+fi
+
+"$here/fetch-libkrunfw.sh" >/dev/null
+
+log "cargo build (host binaries)"
+cargo build --workspace --bins >&2
+log "cargo build guest-init ($musl)"
+cargo build -p guest-init --release --target "$musl" --bins --examples >&2
+
+for image in busybox agent; do
+    target/debug/krunbox-rootfs build "$image" >/dev/null
+done
+
+# A real probe decides, not the presence of /dev/kvm: nested PVM hosts have a /dev/kvm that
+# cannot boot stock guest kernels.
+if target/debug/krunbox doctor --exit-code >&2; then
+    echo native
+else
+    log "this host cannot boot microVMs itself: using the nested L1 harness"
+    "$here/nested.sh" prepare
+    echo nested
+fi

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# test.sh: the whole test suite from a fresh checkout. Sets up what it needs (setup.sh), runs the
+# host-only tests here, and the tests that boot microVMs natively or, where this host's KVM
+# cannot boot guests, inside one nested L1 VM (nested.sh) for the whole VM suite.
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=lib.sh
+source "$here/lib.sh"
+cd "$here/.."
+started=$SECONDS
+
+where=$("$here/setup.sh" | tail -n1)
+
+log "formatting and lints"
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets -- -D warnings
+
+log "host tests (no VM): protocol, krun-sys, rootfs, library units, doc tests"
+cargo test --workspace --exclude krunbox
+cargo test -p krunbox --lib --bins
+cargo test -p krunbox --doc
+
+log "building the VM test binaries"
+# The executables of krunbox's integration tests and benches, built here, run where VMs boot.
+mapfile -t binaries < <(cargo test -p krunbox --tests --benches --no-run --message-format=json 2>/dev/null |
+    python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    kind = m.get("target", {}).get("kind", [""])[0]
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"] and kind in ("test", "bench"):
+        print(kind, m["target"]["name"], m["executable"])
+')
+((${#binaries[@]})) || die "no VM test binaries were built"
+printf '%s\n' "${binaries[@]}" >target/vm-suite.list
+
+log "VM tests: running ${#binaries[@]} binaries $([[ $where == native ]] && echo natively || echo 'inside the nested L1 VM')"
+if [[ $where == native ]]; then
+    "$here/vm-suite.sh" target/vm-suite.list
+else
+    "$here/nested.sh" run -- "$here/vm-suite.sh" target/vm-suite.list
+fi
+log "all tests passed in $((SECONDS - started)) s"

@@ -182,7 +182,15 @@ prepare() {
         log "downloading $pkg $ver"
         rm -rf "$NESTED_DIR"/linux-image-* # older kernels, if any
         mkdir -p "$kdir/dl"
-        (cd "$kdir/dl" && apt-get download -qq -o APT::Sandbox::User=root "$pkg=$ver" >&2)
+        if ! (cd "$kdir/dl" && apt-get download -qq -o APT::Sandbox::User=root "$pkg=$ver" >&2); then
+            # Stale package lists can name a kernel the mirror no longer has: refresh, ask
+            # again which kernel is current, retry once.
+            apt_update_once
+            pkg=$(apt-cache depends linux-image-amd64 2>/dev/null |
+                awk '$1 == "Depends:" && $2 ~ /^linux-image-6\.1\.0-.*-amd64$/ { print $2; exit }')
+            ver=$(apt-cache policy "$pkg" | awk '$1 == "Candidate:" { print $2 }')
+            (cd "$kdir/dl" && apt-get download -qq -o APT::Sandbox::User=root "$pkg=$ver" >&2)
+        fi
         mv "$kdir"/dl/*.deb "$kdir/kernel.deb"
         rmdir "$kdir/dl"
     fi

@@ -23,7 +23,8 @@ while read -r kind name path; do
     rm -f "$out"
 done <"$list"
 echo
-echo "VM-booting tests: $passed passed, $failed failed, $ignored skipped"
+echo "VM-booting tests (each boots real microVMs; benches count once):"
+echo "vm-suite: $passed passed, $failed failed, $ignored skipped"
 if ((${#broken[@]} || failed || ignored)); then
     echo "failed or incomplete: ${broken[*]:-} (skipped tests count as failures here)" >&2
     exit 1

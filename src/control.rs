@@ -9,12 +9,13 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::{mpsc, oneshot, Notify};
+use tokio::sync::{mpsc, oneshot, Notify, Semaphore};
 
 use crate::error::{Error, Result};
+use crate::protocol::fs::FsReply;
 use crate::protocol::{
     ExecFailed, Exited, FrameDecoder, GuestMessage, Hello, HostMessage, ProtocolError, Setup,
-    Stream, PROTOCOL_VERSION,
+    Stream, OUTPUT_WINDOW, PROTOCOL_VERSION,
 };
 
 /// Reads until one whole guest message is decoded. `Ok(None)` on a clean end of stream.
@@ -27,7 +28,7 @@ pub(crate) async fn read_message<R: AsyncRead + Unpin>(
         if let Some(frame) = decoder.next_frame()? {
             return Ok(Some(GuestMessage::decode(&frame)?));
         }
-        let want = decoder.wanted().min(buf.len());
+        let want = buf.len();
         let n = reader
             .read(&mut buf[..want])
             .await
@@ -99,6 +100,8 @@ fn message_name(m: &GuestMessage) -> &'static str {
         GuestMessage::Output(_) => "Output",
         GuestMessage::Exited(_) => "Exited",
         GuestMessage::ExecFailed(_) => "ExecFailed",
+        GuestMessage::StdinCredit(_) => "StdinCredit",
+        GuestMessage::FsReply(_) => "FsReply",
     }
 }
 
@@ -117,6 +120,9 @@ pub(crate) struct ProcessChannels {
     pub stderr: mpsc::UnboundedReceiver<Vec<u8>>,
     pub started: oneshot::Receiver<u32>,
     pub end: oneshot::Receiver<ProcessEnd>,
+    /// Stdin bytes the guest allows, as permits (starts at [`crate::protocol::STDIN_WINDOW`]);
+    /// closed when the process or the instance ends.
+    pub stdin_credit: Arc<Semaphore>,
 }
 
 struct Slot {
@@ -124,11 +130,17 @@ struct Slot {
     stderr: Option<mpsc::UnboundedSender<Vec<u8>>>,
     started: Option<oneshot::Sender<u32>>,
     end: Option<oneshot::Sender<ProcessEnd>>,
+    stdin_credit: Arc<Semaphore>,
+    /// Output bytes received and not yet credited back, per stream: the guest may never have
+    /// more than [`OUTPUT_WINDOW`] outstanding.
+    outstanding: [u64; 2],
 }
 
 #[derive(Default)]
 struct State {
     procs: HashMap<u32, Slot>,
+    /// File operations waiting for their reply.
+    fs: HashMap<u32, oneshot::Sender<FsReply>>,
     /// Set once the channel is unusable; new processes fail with this reason.
     gone: Option<String>,
 }
@@ -173,7 +185,7 @@ impl Control {
         let c = control.clone();
         tokio::spawn(async move {
             let mut decoder = decoder;
-            let mut buf = vec![0u8; 64 * 1024];
+            let mut buf = vec![0u8; 256 * 1024];
             loop {
                 match read_message(&mut reader, &mut decoder, &mut buf).await {
                     Ok(Some(message)) => {
@@ -215,17 +227,42 @@ impl Control {
             }
             GuestMessage::Output(output) => {
                 let slot = state.procs.get_mut(&output.id).ok_or(unknown(output.id))?;
+                let index = output.stream as usize;
+                slot.outstanding[index] += output.data.len() as u64;
+                if slot.outstanding[index] > u64::from(OUTPUT_WINDOW) {
+                    return Err(ProtocolError::OutOfBounds {
+                        field: "output flow control",
+                        detail: format!(
+                            "the guest sent {} bytes of {:?} past its credit",
+                            slot.outstanding[index] - u64::from(OUTPUT_WINDOW),
+                            output.stream
+                        ),
+                    });
+                }
                 let tx = match output.stream {
                     Stream::Stdout => &slot.stdout,
                     Stream::Stderr => &slot.stderr,
                 };
-                // A reader that went away just doesn't want the bytes.
-                if let Some(tx) = tx {
-                    let _ = tx.send(output.data.into_vec());
+                let len = output.data.len() as u32;
+                let delivered = tx
+                    .as_ref()
+                    .is_some_and(|tx| tx.send(output.data.into_vec()).is_ok());
+                if !delivered {
+                    // Nobody reads this stream any more: discard, and let the guest go on.
+                    slot.outstanding[index] -= u64::from(len);
+                    let credit = crate::protocol::Credit {
+                        id: output.id,
+                        stream: output.stream,
+                        bytes: len,
+                    };
+                    if let Ok(bytes) = HostMessage::Credit(credit).encode() {
+                        let _ = self.outgoing.send(bytes);
+                    }
                 }
             }
             GuestMessage::Exited(exited) => {
                 let mut slot = state.procs.remove(&exited.id).ok_or(unknown(exited.id))?;
+                slot.stdin_credit.close();
                 if let Some(tx) = slot.end.take() {
                     let _ = tx.send(ProcessEnd::Exited(exited));
                 }
@@ -235,6 +272,21 @@ impl Control {
                 if let Some(tx) = slot.end.take() {
                     let _ = tx.send(ProcessEnd::Failed(failed));
                 }
+            }
+            GuestMessage::StdinCredit(credit) => {
+                // A process that already ended may still have credit in flight.
+                if let Some(slot) = state.procs.get(&credit.id) {
+                    let room = Semaphore::MAX_PERMITS - slot.stdin_credit.available_permits();
+                    slot.stdin_credit
+                        .add_permits((credit.bytes as usize).min(room));
+                }
+            }
+            GuestMessage::FsReply(reply) => {
+                let tx = state.fs.remove(&reply.id).ok_or(ProtocolError::Malformed {
+                    message: "FsReply",
+                    reason: format!("no file operation with id {}", reply.id),
+                })?;
+                let _ = tx.send(reply);
             }
             other @ (GuestMessage::Hello(_)
             | GuestMessage::Ready
@@ -258,7 +310,10 @@ impl Control {
             if let Some(tx) = slot.end.take() {
                 let _ = tx.send(ProcessEnd::Gone(reason.clone()));
             }
+            slot.stdin_credit.close();
         }
+        // Dropping the senders wakes every file operation with a closed-channel error.
+        state.fs.clear();
     }
 
     /// Why the channel is unusable, if it is.
@@ -282,6 +337,7 @@ impl Control {
         let (err_tx, stderr) = mpsc::unbounded_channel();
         let (started_tx, started) = oneshot::channel();
         let (end_tx, end) = oneshot::channel();
+        let stdin_credit = Arc::new(Semaphore::new(crate::protocol::STDIN_WINDOW as usize));
         state.procs.insert(
             id,
             Slot {
@@ -289,6 +345,8 @@ impl Control {
                 stderr: Some(err_tx),
                 started: Some(started_tx),
                 end: Some(end_tx),
+                stdin_credit: stdin_credit.clone(),
+                outstanding: [0, 0],
             },
         );
         Ok(ProcessChannels {
@@ -296,7 +354,42 @@ impl Control {
             stderr,
             started,
             end,
+            stdin_credit,
         })
+    }
+
+    /// Records that the host consumed `bytes` of a stream and tells the guest it may send more.
+    pub fn credit(&self, id: u32, stream: Stream, bytes: u32) {
+        {
+            let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            match state.procs.get_mut(&id) {
+                Some(slot) => {
+                    let o = &mut slot.outstanding[stream as usize];
+                    *o = o.saturating_sub(u64::from(bytes));
+                }
+                // Ended: the guest has nothing more to send.
+                None => return,
+            }
+        }
+        let _ = self.send(&HostMessage::Credit(crate::protocol::Credit {
+            id,
+            stream,
+            bytes,
+        }));
+    }
+
+    /// Registers file operation `id` (before its request is sent) and returns where its reply
+    /// will arrive. The receiver errors if the instance stops first.
+    pub fn register_fs(&self, id: u32) -> Result<oneshot::Receiver<FsReply>> {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(reason) = &state.gone {
+            return Err(Error::InstanceGone {
+                reason: reason.clone(),
+            });
+        }
+        let (tx, rx) = oneshot::channel();
+        state.fs.insert(id, tx);
+        Ok(rx)
     }
 
     /// Queues a message for the guest.

@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::protocol::fs::FsErrorKind;
 use crate::protocol::{ExecErrorKind, ProtocolError};
 
 /// Everything that can go wrong booting a sandbox or running a command in it.
@@ -81,12 +82,28 @@ pub enum Error {
         /// guest-init's description, with the errno text.
         message: String,
     },
+    /// A file operation in the guest failed (`Instance::read_file`, `write_file`, ...).
+    #[error("{op} {path:?} in the guest failed: {message}")]
+    Fs {
+        /// The operation, e.g. `"read_file"`.
+        op: &'static str,
+        /// The guest path it was given.
+        path: PathBuf,
+        /// Not found, permission denied, ...
+        kind: FsErrorKind,
+        /// guest-init's description, with the errno text.
+        message: String,
+    },
     /// The instance is no longer running (shut down, or the VM stopped).
     #[error("the sandbox instance is not running: {reason}")]
     InstanceGone {
         /// Why it stopped.
         reason: String,
     },
+    /// The command was cancelled through its [`CancellationToken`](tokio_util::sync::CancellationToken);
+    /// its process group was killed.
+    #[error("the command was cancelled; its process group was killed")]
+    Cancelled,
     /// A host I/O error.
     #[error("{context}: {source}")]
     Io {
@@ -101,6 +118,26 @@ impl Error {
     pub(crate) fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
         let context = context.into();
         move |source| Error::Io { context, source }
+    }
+
+    /// The kind of a failed file operation ([`Error::Fs`]), or `None` for other errors.
+    ///
+    /// ```no_run
+    /// # async fn demo(vm: &krunbox::Instance) -> krunbox::Result<()> {
+    /// use krunbox::FsErrorKind;
+    ///
+    /// match vm.read_file("/etc/motd").await {
+    ///     Ok(text) => println!("{}", String::from_utf8_lossy(&text)),
+    ///     Err(err) if err.fs_kind() == Some(FsErrorKind::NotFound) => println!("no motd"),
+    ///     Err(err) => return Err(err),
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn fs_kind(&self) -> Option<FsErrorKind> {
+        match self {
+            Error::Fs { kind, .. } => Some(*kind),
+            _ => None,
+        }
     }
 }
 

@@ -40,6 +40,7 @@ mod artifacts;
 mod capabilities;
 mod control;
 mod error;
+mod files;
 mod instance;
 mod process;
 mod rootfs;
@@ -55,9 +56,13 @@ pub mod protocol {
 pub use artifacts::{cache_dir, Artifacts};
 pub use capabilities::{HostCapabilities, ImageState, KvmStatus};
 pub use error::{Error, Result};
+pub use files::{DirEntry, GuestFileReader, GuestFileWriter, Metadata};
 pub use instance::Instance;
 pub use process::{
-    Child, ChildStderr, ChildStdout, Command, ExitStatus, Output, TIMEOUT_EXIT_CODE,
+    Child, ChildStderr, ChildStdin, ChildStdout, Command, ExitStatus, Output, Stdio,
+    TIMEOUT_EXIT_CODE,
 };
+pub use protocol::fs::{FileType, FsErrorKind};
 pub use rootfs::{BuiltinImage, Rootfs};
 pub use sandbox::{Sandbox, SandboxBuilder, MAX_CPUS, MIN_MEMORY_MIB};
+pub use tokio_util::sync::CancellationToken;

@@ -9,14 +9,20 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use serde_bytes::ByteBuf;
-use tokio::io::{AsyncRead, AsyncReadExt, ReadBuf};
-use tokio::sync::{mpsc, oneshot};
+use std::sync::Arc;
 
-use crate::control::ProcessEnd;
+use serde_bytes::ByteBuf;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
+use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio_util::sync::{CancellationToken, PollSemaphore};
+
+use crate::control::{Control, ProcessEnd};
 use crate::error::{Error, Result};
 use crate::instance::Instance;
-use crate::protocol::{self, Exec, HostMessage, SignalProcess};
+use crate::protocol::{
+    self, limits::MAX_CHUNK, Exec, HostMessage, ProcessRef, PtySize, Resize, SignalProcess,
+    StdinData, Stream, OUTPUT_WINDOW,
+};
 
 /// The guest environment a command starts from (the host's environment never crosses over).
 const BASE_ENV: [(&str, &str); 2] = [
@@ -62,6 +68,36 @@ pub struct Command {
     uid: Option<u32>,
     gid: Option<u32>,
     timeout: Option<Duration>,
+    stdin: Stdio,
+    pty: Option<PtySize>,
+    output_limit: Option<usize>,
+    cancel: Option<CancellationToken>,
+}
+
+/// What a command's stdin is connected to.
+///
+/// ```
+/// # fn demo(vm: &krunbox::Instance) {
+/// use krunbox::Stdio;
+/// let mut cmd = vm.command("cat");
+/// cmd.stdin(Stdio::piped());
+/// # }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Stdio {
+    piped: bool,
+}
+
+impl Stdio {
+    /// `/dev/null` (the default).
+    pub fn null() -> Stdio {
+        Stdio { piped: false }
+    }
+
+    /// A pipe the host writes through [`Child::stdin`].
+    pub fn piped() -> Stdio {
+        Stdio { piped: true }
+    }
 }
 
 impl Command {
@@ -78,7 +114,54 @@ impl Command {
             uid: None,
             gid: None,
             timeout: None,
+            stdin: Stdio::null(),
+            pty: None,
+            output_limit: None,
+            cancel: None,
         }
+    }
+
+    /// Connects stdin: [`Stdio::null`] (default) or [`Stdio::piped`] for [`Child::stdin`].
+    pub fn stdin(&mut self, stdin: Stdio) -> &mut Command {
+        self.stdin = stdin;
+        self
+    }
+
+    /// Runs the command on a new pseudo-terminal of `rows` × `cols`: it sees a real terminal
+    /// (`isatty`, `stty size`, job control, Ctrl-C as SIGINT). [`Child::stdin`] writes to the
+    /// terminal, [`Child::stdout`] reads everything it displays (stderr included);
+    /// [`Child::resize`] changes its size.
+    ///
+    /// ```no_run
+    /// # async fn demo(vm: &krunbox::Instance) -> krunbox::Result<()> {
+    /// use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    ///
+    /// let mut shell = vm.command("sh").pty(24, 80).spawn().await?;
+    /// let mut input = shell.stdin.take().unwrap();
+    /// input.write_all(b"stty size; exit\n").await.unwrap();
+    /// let mut screen = String::new();
+    /// shell.stdout.take().unwrap().read_to_string(&mut screen).await.unwrap();
+    /// assert!(screen.contains("24 80"));
+    /// # Ok(()) }
+    /// ```
+    pub fn pty(&mut self, rows: u16, cols: u16) -> &mut Command {
+        self.pty = Some(PtySize { rows, cols });
+        self
+    }
+
+    /// Caps what [`output`](Self::output) keeps of each stream at `bytes`; the rest is read
+    /// and dropped, and [`Output::stdout_truncated`] / [`Output::stderr_truncated`] say so.
+    pub fn output_limit(&mut self, bytes: usize) -> &mut Command {
+        self.output_limit = Some(bytes);
+        self
+    }
+
+    /// Cancelling `token` kills the command's process group; [`output`](Self::output) and
+    /// [`status`](Self::status) then return [`Error::Cancelled`]. (Dropping their future does
+    /// the same without a token.)
+    pub fn cancel_on(&mut self, token: CancellationToken) -> &mut Command {
+        self.cancel = Some(token);
+        self
     }
 
     /// Adds an argument.
@@ -170,6 +253,8 @@ impl Command {
             timeout_ms: self
                 .timeout
                 .map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX)),
+            stdin: self.stdin.piped,
+            pty: self.pty,
         }
     }
 
@@ -209,15 +294,35 @@ impl Command {
         let Some(pid) = pid else {
             return Err(self.early_end(end.await));
         };
+        let has_stdin = self.stdin.piped || self.pty.is_some();
         Ok(Child {
             instance: self.instance.clone(),
             key: id,
             pid,
-            stdout: Some(ChildStdout(Receiver::new(channels.stdout))),
-            stderr: Some(ChildStderr(Receiver::new(channels.stderr))),
+            stdin: has_stdin.then(|| ChildStdin {
+                control: control.clone(),
+                id,
+                credit: PollSemaphore::new(channels.stdin_credit),
+                closed: false,
+            }),
+            stdout: Some(ChildStdout(Receiver::new(
+                channels.stdout,
+                control.clone(),
+                id,
+                Stream::Stdout,
+            ))),
+            stderr: self.pty.is_none().then(|| {
+                ChildStderr(Receiver::new(
+                    channels.stderr,
+                    control.clone(),
+                    id,
+                    Stream::Stderr,
+                ))
+            }),
             end: Some(end),
             status: None,
             host_deadline: self.timeout.map(|t| t + TIMEOUT_GRACE),
+            is_pty: self.pty.is_some(),
         })
     }
 
@@ -246,23 +351,63 @@ impl Command {
     /// # Ok(()) }
     /// ```
     pub async fn output(&mut self) -> Result<Output> {
-        let mut child = self.spawn().await?;
-        let mut stdout = child.stdout.take().expect("fresh child has stdout");
-        let mut stderr = child.stderr.take().expect("fresh child has stderr");
-        let (mut out, mut err) = (Vec::new(), Vec::new());
-        let (r1, r2) = tokio::join!(stdout.read_to_end(&mut out), stderr.read_to_end(&mut err));
-        r1.and(r2).map_err(Error::io("reading command output"))?;
-        let status = child.wait().await?;
-        Ok(Output {
-            status,
-            stdout: out,
-            stderr: err,
-        })
+        let cancel = self.cancel.clone().unwrap_or_default();
+        // Dropping this future drops the child, which kills its process group.
+        let mut child = tokio::select! {
+            child = self.spawn() => child?,
+            _ = cancel.cancelled() => return Err(Error::Cancelled),
+        };
+        let limit = self.output_limit.unwrap_or(usize::MAX);
+        let stdout = child.stdout.take().expect("fresh child has stdout");
+        let stderr = child.stderr.take();
+        let collect = async {
+            let (out, err) = tokio::join!(read_capped(stdout, limit), async {
+                match stderr {
+                    Some(s) => read_capped(s, limit).await,
+                    None => Ok((Vec::new(), false)),
+                }
+            });
+            let status = child.wait().await?;
+            let ((stdout, stdout_truncated), (stderr, stderr_truncated)) = (
+                out.map_err(Error::io("reading command output"))?,
+                err.map_err(Error::io("reading command output"))?,
+            );
+            Ok(Output {
+                status,
+                stdout,
+                stderr,
+                stdout_truncated,
+                stderr_truncated,
+            })
+        };
+        tokio::select! {
+            output = collect => output,
+            _ = cancel.cancelled() => Err(Error::Cancelled),
+        }
     }
 
     /// Runs the command to completion, discarding its output.
     pub async fn status(&mut self) -> Result<ExitStatus> {
         Ok(self.output().await?.status)
+    }
+}
+
+/// Reads a stream to its end, keeping at most `limit` bytes.
+async fn read_capped<R: AsyncRead + Unpin>(
+    mut reader: R,
+    limit: usize,
+) -> std::io::Result<(Vec<u8>, bool)> {
+    let mut kept = Vec::new();
+    let mut truncated = false;
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = reader.read(&mut buf).await?;
+        if n == 0 {
+            return Ok((kept, truncated));
+        }
+        let room = limit.saturating_sub(kept.len());
+        kept.extend_from_slice(&buf[..n.min(room)]);
+        truncated |= n > room;
     }
 }
 
@@ -273,7 +418,10 @@ pub struct Child {
     /// The control-channel process id (not the guest pid).
     key: u32,
     pid: u32,
-    /// The process's standard output, streaming.
+    is_pty: bool,
+    /// The process's standard input, when it was spawned with [`Stdio::piped`] or a pty.
+    pub stdin: Option<ChildStdin>,
+    /// The process's standard output, streaming (a pty's whole screen output).
     pub stdout: Option<ChildStdout>,
     /// The process's standard error, streaming.
     pub stderr: Option<ChildStderr>,
@@ -299,6 +447,23 @@ impl Child {
                 id: self.key,
                 signal,
             }))
+    }
+
+    /// Changes the size of the process's pty; the foreground process group gets SIGWINCH.
+    /// An error if the command was not started with [`Command::pty`].
+    pub fn resize(&self, rows: u16, cols: u16) -> Result<()> {
+        if !self.is_pty {
+            return Err(Error::InvalidConfig(
+                "resize needs a command started with .pty(rows, cols)".into(),
+            ));
+        }
+        if self.status.is_some() {
+            return Ok(());
+        }
+        self.instance.control()?.send(&HostMessage::Resize(Resize {
+            id: self.key,
+            size: PtySize { rows, cols },
+        }))
     }
 
     /// Kills the process group with SIGKILL and waits for the process to end.
@@ -363,6 +528,115 @@ impl Child {
     }
 }
 
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        // Bytes read but not yet credited, plus whatever arrives later, are released so the
+        // process is not stalled by a reader that went away (the control task discards them).
+        if self.uncredited > 0 {
+            self.control.credit(self.id, self.stream, self.uncredited);
+        }
+        self.rx.close();
+        while let Ok(chunk) = self.rx.try_recv() {
+            self.control
+                .credit(self.id, self.stream, chunk.len() as u32);
+        }
+    }
+}
+
+/// A child's standard input ([`AsyncWrite`]), for commands spawned with [`Stdio::piped`] or a
+/// pty. Writes wait while the guest has not yet consumed earlier input (bounded memory on both
+/// sides). Shutting it down (or dropping it) closes the process's stdin.
+pub struct ChildStdin {
+    control: Arc<Control>,
+    id: u32,
+    credit: PollSemaphore,
+    closed: bool,
+}
+
+impl fmt::Debug for ChildStdin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ChildStdin")
+            .field("id", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
+fn broken_pipe() -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::BrokenPipe,
+        "the guest process has ended",
+    )
+}
+
+impl AsyncWrite for ChildStdin {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        if this.closed {
+            return Poll::Ready(Err(broken_pipe()));
+        }
+        if buf.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        // One permit is one byte the guest has room for.
+        let first = match this.credit.poll_acquire(cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(None) => return Poll::Ready(Err(broken_pipe())),
+            Poll::Ready(Some(permit)) => permit,
+        };
+        let semaphore: &Semaphore = this.credit.as_ref();
+        let extra = buf
+            .len()
+            .min(MAX_CHUNK)
+            .saturating_sub(1)
+            .min(semaphore.available_permits());
+        let n = 1 + match semaphore.try_acquire_many(extra as u32) {
+            Ok(permits) => {
+                permits.forget();
+                extra
+            }
+            Err(_) => 0,
+        };
+        first.forget();
+        let message = HostMessage::Stdin(StdinData {
+            id: this.id,
+            data: ByteBuf::from(buf[..n].to_vec()),
+        });
+        match this.control.send(&message) {
+            Ok(()) => Poll::Ready(Ok(n)),
+            Err(_) => Poll::Ready(Err(broken_pipe())),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        if !this.closed {
+            this.closed = true;
+            let _ = this
+                .control
+                .send(&HostMessage::CloseStdin(ProcessRef { id: this.id }));
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl Drop for ChildStdin {
+    fn drop(&mut self) {
+        if !self.closed {
+            let _ = self
+                .control
+                .send(&HostMessage::CloseStdin(ProcessRef { id: self.id }));
+        }
+    }
+}
+
 impl Drop for Child {
     fn drop(&mut self) {
         // Cancellation: a process nobody waits for anymore is killed, group and all.
@@ -377,20 +651,42 @@ impl Drop for Child {
     }
 }
 
-/// Chunks from the control channel, read as a byte stream.
-#[derive(Debug)]
+/// Chunks from the control channel, read as a byte stream. Consumed bytes are credited back
+/// to the guest in batches, so at most [`OUTPUT_WINDOW`] bytes per stream wait in host memory.
 struct Receiver {
     rx: mpsc::UnboundedReceiver<Vec<u8>>,
     chunk: Vec<u8>,
     pos: usize,
+    control: Arc<Control>,
+    id: u32,
+    stream: Stream,
+    uncredited: u32,
+}
+
+impl fmt::Debug for Receiver {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Receiver")
+            .field("id", &self.id)
+            .field("stream", &self.stream)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Receiver {
-    fn new(rx: mpsc::UnboundedReceiver<Vec<u8>>) -> Self {
+    fn new(
+        rx: mpsc::UnboundedReceiver<Vec<u8>>,
+        control: Arc<Control>,
+        id: u32,
+        stream: Stream,
+    ) -> Self {
         Receiver {
             rx,
             chunk: Vec::new(),
             pos: 0,
+            control,
+            id,
+            stream,
+            uncredited: 0,
         }
     }
 
@@ -402,6 +698,12 @@ impl Receiver {
         while self.pos == self.chunk.len() {
             match self.rx.poll_recv(cx) {
                 Poll::Ready(Some(chunk)) => {
+                    // The chunk left the channel: credit once a quarter window accumulated.
+                    self.uncredited += chunk.len() as u32;
+                    if self.uncredited >= OUTPUT_WINDOW / 4 {
+                        self.control.credit(self.id, self.stream, self.uncredited);
+                        self.uncredited = 0;
+                    }
                     self.chunk = chunk;
                     self.pos = 0;
                 }
@@ -516,10 +818,14 @@ impl fmt::Display for ExitStatus {
 pub struct Output {
     /// How it ended.
     pub status: ExitStatus,
-    /// Everything written to stdout.
+    /// Everything written to stdout (up to [`Command::output_limit`]).
     pub stdout: Vec<u8>,
-    /// Everything written to stderr.
+    /// Everything written to stderr (up to [`Command::output_limit`]).
     pub stderr: Vec<u8>,
+    /// Whether stdout was cut at the output limit.
+    pub stdout_truncated: bool,
+    /// Whether stderr was cut at the output limit.
+    pub stderr_truncated: bool,
 }
 
 impl Output {

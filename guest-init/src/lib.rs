@@ -12,6 +12,7 @@
 //!
 //! The library half holds what a hostile-guest test fixture also needs (the vsock connection).
 
+pub mod files;
 pub mod mounts;
 pub mod supervisor;
 pub mod sys;

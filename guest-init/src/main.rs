@@ -6,13 +6,16 @@ use std::sync::mpsc::sync_channel;
 use std::time::Duration;
 
 use guest_init::supervisor::{self, Outbox, Reaper, Table};
-use guest_init::{mounts, sys, vsock};
+use guest_init::{files, mounts, sys, vsock};
 use krunbox_protocol::{
     Failure, FrameDecoder, GuestMessage, Hello, HostMessage, CONTROL_PORT, PROTOCOL_VERSION,
 };
 
 /// Frames queued for the host before output readers block (backpressure).
 const OUTBOX_DEPTH: usize = 64;
+
+/// Bytes read from the control connection at once.
+const READ_BUFFER: usize = 256 * 1024;
 
 fn main() {
     // Everything below reports to the console (the host keeps it as the VM's log) and powers
@@ -48,7 +51,8 @@ fn run() -> Result<(), String> {
     }));
 
     let mut decoder = FrameDecoder::new();
-    let setup = match next_message(&mut reader, &mut decoder)? {
+    let mut buf = vec![0u8; READ_BUFFER];
+    let setup = match next_message(&mut reader, &mut decoder, &mut buf)? {
         HostMessage::Setup(setup) => setup,
         other => return Err(format!("expected Setup from the host, got {other:?}")),
     };
@@ -67,9 +71,14 @@ fn run() -> Result<(), String> {
 
     let table = Table::default();
     loop {
-        match next_message(&mut reader, &mut decoder)? {
+        match next_message(&mut reader, &mut decoder, &mut buf)? {
             HostMessage::Exec(exec) => supervisor::start(exec, &reaper, &table, &outbox),
             HostMessage::Signal(sig) => table.signal(sig.id, sig.signal),
+            HostMessage::Stdin(data) => table.stdin(data.id, data.data.into_vec()),
+            HostMessage::CloseStdin(p) => table.close_stdin(p.id),
+            HostMessage::Credit(credit) => table.credit(credit.id, credit.stream, credit.bytes),
+            HostMessage::Resize(resize) => table.resize(resize.id, resize.size),
+            HostMessage::Fs(request) => files::handle(request, &outbox),
             HostMessage::Shutdown => return Ok(()),
             HostMessage::Setup(_) => return Err("Setup sent twice".into()),
         }
@@ -96,13 +105,16 @@ fn start_writer(mut conn: File) -> Result<Outbox, String> {
 
 /// Reads until one whole, valid host message is decoded. Any protocol error or EOF ends the
 /// session: a host that sends garbage is not trusted to send anything else.
-fn next_message(reader: &mut File, decoder: &mut FrameDecoder) -> Result<HostMessage, String> {
-    let mut buf = vec![0u8; 64 * 1024];
+fn next_message(
+    reader: &mut File,
+    decoder: &mut FrameDecoder,
+    buf: &mut [u8],
+) -> Result<HostMessage, String> {
     loop {
         if let Some(frame) = decoder.next_frame().map_err(|e| e.to_string())? {
             return HostMessage::decode(&frame).map_err(|e| e.to_string());
         }
-        let want = decoder.wanted().min(buf.len());
+        let want = buf.len();
         let n = reader
             .read(&mut buf[..want])
             .map_err(|e| format!("reading from host: {e}"))?;

@@ -6,17 +6,19 @@
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::OsStr;
-use std::io::{self, Read};
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
-use std::sync::mpsc::SyncSender;
+use std::sync::mpsc::{channel, Sender, SyncSender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use krunbox_protocol::{
-    limits::MAX_CHUNK, Exec, ExecErrorKind, ExecFailed, ExitStatus, Exited, GuestMessage, Output,
-    Started, Stream,
+    limits::MAX_CHUNK, Credit, Exec, ExecErrorKind, ExecFailed, ExitStatus, Exited, GuestMessage,
+    Output, PtySize, Started, Stream, OUTPUT_WINDOW,
 };
 use serde_bytes::ByteBuf;
 
@@ -160,22 +162,147 @@ impl Reaper {
     }
 }
 
-/// Live processes by host id, with their process-group ids.
+/// How many output bytes a stream may still send before the host grants more.
+struct Window {
+    available: Mutex<u64>,
+    changed: Condvar,
+}
+
+impl Window {
+    fn new() -> Arc<Window> {
+        Arc::new(Window {
+            available: Mutex::new(u64::from(OUTPUT_WINDOW)),
+            changed: Condvar::new(),
+        })
+    }
+
+    /// Blocks until some credit is available; returns how much.
+    fn wait(&self) -> u64 {
+        let mut available = self.available.lock().unwrap_or_else(|p| p.into_inner());
+        while *available == 0 {
+            available = self
+                .changed
+                .wait(available)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+        *available
+    }
+
+    fn spend(&self, bytes: u64) {
+        let mut available = self.available.lock().unwrap_or_else(|p| p.into_inner());
+        *available = available.saturating_sub(bytes);
+    }
+
+    fn grant(&self, bytes: u64) {
+        let mut available = self.available.lock().unwrap_or_else(|p| p.into_inner());
+        *available = available.saturating_add(bytes);
+        self.changed.notify_all();
+    }
+}
+
+/// What the control loop needs to reach a live process.
+struct Entry {
+    pgid: i32,
+    /// Feeds the stdin writer thread; `None` once closed (or never opened).
+    stdin: Option<Sender<Vec<u8>>>,
+    /// Output credit per stream (indexed by `Stream as usize`).
+    windows: [Arc<Window>; 2],
+    /// The pty master, for resizing.
+    pty: Option<Arc<OwnedFd>>,
+}
+
+/// Live processes by host id.
 #[derive(Default, Clone)]
-pub struct Table(Arc<Mutex<HashMap<u32, i32>>>);
+pub struct Table(Arc<Mutex<HashMap<u32, Entry>>>);
 
 impl Table {
+    fn with<R>(&self, id: u32, f: impl FnOnce(&mut Entry) -> R) -> Option<R> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_mut(&id)
+            .map(f)
+    }
+
     /// Signals the process group of host id `id`. Unknown ids (already exited) are ignored.
     pub fn signal(&self, id: u32, signal: i32) {
         if !(1..=64).contains(&signal) {
             eprintln!("guest-init: refusing out-of-range signal {signal}");
             return;
         }
-        if let Some(&pgid) = self.0.lock().unwrap_or_else(|p| p.into_inner()).get(&id) {
+        if let Some(pgid) = self.with(id, |e| e.pgid) {
             // SAFETY: plain syscall.
             unsafe { libc::killpg(pgid, signal) };
         }
     }
+
+    /// Queues input for the process (never blocks the control loop: the host sends no more
+    /// than the stdin window allows).
+    pub fn stdin(&self, id: u32, data: Vec<u8>) {
+        self.with(id, |e| {
+            if let Some(tx) = &e.stdin {
+                let _ = tx.send(data);
+            }
+        });
+    }
+
+    /// Closes the process's stdin once queued input is written.
+    pub fn close_stdin(&self, id: u32) {
+        self.with(id, |e| e.stdin = None);
+    }
+
+    /// The host consumed output: let that stream send more.
+    pub fn credit(&self, id: u32, stream: Stream, bytes: u32) {
+        if let Some(window) = self.with(id, |e| e.windows[stream as usize].clone()) {
+            window.grant(u64::from(bytes));
+        }
+    }
+
+    /// Resizes the process's pty (the kernel sends SIGWINCH to its foreground group).
+    pub fn resize(&self, id: u32, size: PtySize) {
+        if let Some(Some(master)) = self.with(id, |e| e.pty.clone()) {
+            set_winsize(master.as_raw_fd(), size);
+        }
+    }
+}
+
+fn winsize(size: PtySize) -> libc::winsize {
+    libc::winsize {
+        ws_row: size.rows,
+        ws_col: size.cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    }
+}
+
+fn set_winsize(fd: libc::c_int, size: PtySize) {
+    let ws = winsize(size);
+    // SAFETY: TIOCSWINSZ reads a valid winsize.
+    unsafe { libc::ioctl(fd, libc::TIOCSWINSZ, &ws) };
+}
+
+/// A new pseudo-terminal pair (master, slave) of the given size.
+fn open_pty(size: PtySize) -> io::Result<(OwnedFd, OwnedFd)> {
+    let (mut master, mut slave) = (-1, -1);
+    let ws = winsize(size);
+    // SAFETY: openpty writes two fds; name and termios are optional (NULL).
+    let rc = unsafe {
+        libc::openpty(
+            &mut master,
+            &mut slave,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            &ws,
+        )
+    };
+    check("openpty", rc)?;
+    // SAFETY: both fds were just returned by openpty and are owned by nobody else.
+    let (master, slave) = unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) };
+    for fd in [&master, &slave] {
+        // SAFETY: setting FD_CLOEXEC on fds we own.
+        unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC) };
+    }
+    Ok((master, slave))
 }
 
 fn exec_error_kind(err: &io::Error) -> ExecErrorKind {
@@ -187,8 +314,8 @@ fn exec_error_kind(err: &io::Error) -> ExecErrorKind {
 }
 
 fn fail(outbox: &Outbox, id: u32, err: &io::Error, what: String) {
-    let mut message = format!("{what}: {err}");
-    message.truncate(krunbox_protocol::limits::MAX_TEXT);
+    let message =
+        crate::files::truncate_text(format!("{what}: {err}"), krunbox_protocol::limits::MAX_TEXT);
     outbox.send(&GuestMessage::ExecFailed(ExecFailed {
         id,
         kind: exec_error_kind(err),
@@ -219,10 +346,33 @@ pub fn start(exec: Exec, reaper: &Arc<Reaper>, table: &Table, outbox: &Outbox) {
     let mut cmd = Command::new(&program);
     cmd.args(exec.argv[1..].iter().map(|a| OsStr::from_bytes(a)))
         .env_clear()
-        .current_dir(&cwd)
-        .stdin(Stdio::null())
+        .current_dir(&cwd);
+    let mut pty_master = None;
+    if let Some(size) = exec.pty {
+        let (master, slave) = match open_pty(size) {
+            Ok(pair) => pair,
+            Err(err) => return fail(outbox, id, &err, "allocating a pty".into()),
+        };
+        let dup = |fd: &OwnedFd| fd.try_clone().map(Stdio::from);
+        match (dup(&slave), dup(&slave), dup(&slave)) {
+            (Ok(i), Ok(o), Ok(e)) => {
+                cmd.stdin(i).stdout(o).stderr(e);
+            }
+            (Err(err), _, _) | (_, Err(err), _) | (_, _, Err(err)) => {
+                return fail(outbox, id, &err, "duplicating the pty".into())
+            }
+        }
+        pty_master = Some(Arc::new(master));
+    } else {
+        cmd.stdin(if exec.stdin {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
+    }
+    let is_pty = pty_master.is_some();
     if !exec.env.iter().any(|(k, _)| &k[..] == b"PATH") {
         cmd.env("PATH", DEFAULT_PATH);
     }
@@ -231,11 +381,16 @@ pub fn start(exec: Exec, reaper: &Arc<Reaper>, table: &Table, outbox: &Outbox) {
     }
     let uid = exec.uid.unwrap_or(0);
     cmd.gid(exec.gid.unwrap_or(uid)).uid(uid);
-    // SAFETY: setsid is async-signal-safe. A new session makes the child the leader of its own
-    // process group, so a timeout or signal reaches everything it started.
+    // SAFETY: setsid and ioctl are async-signal-safe. A new session makes the child the leader
+    // of its own process group, so a timeout or signal reaches everything it started; on a pty
+    // the terminal (its stdin) becomes the session's controlling terminal, so Ctrl-C and
+    // SIGWINCH reach the foreground group.
     unsafe {
-        cmd.pre_exec(|| {
+        cmd.pre_exec(move || {
             if libc::setsid() < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if is_pty && libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
                 return Err(io::Error::last_os_error());
             }
             Ok(())
@@ -246,34 +401,86 @@ pub fn start(exec: Exec, reaper: &Arc<Reaper>, table: &Table, outbox: &Outbox) {
         Ok(child) => child,
         Err(err) => return fail(outbox, id, &err, format!("spawn {program:?}")),
     };
+    // The parent's copies of the pty slave must go now, or the master never sees EOF.
+    drop(cmd);
     let pid = child.id() as i32;
-    table
-        .0
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .insert(id, pid);
+    let windows = [Window::new(), Window::new()];
+
+    // Input: a pipe, or the pty master; written by its own thread, credited back to the host.
+    let stdin_sink: Option<Box<dyn Write + Send>> = match (&pty_master, child.stdin.take()) {
+        (Some(master), _) => master
+            .try_clone()
+            .ok()
+            .map(|fd| Box::new(File::from(fd)) as Box<dyn Write + Send>),
+        (None, Some(pipe)) => Some(Box::new(pipe)),
+        (None, None) => None,
+    };
+    let stdin_tx = stdin_sink.map(|sink| {
+        let (tx, rx) = channel::<Vec<u8>>();
+        let outbox = outbox.clone();
+        std::thread::spawn(move || feed_stdin(id, sink, rx, &outbox));
+        tx
+    });
+
+    table.0.lock().unwrap_or_else(|p| p.into_inner()).insert(
+        id,
+        Entry {
+            pgid: pid,
+            stdin: stdin_tx,
+            windows: windows.clone(),
+            pty: pty_master.clone(),
+        },
+    );
     outbox.send(&GuestMessage::Started(Started {
         id,
         pid: pid as u32,
     }));
 
-    let readers: Vec<_> = [
-        child
-            .stdout
-            .take()
-            .map(|s| (Stream::Stdout, Box::new(s) as Box<dyn Read + Send>)),
-        child
-            .stderr
-            .take()
-            .map(|s| (Stream::Stderr, Box::new(s) as Box<dyn Read + Send>)),
+    // Bigger pipes mean bigger reads, and fewer, bigger messages to the host.
+    for pipe in [
+        child.stdout.as_ref().map(|p| p.as_raw_fd()),
+        child.stderr.as_ref().map(|p| p.as_raw_fd()),
     ]
     .into_iter()
     .flatten()
-    .map(|(stream, pipe)| {
-        let outbox = outbox.clone();
-        std::thread::spawn(move || pump(id, stream, pipe, &outbox))
-    })
-    .collect();
+    {
+        // SAFETY: F_SETPIPE_SZ on a pipe fd we own; failure just keeps the default size.
+        unsafe { libc::fcntl(pipe, libc::F_SETPIPE_SZ, MAX_CHUNK as libc::c_int) };
+    }
+    let sources: Vec<(Stream, Box<dyn Read + Send>)> = match &pty_master {
+        Some(master) => master
+            .try_clone()
+            .ok()
+            .map(|fd| {
+                (
+                    Stream::Stdout,
+                    Box::new(File::from(fd)) as Box<dyn Read + Send>,
+                )
+            })
+            .into_iter()
+            .collect(),
+        None => [
+            child
+                .stdout
+                .take()
+                .map(|s| (Stream::Stdout, Box::new(s) as Box<dyn Read + Send>)),
+            child
+                .stderr
+                .take()
+                .map(|s| (Stream::Stderr, Box::new(s) as Box<dyn Read + Send>)),
+        ]
+        .into_iter()
+        .flatten()
+        .collect(),
+    };
+    let readers: Vec<_> = sources
+        .into_iter()
+        .map(|(stream, source)| {
+            let outbox = outbox.clone();
+            let window = windows[stream as usize].clone();
+            std::thread::spawn(move || pump(id, stream, source, &window, &outbox))
+        })
+        .collect();
 
     let deadline = exec
         .timeout_ms
@@ -320,13 +527,25 @@ pub fn start(exec: Exec, reaper: &Arc<Reaper>, table: &Table, outbox: &Outbox) {
     }
 }
 
-/// Copies one pipe to the host in bounded chunks until EOF.
-fn pump(id: u32, stream: Stream, mut pipe: Box<dyn Read + Send>, outbox: &Outbox) {
+/// Copies one pipe (or pty master) to the host in bounded chunks until EOF, never sending
+/// more than the host has credited: when the host reads slowly, this thread stops reading, the
+/// pipe fills, and the process's writes block.
+fn pump(
+    id: u32,
+    stream: Stream,
+    mut source: Box<dyn Read + Send>,
+    window: &Window,
+    outbox: &Outbox,
+) {
     let mut buf = vec![0u8; MAX_CHUNK];
     loop {
-        match pipe.read(&mut buf) {
+        let allowed = window.wait().min(MAX_CHUNK as u64) as usize;
+        match source.read(&mut buf[..allowed]) {
+            // EIO: a pty master whose slave side is closed — its end of file.
             Ok(0) => return,
+            Err(err) if err.raw_os_error() == Some(libc::EIO) => return,
             Ok(n) => {
+                window.spend(n as u64);
                 let msg = GuestMessage::Output(Output {
                     id,
                     stream,
@@ -340,4 +559,30 @@ fn pump(id: u32, stream: Stream, mut pipe: Box<dyn Read + Send>, outbox: &Outbox
             Err(_) => return,
         }
     }
+}
+
+/// Writes queued input to the process, crediting each chunk back to the host once written.
+/// After the process stops reading (EPIPE), input is discarded but still credited, so the host
+/// never waits forever.
+fn feed_stdin(
+    id: u32,
+    mut sink: Box<dyn Write + Send>,
+    rx: std::sync::mpsc::Receiver<Vec<u8>>,
+    outbox: &Outbox,
+) {
+    let mut broken = false;
+    for chunk in rx {
+        if !broken && sink.write_all(&chunk).is_err() {
+            broken = true;
+        }
+        let credit = GuestMessage::StdinCredit(Credit {
+            id,
+            stream: Stream::Stdout,
+            bytes: chunk.len() as u32,
+        });
+        if !outbox.send(&credit) {
+            return;
+        }
+    }
+    // Channel closed (CloseStdin or the process ended): dropping the sink closes the pipe.
 }

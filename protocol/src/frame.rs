@@ -55,6 +55,9 @@ impl Frame {
 #[derive(Debug, Default)]
 pub struct FrameDecoder {
     buf: Vec<u8>,
+    /// Where the unconsumed bytes of `buf` start (frames are taken from the front without
+    /// moving the rest each time; the consumed prefix is dropped in bulk).
+    start: usize,
     /// Set once a protocol error was seen: the stream cannot be resynchronised.
     poisoned: Option<ProtocolError>,
 }
@@ -66,17 +69,32 @@ impl FrameDecoder {
     }
 
     /// Appends received bytes. Fails (and stays failed) if they make an invalid header.
+    ///
+    /// Callers bound how much they push before taking frames out (a read buffer's worth), so
+    /// the decoder holds at most that plus one frame.
     pub fn push(&mut self, bytes: &[u8]) -> Result<(), ProtocolError> {
         if let Some(err) = &self.poisoned {
             return Err(err.clone());
+        }
+        if self.start == self.buf.len() {
+            self.buf.clear();
+            self.start = 0;
+        } else if self.start > 64 * 1024 && self.start * 2 > self.buf.len() {
+            self.buf.drain(..self.start);
+            self.start = 0;
         }
         self.buf.extend_from_slice(bytes);
         self.check_header()
     }
 
+    fn pending(&self) -> &[u8] {
+        &self.buf[self.start..]
+    }
+
     fn check_header(&mut self) -> Result<(), ProtocolError> {
-        if self.buf.len() >= FRAME_HEADER_LEN {
-            let len = u32::from_le_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]]);
+        let pending = self.pending();
+        if pending.len() >= FRAME_HEADER_LEN {
+            let len = u32::from_le_bytes([pending[0], pending[1], pending[2], pending[3]]);
             if len as usize > MAX_FRAME_BODY {
                 let err = ProtocolError::FrameTooLarge {
                     len: len as u64,
@@ -84,6 +102,7 @@ impl FrameDecoder {
                 };
                 self.poisoned = Some(err.clone());
                 self.buf = Vec::new();
+                self.start = 0;
                 return Err(err);
             }
         }
@@ -102,33 +121,39 @@ impl FrameDecoder {
             .max(1)
     }
 
+    /// Bytes held, consumed or not (for bounds checks and tests).
+    pub fn buffered(&self) -> usize {
+        self.buf.len()
+    }
+
     /// Pops the next whole frame, if one is buffered.
     pub fn next_frame(&mut self) -> Result<Option<Frame>, ProtocolError> {
         if let Some(err) = &self.poisoned {
             return Err(err.clone());
         }
-        if self.buf.len() < FRAME_HEADER_LEN {
+        let pending = self.pending();
+        if pending.len() < FRAME_HEADER_LEN {
             return Ok(None);
         }
-        let len = u32::from_le_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]]) as usize;
-        let kind = u16::from_le_bytes([self.buf[4], self.buf[5]]);
+        let len = u32::from_le_bytes([pending[0], pending[1], pending[2], pending[3]]) as usize;
+        let kind = u16::from_le_bytes([pending[4], pending[5]]);
         let total = FRAME_HEADER_LEN + len;
-        if self.buf.len() < total {
+        if pending.len() < total {
             return Ok(None);
         }
-        let body = self.buf[FRAME_HEADER_LEN..total].to_vec();
-        self.buf.drain(..total);
+        let body = pending[FRAME_HEADER_LEN..total].to_vec();
+        self.start += total;
         self.check_header()?;
         Ok(Some(Frame { kind, body }))
     }
 
     /// Call at end of stream: an error if the stream stopped inside a frame.
     pub fn finish(&self) -> Result<(), ProtocolError> {
-        if self.buf.is_empty() {
+        if self.pending().is_empty() {
             Ok(())
         } else {
             Err(ProtocolError::TruncatedFrame {
-                buffered: self.buf.len(),
+                buffered: self.pending().len(),
             })
         }
     }

@@ -48,6 +48,7 @@
 #![warn(missing_docs)]
 
 mod frame;
+pub mod fs;
 mod message;
 
 pub use frame::{Frame, FrameDecoder, FRAME_HEADER_LEN, MAX_FRAME_BODY};
@@ -88,11 +89,12 @@ pub fn fuzz_control_stream(data: &[u8]) {
             }
         }
         assert!(decoder.wanted() <= FRAME_HEADER_LEN + MAX_FRAME_BODY);
+        assert!(decoder.buffered() <= 2 * (FRAME_HEADER_LEN + MAX_FRAME_BODY) + 64 * 1024);
     }
 }
 
 /// The protocol version spoken by this build. Bumped on any incompatible change.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// The vsock port on the host (CID 2) that `guest-init` connects to for its control channel.
 pub const CONTROL_PORT: u32 = 1024;
@@ -107,8 +109,9 @@ pub mod limits {
     /// Total bytes of argv plus environment for one command (Linux's own ARG_MAX is 2 MiB
     /// by default; we stay well inside one frame).
     pub const MAX_EXEC_BYTES: usize = 512 * 1024;
-    /// One chunk of process output.
-    pub const MAX_CHUNK: usize = 64 * 1024;
+    /// One chunk of process output or input. Large: under nested emulation every message has a
+    /// high fixed cost, so fewer, bigger chunks stream several times faster.
+    pub const MAX_CHUNK: usize = 256 * 1024;
     /// Free-form text (error messages, version strings, hostnames, paths).
     pub const MAX_TEXT: usize = 4096;
 }

@@ -4,6 +4,7 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use serde_bytes::ByteBuf;
 
 use crate::frame::{Frame, MAX_FRAME_BODY};
+use crate::fs::{FsReply, FsRequest};
 use crate::limits::*;
 use crate::ProtocolError;
 
@@ -18,6 +19,16 @@ pub enum HostMessage {
     Signal(SignalProcess),
     /// Sync filesystems and power the VM off.
     Shutdown,
+    /// Bytes for a process's stdin (or pty input); only as much as the guest granted.
+    Stdin(StdinData),
+    /// Close a process's stdin (EOF for the process).
+    CloseStdin(ProcessRef),
+    /// The host consumed output: the guest may send this many more bytes of that stream.
+    Credit(Credit),
+    /// Change a pty's window size (the process group gets SIGWINCH).
+    Resize(Resize),
+    /// A file operation.
+    Fs(FsRequest),
 }
 
 /// Guest → host messages.
@@ -37,6 +48,10 @@ pub enum GuestMessage {
     Exited(Exited),
     /// A process could not be started.
     ExecFailed(ExecFailed),
+    /// The guest wrote stdin bytes to the process: the host may send this many more.
+    StdinCredit(Credit),
+    /// The answer to a file operation.
+    FsReply(FsReply),
 }
 
 /// Kind numbers. Never reuse a retired number.
@@ -45,6 +60,11 @@ mod kind {
     pub const EXEC: u16 = 2;
     pub const SIGNAL: u16 = 3;
     pub const SHUTDOWN: u16 = 4;
+    pub const STDIN: u16 = 5;
+    pub const CLOSE_STDIN: u16 = 6;
+    pub const CREDIT: u16 = 7;
+    pub const RESIZE: u16 = 8;
+    pub const FS: u16 = 9;
 
     pub const HELLO: u16 = 101;
     pub const READY: u16 = 102;
@@ -53,7 +73,17 @@ mod kind {
     pub const OUTPUT: u16 = 105;
     pub const EXITED: u16 = 106;
     pub const EXEC_FAILED: u16 = 107;
+    pub const STDIN_CREDIT: u16 = 108;
+    pub const FS_REPLY: u16 = 109;
 }
+
+/// Output bytes of one stream the guest may send before the host grants more ([`Credit`]).
+/// Bounds host memory per stream, and slows a guest process that writes faster than the
+/// host reads (its pipe fills, its writes block).
+pub const OUTPUT_WINDOW: u32 = 1024 * 1024;
+
+/// Stdin bytes the host may send before the guest grants more ([`GuestMessage::StdinCredit`]).
+pub const STDIN_WINDOW: u32 = 1024 * 1024;
 
 /// How the guest mounts its root filesystem.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -92,6 +122,56 @@ pub struct Exec {
     pub gid: Option<u32>,
     /// Kill the process group after this many milliseconds and report it as timed out.
     pub timeout_ms: Option<u64>,
+    /// Give the process a stdin pipe fed by [`HostMessage::Stdin`] (otherwise `/dev/null`).
+    pub stdin: bool,
+    /// Run on a new pseudo-terminal of this size: stdin, stdout and stderr are the terminal,
+    /// its output arrives as stdout, its input as stdin.
+    pub pty: Option<PtySize>,
+}
+
+/// A terminal size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PtySize {
+    /// Rows.
+    pub rows: u16,
+    /// Columns.
+    pub cols: u16,
+}
+
+/// Input for a process.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StdinData {
+    /// The process id from [`Exec::id`].
+    pub id: u32,
+    /// At most [`MAX_CHUNK`] bytes.
+    pub data: ByteBuf,
+}
+
+/// Names a process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessRef {
+    /// The process id from [`Exec::id`].
+    pub id: u32,
+}
+
+/// Permission to send more bytes of one stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Credit {
+    /// The process id from [`Exec::id`].
+    pub id: u32,
+    /// Which output stream (ignored for stdin credit).
+    pub stream: Stream,
+    /// How many more bytes.
+    pub bytes: u32,
+}
+
+/// A new pty window size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Resize {
+    /// The process id from [`Exec::id`].
+    pub id: u32,
+    /// The size.
+    pub size: PtySize,
 }
 
 /// Signal a process group.
@@ -298,6 +378,14 @@ impl Exec {
             no_nul("cwd", cwd)?;
             bound("cwd", cwd.len(), MAX_TEXT)?;
         }
+        if let Some(size) = self.pty {
+            if size.rows == 0 || size.cols == 0 {
+                return Err(ProtocolError::OutOfBounds {
+                    field: "pty size",
+                    detail: "rows and columns must be at least 1".into(),
+                });
+            }
+        }
         Ok(())
     }
 }
@@ -335,6 +423,17 @@ impl HostMessage {
                 kind: kind::SHUTDOWN,
                 body: Vec::new(),
             }),
+            HostMessage::Stdin(m) => {
+                bound("stdin chunk", m.data.len(), MAX_CHUNK)?;
+                encode_body(kind::STDIN, m)
+            }
+            HostMessage::CloseStdin(m) => encode_body(kind::CLOSE_STDIN, m),
+            HostMessage::Credit(m) => encode_body(kind::CREDIT, m),
+            HostMessage::Resize(m) => encode_body(kind::RESIZE, m),
+            HostMessage::Fs(m) => {
+                m.validate()?;
+                encode_body(kind::FS, m)
+            }
         }
     }
 
@@ -362,6 +461,19 @@ impl HostMessage {
                 expect_empty("Shutdown", body)?;
                 HostMessage::Shutdown
             }
+            kind::STDIN => {
+                let m: StdinData = decode_body("Stdin", body)?;
+                bound("stdin chunk", m.data.len(), MAX_CHUNK)?;
+                HostMessage::Stdin(m)
+            }
+            kind::CLOSE_STDIN => HostMessage::CloseStdin(decode_body("CloseStdin", body)?),
+            kind::CREDIT => HostMessage::Credit(decode_body("Credit", body)?),
+            kind::RESIZE => HostMessage::Resize(decode_body("Resize", body)?),
+            kind::FS => {
+                let m: FsRequest = decode_body("Fs", body)?;
+                m.validate()?;
+                HostMessage::Fs(m)
+            }
             kind => {
                 return Err(ProtocolError::UnknownKind {
                     kind,
@@ -387,6 +499,8 @@ impl GuestMessage {
             GuestMessage::Output(m) => encode_body(kind::OUTPUT, m),
             GuestMessage::Exited(m) => encode_body(kind::EXITED, m),
             GuestMessage::ExecFailed(m) => encode_body(kind::EXEC_FAILED, m),
+            GuestMessage::StdinCredit(m) => encode_body(kind::STDIN_CREDIT, m),
+            GuestMessage::FsReply(m) => encode_body(kind::FS_REPLY, m),
         }
     }
 
@@ -404,7 +518,11 @@ impl GuestMessage {
             GuestMessage::SetupFailed(m) => text("failure message", &m.message),
             GuestMessage::ExecFailed(m) => text("exec failure message", &m.message),
             GuestMessage::Output(m) => bound("output chunk", m.data.len(), MAX_CHUNK),
-            GuestMessage::Ready | GuestMessage::Started(_) | GuestMessage::Exited(_) => Ok(()),
+            GuestMessage::FsReply(m) => m.validate(),
+            GuestMessage::Ready
+            | GuestMessage::Started(_)
+            | GuestMessage::Exited(_)
+            | GuestMessage::StdinCredit(_) => Ok(()),
         }
     }
 
@@ -423,6 +541,8 @@ impl GuestMessage {
             kind::OUTPUT => GuestMessage::Output(decode_body("Output", body)?),
             kind::EXITED => GuestMessage::Exited(decode_body("Exited", body)?),
             kind::EXEC_FAILED => GuestMessage::ExecFailed(decode_body("ExecFailed", body)?),
+            kind::STDIN_CREDIT => GuestMessage::StdinCredit(decode_body("StdinCredit", body)?),
+            kind::FS_REPLY => GuestMessage::FsReply(decode_body("FsReply", body)?),
             kind => {
                 return Err(ProtocolError::UnknownKind {
                     kind,
@@ -452,6 +572,8 @@ mod tests {
             uid: Some(1000),
             gid: None,
             timeout_ms: Some(2000),
+            stdin: true,
+            pty: Some(PtySize { rows: 24, cols: 80 }),
         }
     }
 
@@ -483,6 +605,29 @@ mod tests {
                 errno: 2,
                 message: "nope".into(),
             }),
+            GuestMessage::StdinCredit(Credit {
+                id: 1,
+                stream: Stream::Stdout,
+                bytes: 4096,
+            }),
+            GuestMessage::FsReply(FsReply {
+                id: 9,
+                result: Ok(crate::fs::FsOk::Entries {
+                    entries: vec![crate::fs::DirEntry {
+                        name: ByteBuf::from(b"a".to_vec()),
+                        file_type: crate::fs::FileType::Dir,
+                    }],
+                    complete: true,
+                }),
+            }),
+            GuestMessage::FsReply(FsReply {
+                id: 10,
+                result: Err(crate::fs::FsError {
+                    kind: crate::fs::FsErrorKind::IsADirectory,
+                    errno: 21,
+                    message: "read /tmp".into(),
+                }),
+            }),
         ]
     }
 
@@ -504,6 +649,34 @@ mod tests {
             HostMessage::Exec(exec()),
             HostMessage::Signal(SignalProcess { id: 3, signal: 9 }),
             HostMessage::Shutdown,
+            HostMessage::Stdin(StdinData {
+                id: 3,
+                data: ByteBuf::from(b"input".to_vec()),
+            }),
+            HostMessage::CloseStdin(ProcessRef { id: 3 }),
+            HostMessage::Credit(Credit {
+                id: 3,
+                stream: Stream::Stderr,
+                bytes: 65536,
+            }),
+            HostMessage::Resize(Resize {
+                id: 3,
+                size: PtySize {
+                    rows: 50,
+                    cols: 132,
+                },
+            }),
+            HostMessage::Fs(FsRequest {
+                id: 4,
+                op: crate::fs::FsOp::Write {
+                    path: ByteBuf::from(b"/tmp/f".to_vec()),
+                    offset: 0,
+                    data: ByteBuf::from(vec![1, 2, 3]),
+                    mode: 0o644,
+                    create: true,
+                    truncate: true,
+                },
+            }),
         ];
         // Byte-at-a-time delivery exercises every partial state of the decoder.
         let mut decoder = FrameDecoder::new();
@@ -568,7 +741,9 @@ mod tests {
                     state as u8
                 })
                 .collect();
-            for kind in [1u16, 2, 3, 4, 101, 102, 103, 104, 105, 106, 107, 0, 65535] {
+            for kind in [
+                1u16, 2, 3, 4, 5, 6, 7, 8, 9, 101, 102, 103, 104, 105, 106, 107, 108, 109, 0, 65535,
+            ] {
                 let frame = Frame {
                     kind,
                     body: body.clone(),

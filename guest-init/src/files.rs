@@ -1,0 +1,568 @@
+//! File operations requested by the host (see `krunbox_protocol::fs`).
+//!
+//! Each request runs on its own short-lived thread, so a slow disk (or a read that blocks on a
+//! FIFO) never stalls the control loop, and answers with exactly one [`FsReply`]. Requests run
+//! as guest-init runs: root. Nothing here changes the process-wide umask (commands are spawned
+//! concurrently and would inherit it); exact modes are set with `fchmod`/`chmod` after creation.
+
+use std::ffi::OsStr;
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::os::unix::fs::{DirBuilderExt, FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use krunbox_protocol::fs::{
+    DirEntry, FileMeta, FileType, FsError, FsErrorKind, FsOk, FsOp, FsReply, FsRequest,
+    MAX_DIR_ENTRIES, MAX_FILE_CHUNK,
+};
+use krunbox_protocol::limits::MAX_TEXT;
+use krunbox_protocol::GuestMessage;
+use serde_bytes::ByteBuf;
+
+use crate::supervisor::Outbox;
+
+/// Handles one request off the control loop's thread and sends its reply.
+pub fn handle(request: FsRequest, outbox: &Outbox) {
+    let id = request.id;
+    let thread_outbox = outbox.clone();
+    let spawned = std::thread::Builder::new()
+        .name(format!("fs-{id}"))
+        .spawn(move || {
+            let result = run(request.op);
+            thread_outbox.send(&GuestMessage::FsReply(FsReply { id, result }));
+        });
+    if let Err(err) = spawned {
+        // Out of threads or memory: answer at once rather than run it on the control loop.
+        outbox.send(&GuestMessage::FsReply(FsReply {
+            id,
+            result: Err(FsError {
+                kind: FsErrorKind::Other,
+                errno: err.raw_os_error().unwrap_or(0),
+                message: format!("cannot start a thread for the file operation: {err}"),
+            }),
+        }));
+    }
+}
+
+/// Runs one operation to completion on the calling thread.
+pub fn run(op: FsOp) -> Result<FsOk, FsError> {
+    match op {
+        FsOp::Read { path, offset, len } => read(path_of(&path), offset, len),
+        FsOp::Write {
+            path,
+            offset,
+            data,
+            mode,
+            create,
+            truncate,
+        } => write(path_of(&path), offset, &data, mode, create, truncate),
+        FsOp::Sync { path } => sync(path_of(&path)),
+        FsOp::Metadata { path, follow } => metadata(path_of(&path), follow),
+        FsOp::ReadDir { path, after } => read_dir(path_of(&path), after.as_ref().map(|a| &a[..])),
+        FsOp::Remove { path, recursive } => remove(path_of(&path), recursive),
+        FsOp::CreateDir {
+            path,
+            mode,
+            parents,
+        } => create_dir(path_of(&path), mode, parents),
+    }
+}
+
+fn path_of(bytes: &[u8]) -> &Path {
+    Path::new(OsStr::from_bytes(bytes))
+}
+
+/// The protocol's class for an errno.
+pub fn error_kind(errno: i32) -> FsErrorKind {
+    match errno {
+        libc::ENOENT => FsErrorKind::NotFound,
+        libc::EACCES | libc::EPERM | libc::EROFS => FsErrorKind::PermissionDenied,
+        libc::EISDIR => FsErrorKind::IsADirectory,
+        libc::ENOTDIR => FsErrorKind::NotADirectory,
+        libc::EEXIST => FsErrorKind::AlreadyExists,
+        libc::ENOTEMPTY => FsErrorKind::DirectoryNotEmpty,
+        libc::EINVAL => FsErrorKind::InvalidInput,
+        _ => FsErrorKind::Other,
+    }
+}
+
+/// `"{what} {path}: {err}"`, e.g. `open /x: No such file or directory (os error 2)`, cut to
+/// [`MAX_TEXT`] bytes on a character boundary.
+pub fn error(what: &str, path: &Path, err: &io::Error) -> FsError {
+    let errno = err.raw_os_error().unwrap_or(0);
+    let kind = match err.raw_os_error() {
+        Some(errno) => error_kind(errno),
+        None if err.kind() == io::ErrorKind::InvalidInput => FsErrorKind::InvalidInput,
+        None => FsErrorKind::Other,
+    };
+    FsError {
+        kind,
+        errno,
+        message: truncate_text(format!("{what} {}: {err}", path.display()), MAX_TEXT),
+    }
+}
+
+/// Cuts `text` to at most `max` bytes without splitting a character.
+pub fn truncate_text(mut text: String, max: usize) -> String {
+    if text.len() > max {
+        let mut end = max;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+    }
+    text
+}
+
+fn invalid(what: &str, path: &Path, detail: &str) -> FsError {
+    FsError {
+        kind: FsErrorKind::InvalidInput,
+        errno: libc::EINVAL,
+        message: truncate_text(format!("{what} {}: {detail}", path.display()), MAX_TEXT),
+    }
+}
+
+/// Reads up to `len` bytes at `offset`, looping over short reads so that a short chunk means
+/// end of file (the host pipelines reads at consecutive offsets).
+fn read(path: &Path, offset: u64, len: u32) -> Result<FsOk, FsError> {
+    let len = len as usize;
+    if len > MAX_FILE_CHUNK {
+        return Err(invalid("read", path, "length exceeds the chunk limit"));
+    }
+    let file = File::open(path).map_err(|e| error("open", path, &e))?;
+    let mut data = vec![0u8; len];
+    let mut filled = 0;
+    while filled < len {
+        match file.read_at(&mut data[filled..], offset + filled as u64) {
+            Ok(0) => break,
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(error("read", path, &e)),
+        }
+    }
+    data.truncate(filled);
+    Ok(FsOk::Data(ByteBuf::from(data)))
+}
+
+/// Opens for writing. A file this call creates gets exactly `mode` (not `mode & !umask`).
+fn open_for_write(path: &Path, mode: u32, create: bool, truncate: bool) -> io::Result<File> {
+    let mode = mode & 0o7777;
+    let mut options = OpenOptions::new();
+    options.write(true).truncate(truncate);
+    if !create {
+        return options.open(path);
+    }
+    let created = |file: File| {
+        file.set_permissions(fs::Permissions::from_mode(mode))?;
+        Ok(file)
+    };
+    // Exclusive first, so we know whether the file is ours to chmod.
+    match options.clone().create_new(true).mode(mode).open(path) {
+        Ok(file) => return created(file),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    match options.open(path) {
+        // A dangling symlink "exists" for O_EXCL; like open(O_CREAT), create its target.
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            created(options.create(true).mode(mode).open(path)?)
+        }
+        other => other,
+    }
+}
+
+fn write(
+    path: &Path,
+    offset: u64,
+    data: &[u8],
+    mode: u32,
+    create: bool,
+    truncate: bool,
+) -> Result<FsOk, FsError> {
+    let file = open_for_write(path, mode, create, truncate).map_err(|e| error("open", path, &e))?;
+    file.write_all_at(data, offset)
+        .map_err(|e| error("write", path, &e))?;
+    Ok(FsOk::Done)
+}
+
+fn sync(path: &Path) -> Result<FsOk, FsError> {
+    let file = File::open(path).map_err(|e| error("open", path, &e))?;
+    file.sync_all().map_err(|e| error("fsync", path, &e))?;
+    Ok(FsOk::Done)
+}
+
+fn file_type(t: fs::FileType) -> FileType {
+    if t.is_symlink() {
+        FileType::Symlink
+    } else if t.is_dir() {
+        FileType::Dir
+    } else if t.is_file() {
+        FileType::File
+    } else {
+        FileType::Other
+    }
+}
+
+fn metadata(path: &Path, follow: bool) -> Result<FsOk, FsError> {
+    let (what, meta) = if follow {
+        ("stat", fs::metadata(path))
+    } else {
+        ("lstat", fs::symlink_metadata(path))
+    };
+    let meta = meta.map_err(|e| error(what, path, &e))?;
+    Ok(FsOk::Metadata(FileMeta {
+        file_type: file_type(meta.file_type()),
+        len: meta.size(),
+        mode: meta.mode() & 0o7777,
+        uid: meta.uid(),
+        gid: meta.gid(),
+        mtime_secs: meta.mtime(),
+        mtime_nanos: meta.mtime_nsec().clamp(0, 999_999_999) as u32,
+    }))
+}
+
+/// One page of `path`'s entries after `after`, sorted by name bytes.
+///
+/// Every page lists the whole directory (the protocol is stateless), so listing a directory of
+/// n entries costs O(n²/[`MAX_DIR_ENTRIES`]) — fine for the tens of thousands a sandbox holds.
+fn read_dir(path: &Path, after: Option<&[u8]>) -> Result<FsOk, FsError> {
+    let entries = fs::read_dir(path).map_err(|e| error("opendir", path, &e))?;
+    let mut page = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| error("readdir", path, &e))?;
+        let name = entry.file_name();
+        if after.is_some_and(|after| name.as_bytes() <= after) {
+            continue;
+        }
+        // d_type, or lstat when the filesystem does not fill it in (never follows links).
+        let kind = match entry.file_type() {
+            Ok(t) => file_type(t),
+            // Removed between readdir and lstat: it is no longer there to list.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(_) => FileType::Other,
+        };
+        page.push(DirEntry {
+            name: ByteBuf::from(name.into_vec()),
+            file_type: kind,
+        });
+    }
+    let complete = page.len() <= MAX_DIR_ENTRIES;
+    if !complete {
+        page.select_nth_unstable_by(MAX_DIR_ENTRIES, |a, b| a.name.cmp(&b.name));
+        page.truncate(MAX_DIR_ENTRIES);
+    }
+    page.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+    Ok(FsOk::Entries {
+        entries: page,
+        complete,
+    })
+}
+
+fn remove(path: &Path, recursive: bool) -> Result<FsOk, FsError> {
+    let meta = fs::symlink_metadata(path).map_err(|e| error("lstat", path, &e))?;
+    let result = if meta.is_dir() {
+        if recursive {
+            // std's remove_dir_all works with openat/unlinkat and never follows symlinks.
+            fs::remove_dir_all(path).map_err(|e| error("remove tree", path, &e))
+        } else {
+            fs::remove_dir(path).map_err(|e| error("rmdir", path, &e))
+        }
+    } else {
+        fs::remove_file(path).map_err(|e| error("unlink", path, &e))
+    };
+    result.map(|()| FsOk::Done)
+}
+
+/// `mkdir` with exactly `mode`.
+fn mkdir(path: &Path, mode: u32) -> io::Result<()> {
+    fs::DirBuilder::new().mode(mode).create(path)?;
+    fs::set_permissions(path, fs::Permissions::from_mode(mode))
+}
+
+fn create_dir(path: &Path, mode: u32, parents: bool) -> Result<FsOk, FsError> {
+    let mode = mode & 0o7777;
+    if !parents {
+        mkdir(path, mode).map_err(|e| error("mkdir", path, &e))?;
+        return Ok(FsOk::Done);
+    }
+    // Like `mkdir -p`, but every directory created gets `mode` (as std's recursive DirBuilder
+    // does), exactly; existing directories are left alone.
+    let mut missing: Vec<PathBuf> = Vec::new();
+    let mut current = Some(path);
+    while let Some(dir) = current {
+        if dir.as_os_str().is_empty() {
+            break;
+        }
+        match fs::metadata(dir) {
+            Ok(meta) if meta.is_dir() => break,
+            Ok(_) => {
+                let err = io::Error::from_raw_os_error(if dir == path {
+                    libc::EEXIST
+                } else {
+                    libc::ENOTDIR
+                });
+                return Err(error("mkdir", dir, &err));
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => missing.push(dir.to_path_buf()),
+            Err(e) => return Err(error("stat", dir, &e)),
+        }
+        current = dir.parent();
+    }
+    for dir in missing.iter().rev() {
+        match mkdir(dir, mode) {
+            Ok(()) => {}
+            // Created concurrently by someone else: fine, as long as it is a directory.
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists && dir.is_dir() => {}
+            Err(e) => return Err(error("mkdir", dir, &e)),
+        }
+    }
+    Ok(FsOk::Done)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bytes(p: &Path) -> ByteBuf {
+        ByteBuf::from(p.as_os_str().as_bytes().to_vec())
+    }
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("guest-init-files-{}-{name}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn errnos_map_to_kinds() {
+        assert_eq!(error_kind(libc::ENOENT), FsErrorKind::NotFound);
+        for e in [libc::EACCES, libc::EPERM, libc::EROFS] {
+            assert_eq!(error_kind(e), FsErrorKind::PermissionDenied);
+        }
+        assert_eq!(error_kind(libc::EISDIR), FsErrorKind::IsADirectory);
+        assert_eq!(error_kind(libc::ENOTDIR), FsErrorKind::NotADirectory);
+        assert_eq!(error_kind(libc::EEXIST), FsErrorKind::AlreadyExists);
+        assert_eq!(error_kind(libc::ENOTEMPTY), FsErrorKind::DirectoryNotEmpty);
+        assert_eq!(error_kind(libc::EINVAL), FsErrorKind::InvalidInput);
+        assert_eq!(error_kind(libc::EIO), FsErrorKind::Other);
+    }
+
+    #[test]
+    fn messages_name_the_operation_and_path_and_stay_bounded() {
+        let err = error(
+            "open",
+            Path::new("/x"),
+            &io::Error::from_raw_os_error(libc::ENOENT),
+        );
+        assert_eq!(
+            err.message,
+            "open /x: No such file or directory (os error 2)"
+        );
+        assert_eq!(err.errno, libc::ENOENT);
+        assert_eq!(err.kind, FsErrorKind::NotFound);
+        // A long path of multi-byte characters is cut on a character boundary.
+        let long = "/".to_string() + &"é".repeat(MAX_TEXT);
+        let err = error(
+            "open",
+            Path::new(&long),
+            &io::Error::from_raw_os_error(libc::ENOENT),
+        );
+        assert!(err.message.len() <= MAX_TEXT);
+        assert!(err.message.len() >= MAX_TEXT - 1);
+    }
+
+    #[test]
+    fn write_read_sync_round_trip_with_exact_mode() {
+        let dir = scratch("rw");
+        let file = dir.join("f");
+        let write = |offset, data: &[u8], create, truncate| {
+            run(FsOp::Write {
+                path: bytes(&file),
+                offset,
+                data: ByteBuf::from(data.to_vec()),
+                mode: 0o640,
+                create,
+                truncate,
+            })
+        };
+        assert_eq!(write(0, b"hello\0\xff", true, true), Ok(FsOk::Done));
+        assert_eq!(
+            fs::metadata(&file).unwrap().permissions().mode() & 0o7777,
+            0o640
+        );
+        assert_eq!(write(5, b"!", false, false), Ok(FsOk::Done));
+        assert_eq!(fs::read(&file).unwrap(), b"hello!\xff");
+        let read = |offset, len| {
+            run(FsOp::Read {
+                path: bytes(&file),
+                offset,
+                len,
+            })
+        };
+        assert_eq!(read(1, 3), Ok(FsOk::Data(ByteBuf::from(b"ell".to_vec()))));
+        assert_eq!(
+            read(4, 100),
+            Ok(FsOk::Data(ByteBuf::from(b"o!\xff".to_vec())))
+        );
+        assert_eq!(read(7, 100), Ok(FsOk::Data(ByteBuf::new())));
+        assert_eq!(run(FsOp::Sync { path: bytes(&file) }), Ok(FsOk::Done));
+        // Truncation of an existing file keeps its mode.
+        assert_eq!(write(0, b"x", true, true), Ok(FsOk::Done));
+        assert_eq!(fs::read(&file).unwrap(), b"x");
+        // Writing through a dangling symlink creates its target, with the mode.
+        std::os::unix::fs::symlink("target", dir.join("link")).unwrap();
+        let through = run(FsOp::Write {
+            path: bytes(&dir.join("link")),
+            offset: 0,
+            data: ByteBuf::from(b"t".to_vec()),
+            mode: 0o604,
+            create: true,
+            truncate: true,
+        });
+        assert_eq!(through, Ok(FsOk::Done));
+        assert_eq!(fs::read(dir.join("target")).unwrap(), b"t");
+        assert_eq!(
+            fs::metadata(dir.join("target"))
+                .unwrap()
+                .permissions()
+                .mode()
+                & 0o7777,
+            0o604
+        );
+        // Without create, a missing file is NotFound; reading a directory is IsADirectory.
+        let missing = run(FsOp::Write {
+            path: bytes(&dir.join("missing")),
+            offset: 0,
+            data: ByteBuf::new(),
+            mode: 0o644,
+            create: false,
+            truncate: false,
+        });
+        assert_eq!(missing.unwrap_err().kind, FsErrorKind::NotFound);
+        let err = run(FsOp::Read {
+            path: bytes(&dir),
+            offset: 0,
+            len: 10,
+        })
+        .unwrap_err();
+        assert_eq!(err.kind, FsErrorKind::IsADirectory, "{err:?}");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn read_dir_is_sorted_and_paged() {
+        let dir = scratch("list");
+        let n = MAX_DIR_ENTRIES + 500;
+        for i in 0..n {
+            fs::write(dir.join(format!("f{i:05}")), b"").unwrap();
+        }
+        fs::create_dir(dir.join("sub")).unwrap();
+        std::os::unix::fs::symlink("f00000", dir.join("link")).unwrap();
+        let mut names = Vec::new();
+        let mut after = None;
+        let mut pages = 0;
+        loop {
+            let Ok(FsOk::Entries { entries, complete }) = run(FsOp::ReadDir {
+                path: bytes(&dir),
+                after: after.clone(),
+            }) else {
+                panic!("read_dir failed")
+            };
+            pages += 1;
+            assert!(entries.len() <= MAX_DIR_ENTRIES);
+            after = entries.last().map(|e| e.name.clone());
+            names.extend(entries);
+            if complete {
+                break;
+            }
+        }
+        assert_eq!(pages, 2);
+        assert_eq!(names.len(), n + 2);
+        assert!(names.windows(2).all(|w| w[0].name < w[1].name));
+        let kind = |name: &str| {
+            names
+                .iter()
+                .find(|e| &e.name[..] == name.as_bytes())
+                .unwrap()
+        };
+        assert_eq!(kind("sub").file_type, FileType::Dir);
+        assert_eq!(kind("link").file_type, FileType::Symlink);
+        assert_eq!(kind("f00001").file_type, FileType::File);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn remove_and_create_dir() {
+        let dir = scratch("rm");
+        let outside = scratch("rm-outside");
+        fs::write(outside.join("keep"), b"k").unwrap();
+        let deep = dir.join("a/b/c");
+        assert_eq!(
+            run(FsOp::CreateDir {
+                path: bytes(&deep),
+                mode: 0o700,
+                parents: true
+            }),
+            Ok(FsOk::Done)
+        );
+        assert_eq!(
+            fs::metadata(&deep).unwrap().permissions().mode() & 0o7777,
+            0o700
+        );
+        // Existing is fine with parents, an error without.
+        assert!(run(FsOp::CreateDir {
+            path: bytes(&deep),
+            mode: 0o700,
+            parents: true
+        })
+        .is_ok());
+        let err = run(FsOp::CreateDir {
+            path: bytes(&deep),
+            mode: 0o700,
+            parents: false,
+        })
+        .unwrap_err();
+        assert_eq!(err.kind, FsErrorKind::AlreadyExists);
+        std::os::unix::fs::symlink(&outside, dir.join("a/escape")).unwrap();
+        let err = run(FsOp::Remove {
+            path: bytes(&dir.join("a")),
+            recursive: false,
+        })
+        .unwrap_err();
+        assert_eq!(err.kind, FsErrorKind::DirectoryNotEmpty);
+        assert_eq!(
+            run(FsOp::Remove {
+                path: bytes(&dir.join("a")),
+                recursive: true
+            }),
+            Ok(FsOk::Done)
+        );
+        assert!(!dir.join("a").exists());
+        // The symlinked directory's contents survived.
+        assert_eq!(fs::read(outside.join("keep")).unwrap(), b"k");
+        fs::remove_dir_all(&dir).unwrap();
+        fs::remove_dir_all(&outside).unwrap();
+    }
+
+    #[test]
+    fn metadata_follows_only_when_asked() {
+        let dir = scratch("meta");
+        fs::write(dir.join("f"), b"12345").unwrap();
+        std::os::unix::fs::symlink("f", dir.join("l")).unwrap();
+        let meta = |name: &str, follow| match run(FsOp::Metadata {
+            path: bytes(&dir.join(name)),
+            follow,
+        }) {
+            Ok(FsOk::Metadata(m)) => m,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(meta("l", false).file_type, FileType::Symlink);
+        let followed = meta("l", true);
+        assert_eq!(followed.file_type, FileType::File);
+        assert_eq!(followed.len, 5);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,278 @@
+//! File operations on the guest's filesystem, as request/response pairs.
+//!
+//! Large files move as a sequence of bounded chunks ([`MAX_FILE_CHUNK`]); the host keeps a
+//! small number of requests in flight, which is the flow control. Every path is bytes (Linux
+//! paths are not UTF-8) without NUL, at most [`crate::limits::MAX_TEXT`] bytes.
+
+use serde::{Deserialize, Serialize};
+use serde_bytes::ByteBuf;
+
+use crate::limits::MAX_TEXT;
+use crate::ProtocolError;
+
+/// The largest data chunk of one read or write.
+pub const MAX_FILE_CHUNK: usize = 512 * 1024;
+
+/// Directory entries in one [`FsOk::Entries`] reply; a larger directory is listed in pages.
+pub const MAX_DIR_ENTRIES: usize = 1024;
+
+/// A file-system request, answered by exactly one [`FsReply`] with the same id.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FsRequest {
+    /// Host-chosen id, unique among outstanding requests (shares the process id space).
+    pub id: u32,
+    /// The operation.
+    pub op: FsOp,
+}
+
+/// What to do.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FsOp {
+    /// Read up to `len` (≤ [`MAX_FILE_CHUNK`]) bytes at `offset`. Replies [`FsOk::Data`]; an
+    /// empty chunk means end of file.
+    Read {
+        /// The file.
+        path: ByteBuf,
+        /// Byte offset.
+        offset: u64,
+        /// Bytes wanted.
+        len: u32,
+    },
+    /// Write `data` at `offset`. With `create`, the file is created with `mode` if missing;
+    /// with `truncate`, it is truncated to zero first. Replies [`FsOk::Done`].
+    Write {
+        /// The file.
+        path: ByteBuf,
+        /// Byte offset.
+        offset: u64,
+        /// At most [`MAX_FILE_CHUNK`] bytes.
+        data: ByteBuf,
+        /// Permission bits for a created file.
+        mode: u32,
+        /// Create if missing.
+        create: bool,
+        /// Truncate first.
+        truncate: bool,
+    },
+    /// `fsync` the file. Replies [`FsOk::Done`].
+    Sync {
+        /// The file.
+        path: ByteBuf,
+    },
+    /// `lstat` (or `stat` with `follow`). Replies [`FsOk::Metadata`].
+    Metadata {
+        /// The path.
+        path: ByteBuf,
+        /// Follow a final symlink.
+        follow: bool,
+    },
+    /// List a directory, entries sorted by name, starting after `after` (exclusive) for
+    /// paging. Replies [`FsOk::Entries`].
+    ReadDir {
+        /// The directory.
+        path: ByteBuf,
+        /// Resume after this name (the last one of the previous page).
+        after: Option<ByteBuf>,
+    },
+    /// Remove a file, symlink or empty directory; with `recursive`, a whole tree (symlinks are
+    /// removed, never followed). Replies [`FsOk::Done`].
+    Remove {
+        /// The path.
+        path: ByteBuf,
+        /// Remove directories with their contents.
+        recursive: bool,
+    },
+    /// Create a directory (and, with `parents`, its missing ancestors). Replies [`FsOk::Done`].
+    CreateDir {
+        /// The path.
+        path: ByteBuf,
+        /// Permission bits.
+        mode: u32,
+        /// Create missing parents; an existing directory is then not an error.
+        parents: bool,
+    },
+}
+
+/// The answer to one [`FsRequest`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FsReply {
+    /// The request's id.
+    pub id: u32,
+    /// Success or a typed error.
+    pub result: Result<FsOk, FsError>,
+}
+
+/// Successful results.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FsOk {
+    /// Done, nothing to return.
+    Done,
+    /// Bytes read (empty at end of file).
+    Data(ByteBuf),
+    /// File metadata.
+    Metadata(FileMeta),
+    /// One page of a directory listing; `complete` is false when more pages follow.
+    Entries {
+        /// At most [`MAX_DIR_ENTRIES`] entries, sorted by name.
+        entries: Vec<DirEntry>,
+        /// Whether this is the last page.
+        complete: bool,
+    },
+}
+
+/// Kinds of file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum FileType {
+    /// Regular file.
+    File,
+    /// Directory.
+    Dir,
+    /// Symbolic link.
+    Symlink,
+    /// Device, FIFO, socket.
+    Other,
+}
+
+/// What `stat` says.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileMeta {
+    /// Kind of file.
+    pub file_type: FileType,
+    /// Size in bytes.
+    pub len: u64,
+    /// Permission bits (`st_mode & 0o7777`).
+    pub mode: u32,
+    /// Owner.
+    pub uid: u32,
+    /// Group.
+    pub gid: u32,
+    /// Modification time, seconds since the epoch.
+    pub mtime_secs: i64,
+    /// Modification time, nanoseconds part.
+    pub mtime_nanos: u32,
+}
+
+/// One directory entry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DirEntry {
+    /// File name (no `/`).
+    pub name: ByteBuf,
+    /// Kind of file (from `lstat`).
+    pub file_type: FileType,
+}
+
+/// Error classes the host maps to typed errors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FsErrorKind {
+    /// ENOENT.
+    NotFound,
+    /// EACCES, EPERM, EROFS.
+    PermissionDenied,
+    /// EISDIR.
+    IsADirectory,
+    /// ENOTDIR.
+    NotADirectory,
+    /// EEXIST.
+    AlreadyExists,
+    /// ENOTEMPTY.
+    DirectoryNotEmpty,
+    /// EINVAL and bad arguments.
+    InvalidInput,
+    /// Anything else.
+    Other,
+}
+
+/// A failed file operation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FsError {
+    /// Classification.
+    pub kind: FsErrorKind,
+    /// The errno, 0 if none applies.
+    pub errno: i32,
+    /// Description, e.g. `open /etc/x: Read-only file system`.
+    pub message: String,
+}
+
+fn path_ok(field: &'static str, path: &[u8]) -> Result<(), ProtocolError> {
+    if path.is_empty() || path.len() > MAX_TEXT || path.contains(&0) {
+        return Err(ProtocolError::OutOfBounds {
+            field,
+            detail: format!("{} bytes, must be 1..={MAX_TEXT} without NUL", path.len()),
+        });
+    }
+    Ok(())
+}
+
+fn chunk_ok(field: &'static str, len: usize) -> Result<(), ProtocolError> {
+    if len > MAX_FILE_CHUNK {
+        return Err(ProtocolError::OutOfBounds {
+            field,
+            detail: format!("{len} > {MAX_FILE_CHUNK}"),
+        });
+    }
+    Ok(())
+}
+
+impl FsRequest {
+    /// Checks bounds (both ends call it).
+    pub fn validate(&self) -> Result<(), ProtocolError> {
+        match &self.op {
+            FsOp::Read { path, len, .. } => {
+                path_ok("read path", path)?;
+                chunk_ok("read length", *len as usize)
+            }
+            FsOp::Write { path, data, .. } => {
+                path_ok("write path", path)?;
+                chunk_ok("write data", data.len())
+            }
+            FsOp::Sync { path } | FsOp::Metadata { path, .. } | FsOp::CreateDir { path, .. } => {
+                path_ok("path", path)
+            }
+            FsOp::Remove { path, .. } => path_ok("remove path", path),
+            FsOp::ReadDir { path, after } => {
+                path_ok("read_dir path", path)?;
+                match after {
+                    Some(name) => path_ok("read_dir after", name),
+                    None => Ok(()),
+                }
+            }
+        }
+    }
+}
+
+impl FsReply {
+    /// Checks bounds (both ends call it).
+    pub fn validate(&self) -> Result<(), ProtocolError> {
+        match &self.result {
+            Ok(FsOk::Data(data)) => chunk_ok("read data", data.len()),
+            Ok(FsOk::Entries { entries, .. }) => {
+                if entries.len() > MAX_DIR_ENTRIES {
+                    return Err(ProtocolError::OutOfBounds {
+                        field: "directory page",
+                        detail: format!("{} > {MAX_DIR_ENTRIES} entries", entries.len()),
+                    });
+                }
+                for entry in entries {
+                    path_ok("entry name", &entry.name)?;
+                    if entry.name.contains(&b'/') {
+                        return Err(ProtocolError::OutOfBounds {
+                            field: "entry name",
+                            detail: "contains '/'".into(),
+                        });
+                    }
+                }
+                Ok(())
+            }
+            Ok(FsOk::Done) | Ok(FsOk::Metadata(_)) => Ok(()),
+            Err(err) => {
+                if err.message.len() > MAX_TEXT {
+                    return Err(ProtocolError::OutOfBounds {
+                        field: "fs error message",
+                        detail: format!("{} > {MAX_TEXT}", err.message.len()),
+                    });
+                }
+                Ok(())
+            }
+        }
+    }
+}

@@ -1,0 +1,350 @@
+//! The process API against real microVMs: streaming, stdin, flow control, pty, signals,
+//! cancellation, concurrency, output caps.
+
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use krunbox::{BuiltinImage, CancellationToken, Error, Instance, Rootfs, Sandbox, Stdio};
+use sha2::{Digest, Sha256};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::runtime::Runtime;
+use tokio::sync::OnceCell;
+
+fn rt() -> &'static Runtime {
+    static RT: OnceLock<Runtime> = OnceLock::new();
+    RT.get_or_init(|| Runtime::new().expect("tokio runtime"))
+}
+
+async fn vm() -> &'static Instance {
+    static VM: OnceCell<Instance> = OnceCell::const_new();
+    VM.get_or_init(|| async {
+        Sandbox::builder()
+            .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
+            .cpus(2)
+            .memory_mib(512)
+            .build()
+            .expect("sandbox definition")
+            .boot()
+            .await
+            .expect("booting the shared VM")
+    })
+    .await
+}
+
+/// Reads from `reader` until the accumulated text contains `needle`; returns the text.
+async fn read_until<R: AsyncRead + Unpin>(reader: &mut R, needle: &str) -> String {
+    let mut text = String::new();
+    let mut buf = [0u8; 4096];
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !text.contains(needle) {
+        assert!(
+            Instant::now() < deadline,
+            "never saw {needle:?}; got {text:?}"
+        );
+        let n = match tokio::time::timeout(Duration::from_secs(60), reader.read(&mut buf)).await {
+            Ok(result) => result.expect("read"),
+            Err(_) => panic!("no output for 60 s while waiting for {needle:?}; got {text:?}"),
+        };
+        assert!(n > 0, "stream ended before {needle:?}; got {text:?}");
+        text.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    text
+}
+
+fn rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    kb * 1024
+}
+
+#[test]
+fn output_streams_while_the_process_runs_and_stdin_reaches_it() {
+    rt().block_on(async {
+        let mut child = vm()
+            .await
+            .command("sh")
+            .args(["-c", "echo ready; read line; echo \"got $line\"; exit 4"])
+            .stdin(Stdio::piped())
+            .spawn()
+            .await
+            .unwrap();
+        assert!(child.id() > 1);
+        let mut stdout = child.stdout.take().unwrap();
+        // The process is blocked in `read`: this output can only arrive by streaming.
+        read_until(&mut stdout, "ready\n").await;
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(b"42\n").await.unwrap();
+        stdin.shutdown().await.unwrap();
+        read_until(&mut stdout, "got 42\n").await;
+        assert_eq!(child.wait().await.unwrap().code(), Some(4));
+    });
+}
+
+#[test]
+fn a_gibibyte_through_a_paused_reader_keeps_host_memory_bounded() {
+    rt().block_on(async {
+        const TOTAL: u64 = 1 << 30;
+        let mut child = vm()
+            .await
+            .command("head")
+            .args(["-c", &TOTAL.to_string(), "/dev/zero"])
+            .spawn()
+            .await
+            .unwrap();
+        let mut stdout = child.stdout.take().unwrap();
+        let before = rss_bytes();
+        let mut buf = vec![0u8; 256 * 1024];
+        let mut received = 0u64;
+        let mut peak = before;
+        let mut paused = false;
+        loop {
+            let n = stdout.read(&mut buf).await.unwrap();
+            if n == 0 {
+                break;
+            }
+            assert!(buf[..n].iter().all(|&b| b == 0));
+            received += n as u64;
+            if !paused && received > TOTAL / 8 {
+                // A slow reader: stop reading for a while. The guest must stall, not flood us.
+                paused = true;
+                tokio::time::sleep(Duration::from_secs(3)).await;
+            }
+            if received % (64 << 20) < n as u64 {
+                peak = peak.max(rss_bytes());
+            }
+        }
+        peak = peak.max(rss_bytes());
+        assert_eq!(received, TOTAL);
+        assert!(child.wait().await.unwrap().success());
+        let growth = peak.saturating_sub(before);
+        eprintln!(
+            "1 GiB streamed; host RSS before {} MiB, peak {} MiB",
+            before >> 20,
+            peak >> 20
+        );
+        assert!(
+            growth < 64 << 20,
+            "host RSS grew by {} MiB while streaming 1 GiB",
+            growth >> 20
+        );
+    });
+}
+
+#[test]
+fn a_pty_is_a_real_terminal_with_resize_and_ctrl_c() {
+    rt().block_on(async {
+        let mut shell = vm().await.command("sh").pty(24, 80).spawn().await.unwrap();
+        assert!(
+            shell.stderr.is_none(),
+            "a pty merges stderr into its output"
+        );
+        let mut input = shell.stdin.take().unwrap();
+        let mut screen = shell.stdout.take().unwrap();
+
+        input
+            .write_all(b"tty; test -t 0 && echo is-a-tty; stty size\n")
+            .await
+            .unwrap();
+        let text = read_until(&mut screen, "24 80").await;
+        assert!(text.contains("/dev/pts/"), "{text}");
+        assert!(text.contains("is-a-tty"), "{text}");
+
+        shell.resize(50, 132).unwrap();
+        input.write_all(b"stty size\n").await.unwrap();
+        read_until(&mut screen, "50 132").await;
+
+        // Ctrl-C reaches the foreground job as SIGINT; the shell survives, and `$?` says the
+        // job died of SIGINT (128 + 2). (An interactive shell drops the rest of the line on
+        // SIGINT, so the check is a separate command.)
+        input.write_all(b"sleep 300\n").await.unwrap();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        input.write_all(&[0x03]).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        input.write_all(b"echo \"after $?\"\n").await.unwrap();
+        read_until(&mut screen, "after 130").await;
+
+        input.write_all(b"exit 3\n").await.unwrap();
+        let status = tokio::time::timeout(Duration::from_secs(60), shell.wait())
+            .await
+            .expect("shell exits")
+            .unwrap();
+        assert_eq!(status.code(), Some(3));
+    });
+}
+
+#[test]
+fn signals_and_kill_reach_the_process() {
+    rt().block_on(async {
+        let vm = vm().await;
+        let child = vm.command("sleep").arg("300").spawn().await.unwrap();
+        let mut child = child;
+        child.signal(libc::SIGTERM).unwrap();
+        assert_eq!(child.wait().await.unwrap().signal(), Some(libc::SIGTERM));
+
+        let mut child = vm.command("sleep").arg("300").spawn().await.unwrap();
+        assert_eq!(child.kill().await.unwrap().signal(), Some(libc::SIGKILL));
+        // A resize on a non-pty command is a typed error.
+        assert!(matches!(child.resize(1, 1), Err(Error::InvalidConfig(_))));
+    });
+}
+
+/// True once the process whose pid is in `pidfile` is gone (polls for up to 30 s).
+async fn gone(vm: &Instance, pidfile: &str) -> bool {
+    for _ in 0..60 {
+        let out = vm
+            .command("sh")
+            .args([
+                "-c",
+                &format!("kill -0 $(cat {pidfile}) 2>/dev/null && echo alive || echo gone"),
+            ])
+            .output()
+            .await
+            .unwrap();
+        if out.stdout_text().trim() == "gone" {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    false
+}
+
+#[test]
+fn cancellation_kills_the_process_group_and_the_instance_stays_usable() {
+    rt().block_on(async {
+        let vm = vm().await;
+        let token = CancellationToken::new();
+        let cancel = token.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            cancel.cancel();
+        });
+        let started = Instant::now();
+        let result = vm
+            .command("sh")
+            .args(["-c", "sleep 300 & echo $! > /tmp/cancel-a; wait"])
+            .cancel_on(token)
+            .output()
+            .await;
+        assert!(matches!(result, Err(Error::Cancelled)), "{result:?}");
+        assert!(started.elapsed() < Duration::from_secs(60));
+        assert!(
+            gone(vm, "/tmp/cancel-a").await,
+            "the grandchild survived cancellation"
+        );
+
+        // Dropping the future cancels too.
+        let dropped = tokio::time::timeout(
+            Duration::from_secs(3),
+            vm.command("sh")
+                .args(["-c", "sleep 300 & echo $! > /tmp/cancel-b; wait"])
+                .output(),
+        )
+        .await;
+        assert!(
+            dropped.is_err(),
+            "the command should still have been running"
+        );
+        assert!(
+            gone(vm, "/tmp/cancel-b").await,
+            "dropping the future left it running"
+        );
+
+        assert!(vm.command("true").status().await.unwrap().success());
+    });
+}
+
+#[test]
+fn thirty_two_concurrent_sha256sum_processes_are_all_correct() {
+    rt().block_on(async {
+        let vm = vm().await;
+        let jobs = (0..32u8).map(|i| async move {
+            let data: Vec<u8> = (0..(1 << 20) + i as usize * 977)
+                .map(|j| (j as u8).wrapping_mul(31).wrapping_add(i))
+                .collect();
+            let expected = hex::encode(Sha256::digest(&data));
+            let mut child = vm
+                .command("sha256sum")
+                .stdin(Stdio::piped())
+                .spawn()
+                .await
+                .unwrap();
+            let mut stdin = child.stdin.take().unwrap();
+            let mut stdout = child.stdout.take().unwrap();
+            let feed = async {
+                stdin.write_all(&data).await.unwrap();
+                stdin.shutdown().await.unwrap();
+            };
+            let mut out = String::new();
+            let (_, read) = tokio::join!(feed, stdout.read_to_string(&mut out));
+            read.unwrap();
+            assert!(child.wait().await.unwrap().success());
+            assert_eq!(
+                out.split_whitespace().next(),
+                Some(expected.as_str()),
+                "job {i}"
+            );
+        });
+        futures_join_all(jobs).await;
+    });
+}
+
+async fn futures_join_all<F: std::future::Future<Output = ()>>(jobs: impl Iterator<Item = F>) {
+    let mut set = Vec::new();
+    for job in jobs {
+        set.push(job);
+    }
+    // All 32 run at once on this task: poll them together.
+    let mut pinned: Vec<_> = set.into_iter().map(Box::pin).collect();
+    std::future::poll_fn(|cx| {
+        pinned.retain_mut(|f| f.as_mut().poll(cx).is_pending());
+        if pinned.is_empty() {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+    .await;
+}
+
+#[test]
+fn output_limits_truncate_and_say_so() {
+    rt().block_on(async {
+        let out = vm()
+            .await
+            .command("sh")
+            .args(["-c", "head -c 100000 /dev/zero; echo short >&2"])
+            .output_limit(1000)
+            .output()
+            .await
+            .unwrap();
+        assert!(out.status.success());
+        assert_eq!(out.stdout.len(), 1000);
+        assert!(out.stdout_truncated);
+        assert_eq!(out.stderr_text(), "short\n");
+        assert!(!out.stderr_truncated);
+    });
+}
+
+#[test]
+fn a_dropped_reader_does_not_stall_the_process() {
+    rt().block_on(async {
+        let mut child = vm()
+            .await
+            .command("sh")
+            .args(["-c", "head -c 20000000 /dev/zero; echo finished >&2"])
+            .spawn()
+            .await
+            .unwrap();
+        drop(child.stdout.take());
+        let mut stderr = child.stderr.take().unwrap();
+        let mut text = String::new();
+        stderr.read_to_string(&mut text).await.unwrap();
+        assert_eq!(text, "finished\n");
+        assert!(child.wait().await.unwrap().success());
+    });
+}

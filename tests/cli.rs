@@ -111,3 +111,80 @@ fn run_reports_krunbox_failures_with_125_and_a_reason() {
         text(&out.stderr)
     );
 }
+
+/// `krunbox run -it -- sh` on a real host terminal: the guest shell sees this terminal's size,
+/// follows a resize (SIGWINCH), answers typed input, and its exit code comes back.
+#[test]
+fn run_it_gives_an_interactive_shell_with_the_terminal_size() {
+    use std::io::{Read, Write};
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    use std::sync::mpsc;
+
+    let size = |rows, cols| nix::pty::Winsize {
+        ws_row: rows,
+        ws_col: cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    let pty = nix::pty::openpty(Some(&size(30, 100)), None).expect("openpty");
+    let slave = std::fs::File::from(pty.slave);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_krunbox"));
+    child
+        .args(["run", "-it", "--image", "busybox", "--", "sh"])
+        .stdin(slave.try_clone().unwrap())
+        .stdout(slave.try_clone().unwrap())
+        .stderr(slave.try_clone().unwrap());
+    // SAFETY: setsid and ioctl are async-signal-safe; the terminal on fd 0 becomes krunbox's
+    // controlling terminal, so a resize signals it as it would an interactive program.
+    unsafe {
+        child.pre_exec(|| {
+            if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = child.spawn().expect("spawning krunbox");
+    drop(slave);
+
+    let master = std::fs::File::from(pty.master);
+    let master_fd = master.as_raw_fd();
+    let mut writer = master.try_clone().unwrap();
+    let (tx, rx) = mpsc::channel::<Vec<u8>>();
+    std::thread::spawn(move || {
+        let mut reader = master;
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = reader.read(&mut buf) {
+            if n == 0 || tx.send(buf[..n].to_vec()).is_err() {
+                break;
+            }
+        }
+    });
+    let mut screen = String::new();
+    let mut expect = |needle: &str| {
+        let deadline = Instant::now() + Duration::from_secs(180);
+        while !screen.contains(needle) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(bytes) => screen.push_str(&String::from_utf8_lossy(&bytes)),
+                Err(_) => panic!("never saw {needle:?}; screen: {screen:?}"),
+            }
+        }
+        screen.clear();
+    };
+
+    writer.write_all(b"stty size\r").unwrap();
+    expect("30 100");
+    // SAFETY: TIOCSWINSZ reads a valid winsize; the kernel sends SIGWINCH to krunbox.
+    let ws = size(40, 120);
+    assert_eq!(unsafe { libc::ioctl(master_fd, libc::TIOCSWINSZ, &ws) }, 0);
+    std::thread::sleep(Duration::from_secs(2));
+    writer.write_all(b"stty size\r").unwrap();
+    expect("40 120");
+    writer.write_all(b"echo typed-$((6*7))\r").unwrap();
+    expect("typed-42");
+    writer.write_all(b"exit 5\r").unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(5));
+}

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use krunbox::{BuiltinImage, HostCapabilities, Rootfs, Sandbox};
+use krunbox::{BuiltinImage, HostCapabilities, Rootfs, Sandbox, Stdio};
 use tokio::io::AsyncWriteExt;
 
 /// Exit code for krunbox's own failures (as opposed to the command's), following `docker run`.
@@ -61,6 +61,13 @@ struct RunArgs {
     /// Kill the command (and everything it started) after this many seconds; exit 124.
     #[arg(long)]
     timeout: Option<f64>,
+    /// Keep stdin open: this terminal's (or pipe's) input goes to the command.
+    #[arg(short = 'i', long)]
+    interactive: bool,
+    /// Run the command on a pseudo-terminal sized like this one (with -i: an interactive
+    /// shell; window resizes follow).
+    #[arg(short = 't', long)]
+    tty: bool,
     /// The command and its arguments.
     #[arg(last = true, required = true)]
     command: Vec<String>,
@@ -84,7 +91,7 @@ fn main() -> ExitCode {
             return ExitCode::from(KRUNBOX_FAILED);
         }
     };
-    runtime.block_on(async {
+    let code = runtime.block_on(async {
         match cli.command {
             Cmd::Run(args) => match run(args).await {
                 Ok(code) => code,
@@ -103,7 +110,55 @@ fn main() -> ExitCode {
                 }
             }
         }
-    })
+    });
+    // Reading this process's stdin blocks a runtime thread that would otherwise keep the
+    // runtime (and the exit) waiting for one more line of input.
+    runtime.shutdown_background();
+    code
+}
+
+/// Puts the host terminal in raw mode for the life of the guard (keystrokes such as Ctrl-C go
+/// to the guest's terminal, not to krunbox), restoring it on drop.
+struct RawTerminal {
+    saved: Option<nix::sys::termios::Termios>,
+}
+
+impl RawTerminal {
+    fn enter() -> RawTerminal {
+        use nix::sys::termios::{cfmakeraw, tcgetattr, tcsetattr, SetArg};
+        let stdin = std::io::stdin();
+        let Ok(saved) = tcgetattr(&stdin) else {
+            return RawTerminal { saved: None };
+        };
+        let mut raw = saved.clone();
+        cfmakeraw(&mut raw);
+        let _ = tcsetattr(&stdin, SetArg::TCSANOW, &raw);
+        RawTerminal { saved: Some(saved) }
+    }
+}
+
+impl Drop for RawTerminal {
+    fn drop(&mut self) {
+        if let Some(saved) = &self.saved {
+            let _ = nix::sys::termios::tcsetattr(
+                std::io::stdin(),
+                nix::sys::termios::SetArg::TCSANOW,
+                saved,
+            );
+        }
+    }
+}
+
+/// This terminal's size (rows, columns), if stdin or stdout is a terminal.
+fn terminal_size() -> Option<(u16, u16)> {
+    for fd in [libc::STDIN_FILENO, libc::STDOUT_FILENO] {
+        // SAFETY: TIOCGWINSZ writes a winsize into a valid, zeroed struct.
+        let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
+        if unsafe { libc::ioctl(fd, libc::TIOCGWINSZ, &mut ws) } == 0 && ws.ws_row > 0 {
+            return Some((ws.ws_row, ws.ws_col));
+        }
+    }
+    None
 }
 
 fn rootfs(args: &RunArgs) -> Result<Rootfs, String> {
@@ -144,23 +199,69 @@ async fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         cmd.timeout(timeout);
     }
 
+    if args.tty {
+        let (rows, cols) = terminal_size().unwrap_or((24, 80));
+        cmd.pty(rows, cols);
+    } else if args.interactive {
+        cmd.stdin(Stdio::piped());
+    }
+    let raw = (args.tty && args.interactive).then(RawTerminal::enter);
+
     let mut child = cmd.spawn().await?;
     let mut stdout = child.stdout.take().expect("fresh child has stdout");
-    let mut stderr = child.stderr.take().expect("fresh child has stderr");
+    let stderr = child.stderr.take();
+    let stdin = if args.interactive {
+        child.stdin.take()
+    } else {
+        None
+    };
     let copy_out = async {
         let mut out = tokio::io::stdout();
         tokio::io::copy(&mut stdout, &mut out).await?;
         out.flush().await
     };
     let copy_err = async {
-        let mut err = tokio::io::stderr();
-        tokio::io::copy(&mut stderr, &mut err).await?;
-        err.flush().await
+        if let Some(mut stderr) = stderr {
+            let mut err = tokio::io::stderr();
+            tokio::io::copy(&mut stderr, &mut err).await?;
+            err.flush().await?;
+        }
+        Ok::<_, std::io::Error>(())
     };
-    let (r1, r2) = tokio::join!(copy_out, copy_err);
+    // Input runs beside the output copies but does not hold the command's end up: the
+    // command ends when its output ends, whatever is still unread on our stdin.
+    let input = tokio::spawn(async move {
+        if let Some(mut stdin) = stdin {
+            let _ = tokio::io::copy(&mut tokio::io::stdin(), &mut stdin).await;
+            let _ = stdin.shutdown().await;
+        }
+    });
+    let resizes = async {
+        if !args.tty {
+            return std::future::pending::<()>().await;
+        }
+        let Ok(mut winch) =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::window_change())
+        else {
+            return std::future::pending::<()>().await;
+        };
+        while winch.recv().await.is_some() {
+            if let Some((rows, cols)) = terminal_size() {
+                let _ = child.resize(rows, cols);
+            }
+        }
+        std::future::pending::<()>().await
+    };
+    let copies = async { tokio::join!(copy_out, copy_err) };
+    let (r1, r2) = tokio::select! {
+        r = copies => r,
+        _ = resizes => unreachable!("resizes never finishes"),
+    };
+    input.abort();
     r1?;
     r2?;
     let status = child.wait().await?;
+    drop(raw);
     vm.shutdown().await?;
     let code = match (status.code(), status.signal()) {
         (Some(code), _) => code,

@@ -42,24 +42,15 @@ pub fn switch_root(root: &RootMount) -> io::Result<()> {
     }
 
     let nosuid_nodev = libc::MS_NOSUID | libc::MS_NODEV;
+    // /dev is the devtmpfs moved in above, so the mount point can always be made.
+    std::fs::create_dir_all(format!("{NEW_ROOT}/dev/pts"))?;
     mount(
         "devpts",
         &format!("{NEW_ROOT}/dev/pts"),
         Some("devpts"),
         libc::MS_NOSUID | libc::MS_NOEXEC,
         Some("mode=620,ptmxmode=666,gid=5"),
-    )
-    .or_else(|_| {
-        // The image may lack /dev/pts, but /dev is a devtmpfs we can write to.
-        std::fs::create_dir_all(format!("{NEW_ROOT}/dev/pts"))?;
-        mount(
-            "devpts",
-            &format!("{NEW_ROOT}/dev/pts"),
-            Some("devpts"),
-            libc::MS_NOSUID | libc::MS_NOEXEC,
-            Some("mode=620,ptmxmode=666,gid=5"),
-        )
-    })?;
+    )?;
     std::fs::create_dir_all(format!("{NEW_ROOT}/dev/shm"))?;
     mount(
         "shm",

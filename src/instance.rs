@@ -18,6 +18,15 @@ use crate::rootfs;
 use crate::sandbox::SandboxConfig;
 use crate::vmm::{self, VmmConfig};
 
+/// A boot whose guest prints nothing at all (not even guest-init's first console line) for
+/// this long is stuck in early kernel boot; it is killed and retried, up to [`BOOT_ATTEMPTS`]
+/// attempts in all, within the overall boot timeout. Seen under nested emulation, about once
+/// in a hundred boots, before any krunbox code runs in the guest.
+const BOOT_STALL: Duration = Duration::from_secs(45);
+
+/// Boot attempts when the guest stalls before guest-init starts.
+const BOOT_ATTEMPTS: u32 = 2;
+
 /// How long the VMM may outlive its guest's control connection before it is killed.
 const CLOSED_GRACE: Duration = Duration::from_secs(5);
 
@@ -150,21 +159,6 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         serde_json::to_vec_pretty(&vmm_config).expect("VmmConfig serialises"),
     )
     .map_err(Error::io("writing the VMM configuration"))?;
-    let log = std::fs::File::create(dir.path().join("vmm.log"))
-        .map_err(Error::io("creating the VMM log"))?;
-    let (lifeline_read, lifeline_write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
-        .map_err(|e| Error::io("creating the lifeline pipe")(e.into()))?;
-    let mut child = vmm::spawn(
-        &config.artifacts.vmm_helper,
-        &config.artifacts.libkrunfw_dir,
-        &config_path,
-        &image.file,
-        &lifeline_read,
-        log,
-    )?;
-    drop(lifeline_read);
-    drop(image);
-
     // Accept the guest's connection and finish the handshake, unless the VM dies or the
     // deadline passes first.
     let deadline = tokio::time::sleep(config.boot_timeout);
@@ -177,40 +171,86 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             read_only: true,
         },
     };
-    let handshake = async {
-        let (mut stream, _) = listener
-            .accept()
-            .await
-            .map_err(Error::io("accepting the guest's control connection"))?;
-        let mut decoder = FrameDecoder::new();
-        let hello = control::handshake(&mut stream, &mut decoder, setup).await?;
-        Ok::<_, Error>((stream, decoder, hello))
-    };
-    let outcome = tokio::select! {
-        result = handshake => result,
-        status = child.wait() => Err(Error::VmExited {
-            status: status.map(|s| s.to_string()).unwrap_or_else(|e| e.to_string()),
-            console_tail: tail(dir.path()),
-        }),
-        _ = &mut deadline => Err(Error::BootTimeout {
-            after: config.boot_timeout,
-            console_tail: tail(dir.path()),
-        }),
-    };
-    let (stream, decoder, hello) = match outcome {
-        Ok(v) => v,
-        Err(err) => {
-            let _ = child.start_kill();
-            let _ = child.wait().await;
-            // A guest that died while the handshake failed explains the failure better.
-            return Err(match err {
-                Error::GuestSetup { message } => Error::GuestSetup {
-                    message: format!("{message}\n{}", tail(dir.path())),
-                },
-                other => other,
-            });
+    let console = dir.path().join("console.log");
+    let mut attempt = 1;
+    let (mut child, lifeline_write, stream, decoder, hello) = loop {
+        let log = std::fs::File::create(dir.path().join("vmm.log"))
+            .map_err(Error::io("creating the VMM log"))?;
+        let _ = std::fs::remove_file(&console);
+        let (lifeline_read, lifeline_write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+            .map_err(|e| Error::io("creating the lifeline pipe")(e.into()))?;
+        let mut child = vmm::spawn(
+            &config.artifacts.vmm_helper,
+            &config.artifacts.libkrunfw_dir,
+            &config_path,
+            &image.file,
+            &lifeline_read,
+            log,
+        )?;
+        drop(lifeline_read);
+
+        let handshake = async {
+            let (mut stream, _) = listener
+                .accept()
+                .await
+                .map_err(Error::io("accepting the guest's control connection"))?;
+            let mut decoder = FrameDecoder::new();
+            let hello = control::handshake(&mut stream, &mut decoder, setup.clone()).await?;
+            Ok::<_, Error>((stream, decoder, hello))
+        };
+        // guest-init's first act is a line on the console. No console output at all after
+        // BOOT_STALL means the guest kernel never got that far.
+        let stalled = async {
+            let started = tokio::time::Instant::now();
+            loop {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+                if std::fs::metadata(&console).is_ok_and(|m| m.len() > 0) {
+                    return std::future::pending::<()>().await;
+                }
+                if started.elapsed() >= BOOT_STALL {
+                    return;
+                }
+            }
+        };
+        let outcome = tokio::select! {
+            result = handshake => result.map(Some),
+            status = child.wait() => Err(Error::VmExited {
+                status: status.map(|s| s.to_string()).unwrap_or_else(|e| e.to_string()),
+                console_tail: tail(dir.path()),
+            }),
+            _ = &mut deadline => Err(Error::BootTimeout {
+                after: config.boot_timeout,
+                console_tail: tail(dir.path()),
+            }),
+            _ = stalled, if attempt < BOOT_ATTEMPTS => Ok(None),
+        };
+        match outcome {
+            Ok(Some((stream, decoder, hello))) => {
+                break (child, lifeline_write, stream, decoder, hello)
+            }
+            Ok(None) => {
+                tracing::warn!(
+                    attempt,
+                    "the guest kernel showed no sign of life within {BOOT_STALL:?} (guest-init never started); retrying the boot"
+                );
+                let _ = child.start_kill();
+                let _ = child.wait().await;
+                attempt += 1;
+            }
+            Err(err) => {
+                let _ = child.start_kill();
+                let _ = child.wait().await;
+                // A guest that died while the handshake failed explains the failure better.
+                return Err(match err {
+                    Error::GuestSetup { message } => Error::GuestSetup {
+                        message: format!("{message}\n{}", tail(dir.path())),
+                    },
+                    other => other,
+                });
+            }
         }
     };
+    drop(image);
     drop(listener);
     tracing::debug!(kernel = %hello.kernel_release, guest_init = %hello.guest_init, "guest ready");
 

@@ -213,7 +213,11 @@ fn the_guest_runs_its_own_kernel() {
         assert_eq!(guest, vm.kernel_release());
         assert_ne!(guest, host.trim(), "uname -r printed the host's kernel");
         let out = vm.command("hostname").output().await.unwrap();
-        assert_eq!(out.stdout_text(), "krunbox\n", "guest-init sets the configured hostname");
+        assert_eq!(
+            out.stdout_text(),
+            "krunbox\n",
+            "guest-init sets the configured hostname"
+        );
         // The root image is read-only; scratch space is not.
         let out = sh(
             vm,

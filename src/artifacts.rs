@@ -45,7 +45,8 @@ pub(crate) struct ArtifactOverrides {
 }
 
 /// Directories near the running executable where cargo puts binaries: the executable's own
-/// directory and, for test and bench binaries in `target/<profile>/deps`, its parent.
+/// directory and, for test, bench and example binaries in `target/<profile>/deps` or
+/// `target/<profile>/examples`, its parent.
 fn exe_dirs() -> Vec<PathBuf> {
     let Ok(exe) = std::env::current_exe() else {
         return Vec::new();
@@ -53,7 +54,7 @@ fn exe_dirs() -> Vec<PathBuf> {
     let mut dirs = Vec::new();
     if let Some(dir) = exe.parent() {
         dirs.push(dir.to_path_buf());
-        if dir.file_name().is_some_and(|n| n == "deps") {
+        if dir.file_name().is_some_and(|n| n == "deps" || n == "examples") {
             if let Some(parent) = dir.parent() {
                 dirs.push(parent.to_path_buf());
             }

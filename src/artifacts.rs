@@ -54,7 +54,10 @@ fn exe_dirs() -> Vec<PathBuf> {
     let mut dirs = Vec::new();
     if let Some(dir) = exe.parent() {
         dirs.push(dir.to_path_buf());
-        if dir.file_name().is_some_and(|n| n == "deps" || n == "examples") {
+        if dir
+            .file_name()
+            .is_some_and(|n| n == "deps" || n == "examples")
+        {
             if let Some(parent) = dir.parent() {
                 dirs.push(parent.to_path_buf());
             }

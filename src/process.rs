@@ -287,7 +287,11 @@ impl Command {
         let channels = control.register(id)?;
         control.send(&message)?;
         let mut end = channels.end;
+        // guest-init sends Started before anything else about a process, and one connection
+        // keeps the order; but a quick process can have both Started and its end waiting
+        // here, so look at Started first.
         let pid = tokio::select! {
+            biased;
             pid = channels.started => pid.ok(),
             end = &mut end => return Err(self.early_end(end)),
         };

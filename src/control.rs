@@ -114,10 +114,20 @@ pub(crate) enum ProcessEnd {
     Gone(String),
 }
 
+/// What a process's output channel carries.
+#[derive(Debug)]
+pub(crate) enum OutputItem {
+    /// Bytes the process wrote.
+    Data(Vec<u8>),
+    /// The instance stopped before the process ended: the stream is incomplete, and a reader
+    /// must hear that instead of a clean end of file.
+    Broken(String),
+}
+
 /// The receiving ends for one process.
 pub(crate) struct ProcessChannels {
-    pub stdout: mpsc::UnboundedReceiver<Vec<u8>>,
-    pub stderr: mpsc::UnboundedReceiver<Vec<u8>>,
+    pub stdout: mpsc::UnboundedReceiver<OutputItem>,
+    pub stderr: mpsc::UnboundedReceiver<OutputItem>,
     pub started: oneshot::Receiver<u32>,
     pub end: oneshot::Receiver<ProcessEnd>,
     /// Stdin bytes the guest allows, as permits (starts at [`crate::protocol::STDIN_WINDOW`]);
@@ -126,8 +136,8 @@ pub(crate) struct ProcessChannels {
 }
 
 struct Slot {
-    stdout: Option<mpsc::UnboundedSender<Vec<u8>>>,
-    stderr: Option<mpsc::UnboundedSender<Vec<u8>>>,
+    stdout: Option<mpsc::UnboundedSender<OutputItem>>,
+    stderr: Option<mpsc::UnboundedSender<OutputItem>>,
     started: Option<oneshot::Sender<u32>>,
     end: Option<oneshot::Sender<ProcessEnd>>,
     stdin_credit: Arc<Semaphore>,
@@ -246,7 +256,7 @@ impl Control {
                 let len = output.data.len() as u32;
                 let delivered = tx
                     .as_ref()
-                    .is_some_and(|tx| tx.send(output.data.into_vec()).is_ok());
+                    .is_some_and(|tx| tx.send(OutputItem::Data(output.data.into_vec())).is_ok());
                 if !delivered {
                     // Nobody reads this stream any more: discard, and let the guest go on.
                     slot.outstanding[index] -= u64::from(len);
@@ -307,6 +317,12 @@ impl Control {
             state.gone = Some(reason.clone());
         }
         for (_, mut slot) in state.procs.drain() {
+            for tx in [slot.stdout.take(), slot.stderr.take()]
+                .into_iter()
+                .flatten()
+            {
+                let _ = tx.send(OutputItem::Broken(reason.clone()));
+            }
             if let Some(tx) = slot.end.take() {
                 let _ = tx.send(ProcessEnd::Gone(reason.clone()));
             }

@@ -16,7 +16,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio_util::sync::{CancellationToken, PollSemaphore};
 
-use crate::control::{Control, ProcessEnd};
+use crate::control::{Control, OutputItem, ProcessEnd};
 use crate::error::{Error, Result};
 use crate::instance::Instance;
 use crate::protocol::{
@@ -540,9 +540,11 @@ impl Drop for Receiver {
             self.control.credit(self.id, self.stream, self.uncredited);
         }
         self.rx.close();
-        while let Ok(chunk) = self.rx.try_recv() {
-            self.control
-                .credit(self.id, self.stream, chunk.len() as u32);
+        while let Ok(item) = self.rx.try_recv() {
+            if let OutputItem::Data(chunk) = item {
+                self.control
+                    .credit(self.id, self.stream, chunk.len() as u32);
+            }
         }
     }
 }
@@ -658,8 +660,10 @@ impl Drop for Child {
 /// Chunks from the control channel, read as a byte stream. Consumed bytes are credited back
 /// to the guest in batches, so at most [`OUTPUT_WINDOW`] bytes per stream wait in host memory.
 struct Receiver {
-    rx: mpsc::UnboundedReceiver<Vec<u8>>,
+    rx: mpsc::UnboundedReceiver<OutputItem>,
     chunk: Vec<u8>,
+    /// Why the stream broke off, once it did: every later read reports it again.
+    broken: Option<String>,
     pos: usize,
     control: Arc<Control>,
     id: u32,
@@ -678,7 +682,7 @@ impl fmt::Debug for Receiver {
 
 impl Receiver {
     fn new(
-        rx: mpsc::UnboundedReceiver<Vec<u8>>,
+        rx: mpsc::UnboundedReceiver<OutputItem>,
         control: Arc<Control>,
         id: u32,
         stream: Stream,
@@ -686,6 +690,7 @@ impl Receiver {
         Receiver {
             rx,
             chunk: Vec::new(),
+            broken: None,
             pos: 0,
             control,
             id,
@@ -700,8 +705,14 @@ impl Receiver {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
         while self.pos == self.chunk.len() {
+            if let Some(reason) = &self.broken {
+                return Poll::Ready(Err(std::io::Error::other(Error::InstanceGone {
+                    reason: reason.clone(),
+                })));
+            }
             match self.rx.poll_recv(cx) {
-                Poll::Ready(Some(chunk)) => {
+                Poll::Ready(Some(OutputItem::Broken(reason))) => self.broken = Some(reason),
+                Poll::Ready(Some(OutputItem::Data(chunk))) => {
                     // The chunk left the channel: credit once a quarter window accumulated.
                     self.uncredited += chunk.len() as u32;
                     if self.uncredited >= OUTPUT_WINDOW / 4 {
@@ -724,10 +735,29 @@ impl Receiver {
 
 /// A child's standard output ([`AsyncRead`]); ends when the process and everything it started
 /// have closed it.
+///
+/// If the VM stops before the process ends, the stream is incomplete: reads then fail with an
+/// [`std::io::Error`] whose inner error is [`Error::InstanceGone`], never a clean end of file.
+///
+/// ```no_run
+/// # async fn demo(vm: &krunbox::Instance) -> krunbox::Result<()> {
+/// use tokio::io::AsyncReadExt;
+///
+/// let mut child = vm.command("ls").arg("/").spawn().await?;
+/// let mut listing = String::new();
+/// match child.stdout.take().unwrap().read_to_string(&mut listing).await {
+///     Ok(_) => println!("{listing}"),
+///     Err(err) => match err.get_ref().and_then(|e| e.downcast_ref::<krunbox::Error>()) {
+///         Some(krunbox::Error::InstanceGone { reason }) => eprintln!("VM stopped: {reason}"),
+///         _ => eprintln!("reading failed: {err}"),
+///     },
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 pub struct ChildStdout(Receiver);
 
-/// A child's standard error ([`AsyncRead`]).
+/// A child's standard error ([`AsyncRead`]); behaves like [`ChildStdout`].
 #[derive(Debug)]
 pub struct ChildStderr(Receiver);
 

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use krunbox::protocol::{ExecErrorKind, ProtocolError};
 use krunbox::{BuiltinImage, Error, Instance, Rootfs, Sandbox};
 use sha2::{Digest, Sha256};
+use tokio::io::AsyncReadExt;
 use tokio::runtime::Runtime;
 use tokio::sync::OnceCell;
 
@@ -353,8 +354,27 @@ where
     F: FnOnce(&Instance),
 {
     let vm = busybox().boot().await.unwrap();
-    let mut child = vm.command("sleep").arg("600").spawn().await.unwrap();
+    let mut child = vm
+        .command("sh")
+        .args(["-c", "echo started; sleep 600"])
+        .spawn()
+        .await
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let mut line = [0u8; 8];
+    stdout.read_exact(&mut line).await.unwrap();
+    assert_eq!(&line, b"started\n");
     die(&vm);
+    // The rest of the stream never comes: a reader must hear that, not a clean end of file.
+    let mut rest = Vec::new();
+    let err = stdout
+        .read_to_end(&mut rest)
+        .await
+        .expect_err("a stream cut off by the VM's death must not end cleanly");
+    match err.get_ref().and_then(|e| e.downcast_ref::<Error>()) {
+        Some(Error::InstanceGone { .. }) => {}
+        other => panic!("expected InstanceGone inside the read error, got {other:?} ({err})"),
+    }
     match child.wait().await {
         Err(Error::InstanceGone { reason }) => {
             assert!(reason.contains("VM"), "the reason names the VM: {reason}")

@@ -18,6 +18,9 @@ use crate::protocol::{
     Stream, OUTPUT_WINDOW, PROTOCOL_VERSION,
 };
 
+/// Host-to-guest messages gathered into one write, at most (about) this many bytes.
+const WRITE_BATCH: usize = 256 * 1024;
+
 /// Reads until one whole guest message is decoded. `Ok(None)` on a clean end of stream.
 pub(crate) async fn read_message<R: AsyncRead + Unpin>(
     reader: &mut R,
@@ -144,6 +147,8 @@ struct Slot {
     /// Output bytes received and not yet credited back, per stream: the guest may never have
     /// more than [`OUTPUT_WINDOW`] outstanding.
     outstanding: [u64; 2],
+    /// Bytes discarded (their reader is gone) and not yet credited, per stream.
+    discarded: [u64; 2],
 }
 
 #[derive(Default)]
@@ -185,8 +190,17 @@ impl Control {
         });
 
         tokio::spawn(async move {
-            while let Some(bytes) = rx.recv().await {
-                if writer.write_all(&bytes).await.is_err() {
+            while let Some(mut batch) = rx.recv().await {
+                // Whatever else is already queued goes in the same write: libkrun turns each
+                // read of its socket into one vsock packet, and fewer, fuller packets cost the
+                // guest less (see guest-init's vsock module on packet-count limits).
+                while batch.len() < WRITE_BATCH {
+                    match rx.try_recv() {
+                        Ok(more) => batch.extend_from_slice(&more),
+                        Err(_) => break,
+                    }
+                }
+                if writer.write_all(&batch).await.is_err() {
                     break;
                 }
             }
@@ -259,14 +273,20 @@ impl Control {
                     .is_some_and(|tx| tx.send(OutputItem::Data(output.data.into_vec())).is_ok());
                 if !delivered {
                     // Nobody reads this stream any more: discard, and let the guest go on.
-                    slot.outstanding[index] -= u64::from(len);
-                    let credit = crate::protocol::Credit {
-                        id: output.id,
-                        stream: output.stream,
-                        bytes: len,
-                    };
-                    if let Ok(bytes) = HostMessage::Credit(credit).encode() {
-                        let _ = self.outgoing.send(bytes);
+                    // Credit in quarter windows, like a reader does: one tiny message per
+                    // discarded chunk would flood the guest's vsock queue with packets.
+                    slot.discarded[index] += u64::from(len);
+                    if slot.discarded[index] >= u64::from(OUTPUT_WINDOW / 4) {
+                        let bytes = std::mem::take(&mut slot.discarded[index]);
+                        slot.outstanding[index] -= bytes;
+                        let credit = crate::protocol::Credit {
+                            id: output.id,
+                            stream: output.stream,
+                            bytes: bytes as u32,
+                        };
+                        if let Ok(bytes) = HostMessage::Credit(credit).encode() {
+                            let _ = self.outgoing.send(bytes);
+                        }
                     }
                 }
             }
@@ -363,6 +383,7 @@ impl Control {
                 end: Some(end_tx),
                 stdin_credit: stdin_credit.clone(),
                 outstanding: [0, 0],
+                discarded: [0, 0],
             },
         );
         Ok(ProcessChannels {

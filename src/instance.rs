@@ -287,10 +287,17 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         };
         let description = match status {
             Ok(_) if requested.load(Ordering::SeqCst) => "the VM was shut down".to_string(),
-            Ok(s) if s.success() => format!(
-                "the guest stopped the VM (power-off, reset or kernel panic)\n{}",
-                tail(&dir_path)
-            ),
+            Ok(s) if s.success() => {
+                let tail = tail(&dir_path);
+                // libkrun logs this (at info level) when a vCPU exits with KVM_EXIT_SHUTDOWN.
+                let what = if tail.contains("KVM_EXIT_SHUTDOWN") {
+                    "the guest CPU triple-faulted (KVM_EXIT_SHUTDOWN): a guest kernel crash, or \
+                     a fault of the virtualization underneath (seen under nested emulation)"
+                } else {
+                    "the guest stopped the VM (power-off, reset or kernel panic)"
+                };
+                format!("{what}\n{tail}")
+            }
             Ok(s) if s.code() == Some(vmm::LIFELINE_EXIT_CODE) => {
                 "the VMM helper exited because its instance handle was dropped".to_string()
             }

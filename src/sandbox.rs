@@ -107,7 +107,8 @@ impl Default for SandboxBuilder {
             vmm_log_level: std::env::var("KRUNBOX_VMM_LOG_LEVEL")
                 .ok()
                 .and_then(|v| v.parse().ok())
-                .unwrap_or(1),
+                // Info: a handful of lines per VM, among them how a vCPU stopped.
+                .unwrap_or(3),
         }
     }
 }
@@ -185,7 +186,8 @@ impl SandboxBuilder {
         self
     }
 
-    /// libkrun's log level in the VMM helper's log (0 off … 5 trace; default 1, errors).
+    /// libkrun's log level in the VMM helper's log (0 off … 5 trace; default 3, info: a few
+    /// lines per VM, including how its vCPUs stopped).
     pub fn vmm_log_level(mut self, level: u32) -> Self {
         self.vmm_log_level = level.min(5);
         self

@@ -204,16 +204,29 @@ pub(crate) fn spawn(
 
 /// The last `lines` lines of the given log files, for error reports.
 pub(crate) fn log_tail(paths: &[&Path], lines: usize) -> String {
+    use std::io::{Read, Seek, SeekFrom};
+    // The guest writes the console log: it can be huge. Only its end is read.
+    const TAIL_BYTES: u64 = 64 * 1024;
     let mut out = String::new();
     for path in paths {
-        if let Ok(bytes) = std::fs::read(path) {
-            let text = String::from_utf8_lossy(&bytes);
-            let all: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
-            let start = all.len().saturating_sub(lines);
-            for line in &all[start..] {
-                out.push_str(line);
-                out.push('\n');
-            }
+        let Ok(mut file) = std::fs::File::open(path) else {
+            continue;
+        };
+        let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+        let mut bytes = Vec::new();
+        if file
+            .seek(SeekFrom::Start(len.saturating_sub(TAIL_BYTES)))
+            .is_err()
+            || file.take(TAIL_BYTES).read_to_end(&mut bytes).is_err()
+        {
+            continue;
+        }
+        let text = String::from_utf8_lossy(&bytes);
+        let all: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+        let start = all.len().saturating_sub(lines);
+        for line in &all[start..] {
+            out.push_str(line);
+            out.push('\n');
         }
     }
     out

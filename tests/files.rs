@@ -5,20 +5,14 @@
 //! test (each works under its own directory in the guest's `/tmp`). Where the host's KVM cannot
 //! boot guests, run this binary inside the nested L1 harness (scripts/nested.sh).
 
-use std::sync::OnceLock;
+mod common;
+
 use std::time::{Duration, Instant, SystemTime};
 
 use krunbox::{BuiltinImage, Error, FileType, FsErrorKind, Instance, Rootfs, Sandbox};
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::runtime::Runtime;
 use tokio::sync::OnceCell;
-
-/// One runtime for the whole binary, so the shared VM's tasks outlive each test's body.
-fn rt() -> &'static Runtime {
-    static RT: OnceLock<Runtime> = OnceLock::new();
-    RT.get_or_init(|| Runtime::new().expect("tokio runtime"))
-}
 
 async fn shared_vm() -> &'static Instance {
     static VM: OnceCell<Instance> = OnceCell::const_new();
@@ -78,7 +72,7 @@ impl Noise {
 
 #[test]
 fn write_then_read_round_trips_exact_bytes() {
-    rt().block_on(async {
+    common::run(async {
         let vm = shared_vm().await;
         let dir = scratch(vm, "round-trip").await;
         let mut data: Vec<u8> = (0..=255u8).collect();
@@ -130,7 +124,7 @@ fn write_then_read_round_trips_exact_bytes() {
 
 #[test]
 fn modes_are_applied_exactly() {
-    rt().block_on(async {
+    common::run(async {
         let vm = shared_vm().await;
         let dir = scratch(vm, "modes").await;
         let stat = |path: String| async move {
@@ -197,7 +191,7 @@ fn modes_are_applied_exactly() {
 #[test]
 fn a_100_mib_stream_round_trips() {
     const SIZE: usize = 100 * 1024 * 1024;
-    rt().block_on(async {
+    common::run(async {
         let vm = shared_vm().await;
         let dir = scratch(vm, "stream").await;
         let path = format!("{dir}/big.bin");
@@ -261,7 +255,7 @@ fn a_100_mib_stream_round_trips() {
 
 #[test]
 fn metadata_describes_files_dirs_and_symlinks() {
-    rt().block_on(async {
+    common::run(async {
         let vm = shared_vm().await;
         let dir = scratch(vm, "meta").await;
         vm.write_file(format!("{dir}/file"), b"12345")
@@ -311,7 +305,7 @@ fn metadata_describes_files_dirs_and_symlinks() {
 #[test]
 fn read_dir_lists_large_directories_sorted_across_pages() {
     const N: usize = 2500;
-    rt().block_on(async {
+    common::run(async {
         let vm = shared_vm().await;
         let dir = scratch(vm, "many").await;
         sh(
@@ -367,7 +361,7 @@ fn read_dir_lists_large_directories_sorted_across_pages() {
 
 #[test]
 fn remove_remove_all_and_create_dir_all() {
-    rt().block_on(async {
+    common::run(async {
         let vm = shared_vm().await;
         let dir = scratch(vm, "remove").await;
         let tree = format!("{dir}/tree");
@@ -426,7 +420,7 @@ fn remove_remove_all_and_create_dir_all() {
 
 #[test]
 fn failures_are_typed_errors() {
-    rt().block_on(async {
+    common::run(async {
         let vm = shared_vm().await;
         let dir = scratch(vm, "errors").await;
 
@@ -495,7 +489,7 @@ fn failures_are_typed_errors() {
 
 #[test]
 fn many_concurrent_operations_get_their_own_answers() {
-    rt().block_on(async {
+    common::run(async {
         let vm = shared_vm().await;
         let dir = scratch(vm, "concurrent").await;
         let mut tasks = tokio::task::JoinSet::new();

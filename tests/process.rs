@@ -1,19 +1,17 @@
 //! The process API against real microVMs: streaming, stdin, flow control, pty, signals,
 //! cancellation, concurrency, output caps.
 
-use std::sync::OnceLock;
+mod common;
+
+use std::pin::Pin;
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
+use krunbox::protocol::OUTPUT_WINDOW;
 use krunbox::{BuiltinImage, CancellationToken, Error, Instance, Rootfs, Sandbox, Stdio};
 use sha2::{Digest, Sha256};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
-use tokio::runtime::Runtime;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf};
 use tokio::sync::OnceCell;
-
-fn rt() -> &'static Runtime {
-    static RT: OnceLock<Runtime> = OnceLock::new();
-    RT.get_or_init(|| Runtime::new().expect("tokio runtime"))
-}
 
 async fn vm() -> &'static Instance {
     static VM: OnceCell<Instance> = OnceCell::const_new();
@@ -64,7 +62,7 @@ fn rss_bytes() -> u64 {
 
 #[test]
 fn output_streams_while_the_process_runs_and_stdin_reaches_it() {
-    rt().block_on(async {
+    common::run(async {
         let mut child = vm()
             .await
             .command("sh")
@@ -85,10 +83,25 @@ fn output_streams_while_the_process_runs_and_stdin_reaches_it() {
     });
 }
 
+/// Reads what is already buffered in the host, without waiting: `None` if nothing is.
+fn read_now<R: AsyncRead + Unpin>(reader: &mut R, buf: &mut [u8]) -> Option<usize> {
+    let mut cx = Context::from_waker(Waker::noop());
+    let mut read = ReadBuf::new(buf);
+    match Pin::new(reader).poll_read(&mut cx, &mut read) {
+        Poll::Ready(result) => {
+            result.unwrap();
+            Some(read.filled().len())
+        }
+        Poll::Pending => None,
+    }
+}
+
 #[test]
-fn a_gibibyte_through_a_paused_reader_keeps_host_memory_bounded() {
-    rt().block_on(async {
-        const TOTAL: u64 = 1 << 30;
+fn a_paused_reader_stalls_the_guest_and_host_memory_stays_bounded() {
+    common::run(async {
+        // Far more than the flow-control window, and a reader that stops long enough for an
+        // unbounded host buffer to show: the guest must stall, not flood the host.
+        const TOTAL: u64 = 256 << 20;
         let mut child = vm()
             .await
             .command("head")
@@ -102,6 +115,7 @@ fn a_gibibyte_through_a_paused_reader_keeps_host_memory_bounded() {
         let mut received = 0u64;
         let mut peak = before;
         let mut paused = false;
+        let started = Instant::now();
         loop {
             let n = stdout.read(&mut buf).await.unwrap();
             if n == 0 {
@@ -110,34 +124,57 @@ fn a_gibibyte_through_a_paused_reader_keeps_host_memory_bounded() {
             assert!(buf[..n].iter().all(|&b| b == 0));
             received += n as u64;
             if !paused && received > TOTAL / 8 {
-                // A slow reader: stop reading for a while. The guest must stall, not flood us.
                 paused = true;
-                tokio::time::sleep(Duration::from_secs(3)).await;
+                // Long enough that, at the rate seen so far, an unbounded host buffer would
+                // hold at least 16 windows' worth (at least 10 s, at most 60 s).
+                let rate = received as f64 / started.elapsed().as_secs_f64();
+                let pause = (16.0 * f64::from(OUTPUT_WINDOW) / rate).clamp(10.0, 60.0);
+                tokio::time::sleep(Duration::from_secs_f64(pause)).await;
+                // What arrived meanwhile is all waiting in the host now: at most a window
+                // (plus a chunk in flight when the pause began).
+                let mut waiting = 0u64;
+                while let Some(n) = read_now(&mut stdout, &mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    assert!(buf[..n].iter().all(|&b| b == 0));
+                    waiting += n as u64;
+                }
+                received += waiting;
+                assert!(
+                    waiting <= 2 * u64::from(OUTPUT_WINDOW),
+                    "{waiting} bytes waited in the host after a {pause:.0} s pause; the guest \
+                     may send only {OUTPUT_WINDOW} bytes ahead of the reader"
+                );
+                peak = peak.max(rss_bytes());
             }
-            if received % (64 << 20) < n as u64 {
+            if received % (32 << 20) < n as u64 {
                 peak = peak.max(rss_bytes());
             }
         }
         peak = peak.max(rss_bytes());
         assert_eq!(received, TOTAL);
         assert!(child.wait().await.unwrap().success());
+        // RSS is the whole test process's (other tests run beside this one): a loose check.
         let growth = peak.saturating_sub(before);
         eprintln!(
-            "1 GiB streamed; host RSS before {} MiB, peak {} MiB",
+            "{} MiB streamed; host RSS before {} MiB, peak {} MiB",
+            TOTAL >> 20,
             before >> 20,
             peak >> 20
         );
         assert!(
             growth < 64 << 20,
-            "host RSS grew by {} MiB while streaming 1 GiB",
-            growth >> 20
+            "host RSS grew by {} MiB while streaming {} MiB",
+            growth >> 20,
+            TOTAL >> 20
         );
     });
 }
 
 #[test]
 fn a_pty_is_a_real_terminal_with_resize_and_ctrl_c() {
-    rt().block_on(async {
+    common::run(async {
         let mut shell = vm().await.command("sh").pty(24, 80).spawn().await.unwrap();
         assert!(
             shell.stderr.is_none(),
@@ -179,7 +216,7 @@ fn a_pty_is_a_real_terminal_with_resize_and_ctrl_c() {
 
 #[test]
 fn signals_and_kill_reach_the_process() {
-    rt().block_on(async {
+    common::run(async {
         let vm = vm().await;
         let child = vm.command("sleep").arg("300").spawn().await.unwrap();
         let mut child = child;
@@ -215,7 +252,7 @@ async fn gone(vm: &Instance, pidfile: &str) -> bool {
 
 #[test]
 fn cancellation_kills_the_process_group_and_the_instance_stays_usable() {
-    rt().block_on(async {
+    common::run(async {
         let vm = vm().await;
         let token = CancellationToken::new();
         let cancel = token.clone();
@@ -260,7 +297,7 @@ fn cancellation_kills_the_process_group_and_the_instance_stays_usable() {
 
 #[test]
 fn thirty_two_concurrent_sha256sum_processes_are_all_correct() {
-    rt().block_on(async {
+    common::run(async {
         let vm = vm().await;
         let jobs = (0..32u8).map(|i| async move {
             let data: Vec<u8> = (0..(1 << 20) + i as usize * 977)
@@ -313,7 +350,7 @@ async fn futures_join_all<F: std::future::Future<Output = ()>>(jobs: impl Iterat
 
 #[test]
 fn output_limits_truncate_and_say_so() {
-    rt().block_on(async {
+    common::run(async {
         let out = vm()
             .await
             .command("sh")
@@ -332,7 +369,7 @@ fn output_limits_truncate_and_say_so() {
 
 #[test]
 fn a_dropped_reader_does_not_stall_the_process() {
-    rt().block_on(async {
+    common::run(async {
         let mut child = vm()
             .await
             .command("sh")

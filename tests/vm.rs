@@ -7,21 +7,15 @@
 //! Independent checks share one booted busybox VM (a boot under nested emulation costs
 //! seconds); tests about the VM itself boot their own.
 
-use std::sync::OnceLock;
+mod common;
+
 use std::time::{Duration, Instant};
 
 use krunbox::protocol::{ExecErrorKind, ProtocolError};
 use krunbox::{BuiltinImage, Error, Instance, Rootfs, Sandbox};
 use sha2::{Digest, Sha256};
 use tokio::io::AsyncReadExt;
-use tokio::runtime::Runtime;
 use tokio::sync::OnceCell;
-
-/// One runtime for the whole binary, so the shared VM's tasks outlive each test's body.
-fn rt() -> &'static Runtime {
-    static RT: OnceLock<Runtime> = OnceLock::new();
-    RT.get_or_init(|| Runtime::new().expect("tokio runtime"))
-}
 
 fn busybox() -> Sandbox {
     Sandbox::builder()
@@ -52,7 +46,7 @@ async fn sh(vm: &Instance, script: &str) -> krunbox::Output {
 
 #[test]
 fn exit_codes_are_reported() {
-    rt().block_on(async {
+    common::run(async {
         let vm = shared_vm().await;
         for code in [0, 1, 7, 255] {
             let out = sh(vm, &format!("exit {code}")).await;
@@ -65,7 +59,7 @@ fn exit_codes_are_reported() {
 
 #[test]
 fn a_process_killed_by_sigkill_reports_the_signal() {
-    rt().block_on(async {
+    common::run(async {
         let out = sh(shared_vm().await, "kill -9 $$").await;
         assert_eq!(out.status.signal(), Some(libc::SIGKILL), "{:?}", out.status);
         assert_eq!(out.status.code(), None);
@@ -74,7 +68,7 @@ fn a_process_killed_by_sigkill_reports_the_signal() {
 
 #[test]
 fn stdout_and_stderr_stay_separate() {
-    rt().block_on(async {
+    common::run(async {
         let out = sh(
             shared_vm().await,
             "echo to-out; echo to-err >&2; echo more-out",
@@ -88,7 +82,7 @@ fn stdout_and_stderr_stay_separate() {
 #[test]
 fn the_host_environment_does_not_leak_into_the_guest() {
     std::env::set_var("KRUNBOX_TEST_HOST_SECRET", "host-only-value");
-    rt().block_on(async {
+    common::run(async {
         let out = shared_vm()
             .await
             .command("env")
@@ -112,7 +106,7 @@ fn the_host_environment_does_not_leak_into_the_guest() {
 
 #[test]
 fn working_directory_uid_and_gid_apply() {
-    rt().block_on(async {
+    common::run(async {
         let vm = shared_vm().await;
         let out = vm
             .command("pwd")
@@ -143,7 +137,7 @@ fn working_directory_uid_and_gid_apply() {
 
 #[test]
 fn a_missing_program_is_a_typed_not_found_error() {
-    rt().block_on(async {
+    common::run(async {
         match shared_vm().await.command("/no/such/program").output().await {
             Err(Error::Exec { kind, .. }) => assert_eq!(kind, ExecErrorKind::NotFound),
             other => panic!("expected Exec NotFound, got {other:?}"),
@@ -153,7 +147,7 @@ fn a_missing_program_is_a_typed_not_found_error() {
 
 #[test]
 fn sixteen_mib_of_stdout_arrives_intact() {
-    rt().block_on(async {
+    common::run(async {
         let out = sh(
             shared_vm().await,
             "head -c 16777216 /dev/urandom > /tmp/blob && sha256sum /tmp/blob >&2 && cat /tmp/blob && rm /tmp/blob",
@@ -173,7 +167,7 @@ fn sixteen_mib_of_stdout_arrives_intact() {
 
 #[test]
 fn a_timeout_kills_the_process_group_and_reports_124() {
-    rt().block_on(async {
+    common::run(async {
         let vm = shared_vm().await;
         let started = Instant::now();
         // The grandchild `sleep` writes its pid first so we can check it is gone afterwards.
@@ -206,7 +200,7 @@ fn a_timeout_kills_the_process_group_and_reports_124() {
 
 #[test]
 fn the_guest_runs_its_own_kernel() {
-    rt().block_on(async {
+    common::run(async {
         let vm = shared_vm().await;
         let out = vm.command("uname").arg("-r").output().await.unwrap();
         let guest = out.stdout_text().trim().to_string();
@@ -236,7 +230,7 @@ fn the_guest_runs_its_own_kernel() {
 
 #[test]
 fn three_instances_of_one_definition_run_at_once() {
-    rt().block_on(async {
+    common::run(async {
         let sandbox = busybox();
         let (a, b, c) = tokio::try_join!(sandbox.boot(), sandbox.boot(), sandbox.boot()).unwrap();
         let mut boot_ids = Vec::new();
@@ -262,7 +256,7 @@ fn three_instances_of_one_definition_run_at_once() {
 
 #[test]
 fn an_image_with_one_flipped_byte_is_refused_before_boot() {
-    rt().block_on(async {
+    common::run(async {
         let cache = krunbox::cache_dir();
         let manifest = krunbox_rootfs::load(&cache, BuiltinImage::Busybox)
             .unwrap()
@@ -318,7 +312,7 @@ fn hostile_init() -> std::path::PathBuf {
 
 #[test]
 fn garbage_on_the_control_channel_is_a_typed_error() {
-    rt().block_on(async {
+    common::run(async {
         let sandbox = Sandbox::builder()
             .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
             .memory_mib(256)
@@ -394,7 +388,7 @@ where
 
 #[test]
 fn a_guest_that_resets_mid_command_is_reported_and_the_host_survives() {
-    rt().block_on(async {
+    common::run(async {
         // An abrupt guest reset: what a guest kernel panic (panic=-1) or a hostile root
         // process looks like from the host.
         assert_vm_death_is_reported(|vm| {
@@ -409,7 +403,7 @@ fn a_guest_that_resets_mid_command_is_reported_and_the_host_survives() {
 
 #[test]
 fn a_vmm_crash_is_reported_and_the_host_survives() {
-    rt().block_on(async {
+    common::run(async {
         assert_vm_death_is_reported(|vm| {
             let pid = vm.vmm_pid().expect("running VM has a helper pid");
             // The test started this helper (through boot) and ends it by its pid.

@@ -64,6 +64,8 @@ export PATH=/bin
 die() { echo "nested-init: $*"; poweroff -f; }
 mount -t proc proc /proc && mount -t sysfs sysfs /sys && mount -t devtmpfs dev /dev ||
     die "early mounts failed"
+# KVM's counters (/sys/kernel/debug/kvm) tell a looping nested hypervisor from a hung test.
+mount -t debugfs debugfs /sys/kernel/debug || echo "nested-init: no debugfs"
 while read -r mod params; do
     # shellcheck disable=SC2086 # params are words by design
     insmod "/modules/$mod" $params || die "insmod $mod failed"

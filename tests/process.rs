@@ -100,12 +100,19 @@ fn read_now<R: AsyncRead + Unpin>(reader: &mut R, buf: &mut [u8]) -> Option<usiz
 fn a_paused_reader_stalls_the_guest_and_host_memory_stays_bounded() {
     common::run(async {
         // Far more than the flow-control window, and a reader that stops long enough for an
-        // unbounded host buffer to show: the guest must stall, not flood the host.
-        const TOTAL: u64 = 256 << 20;
+        // unbounded host buffer to show: the guest must stall, not flood the host. 1 GiB; the
+        // nested-emulation run of scripts/test.sh asks for 256 MiB (KRUNBOX_TEST_STREAM_MIB),
+        // since every gigabyte streamed there risks a fault of the emulated hypervisor
+        // (docs/architecture.md) while the window check below is just as sharp.
+        let total: u64 = std::env::var("KRUNBOX_TEST_STREAM_MIB")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(1024)
+            << 20;
         let mut child = vm()
             .await
             .command("head")
-            .args(["-c", &TOTAL.to_string(), "/dev/zero"])
+            .args(["-c", &total.to_string(), "/dev/zero"])
             .spawn()
             .await
             .unwrap();
@@ -123,7 +130,7 @@ fn a_paused_reader_stalls_the_guest_and_host_memory_stays_bounded() {
             }
             assert!(buf[..n].iter().all(|&b| b == 0));
             received += n as u64;
-            if !paused && received > TOTAL / 8 {
+            if !paused && received > total / 8 {
                 paused = true;
                 // Long enough that, at the rate seen so far, an unbounded host buffer would
                 // hold at least 16 windows' worth (at least 10 s, at most 60 s).
@@ -153,13 +160,13 @@ fn a_paused_reader_stalls_the_guest_and_host_memory_stays_bounded() {
             }
         }
         peak = peak.max(rss_bytes());
-        assert_eq!(received, TOTAL);
+        assert_eq!(received, total);
         assert!(child.wait().await.unwrap().success());
         // RSS is the whole test process's (other tests run beside this one): a loose check.
         let growth = peak.saturating_sub(before);
         eprintln!(
             "{} MiB streamed; host RSS before {} MiB, peak {} MiB",
-            TOTAL >> 20,
+            total >> 20,
             before >> 20,
             peak >> 20
         );
@@ -167,7 +174,7 @@ fn a_paused_reader_stalls_the_guest_and_host_memory_stays_bounded() {
             growth < 64 << 20,
             "host RSS grew by {} MiB while streaming {} MiB",
             growth >> 20,
-            TOTAL >> 20
+            total >> 20
         );
     });
 }

@@ -64,8 +64,6 @@ export PATH=/bin
 die() { echo "nested-init: $*"; poweroff -f; }
 mount -t proc proc /proc && mount -t sysfs sysfs /sys && mount -t devtmpfs dev /dev ||
     die "early mounts failed"
-# KVM's counters (/sys/kernel/debug/kvm) tell a looping nested hypervisor from a hung test.
-mount -t debugfs debugfs /sys/kernel/debug || echo "nested-init: no debugfs"
 while read -r mod params; do
     # shellcheck disable=SC2086 # params are words by design
     insmod "/modules/$mod" $params || die "insmod $mod failed"
@@ -88,6 +86,8 @@ mount -t proc proc $r/proc && mount -t sysfs sysfs $r/sys &&
     mount -t tmpfs -o mode=1777 tmpfs $r/var/tmp &&
     mount -t tmpfs -o mode=755 tmpfs $r/run || die "mounting the new root failed"
 mount -t cgroup2 cgroup2 $r/sys/fs/cgroup 2>/dev/null
+# KVM's counters (/sys/kernel/debug/kvm) tell a looping nested hypervisor from a hung test.
+mount -t debugfs debugfs $r/sys/kernel/debug || echo "nested-init: no debugfs"
 # devtmpfs has no /dev/fd & co.; bash process substitution and many tools need them.
 ln -s /proc/self/fd $r/dev/fd && ln -s /proc/self/fd/0 $r/dev/stdin &&
     ln -s /proc/self/fd/1 $r/dev/stdout && ln -s /proc/self/fd/2 $r/dev/stderr

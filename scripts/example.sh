@@ -5,9 +5,11 @@
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 cd "$here/.."
+# shellcheck source=lib.sh
+source "$here/lib.sh"
 where=$("$here/setup.sh" | tail -n1)
 (($#)) || set -- uname -r
-cmd=(target/debug/krunbox run --image agent -- "$@")
+cmd=("$(cargo_target_dir)/debug/krunbox" run --image agent -- "$@")
 if [[ $where == native ]]; then
     exec "${cmd[@]}"
 else

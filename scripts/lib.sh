@@ -12,6 +12,13 @@ die() { printf 'error: %s\n' "$*" >&2; exit 1; }
 
 export DEBIAN_FRONTEND=noninteractive
 
+# cargo_target_dir: where cargo puts what it builds (./target, or CARGO_TARGET_DIR or cargo's
+# configuration when they say otherwise), as an absolute path.
+cargo_target_dir() {
+    cargo metadata --format-version 1 --no-deps |
+        python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])'
+}
+
 # apt_update_once: `apt-get update`, at most once per script run. apt-cache
 # and `apt-get download` see nothing on a machine whose lists were never fetched.
 _krunbox_apt_updated=

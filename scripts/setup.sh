@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # setup.sh: everything krunbox needs on a fresh Debian/Ubuntu machine, idempotent and cached.
 #
-#   Debian packages   erofs-utils, mmdebstrap, busybox-static (image building)
+#   Debian packages   erofs-utils, mmdebstrap, busybox-static (image building), python3
 #   Rust target       x86_64-unknown-linux-musl (guest-init is a static binary)
 #   libkrunfw         the guest kernel, Debian sid's libkrunfw5, into the krunbox cache
 #   build             the workspace (krunbox, krunbox-vmm, krunbox-rootfs) and guest-init
@@ -15,7 +15,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/lib.sh"
 cd "$here/.."
 
-need_apt erofs-utils mmdebstrap busybox-static
+need_apt erofs-utils mmdebstrap busybox-static python3
 
 musl=x86_64-unknown-linux-musl
 if ! rustup target list --installed | grep -qx "$musl"; then
@@ -30,13 +30,14 @@ cargo build --workspace --bins >&2
 log "cargo build guest-init ($musl)"
 cargo build -p guest-init --release --target "$musl" --bins --examples >&2
 
+bin=$(cargo_target_dir)/debug
 for image in busybox agent; do
-    target/debug/krunbox-rootfs build "$image" >/dev/null
+    "$bin/krunbox-rootfs" build "$image" >/dev/null
 done
 
 # A real probe decides, not the presence of /dev/kvm: nested PVM hosts have a /dev/kvm that
 # cannot boot stock guest kernels.
-if target/debug/krunbox doctor --exit-code >&2; then
+if "$bin/krunbox" doctor --exit-code >&2; then
     echo native
 else
     log "this host cannot boot microVMs itself: using the nested L1 harness"

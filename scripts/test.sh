@@ -21,6 +21,7 @@ cargo test -p krunbox --lib --bins
 cargo test -p krunbox --doc
 
 log "building the VM test binaries"
+target=$(cargo_target_dir)
 # The executables of krunbox's integration tests and benches, built here, run where VMs boot.
 mapfile -t binaries < <(cargo test -p krunbox --tests --benches --no-run --message-format=json 2>/dev/null |
     python3 -c '
@@ -32,16 +33,16 @@ for line in sys.stdin:
         print(kind, m["target"]["name"], m["executable"])
 ')
 ((${#binaries[@]})) || die "no VM test binaries were built"
-printf '%s\n' "${binaries[@]}" >target/vm-suite.list
+printf '%s\n' "${binaries[@]}" >"$target/vm-suite.list"
 
 log "VM tests: running ${#binaries[@]} binaries $([[ $where == native ]] && echo natively || echo 'inside the nested L1 VM')"
 if [[ $where == native ]]; then
-    "$here/vm-suite.sh" target/vm-suite.list
+    "$here/vm-suite.sh" "$target/vm-suite.list"
 else
     # One L1 for the whole suite. Its time limit leaves room in CI's 90 minutes; a binary that
     # fails on a fault of the nested hypervisor itself is run once more (vm-suite.sh).
-    KRUNBOX_NESTED_TIMEOUT=${KRUNBOX_NESTED_TIMEOUT:-3000} "$here/nested.sh" run \
+    KRUNBOX_NESTED_TIMEOUT=${KRUNBOX_NESTED_TIMEOUT:-3000} "$here/nested.sh" run --keep "$target" \
         --env KRUNBOX_NESTED_FAULT_RETRY=1 --env KRUNBOX_TEST_STREAM_MIB=256 \
-        -- "$here/vm-suite.sh" target/vm-suite.list
+        -- "$here/vm-suite.sh" "$target/vm-suite.list"
 fi
 log "all tests passed in $((SECONDS - started)) s"

@@ -88,7 +88,7 @@ pub struct SandboxBuilder {
     boot_timeout: Duration,
     cache_dir: Option<PathBuf>,
     overrides: ArtifactOverrides,
-    kernel: Option<KernelConfig>,
+    kernel: Option<Kernel>,
     vmm_log_level: u32,
 }
 
@@ -168,21 +168,18 @@ impl SandboxBuilder {
         self
     }
 
-    /// Boots this kernel instead of libkrunfw's. `format` is libkrun's kernel format number
-    /// (0 raw, 1 ELF, 2 PE+gzip, 3 image+bz2, 4 image+gzip, 5 image+zstd).
-    pub fn kernel(
-        mut self,
-        path: impl Into<PathBuf>,
-        format: u32,
-        initramfs: Option<PathBuf>,
-        cmdline: Option<String>,
-    ) -> Self {
-        self.kernel = Some(KernelConfig {
-            path: path.into(),
-            format,
-            initramfs,
-            cmdline,
-        });
+    /// Boots this kernel instead of libkrunfw's. See [`Kernel`].
+    ///
+    /// ```no_run
+    /// use krunbox::{Kernel, KernelFormat, Sandbox};
+    ///
+    /// let sandbox = Sandbox::builder()
+    ///     .kernel(Kernel::new("/srv/kernels/vmlinux", KernelFormat::Elf).arg("loglevel=4"))
+    ///     .build()?;
+    /// # Ok::<(), krunbox::Error>(())
+    /// ```
+    pub fn kernel(mut self, kernel: Kernel) -> Self {
+        self.kernel = Some(kernel);
         self
     }
 
@@ -226,6 +223,7 @@ impl SandboxBuilder {
                 )));
             }
         }
+        let kernel = self.kernel.map(Kernel::into_config).transpose()?;
         let artifacts = Artifacts::locate_with(&self.overrides)?;
         Ok(Sandbox {
             config: Arc::new(SandboxConfig {
@@ -236,16 +234,315 @@ impl SandboxBuilder {
                 boot_timeout: self.boot_timeout,
                 cache_dir: self.cache_dir.unwrap_or_else(crate::cache_dir),
                 artifacts,
-                kernel: self.kernel,
+                kernel,
                 vmm_log_level: self.vmm_log_level,
             }),
         })
     }
 }
 
+/// How a custom kernel file is packaged (libkrun's `KRUN_KERNEL_FORMAT_*`).
+///
+/// libkrun loads each format on some architectures only; [`SandboxBuilder::build`] refuses a
+/// format this one cannot load. On x86-64: [`Elf`](Self::Elf) and the three `Image*` formats.
+/// On arm64 and riscv64: [`PeGzip`](Self::PeGzip) and the three `Image*` formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum KernelFormat {
+    /// An uncompressed ELF `vmlinux` (x86-64).
+    Elf,
+    /// A PE image with a gzip-compressed kernel inside, such as arm64's `Image.gz` EFI stub
+    /// (arm64, riscv64).
+    PeGzip,
+    /// A file holding a bzip2-compressed kernel.
+    ImageBzip2,
+    /// A file holding a gzip-compressed kernel.
+    ImageGzip,
+    /// A file holding a zstd-compressed kernel.
+    ImageZstd,
+}
+
+impl KernelFormat {
+    /// libkrun's number for the format. Raw (0) is left out on purpose: on x86-64 libkrun maps
+    /// a raw file as if it were libkrunfw's bundle, at a fixed address no raw kernel we know of
+    /// is linked for.
+    fn libkrun_number(self) -> u32 {
+        match self {
+            KernelFormat::Elf => 1,
+            KernelFormat::PeGzip => 2,
+            KernelFormat::ImageBzip2 => 3,
+            KernelFormat::ImageGzip => 4,
+            KernelFormat::ImageZstd => 5,
+        }
+    }
+
+    /// Whether libkrun can load this format on the architecture krunbox was built for.
+    fn loads_here(self) -> bool {
+        match self {
+            KernelFormat::Elf => cfg!(target_arch = "x86_64"),
+            KernelFormat::PeGzip => cfg!(any(target_arch = "aarch64", target_arch = "riscv64")),
+            KernelFormat::ImageBzip2 | KernelFormat::ImageGzip | KernelFormat::ImageZstd => true,
+        }
+    }
+}
+
+/// What guest-init needs on the kernel command line: libkrun's own default line plus
+/// `init=/init.krun`, which is exactly what libkrun passes when no command line is given. A
+/// command line given to `krun_set_kernel` replaces that part (libkrun still appends its own
+/// settings after it), so with extra arguments it must carry these too. Each one, and why:
+/// `console=hvc0` (the console log), `rootfstype=virtiofs rw` (the boot directory that holds
+/// guest-init is the initial root), `init=/init.krun` (guest-init's name there), `reboot=k
+/// panic=-1 panic_print=0` (a panic stops the VM at once, which the library reports),
+/// `nomodule` (no module loading: everything the guest needs is built in), `quiet`,
+/// `no-kvmapf` (no async page faults: libkrun's vCPUs do not handle them).
+const GUEST_INIT_CMDLINE: &str = "reboot=k panic=-1 panic_print=0 nomodule console=hvc0 \
+                                  rootfstype=virtiofs rw quiet no-kvmapf init=/init.krun";
+
+/// Parameters of [`GUEST_INIT_CMDLINE`] an extra argument may not set again: with another
+/// value the guest boots without guest-init, or without the console the library reads, and
+/// the boot hangs until its timeout instead of failing.
+const RESERVED_KERNEL_PARAMS: &[&str] = &[
+    "init",
+    "rdinit",
+    "root",
+    "rootfstype",
+    "rootflags",
+    "console",
+    "panic",
+    "reboot",
+];
+
+/// Longest kernel command line the guest kernel takes (Linux's `COMMAND_LINE_SIZE` on
+/// x86-64 and arm64).
+const MAX_CMDLINE: usize = 2048;
+
+/// Room left on the command line for what libkrun appends after ours (its environment
+/// settings and the `--` that separates init's arguments).
+const LIBKRUN_CMDLINE_ROOM: usize = 256;
+
+/// A guest kernel to boot instead of libkrunfw's, for [`SandboxBuilder::kernel`].
+///
+/// The kernel must have built in what guest-init uses: virtio-mmio, virtio-fs (its first root),
+/// virtio-blk and the root image's filesystem (erofs for the built-in images), vsock over
+/// virtio, devpts, tmpfs and a `hvc0` console. libkrunfw's kernel configuration has all of them.
+///
+/// There is no initramfs option on purpose: the kernel would run the initramfs' `/init`
+/// instead of guest-init, and the boot would never become ready.
+///
+/// ```
+/// use krunbox::{Kernel, KernelFormat};
+///
+/// let kernel = Kernel::new("/srv/kernels/vmlinux", KernelFormat::Elf).arg("loglevel=4");
+/// # drop(kernel);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Kernel {
+    path: PathBuf,
+    format: KernelFormat,
+    args: Vec<String>,
+}
+
+impl Kernel {
+    /// A kernel file in the given format. A relative path is taken from the current directory
+    /// when the sandbox is built.
+    ///
+    /// ```
+    /// use krunbox::{Kernel, KernelFormat};
+    ///
+    /// let kernel = Kernel::new("/boot/vmlinuz.zst", KernelFormat::ImageZstd);
+    /// # drop(kernel);
+    /// ```
+    pub fn new(path: impl Into<PathBuf>, format: KernelFormat) -> Self {
+        Kernel {
+            path: path.into(),
+            format,
+            args: Vec::new(),
+        }
+    }
+
+    /// Appends one argument to the kernel command line, after the ones guest-init needs. Each
+    /// argument is one word of printable ASCII without quotes; the parameters guest-init
+    /// depends on (`init`, `root`, `console`, ...) cannot be set.
+    ///
+    /// ```
+    /// use krunbox::{Kernel, KernelFormat};
+    ///
+    /// let kernel = Kernel::new("/srv/vmlinux", KernelFormat::Elf).arg("mitigations=off");
+    /// # drop(kernel);
+    /// ```
+    pub fn arg(mut self, arg: impl Into<String>) -> Self {
+        self.args.push(arg.into());
+        self
+    }
+
+    /// Appends several arguments to the kernel command line. See [`Kernel::arg`].
+    ///
+    /// ```
+    /// use krunbox::{Kernel, KernelFormat};
+    ///
+    /// let kernel = Kernel::new("/srv/vmlinux", KernelFormat::Elf).args(["loglevel=7", "nokaslr"]);
+    /// # drop(kernel);
+    /// ```
+    pub fn args<I, S>(mut self, args: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.args.extend(args.into_iter().map(Into::into));
+        self
+    }
+
+    /// Checks the file, format and arguments and turns them into what the VMM helper is given.
+    fn into_config(self) -> Result<KernelConfig> {
+        if !self.format.loads_here() {
+            return Err(Error::InvalidConfig(format!(
+                "libkrun cannot load a {:?} kernel on {}; see KernelFormat for the formats it \
+                 loads there",
+                self.format,
+                std::env::consts::ARCH
+            )));
+        }
+        // Absolute, so the VMM helper finds the same file whatever its working directory.
+        let path = std::fs::canonicalize(&self.path).map_err(|e| {
+            Error::InvalidConfig(format!(
+                "cannot use the kernel {}: {e}; give the path of a readable file",
+                self.path.display()
+            ))
+        })?;
+        if !path.is_file() {
+            return Err(Error::InvalidConfig(format!(
+                "the kernel {} is not a regular file",
+                path.display()
+            )));
+        }
+        for arg in &self.args {
+            check_kernel_arg(arg)?;
+        }
+        let cmdline = (!self.args.is_empty()).then(|| {
+            std::iter::once(GUEST_INIT_CMDLINE)
+                .chain(self.args.iter().map(String::as_str))
+                .collect::<Vec<_>>()
+                .join(" ")
+        });
+        let room = MAX_CMDLINE - LIBKRUN_CMDLINE_ROOM;
+        if let Some(line) = cmdline.as_ref().filter(|line| line.len() > room) {
+            return Err(Error::InvalidConfig(format!(
+                "the kernel command line would be {} bytes; keep the extra arguments under {} \
+                 bytes",
+                line.len(),
+                room - GUEST_INIT_CMDLINE.len() - 1
+            )));
+        }
+        Ok(KernelConfig {
+            path,
+            format: self.format.libkrun_number(),
+            cmdline,
+        })
+    }
+}
+
+/// One extra kernel argument: a single printable word that cannot end the command line early
+/// (`--`), swallow what libkrun appends (a quote), or override what guest-init needs.
+fn check_kernel_arg(arg: &str) -> Result<()> {
+    if arg.is_empty() || !arg.bytes().all(|b| b.is_ascii_graphic() && b != b'"') {
+        return Err(Error::InvalidConfig(format!(
+            "kernel argument {arg:?} must be one word of printable ASCII without quotes; pass \
+             each argument separately"
+        )));
+    }
+    if arg == "--" {
+        return Err(Error::InvalidConfig(
+            "kernel argument \"--\" would end the kernel's own parameters; leave it out".into(),
+        ));
+    }
+    let name = arg.split_once('=').map_or(arg, |(name, _)| name);
+    if RESERVED_KERNEL_PARAMS.contains(&name) {
+        return Err(Error::InvalidConfig(format!(
+            "kernel argument {arg:?} sets {name}, which krunbox sets itself so that guest-init \
+             boots; leave it out"
+        )));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_custom_kernel_is_checked_when_the_definition_is_built() {
+        let err = Sandbox::builder()
+            .kernel(Kernel::new("/nonexistent/vmlinux", KernelFormat::Elf))
+            .build()
+            .unwrap_err();
+        assert!(err.to_string().contains("/nonexistent/vmlinux"), "{err}");
+        let err = Sandbox::builder()
+            .kernel(Kernel::new("/", KernelFormat::ImageGzip))
+            .build()
+            .unwrap_err();
+        assert!(err.to_string().contains("not a regular file"), "{err}");
+        let kernel = tempfile::NamedTempFile::new().unwrap();
+        let with = |arg: &str| {
+            Kernel::new(kernel.path(), KernelFormat::ImageZstd)
+                .arg(arg)
+                .into_config()
+        };
+        for bad in ["two words", "", "tab\there", "nul\0", "say=\"x", "é"] {
+            let err = with(bad).unwrap_err();
+            assert!(err.to_string().contains("one word"), "{bad:?}: {err}");
+        }
+        for reserved in [
+            "init=/bin/sh",
+            "rdinit=/init",
+            "console=ttyS0",
+            "root=/dev/vda",
+        ] {
+            let err = with(reserved).unwrap_err();
+            assert!(
+                err.to_string().contains("krunbox sets itself"),
+                "{reserved}: {err}"
+            );
+        }
+        assert!(with("--").unwrap_err().to_string().contains("\"--\""));
+        let err = with(&"x".repeat(4000)).unwrap_err();
+        assert!(err.to_string().contains("command line"), "{err}");
+        let config = with("loglevel=4").unwrap();
+        assert_eq!(config.format, 5);
+        let cmdline = config.cmdline.unwrap();
+        assert_eq!(cmdline, format!("{GUEST_INIT_CMDLINE} loglevel=4"));
+        // Without extra arguments libkrun's own command line is used unchanged.
+        let config = Kernel::new(kernel.path(), KernelFormat::ImageBzip2)
+            .into_config()
+            .unwrap();
+        assert_eq!((config.format, config.cmdline), (3, None));
+    }
+
+    #[test]
+    fn a_relative_kernel_path_is_made_absolute() {
+        // A file in the current directory, named relative to it.
+        let file = tempfile::NamedTempFile::new_in(".").unwrap();
+        let relative = PathBuf::from(file.path().file_name().unwrap());
+        assert!(relative.is_relative());
+        let config = Kernel::new(&relative, KernelFormat::ImageGzip)
+            .into_config()
+            .unwrap();
+        assert!(config.path.is_absolute(), "{}", config.path.display());
+        assert_eq!(config.path, file.path().canonicalize().unwrap());
+    }
+
+    #[test]
+    fn kernel_formats_this_architecture_cannot_load_are_refused() {
+        let kernel = tempfile::NamedTempFile::new().unwrap();
+        let unloadable = if cfg!(target_arch = "x86_64") {
+            KernelFormat::PeGzip
+        } else {
+            KernelFormat::Elf
+        };
+        let err = Kernel::new(kernel.path(), unloadable)
+            .into_config()
+            .unwrap_err();
+        assert!(err.to_string().contains("cannot load"), "{err}");
+    }
 
     #[test]
     fn invalid_definitions_are_refused_with_the_reason() {

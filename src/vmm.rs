@@ -58,9 +58,7 @@ pub struct KernelConfig {
     pub path: PathBuf,
     /// libkrun's `KRUN_KERNEL_FORMAT_*` number.
     pub format: u32,
-    /// Optional initramfs.
-    pub initramfs: Option<PathBuf>,
-    /// Kernel command line.
+    /// The whole kernel command line, or `None` for libkrun's default.
     pub cmdline: Option<String>,
 }
 
@@ -130,12 +128,8 @@ fn configure(config: &VmmConfig) -> std::result::Result<krun_sys::Context, Strin
     let step = |r: std::result::Result<(), krun_sys::KrunError>| r.map_err(|e| e.to_string());
     step(ctx.set_vm_config(config.cpus, config.memory_mib))?;
     if let Some(kernel) = &config.kernel {
-        step(ctx.set_kernel(
-            &kernel.path,
-            kernel.format,
-            kernel.initramfs.as_deref(),
-            kernel.cmdline.as_deref(),
-        ))?;
+        // No initramfs: its /init would run instead of guest-init.
+        step(ctx.set_kernel(&kernel.path, kernel.format, None, kernel.cmdline.as_deref()))?;
     }
     // The image arrives as an inherited, already-verified descriptor: open it by that fd so a
     // path swap after verification cannot substitute another file.

@@ -8,11 +8,13 @@
 //! seconds); tests about the VM itself boot their own.
 
 mod common;
+#[path = "common/kernel.rs"]
+mod kernel;
 
 use std::time::{Duration, Instant};
 
 use krunbox::protocol::{ExecErrorKind, ProtocolError};
-use krunbox::{BuiltinImage, Error, Instance, Rootfs, Sandbox};
+use krunbox::{BuiltinImage, Error, Instance, Kernel, KernelFormat, Rootfs, Sandbox};
 use sha2::{Digest, Sha256};
 use tokio::io::AsyncReadExt;
 use tokio::sync::OnceCell;
@@ -207,6 +209,7 @@ fn the_guest_runs_its_own_kernel() {
         let host = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
         assert_eq!(guest, vm.kernel_release());
         assert_ne!(guest, host.trim(), "uname -r printed the host's kernel");
+        assert_eq!(guest, kernel::libkrunfw_release(), "not libkrunfw's kernel");
         let out = vm.command("hostname").output().await.unwrap();
         assert_eq!(
             out.stdout_text(),
@@ -225,6 +228,69 @@ fn the_guest_runs_its_own_kernel() {
             out.stdout_text()
         );
         assert!(out.stdout_text().contains("tmp-ok"));
+    });
+}
+
+#[test]
+fn a_custom_kernel_boots_instead_of_libkrunfws() {
+    common::run(async {
+        // libkrunfw's kernel, rebuilt into an ELF file and given a release string of its own:
+        // `uname -r` can only print it if the VM booted this file.
+        let (load, entry, mut image) = kernel::libkrunfw_kernel();
+        let offsets = kernel::utsname_release_offsets(&image);
+        assert!(
+            !offsets.is_empty(),
+            "no utsname in libkrunfw's kernel to mark"
+        );
+        let release = format!("{}-krunbox-custom", kernel::release_at(&image, offsets[0]));
+        for &at in &offsets {
+            let field = &mut image[at..at + release.len() + 1];
+            field[..release.len()].copy_from_slice(release.as_bytes());
+            field[release.len()] = 0;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let vmlinux = dir.path().join("vmlinux");
+        std::fs::write(&vmlinux, kernel::elf_kernel(load, entry, &image)).unwrap();
+
+        let vm = Sandbox::builder()
+            .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
+            .memory_mib(256)
+            .kernel(Kernel::new(&vmlinux, KernelFormat::Elf).arg("krunbox.test=custom-kernel"))
+            .build()
+            .unwrap()
+            .boot()
+            .await
+            .unwrap();
+        let copies = offsets.len();
+        assert_eq!(
+            vm.kernel_release(),
+            release,
+            "{copies} utsname copies marked"
+        );
+        let out = sh(&vm, "uname -r; cat /proc/cmdline").await;
+        let text = out.stdout_text();
+        assert!(text.starts_with(&format!("{release}\n")), "{text}");
+        assert!(text.contains(" krunbox.test=custom-kernel"), "{text}");
+        assert!(text.contains("init=/init.krun"), "{text}");
+        vm.shutdown().await.unwrap();
+
+        // A file that is not a kernel of that format fails the boot at once, with libkrun's
+        // reason, not after the boot timeout.
+        let bogus = dir.path().join("not-a-kernel");
+        std::fs::write(&bogus, b"#!/bin/sh\n").unwrap();
+        let started = Instant::now();
+        let err = Sandbox::builder()
+            .kernel(Kernel::new(&bogus, KernelFormat::Elf))
+            .build()
+            .unwrap()
+            .boot()
+            .await
+            .unwrap_err();
+        let Error::VmExited { console_tail, .. } = &err else {
+            panic!("expected the VM to stop, got {err:?}");
+        };
+        assert!(console_tail.contains("Elf"), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(60), "{err}");
     });
 }
 

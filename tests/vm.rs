@@ -189,7 +189,8 @@ fn a_timeout_kills_the_process_group_and_reports_124() {
         );
         let check = sh(
             vm,
-            "kill -0 $(cat /tmp/grandchild) 2>/dev/null && echo alive || echo gone",
+            "test -s /tmp/grandchild || echo no-pidfile; \
+             kill -0 $(cat /tmp/grandchild) 2>/dev/null && echo alive || echo gone",
         )
         .await;
         assert_eq!(
@@ -197,6 +198,73 @@ fn a_timeout_kills_the_process_group_and_reports_124() {
             "gone\n",
             "the backgrounded grandchild survived"
         );
+    });
+}
+
+#[test]
+fn a_timeout_also_bounds_output_held_open_after_the_command_exits() {
+    common::run(async {
+        let vm = shared_vm().await;
+        // The command exits at once, but a background `sleep` keeps its stdout open: the
+        // output is not complete until it ends, and the timeout covers that wait too.
+        let started = Instant::now();
+        let out = vm
+            .command("sh")
+            .args([
+                "-c",
+                "echo before; sleep 300 & echo $! > /tmp/holder; exit 0",
+            ])
+            .timeout(Duration::from_secs(2))
+            .output()
+            .await
+            .unwrap();
+        assert!(out.status.timed_out(), "{:?}", out.status);
+        assert_eq!(out.status.code(), Some(124));
+        assert_eq!(
+            out.stdout_text(),
+            "before\n",
+            "output before the kill is kept"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "{:?}",
+            started.elapsed()
+        );
+        let check = sh(
+            vm,
+            "test -s /tmp/holder || echo no-pidfile; \
+             kill -0 $(cat /tmp/holder) 2>/dev/null && echo alive || echo gone",
+        )
+        .await;
+        assert_eq!(
+            check.stdout_text(),
+            "gone\n",
+            "the holder survived the timeout"
+        );
+
+        // A process that left the group (its own session) cannot be killed with it; its
+        // stream is given up shortly after the kill instead of waited for.
+        let started = Instant::now();
+        let out = vm
+            .command("sh")
+            .args(["-c", "setsid sleep 300 & echo $! > /tmp/escaped; exit 0"])
+            .timeout(Duration::from_secs(2))
+            .output()
+            .await
+            .unwrap();
+        assert_eq!(out.status.code(), Some(124), "{:?}", out.status);
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "{:?}",
+            started.elapsed()
+        );
+        // It is still running (nothing could reach it); end it by its pid.
+        let check = sh(
+            vm,
+            "kill -0 $(cat /tmp/escaped) && echo alive; kill -9 $(cat /tmp/escaped)",
+        )
+        .await;
+        assert_eq!(check.stdout_text(), "alive\n", "{:?}", check.stderr_text());
     });
 }
 

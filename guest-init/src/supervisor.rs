@@ -164,39 +164,119 @@ impl Reaper {
 
 /// How many output bytes a stream may still send before the host grants more.
 struct Window {
-    available: Mutex<u64>,
+    state: Mutex<WindowState>,
     changed: Condvar,
+}
+
+struct WindowState {
+    available: u64,
+    /// The stream was given up (see [`Streams::abandon`]): its reader stops.
+    abandoned: bool,
 }
 
 impl Window {
     fn new() -> Arc<Window> {
         Arc::new(Window {
-            available: Mutex::new(u64::from(OUTPUT_WINDOW)),
+            state: Mutex::new(WindowState {
+                available: u64::from(OUTPUT_WINDOW),
+                abandoned: false,
+            }),
             changed: Condvar::new(),
         })
     }
 
-    /// Blocks until some credit is available; returns how much.
-    fn wait(&self) -> u64 {
-        let mut available = self.available.lock().unwrap_or_else(|p| p.into_inner());
-        while *available == 0 {
-            available = self
-                .changed
-                .wait(available)
-                .unwrap_or_else(|p| p.into_inner());
+    fn lock(&self) -> std::sync::MutexGuard<'_, WindowState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Blocks until some credit is available; returns how much, or `None` once the stream is
+    /// abandoned.
+    fn wait(&self) -> Option<u64> {
+        let mut state = self.lock();
+        while state.available == 0 && !state.abandoned {
+            state = self.changed.wait(state).unwrap_or_else(|p| p.into_inner());
         }
-        *available
+        (!state.abandoned).then_some(state.available)
     }
 
     fn spend(&self, bytes: u64) {
-        let mut available = self.available.lock().unwrap_or_else(|p| p.into_inner());
-        *available = available.saturating_sub(bytes);
+        let mut state = self.lock();
+        state.available = state.available.saturating_sub(bytes);
     }
 
     fn grant(&self, bytes: u64) {
-        let mut available = self.available.lock().unwrap_or_else(|p| p.into_inner());
-        *available = available.saturating_add(bytes);
+        let mut state = self.lock();
+        state.available = state.available.saturating_add(bytes);
         self.changed.notify_all();
+    }
+
+    fn abandon(&self) {
+        self.lock().abandoned = true;
+        self.changed.notify_all();
+    }
+}
+
+/// How long a timed-out command's output streams may stay open after its process group was
+/// killed. Only a process that left the group (its own `setsid`) can hold them open longer;
+/// its further output is not waited for.
+const STREAM_GRACE: Duration = Duration::from_secs(2);
+
+/// The output streams of one process: their reader threads, and a way to make them stop.
+struct Streams {
+    windows: [Arc<Window>; 2],
+    /// An eventfd each reader polls beside its pipe; written once to make every reader stop.
+    stop: Arc<OwnedFd>,
+    /// Each reader sends once here when it ends.
+    done: std::sync::mpsc::Receiver<()>,
+    running: usize,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Streams {
+    /// Waits until every reader has ended, or until `deadline`; true if they all ended.
+    fn wait(&mut self, deadline: Option<Instant>) -> bool {
+        while self.running > 0 {
+            let received = match deadline {
+                None => self.done.recv().is_ok(),
+                Some(deadline) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    match self.done.recv_timeout(left) {
+                        Ok(()) => true,
+                        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => return false,
+                        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => false,
+                    }
+                }
+            };
+            if !received {
+                // Every reader has gone (a panicked one never sent): nothing left to wait for.
+                self.running = 0;
+            } else {
+                self.running -= 1;
+            }
+        }
+        true
+    }
+
+    /// Makes every reader stop now, whatever is still unread.
+    fn abandon(&self) {
+        for window in &self.windows {
+            window.abandon();
+        }
+        let one = 1u64;
+        // SAFETY: an 8-byte write from a valid u64 to our eventfd.
+        unsafe {
+            libc::write(
+                self.stop.as_raw_fd(),
+                &one as *const u64 as *const libc::c_void,
+                8,
+            )
+        };
+    }
+
+    fn join(self) {
+        for thread in self.threads {
+            let _ = thread.join();
+        }
     }
 }
 
@@ -327,6 +407,10 @@ fn fail(outbox: &Outbox, id: u32, err: &io::Error, what: String) {
 /// Starts `exec` and supervises it on its own thread; reports everything through `outbox`.
 pub fn start(exec: Exec, reaper: &Arc<Reaper>, table: &Table, outbox: &Outbox) {
     let id = exec.id;
+    // A timeout too far away to represent is no timeout.
+    let deadline = exec
+        .timeout_ms
+        .and_then(|ms| Instant::now().checked_add(Duration::from_millis(ms)));
     let program = OsStr::from_bytes(&exec.argv[0]).to_owned();
     let cwd = exec
         .cwd
@@ -397,6 +481,12 @@ pub fn start(exec: Exec, reaper: &Arc<Reaper>, table: &Table, outbox: &Outbox) {
         });
     }
 
+    // SAFETY: eventfd with no pointers; the fd is owned below.
+    let stop = match check("eventfd", unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) }) {
+        // SAFETY: a new fd owned by nobody else.
+        Ok(fd) => Arc::new(unsafe { OwnedFd::from_raw_fd(fd) }),
+        Err(err) => return fail(outbox, id, &err, "creating the output stop signal".into()),
+    };
     let mut child = match reaper.spawn(&mut cmd) {
         Ok(child) => child,
         Err(err) => return fail(outbox, id, &err, format!("spawn {program:?}")),
@@ -447,67 +537,71 @@ pub fn start(exec: Exec, reaper: &Arc<Reaper>, table: &Table, outbox: &Outbox) {
         // SAFETY: F_SETPIPE_SZ on a pipe fd we own; failure just keeps the default size.
         unsafe { libc::fcntl(pipe, libc::F_SETPIPE_SZ, MAX_CHUNK as libc::c_int) };
     }
-    let sources: Vec<(Stream, Box<dyn Read + Send>)> = match &pty_master {
+    let sources: Vec<(Stream, OwnedFd)> = match &pty_master {
         Some(master) => master
             .try_clone()
             .ok()
-            .map(|fd| {
-                (
-                    Stream::Stdout,
-                    Box::new(File::from(fd)) as Box<dyn Read + Send>,
-                )
-            })
+            .map(|fd| (Stream::Stdout, fd))
             .into_iter()
             .collect(),
         None => [
             child
                 .stdout
                 .take()
-                .map(|s| (Stream::Stdout, Box::new(s) as Box<dyn Read + Send>)),
+                .map(|s| (Stream::Stdout, OwnedFd::from(s))),
             child
                 .stderr
                 .take()
-                .map(|s| (Stream::Stderr, Box::new(s) as Box<dyn Read + Send>)),
+                .map(|s| (Stream::Stderr, OwnedFd::from(s))),
         ]
         .into_iter()
         .flatten()
         .collect(),
     };
-    let readers: Vec<_> = sources
-        .into_iter()
-        .map(|(stream, source)| {
-            let outbox = outbox.clone();
-            let window = windows[stream as usize].clone();
-            std::thread::spawn(move || pump(id, stream, source, &window, &outbox))
-        })
-        .collect();
+    let (done_tx, done) = channel();
+    let mut streams = Streams {
+        windows: windows.clone(),
+        stop: stop.clone(),
+        done,
+        running: sources.len(),
+        threads: Vec::new(),
+    };
+    for (stream, source) in sources {
+        let outbox = outbox.clone();
+        let window = windows[stream as usize].clone();
+        let (stop, done_tx) = (stop.clone(), done_tx.clone());
+        streams.threads.push(std::thread::spawn(move || {
+            pump(id, stream, source, &stop, &window, &outbox);
+            let _ = done_tx.send(());
+        }));
+    }
+    drop(done_tx);
 
-    let deadline = exec
-        .timeout_ms
-        .map(|ms| Instant::now() + Duration::from_millis(ms));
     let (reaper, table, outbox) = (reaper.clone(), table.clone(), outbox.clone());
     let supervise = move || {
-        let mut timed_out = false;
-        let status = match reaper.wait(pid, deadline) {
-            Some(status) => status,
-            None => {
-                timed_out = true;
-                // SAFETY: plain syscall; pid is the group leader we created with setsid.
-                unsafe { libc::killpg(pid, libc::SIGKILL) };
-                reaper
-                    .wait(pid, None)
-                    .unwrap_or(ExitStatus::Signal(libc::SIGKILL))
-            }
-        };
-        // The streams end when every holder of the pipes exits. After a timeout the whole
-        // group was killed; kill it again in case something raced into it meanwhile.
+        // The deadline covers the whole command: its first process, and its output streams,
+        // which stay open as long as anything it started holds them.
+        let mut status = reaper.wait(pid, deadline);
+        let timed_out = status.is_none() || !streams.wait(deadline);
         if timed_out {
+            // SAFETY: plain syscall; pid is the group we created with setsid. Its id stays
+            // reserved while any member lives, even after the leader was reaped.
+            unsafe { libc::killpg(pid, libc::SIGKILL) };
+            if status.is_none() {
+                status = reaper.wait(pid, None);
+            }
+            // Kill again in case something raced into the group meanwhile; then give what
+            // is left of the output a moment, and give up streams held open from outside
+            // the group.
             // SAFETY: plain syscall.
             unsafe { libc::killpg(pid, libc::SIGKILL) };
+            if !streams.wait(Some(Instant::now() + STREAM_GRACE)) {
+                streams.abandon();
+                streams.wait(None);
+            }
         }
-        for reader in readers {
-            let _ = reader.join();
-        }
+        streams.join();
+        let status = status.unwrap_or(ExitStatus::Signal(libc::SIGKILL));
         table
             .0
             .lock()
@@ -529,17 +623,23 @@ pub fn start(exec: Exec, reaper: &Arc<Reaper>, table: &Table, outbox: &Outbox) {
 
 /// Copies one pipe (or pty master) to the host in bounded chunks until EOF, never sending
 /// more than the host has credited: when the host reads slowly, this thread stops reading, the
-/// pipe fills, and the process's writes block.
+/// pipe fills, and the process's writes block. Ends early when `stop` becomes readable or the
+/// window is abandoned.
 fn pump(
     id: u32,
     stream: Stream,
-    mut source: Box<dyn Read + Send>,
+    source: OwnedFd,
+    stop: &OwnedFd,
     window: &Window,
     outbox: &Outbox,
 ) {
+    let mut source = File::from(source);
     let mut buf = vec![0u8; MAX_CHUNK];
-    loop {
-        let allowed = window.wait().min(MAX_CHUNK as u64) as usize;
+    while let Some(allowed) = window.wait() {
+        if !readable_before_stop(&source, stop) {
+            return;
+        }
+        let allowed = allowed.min(MAX_CHUNK as u64) as usize;
         match source.read(&mut buf[..allowed]) {
             // EIO: a pty master whose slave side is closed — its end of file.
             Ok(0) => return,
@@ -557,6 +657,40 @@ fn pump(
             }
             Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
             Err(_) => return,
+        }
+    }
+}
+
+/// Waits until `source` can be read (data, end of file or an error to report) or `stop` is
+/// signalled; false when stopped.
+fn readable_before_stop(source: &File, stop: &OwnedFd) -> bool {
+    let mut fds = [
+        libc::pollfd {
+            fd: source.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: stop.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+    ];
+    loop {
+        // SAFETY: poll on two valid pollfd entries we own.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if n < 0 {
+            if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            // Let the read report whatever is wrong.
+            return true;
+        }
+        if fds[1].revents != 0 {
+            return false;
+        }
+        if fds[0].revents != 0 {
+            return true;
         }
     }
 }

@@ -100,6 +100,13 @@ pub enum Error {
         /// Why it stopped.
         reason: String,
     },
+    /// A command's timeout passed, and the guest did not end it even after the host sent the
+    /// kill itself: guest-init is wedged or was tampered with from inside the guest.
+    #[error("the guest did not end a timed-out command within {after:?} of its timeout, even when told to kill it; the instance is unresponsive: shut it down and boot a new one")]
+    GuestUnresponsive {
+        /// How long past the timeout the host waited.
+        after: Duration,
+    },
     /// The command was cancelled through its [`CancellationToken`](tokio_util::sync::CancellationToken);
     /// its process group was killed.
     #[error("the command was cancelled; its process group was killed")]

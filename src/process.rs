@@ -232,7 +232,24 @@ impl Command {
     }
 
     /// Kills the command's whole process group after `timeout`; the status then reports exit
-    /// code 124 and [`ExitStatus::timed_out`].
+    /// code 124 and [`ExitStatus::timed_out`]. The timeout covers the whole command: a
+    /// command that exits while something it started still holds its output open times out
+    /// too, and output written before the kill is kept.
+    ///
+    /// ```no_run
+    /// # async fn demo(vm: &krunbox::Instance) -> krunbox::Result<()> {
+    /// use std::time::Duration;
+    ///
+    /// let out = vm
+    ///     .command("sh")
+    ///     .args(["-c", "echo started; sleep 600"])
+    ///     .timeout(Duration::from_secs(5))
+    ///     .output()
+    ///     .await?;
+    /// assert_eq!(out.status.code(), Some(124));
+    /// assert_eq!(out.stdout, b"started\n");
+    /// # Ok(()) }
+    /// ```
     pub fn timeout(&mut self, timeout: Duration) -> &mut Command {
         self.timeout = Some(timeout);
         self
@@ -284,8 +301,19 @@ impl Command {
         message
             .encode()
             .map_err(|e| Error::InvalidConfig(format!("command: {e}")))?;
+        // The host's backstop counts from here, like guest-init's own deadline.
+        let host_deadline = self
+            .timeout
+            .and_then(|t| tokio::time::Instant::now().checked_add(t.saturating_add(TIMEOUT_GRACE)));
         let channels = control.register(id)?;
         control.send(&message)?;
+        // From here the process may be running: if this future is dropped (cancelled) before
+        // it returns a `Child`, the guard kills it.
+        let mut guard = KillOnDrop {
+            control: control.clone(),
+            id,
+            armed: true,
+        };
         let mut end = channels.end;
         // guest-init sends Started before anything else about a process, and one connection
         // keeps the order; but a quick process can have both Started and its end waiting
@@ -293,11 +321,18 @@ impl Command {
         let pid = tokio::select! {
             biased;
             pid = channels.started => pid.ok(),
-            end = &mut end => return Err(self.early_end(end)),
+            end = &mut end => {
+                guard.armed = false;
+                return Err(self.early_end(end));
+            }
         };
         let Some(pid) = pid else {
-            return Err(self.early_end(end.await));
+            let end = end.await;
+            guard.armed = false;
+            return Err(self.early_end(end));
         };
+        // The Child takes over: dropping it kills the process.
+        guard.armed = false;
         let has_stdin = self.stdin.piped || self.pty.is_some();
         Ok(Child {
             instance: self.instance.clone(),
@@ -325,7 +360,8 @@ impl Command {
             }),
             end: Some(end),
             status: None,
-            host_deadline: self.timeout.map(|t| t + TIMEOUT_GRACE),
+            host_deadline,
+            backstop_fired: false,
             is_pty: self.pty.is_some(),
         })
     }
@@ -365,12 +401,17 @@ impl Command {
         let stdout = child.stdout.take().expect("fresh child has stdout");
         let stderr = child.stderr.take();
         let collect = async {
-            let (out, err) = tokio::join!(read_capped(stdout, limit), async {
-                match stderr {
-                    Some(s) => read_capped(s, limit).await,
-                    None => Ok((Vec::new(), false)),
-                }
-            });
+            let streams = async {
+                tokio::join!(read_capped(stdout, limit), async {
+                    match stderr {
+                        Some(s) => read_capped(s, limit).await,
+                        None => Ok((Vec::new(), false)),
+                    }
+                })
+            };
+            // guest-init ends a timed-out command's streams too; should it not, the host kills
+            // the process group itself.
+            let (out, err) = child.backstop(streams).await?;
             let status = child.wait().await?;
             let ((stdout, stdout_truncated), (stderr, stderr_truncated)) = (
                 out.map_err(Error::io("reading command output"))?,
@@ -431,7 +472,10 @@ pub struct Child {
     pub stderr: Option<ChildStderr>,
     end: Option<oneshot::Receiver<ProcessEnd>>,
     status: Option<ExitStatus>,
-    host_deadline: Option<Duration>,
+    /// When the host stops waiting for guest-init to enforce the command's timeout.
+    host_deadline: Option<tokio::time::Instant>,
+    /// The host had to kill the process group itself (see [`Child::backstop`]).
+    backstop_fired: bool,
 }
 
 impl Child {
@@ -485,30 +529,22 @@ impl Child {
             .end
             .as_mut()
             .expect("end receiver present until a status is known");
-        let result = match self.host_deadline {
-            None => end.await,
-            Some(deadline) => match tokio::time::timeout(deadline, &mut *end).await {
-                Ok(result) => result,
-                Err(_) => {
-                    // guest-init should have reported the timeout long ago; enforce it here.
-                    tracing::warn!(id = self.key, "guest did not report a timeout; killing");
-                    let _ = self
-                        .instance
-                        .control()?
-                        .send(&HostMessage::Signal(SignalProcess {
-                            id: self.key,
-                            signal: libc::SIGKILL,
-                        }));
-                    end.await.map(|e| match e {
-                        ProcessEnd::Exited(mut exited) => {
-                            exited.timed_out = true;
-                            ProcessEnd::Exited(exited)
-                        }
-                        other => other,
-                    })
-                }
-            },
-        };
+        let result = Self::backstop_with(
+            &self.instance,
+            self.key,
+            self.host_deadline,
+            &mut self.backstop_fired,
+            end,
+        )
+        .await?;
+        let result = result.map(|end| match end {
+            // The command outlived its timeout so long that the host killed it.
+            ProcessEnd::Exited(mut exited) if self.backstop_fired => {
+                exited.timed_out = true;
+                ProcessEnd::Exited(exited)
+            }
+            other => other,
+        });
         let status = match result {
             Ok(ProcessEnd::Exited(exited)) => ExitStatus {
                 raw: exited.status,
@@ -639,6 +675,78 @@ impl Drop for ChildStdin {
             let _ = self
                 .control
                 .send(&HostMessage::CloseStdin(ProcessRef { id: self.id }));
+        }
+    }
+}
+
+impl Child {
+    /// Runs `work` (reading the streams, or waiting for the end) under the host's backstop
+    /// for the command's timeout. See [`Child::backstop_with`].
+    async fn backstop<F: std::future::Future>(&mut self, work: F) -> Result<F::Output> {
+        Self::backstop_with(
+            &self.instance,
+            self.key,
+            self.host_deadline,
+            &mut self.backstop_fired,
+            work,
+        )
+        .await
+    }
+
+    /// guest-init enforces a command's timeout. Should it not have ended the command
+    /// [`TIMEOUT_GRACE`] after the timeout, the host sends the kill itself; should the guest
+    /// still not end it within another grace period, the guest is unresponsive and waiting
+    /// longer would hang the caller.
+    async fn backstop_with<F: std::future::Future>(
+        instance: &Instance,
+        key: u32,
+        deadline: Option<tokio::time::Instant>,
+        fired: &mut bool,
+        work: F,
+    ) -> Result<F::Output> {
+        let Some(deadline) = deadline else {
+            return Ok(work.await);
+        };
+        tokio::pin!(work);
+        if let Ok(done) = tokio::time::timeout_at(deadline, &mut work).await {
+            return Ok(done);
+        }
+        if !*fired {
+            *fired = true;
+            tracing::warn!(id = key, "guest did not enforce a timeout; killing");
+            let _ = instance
+                .control()?
+                .send(&HostMessage::Signal(SignalProcess {
+                    id: key,
+                    signal: libc::SIGKILL,
+                }));
+        }
+        let Some(last) = deadline.checked_add(TIMEOUT_GRACE) else {
+            return Ok(work.await);
+        };
+        tokio::time::timeout_at(last, work)
+            .await
+            .map_err(|_| Error::GuestUnresponsive {
+                after: TIMEOUT_GRACE * 2,
+            })
+    }
+}
+
+/// Kills a process whose `Exec` was sent but whose [`Child`] does not exist yet, should the
+/// spawn be abandoned (its future dropped) in between.
+struct KillOnDrop {
+    control: Arc<Control>,
+    id: u32,
+    armed: bool,
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = self.control.send(&HostMessage::Signal(SignalProcess {
+                id: self.id,
+                signal: libc::SIGKILL,
+            }));
         }
     }
 }

@@ -190,13 +190,14 @@ fn a_pty_is_a_real_terminal_with_resize_and_ctrl_c() {
         let mut input = shell.stdin.take().unwrap();
         let mut screen = shell.stdout.take().unwrap();
 
+        // The terminal echoes what is typed; `$((6 * 7))` tells the command's answer apart.
         input
-            .write_all(b"tty; test -t 0 && echo is-a-tty; stty size\n")
+            .write_all(b"tty; test -t 0 && echo is-a-tty-$((6 * 7)); stty size\n")
             .await
             .unwrap();
         let text = read_until(&mut screen, "24 80").await;
         assert!(text.contains("/dev/pts/"), "{text}");
-        assert!(text.contains("is-a-tty"), "{text}");
+        assert!(text.contains("is-a-tty-42"), "{text}");
 
         shell.resize(50, 132).unwrap();
         input.write_all(b"stty size\n").await.unwrap();
@@ -237,20 +238,26 @@ fn signals_and_kill_reach_the_process() {
     });
 }
 
-/// True once the process whose pid is in `pidfile` is gone (polls for up to 30 s).
+/// True once the process whose pid is in `pidfile` is gone (polls for up to 30 s). The
+/// pidfile must exist: a process that never wrote it proves nothing.
 async fn gone(vm: &Instance, pidfile: &str) -> bool {
     for _ in 0..60 {
         let out = vm
             .command("sh")
             .args([
                 "-c",
-                &format!("kill -0 $(cat {pidfile}) 2>/dev/null && echo alive || echo gone"),
+                &format!(
+                    "test -s {pidfile} || {{ echo no-pidfile; exit; }}; \
+                     kill -0 $(cat {pidfile}) 2>/dev/null && echo alive || echo gone"
+                ),
             ])
             .output()
             .await
             .unwrap();
-        if out.stdout_text().trim() == "gone" {
-            return true;
+        match out.stdout_text().trim() {
+            "gone" => return true,
+            "no-pidfile" => panic!("{pidfile} was never written"),
+            _ => {}
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
@@ -299,6 +306,65 @@ fn cancellation_kills_the_process_group_and_the_instance_stays_usable() {
         );
 
         assert!(vm.command("true").status().await.unwrap().success());
+    });
+}
+
+#[test]
+fn a_spawn_abandoned_before_it_started_leaves_nothing_running() {
+    common::run(async {
+        let vm = vm().await;
+        let log = "/tmp/abandoned-spawns";
+        // A zero timeout polls the spawn once (which sends the command to the guest) and then
+        // drops it, before the guest can answer: the moment between "sent" and "started".
+        for _ in 0..10 {
+            let abandoned = tokio::time::timeout(
+                Duration::ZERO,
+                vm.command("sh")
+                    .args(["-c", &format!("echo $$ >> {log}; exec sleep 300")])
+                    .spawn(),
+            )
+            .await;
+            assert!(
+                abandoned.is_err(),
+                "the spawn finished without a round trip"
+            );
+        }
+        // The same through `output()` with a token cancelled before it starts.
+        for _ in 0..10 {
+            let token = CancellationToken::new();
+            token.cancel();
+            let result = vm
+                .command("sh")
+                .args(["-c", &format!("echo $$ >> {log}; exec sleep 300")])
+                .cancel_on(token)
+                .output()
+                .await;
+            assert!(matches!(result, Err(Error::Cancelled)), "{result:?}");
+        }
+        // Whatever of those got as far as writing its pid must be dead by now (or soon).
+        let mut alive = String::new();
+        for _ in 0..30 {
+            let out = vm
+                .command("sh")
+                .args([
+                    "-c",
+                    &format!(
+                        "touch {log}; for p in $(cat {log}); do kill -0 $p 2>/dev/null && echo $p; done"
+                    ),
+                ])
+                .output()
+                .await
+                .unwrap();
+            alive = out.stdout_text();
+            if alive.is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        assert_eq!(
+            alive, "",
+            "abandoned spawns left these guest processes running"
+        );
     });
 }
 

@@ -11,6 +11,22 @@ started=$SECONDS
 
 where=$("$here/setup.sh" | tail -n1)
 
+log "krunbox doctor on this host"
+# On nested PVM hosts (the project's machines) the doctor must say so plainly, and fail
+# --exit-code: that verdict is what sends the VM suite to the nested harness.
+doctor_rc=0
+report=$("$(cargo_target_dir)/debug/krunbox" doctor --exit-code) || doctor_rc=$?
+if [[ -e /sys/module/kvm_pvm ]]; then
+    ((doctor_rc != 0)) || die "krunbox doctor --exit-code passed on a nested PVM host: $report"
+    grep -q 'nested PVM' <<<"$report" && grep -q 'scripts/nested.sh' <<<"$report" ||
+        die "krunbox doctor did not name nested PVM and the nested harness: $report"
+fi
+if [[ $where == native ]]; then
+    ((doctor_rc == 0)) || die "setup chose native VMs, but krunbox doctor says: $report"
+else
+    ((doctor_rc != 0)) || die "setup chose the nested harness, but krunbox doctor passes"
+fi
+
 log "formatting and lints"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings

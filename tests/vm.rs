@@ -85,9 +85,15 @@ fn stdout_and_stderr_stay_separate() {
 fn the_host_environment_does_not_leak_into_the_guest() {
     std::env::set_var("KRUNBOX_TEST_HOST_SECRET", "host-only-value");
     common::run(async {
-        let out = shared_vm()
-            .await
-            .command("env")
+        // A VM of its own, booted after the variable is set: every path it could take (the
+        // VMM helper's environment, the kernel command line, guest-init's) exists already.
+        let vm = busybox().boot().await.unwrap();
+        let out = vm
+            .command("sh")
+            .args([
+                "-c",
+                "env; echo ---; tr '\\0' '\\n' < /proc/1/environ; cat /proc/cmdline",
+            ])
             .env("GIVEN", "explicitly")
             .output()
             .await
@@ -103,6 +109,7 @@ fn the_host_environment_does_not_leak_into_the_guest() {
             env.contains("PATH="),
             "the guest default PATH is set: {env}"
         );
+        vm.shutdown().await.unwrap();
     });
 }
 
@@ -359,6 +366,32 @@ fn a_custom_kernel_boots_instead_of_libkrunfws() {
         };
         assert!(console_tail.contains("Elf"), "{err}");
         assert!(started.elapsed() < Duration::from_secs(60), "{err}");
+    });
+}
+
+#[test]
+fn dropping_an_instance_ends_its_vmm_process() {
+    common::run(async {
+        let vm = busybox().boot().await.unwrap();
+        let pid = vm.vmm_pid().expect("a running VM has a VMM process");
+        let proc_dir = std::path::PathBuf::from(format!("/proc/{pid}"));
+        let exe = std::fs::read_link(proc_dir.join("exe")).unwrap();
+        assert!(
+            exe.ends_with("krunbox-vmm"),
+            "pid {pid} is not the VMM helper: {}",
+            exe.display()
+        );
+        drop(vm);
+        // The helper is killed and reaped: its /proc entry goes (a zombie would keep it).
+        let mut waited = Duration::ZERO;
+        while proc_dir.exists() {
+            assert!(
+                waited < Duration::from_secs(30),
+                "the VMM helper {pid} outlived its dropped instance"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            waited += Duration::from_millis(100);
+        }
     });
 }
 

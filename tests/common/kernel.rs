@@ -1,6 +1,9 @@
 //! libkrunfw's guest kernel, read the way libkrun reads it, for tests that must tell which
 //! kernel a VM booted.
 
+// Each test binary that includes this module uses a different part of it.
+#![allow(dead_code)]
+
 /// libkrunfw's kernel as the memory image libkrun loads: (load address, entry point, bytes),
 /// through libkrunfw's own accessor.
 pub fn libkrunfw_kernel() -> (u64, u64, Vec<u8>) {

@@ -56,7 +56,7 @@ if [[ $where == native ]]; then
     "$here/vm-suite.sh" "$target/vm-suite.list"
 else
     # One L1 for the whole suite. Its time limit leaves room in CI's 90 minutes; a binary that
-    # fails on a fault of the nested hypervisor itself is run once more (vm-suite.sh).
+    # fails on a fault of the nested hypervisor itself is run again, at most twice (vm-suite.sh).
     KRUNBOX_NESTED_TIMEOUT=${KRUNBOX_NESTED_TIMEOUT:-3000} "$here/nested.sh" run --keep "$target" \
         --env KRUNBOX_NESTED_FAULT_RETRY=1 --env KRUNBOX_TEST_STREAM_MIB=256 \
         -- "$here/vm-suite.sh" "$target/vm-suite.list"

@@ -254,7 +254,9 @@ async fn probe_boot() -> Result<String, String> {
     let sandbox = Sandbox::builder()
         .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
         .memory_mib(256)
-        .boot_timeout(Duration::from_secs(45))
+        // Long enough for a slow (nested, or busy) host and one retry of a stalled boot;
+        // a host whose KVM hangs guests costs this once.
+        .boot_timeout(Duration::from_secs(120))
         .build()
         .map_err(|e| e.to_string())?;
     let vm = sandbox.boot().await.map_err(|e| e.to_string())?;

@@ -245,7 +245,7 @@ impl SandboxBuilder {
 ///
 /// libkrun loads each format on some architectures only; [`SandboxBuilder::build`] refuses a
 /// format this one cannot load. On x86-64: [`Elf`](Self::Elf) and the three `Image*` formats.
-/// On arm64 and riscv64: [`PeGzip`](Self::PeGzip) and the three `Image*` formats.
+/// On arm64 and riscv64: [`PeGzip`](Self::PeGzip).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum KernelFormat {
@@ -254,11 +254,11 @@ pub enum KernelFormat {
     /// A PE image with a gzip-compressed kernel inside, such as arm64's `Image.gz` EFI stub
     /// (arm64, riscv64).
     PeGzip,
-    /// A file holding a bzip2-compressed kernel.
+    /// A file holding a bzip2-compressed ELF kernel (x86-64).
     ImageBzip2,
-    /// A file holding a gzip-compressed kernel.
+    /// A file holding a gzip-compressed ELF kernel (x86-64).
     ImageGzip,
-    /// A file holding a zstd-compressed kernel.
+    /// A file holding a zstd-compressed ELF kernel (x86-64).
     ImageZstd,
 }
 
@@ -279,9 +279,11 @@ impl KernelFormat {
     /// Whether libkrun can load this format on the architecture krunbox was built for.
     fn loads_here(self) -> bool {
         match self {
-            KernelFormat::Elf => cfg!(target_arch = "x86_64"),
             KernelFormat::PeGzip => cfg!(any(target_arch = "aarch64", target_arch = "riscv64")),
-            KernelFormat::ImageBzip2 | KernelFormat::ImageGzip | KernelFormat::ImageZstd => true,
+            KernelFormat::Elf
+            | KernelFormat::ImageBzip2
+            | KernelFormat::ImageGzip
+            | KernelFormat::ImageZstd => cfg!(target_arch = "x86_64"),
         }
     }
 }
@@ -312,9 +314,13 @@ const RESERVED_KERNEL_PARAMS: &[&str] = &[
     "reboot",
 ];
 
-/// Longest kernel command line the guest kernel takes (Linux's `COMMAND_LINE_SIZE` on
-/// x86-64 and arm64).
-const MAX_CMDLINE: usize = 2048;
+/// Longest kernel command line the guest takes: Linux's `COMMAND_LINE_SIZE` on x86-64 and
+/// arm64, and libkrun's own limit on riscv64.
+const MAX_CMDLINE: usize = if cfg!(target_arch = "riscv64") {
+    1024
+} else {
+    2048
+};
 
 /// Room left on the command line for what libkrun appends after ours (its environment
 /// settings and the `--` that separates init's arguments).

@@ -375,6 +375,32 @@ fn a_spawn_abandoned_before_it_started_leaves_nothing_running() {
 }
 
 #[test]
+fn a_timeout_does_not_blame_the_command_for_a_slow_reader() {
+    common::run(async {
+        // The command writes a little more than the flow-control window and exits at once;
+        // the rest waits in the guest until the host reads. Nobody reads until well past the
+        // timeout: the command still finished in time, and nothing of its output is lost.
+        let total = OUTPUT_WINDOW as usize + 32 * 1024;
+        let mut child = vm()
+            .await
+            .command("head")
+            .args(["-c", &total.to_string(), "/dev/zero"])
+            .timeout(Duration::from_secs(2))
+            .spawn()
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_secs(8)).await;
+        let mut stdout = child.stdout.take().unwrap();
+        let mut out = Vec::new();
+        stdout.read_to_end(&mut out).await.unwrap();
+        assert_eq!(out.len(), total);
+        assert!(out.iter().all(|&b| b == 0));
+        let status = child.wait().await.unwrap();
+        assert!(status.success() && !status.timed_out(), "{status:?}");
+    });
+}
+
+#[test]
 fn thirty_two_concurrent_sha256sum_processes_are_all_correct() {
     common::run(async {
         let vm = vm().await;

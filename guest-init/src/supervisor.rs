@@ -216,14 +216,17 @@ impl Window {
     }
 }
 
-/// How long a timed-out command's output streams may stay open after its process group was
-/// killed. Only a process that left the group (its own `setsid`) can hold them open longer;
-/// its further output is not waited for.
+/// How long a timed-out command's output streams may take to end after its process group was
+/// killed. What the killed processes wrote is still sent (as the host reads it); a stream a
+/// live process still writes to can only be held by one that left the group (its own
+/// `setsid`), and is given up, as is output the host has not made room for by then.
 const STREAM_GRACE: Duration = Duration::from_secs(2);
 
 /// The output streams of one process: their reader threads, and a way to make them stop.
 struct Streams {
     windows: [Arc<Window>; 2],
+    /// The read ends, shared with the readers, to see whether any writer is still alive.
+    sources: Vec<Arc<File>>,
     /// An eventfd each reader polls beside its pipe; written once to make every reader stop.
     stop: Arc<OwnedFd>,
     /// Each reader sends once here when it ends.
@@ -255,6 +258,19 @@ impl Streams {
             }
         }
         true
+    }
+
+    /// Like [`Streams::wait`], but at `deadline` only a stream that a live process still holds
+    /// open counts as late (false). Streams whose writers are all gone only wait for the host
+    /// to read them, which is not the command's doing: those are waited for.
+    fn wait_for_writers(&mut self, deadline: Option<Instant>) -> bool {
+        if self.wait(deadline) {
+            return true;
+        }
+        if self.sources.iter().any(|source| has_writer(source)) {
+            return false;
+        }
+        self.wait(None)
     }
 
     /// Makes every reader stop now, whatever is still unread.
@@ -302,6 +318,15 @@ impl Table {
             .unwrap_or_else(|p| p.into_inner())
             .get_mut(&id)
             .map(f)
+    }
+
+    /// Whether a live process other than host id `id` leads process group `pgid`.
+    fn has_group(&self, pgid: i32, id: u32) -> bool {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .any(|(&other, entry)| other != id && entry.pgid == pgid)
     }
 
     /// Signals the process group of host id `id`. Unknown ids (already exited) are ignored.
@@ -561,17 +586,20 @@ pub fn start(exec: Exec, reaper: &Arc<Reaper>, table: &Table, outbox: &Outbox) {
     let (done_tx, done) = channel();
     let mut streams = Streams {
         windows: windows.clone(),
+        sources: Vec::new(),
         stop: stop.clone(),
         done,
         running: sources.len(),
         threads: Vec::new(),
     };
     for (stream, source) in sources {
+        let source = Arc::new(File::from(source));
+        streams.sources.push(source.clone());
         let outbox = outbox.clone();
         let window = windows[stream as usize].clone();
         let (stop, done_tx) = (stop.clone(), done_tx.clone());
         streams.threads.push(std::thread::spawn(move || {
-            pump(id, stream, source, &stop, &window, &outbox);
+            pump(id, stream, &source, &stop, &window, &outbox);
             let _ = done_tx.send(());
         }));
     }
@@ -582,19 +610,26 @@ pub fn start(exec: Exec, reaper: &Arc<Reaper>, table: &Table, outbox: &Outbox) {
         // The deadline covers the whole command: its first process, and its output streams,
         // which stay open as long as anything it started holds them.
         let mut status = reaper.wait(pid, deadline);
-        let timed_out = status.is_none() || !streams.wait(deadline);
+        let leader_alive = status.is_none();
+        let timed_out = leader_alive || !streams.wait_for_writers(deadline);
         if timed_out {
-            // SAFETY: plain syscall; pid is the group we created with setsid. Its id stays
-            // reserved while any member lives, even after the leader was reaped.
-            unsafe { libc::killpg(pid, libc::SIGKILL) };
+            // pid is the group we created with setsid. Its number stays reserved while any
+            // member lives; once the leader is reaped and the group may be empty, another
+            // command's leader could have been given it (after the pid counter wrapped), and
+            // its group is not ours to kill.
+            let ours = leader_alive || !table.has_group(pid, id);
+            if ours {
+                // SAFETY: plain syscall.
+                unsafe { libc::killpg(pid, libc::SIGKILL) };
+            }
             if status.is_none() {
                 status = reaper.wait(pid, None);
             }
-            // Kill again in case something raced into the group meanwhile; then give what
-            // is left of the output a moment, and give up streams held open from outside
-            // the group.
-            // SAFETY: plain syscall.
-            unsafe { libc::killpg(pid, libc::SIGKILL) };
+            if ours {
+                // Again, in case a fork raced the first kill into the group.
+                // SAFETY: plain syscall.
+                unsafe { libc::killpg(pid, libc::SIGKILL) };
+            }
             if !streams.wait(Some(Instant::now() + STREAM_GRACE)) {
                 streams.abandon();
                 streams.wait(None);
@@ -623,24 +658,19 @@ pub fn start(exec: Exec, reaper: &Arc<Reaper>, table: &Table, outbox: &Outbox) {
 
 /// Copies one pipe (or pty master) to the host in bounded chunks until EOF, never sending
 /// more than the host has credited: when the host reads slowly, this thread stops reading, the
-/// pipe fills, and the process's writes block. Ends early when `stop` becomes readable or the
-/// window is abandoned.
-fn pump(
-    id: u32,
-    stream: Stream,
-    source: OwnedFd,
-    stop: &OwnedFd,
-    window: &Window,
-    outbox: &Outbox,
-) {
-    let mut source = File::from(source);
+/// pipe fills, and the process's writes block. Once `stop` is signalled it still sends what
+/// processes that have ended left in the pipe, but no more from one that lives on; it ends
+/// at once when its window is abandoned.
+fn pump(id: u32, stream: Stream, source: &File, stop: &OwnedFd, window: &Window, outbox: &Outbox) {
+    // `Read` is implemented for `&File`: the file is shared with the supervisor's checks.
+    let mut reader = source;
     let mut buf = vec![0u8; MAX_CHUNK];
     while let Some(allowed) = window.wait() {
-        if !readable_before_stop(&source, stop) {
+        if !readable_before_stop(source, stop) {
             return;
         }
         let allowed = allowed.min(MAX_CHUNK as u64) as usize;
-        match source.read(&mut buf[..allowed]) {
+        match reader.read(&mut buf[..allowed]) {
             // EIO: a pty master whose slave side is closed — its end of file.
             Ok(0) => return,
             Err(err) if err.raw_os_error() == Some(libc::EIO) => return,
@@ -661,8 +691,9 @@ fn pump(
     }
 }
 
-/// Waits until `source` can be read (data, end of file or an error to report) or `stop` is
-/// signalled; false when stopped.
+/// Waits until `source` can be read (data, end of file or an error to report). False once
+/// `stop` is signalled while a live process still holds the stream open: from then on only
+/// what ended processes left behind is read.
 fn readable_before_stop(source: &File, stop: &OwnedFd) -> bool {
     let mut fds = [
         libc::pollfd {
@@ -687,12 +718,25 @@ fn readable_before_stop(source: &File, stop: &OwnedFd) -> bool {
             return true;
         }
         if fds[1].revents != 0 {
-            return false;
+            return fds[0].revents & (libc::POLLHUP | libc::POLLERR) != 0;
         }
         if fds[0].revents != 0 {
             return true;
         }
     }
+}
+
+/// Whether some process still holds the write side of an output stream (a pipe, or a pty's
+/// slave side) open: the read side does not report a hang-up yet.
+fn has_writer(source: &File) -> bool {
+    let mut fd = libc::pollfd {
+        fd: source.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: poll on one valid pollfd, without blocking.
+    let n = unsafe { libc::poll(&mut fd, 1, 0) };
+    n >= 0 && fd.revents & (libc::POLLHUP | libc::POLLERR) == 0
 }
 
 /// Writes queued input to the process, crediting each chunk back to the host once written.

@@ -254,3 +254,28 @@ fn agent_image_builds() {
     }
     assert_eq!(verify(&cache, BuiltinImage::Agent).unwrap(), manifest);
 }
+
+/// Two agent builds from the same package versions, tools and builder give the same bytes.
+/// The real cache's image (built by the set-up step) is compared with a fresh build; should
+/// the Debian archive have moved on in between (other package versions), a second fresh build
+/// is the comparison instead, so the claim is always checked against like inputs.
+#[test]
+fn agent_builds_are_byte_identical() {
+    let real = must_build(&default_cache_dir(), BuiltinImage::Agent);
+    let fresh_cache = tempfile::tempdir().unwrap();
+    let fresh = must_build(fresh_cache.path(), BuiltinImage::Agent);
+    let (a, b) = if (&fresh.inputs, &fresh.tools, &fresh.builder)
+        == (&real.inputs, &real.tools, &real.builder)
+    {
+        (real, fresh)
+    } else {
+        let again_cache = tempfile::tempdir().unwrap();
+        (fresh, must_build(again_cache.path(), BuiltinImage::Agent))
+    };
+    assert_eq!(a.inputs, b.inputs, "the archive changed during the test");
+    assert_eq!(
+        (a.sha256, a.size),
+        (b.sha256, b.size),
+        "the same inputs built different agent images"
+    );
+}

@@ -748,8 +748,18 @@ mod tests {
                     kind,
                     body: body.clone(),
                 };
-                let _ = GuestMessage::decode(&frame);
-                let _ = HostMessage::decode(&frame);
+                // Whatever decode accepts must satisfy every bound encode checks: decode
+                // re-validates, so a hostile peer cannot slip past the limits.
+                if let Ok(m) = GuestMessage::decode(&frame) {
+                    assert!(m.encode().is_ok(), "decoded an out-of-bounds {m:?}");
+                }
+                if let Ok(m) = HostMessage::decode(&frame) {
+                    assert!(m.encode().is_ok(), "decoded an out-of-bounds {m:?}");
+                }
+                if kind == 0 || kind == 65535 {
+                    assert!(GuestMessage::decode(&frame).is_err(), "unknown kind {kind}");
+                    assert!(HostMessage::decode(&frame).is_err(), "unknown kind {kind}");
+                }
             }
         }
     }

@@ -19,12 +19,14 @@ use sha2::{Digest, Sha256};
 use tokio::io::AsyncReadExt;
 use tokio::sync::OnceCell;
 
-fn busybox() -> Sandbox {
+fn busybox_builder() -> krunbox::SandboxBuilder {
     Sandbox::builder()
         .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
         .memory_mib(256)
-        .build()
-        .expect("sandbox definition (are guest-init, krunbox-vmm and libkrunfw built? run scripts/setup.sh)")
+}
+
+fn busybox() -> Sandbox {
+    busybox_builder().build().expect("sandbox definition (are guest-init, krunbox-vmm and libkrunfw built? run scripts/setup.sh)")
 }
 
 async fn shared_vm() -> &'static Instance {
@@ -572,6 +574,41 @@ fn a_guest_that_resets_mid_command_is_reported_and_the_host_survives() {
             });
         })
         .await;
+    });
+}
+
+#[test]
+fn a_guest_kernel_panic_is_reported_and_the_host_survives() {
+    common::run(async {
+        // An init that exits: the guest kernel panics while booting.
+        let panic_init = krunbox::Artifacts::locate()
+            .unwrap()
+            .guest_init
+            .parent()
+            .unwrap()
+            .join("examples/panic-init");
+        let err = busybox_builder()
+            .guest_init(&panic_init)
+            .build()
+            .unwrap()
+            .boot()
+            .await
+            .unwrap_err();
+        match &err {
+            // The panic message itself does not reach the console: with `panic=-1` the VM
+            // resets before the virtio console is flushed. The init's last line does.
+            Error::VmExited { console_tail, .. } => {
+                assert!(
+                    console_tail.contains("panic-init: exiting as PID 1"),
+                    "{err}"
+                );
+            }
+            other => panic!("expected the VM to stop with the panic, got {other:?}"),
+        }
+        // The library carries on: the next VM boots and runs.
+        let vm = busybox().boot().await.unwrap();
+        assert!(vm.command("true").status().await.unwrap().success());
+        vm.shutdown().await.unwrap();
     });
 }
 

@@ -179,6 +179,16 @@ fn sixteen_mib_of_stdout_arrives_intact() {
     });
 }
 
+/// Asserts that the guest process whose pid `pidfile` holds has ended; the file must exist
+/// (a process that never wrote it proves nothing).
+async fn assert_gone(vm: &Instance, pidfile: &str, what: &str) {
+    let script = format!(
+        "test -s {pidfile} || echo no-pidfile; \
+         kill -0 $(cat {pidfile}) 2>/dev/null && echo alive || echo gone"
+    );
+    assert_eq!(sh(vm, &script).await.stdout_text(), "gone\n", "{what}");
+}
+
 #[test]
 fn a_timeout_kills_the_process_group_and_reports_124() {
     common::run(async {
@@ -199,17 +209,12 @@ fn a_timeout_kills_the_process_group_and_reports_124() {
             "the timeout took {:?}",
             started.elapsed()
         );
-        let check = sh(
+        assert_gone(
             vm,
-            "test -s /tmp/grandchild || echo no-pidfile; \
-             kill -0 $(cat /tmp/grandchild) 2>/dev/null && echo alive || echo gone",
+            "/tmp/grandchild",
+            "the backgrounded grandchild survived",
         )
         .await;
-        assert_eq!(
-            check.stdout_text(),
-            "gone\n",
-            "the backgrounded grandchild survived"
-        );
     });
 }
 
@@ -244,17 +249,7 @@ fn a_timeout_also_bounds_output_held_open_after_the_command_exits() {
             "{:?}",
             started.elapsed()
         );
-        let check = sh(
-            vm,
-            "test -s /tmp/holder || echo no-pidfile; \
-             kill -0 $(cat /tmp/holder) 2>/dev/null && echo alive || echo gone",
-        )
-        .await;
-        assert_eq!(
-            check.stdout_text(),
-            "gone\n",
-            "the holder survived the timeout"
-        );
+        assert_gone(vm, "/tmp/holder", "the holder survived the timeout").await;
 
         // A process that left the group (its own session) cannot be killed with it; its
         // stream is given up shortly after the kill instead of waited for.

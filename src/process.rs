@@ -302,9 +302,14 @@ impl Command {
             .encode()
             .map_err(|e| Error::InvalidConfig(format!("command: {e}")))?;
         // The host's backstop counts from here, like guest-init's own deadline.
-        let host_deadline = self
-            .timeout
-            .and_then(|t| tokio::time::Instant::now().checked_add(t.saturating_add(TIMEOUT_GRACE)));
+        let backstop = Backstop {
+            control: control.clone(),
+            id,
+            deadline: self.timeout.and_then(|t| {
+                tokio::time::Instant::now().checked_add(t.saturating_add(TIMEOUT_GRACE))
+            }),
+            fired: false,
+        };
         let channels = control.register(id)?;
         control.send(&message)?;
         // From here the process may be running: if this future is dropped (cancelled) before
@@ -360,8 +365,7 @@ impl Command {
             }),
             end: Some(end),
             status: None,
-            host_deadline,
-            backstop_fired: false,
+            backstop,
             is_pty: self.pty.is_some(),
         })
     }
@@ -411,7 +415,7 @@ impl Command {
             };
             // guest-init ends a timed-out command's streams too; should it not, the host kills
             // the process group itself.
-            let (out, err) = child.backstop(streams).await?;
+            let (out, err) = child.backstop.run(streams).await?;
             let status = child.wait().await?;
             let ((stdout, stdout_truncated), (stderr, stderr_truncated)) = (
                 out.map_err(Error::io("reading command output"))?,
@@ -472,10 +476,7 @@ pub struct Child {
     pub stderr: Option<ChildStderr>,
     end: Option<oneshot::Receiver<ProcessEnd>>,
     status: Option<ExitStatus>,
-    /// When the host stops waiting for guest-init to enforce the command's timeout.
-    host_deadline: Option<tokio::time::Instant>,
-    /// The host had to kill the process group itself (see [`Child::backstop`]).
-    backstop_fired: bool,
+    backstop: Backstop,
 }
 
 impl Child {
@@ -529,17 +530,10 @@ impl Child {
             .end
             .as_mut()
             .expect("end receiver present until a status is known");
-        let result = Self::backstop_with(
-            &self.instance,
-            self.key,
-            self.host_deadline,
-            &mut self.backstop_fired,
-            end,
-        )
-        .await?;
+        let result = self.backstop.run(end).await?;
         let result = result.map(|end| match end {
             // The command outlived its timeout so long that the host killed it.
-            ProcessEnd::Exited(mut exited) if self.backstop_fired => {
+            ProcessEnd::Exited(mut exited) if self.backstop.fired => {
                 exited.timed_out = true;
                 ProcessEnd::Exited(exited)
             }
@@ -679,47 +673,42 @@ impl Drop for ChildStdin {
     }
 }
 
-impl Child {
-    /// Runs `work` (reading the streams, or waiting for the end) under the host's backstop
-    /// for the command's timeout. See [`Child::backstop_with`].
-    async fn backstop<F: std::future::Future>(&mut self, work: F) -> Result<F::Output> {
-        Self::backstop_with(
-            &self.instance,
-            self.key,
-            self.host_deadline,
-            &mut self.backstop_fired,
-            work,
-        )
-        .await
-    }
+/// The host's backstop for a command's timeout, which guest-init enforces. Should guest-init
+/// not have ended the command [`TIMEOUT_GRACE`] after the timeout, the host sends the kill
+/// itself; should the guest still not end it within another grace period, it is unresponsive,
+/// and waiting longer would hang the caller.
+struct Backstop {
+    control: Arc<Control>,
+    id: u32,
+    /// When the host stops waiting for guest-init; `None` without a timeout.
+    deadline: Option<tokio::time::Instant>,
+    /// The host had to send the kill itself.
+    fired: bool,
+}
 
-    /// guest-init enforces a command's timeout. Should it not have ended the command
-    /// [`TIMEOUT_GRACE`] after the timeout, the host sends the kill itself; should the guest
-    /// still not end it within another grace period, the guest is unresponsive and waiting
-    /// longer would hang the caller.
-    async fn backstop_with<F: std::future::Future>(
-        instance: &Instance,
-        key: u32,
-        deadline: Option<tokio::time::Instant>,
-        fired: &mut bool,
-        work: F,
-    ) -> Result<F::Output> {
-        let Some(deadline) = deadline else {
+impl fmt::Debug for Backstop {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Backstop")
+            .field("deadline", &self.deadline)
+            .field("fired", &self.fired)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Backstop {
+    /// Runs `work` (reading the streams, or waiting for the end) under the backstop.
+    async fn run<F: std::future::Future>(&mut self, work: F) -> Result<F::Output> {
+        let Some(deadline) = self.deadline else {
             return Ok(work.await);
         };
         tokio::pin!(work);
         if let Ok(done) = tokio::time::timeout_at(deadline, &mut work).await {
             return Ok(done);
         }
-        if !*fired {
-            *fired = true;
-            tracing::warn!(id = key, "guest did not enforce a timeout; killing");
-            let _ = instance
-                .control()?
-                .send(&HostMessage::Signal(SignalProcess {
-                    id: key,
-                    signal: libc::SIGKILL,
-                }));
+        if !self.fired {
+            self.fired = true;
+            tracing::warn!(id = self.id, "guest did not enforce a timeout; killing");
+            send_kill(&self.control, self.id);
         }
         let Some(last) = deadline.checked_add(TIMEOUT_GRACE) else {
             return Ok(work.await);
@@ -730,6 +719,14 @@ impl Child {
                 after: TIMEOUT_GRACE * 2,
             })
     }
+}
+
+/// Asks guest-init to SIGKILL process `id`'s group (ignored if it has already ended).
+fn send_kill(control: &Control, id: u32) {
+    let _ = control.send(&HostMessage::Signal(SignalProcess {
+        id,
+        signal: libc::SIGKILL,
+    }));
 }
 
 /// Kills a process whose `Exec` was sent but whose [`Child`] does not exist yet, should the
@@ -743,10 +740,7 @@ struct KillOnDrop {
 impl Drop for KillOnDrop {
     fn drop(&mut self) {
         if self.armed {
-            let _ = self.control.send(&HostMessage::Signal(SignalProcess {
-                id: self.id,
-                signal: libc::SIGKILL,
-            }));
+            send_kill(&self.control, self.id);
         }
     }
 }
@@ -756,10 +750,7 @@ impl Drop for Child {
         // Cancellation: a process nobody waits for anymore is killed, group and all.
         if self.status.is_none() {
             if let Ok(control) = self.instance.control() {
-                let _ = control.send(&HostMessage::Signal(SignalProcess {
-                    id: self.key,
-                    signal: libc::SIGKILL,
-                }));
+                send_kill(&control, self.key);
             }
         }
     }

@@ -29,6 +29,9 @@ pub enum HostMessage {
     Resize(Resize),
     /// A file operation.
     Fs(FsRequest),
+    /// Liveness check: the guest answers with [`GuestMessage::Pong`] carrying the same `seq`,
+    /// ahead of any output it has queued.
+    Ping(Ping),
 }
 
 /// Guest → host messages.
@@ -52,6 +55,8 @@ pub enum GuestMessage {
     StdinCredit(Credit),
     /// The answer to a file operation.
     FsReply(FsReply),
+    /// The answer to a [`HostMessage::Ping`].
+    Pong(Pong),
 }
 
 /// Kind numbers. Never reuse a retired number.
@@ -65,6 +70,7 @@ mod kind {
     pub const CREDIT: u16 = 7;
     pub const RESIZE: u16 = 8;
     pub const FS: u16 = 9;
+    pub const PING: u16 = 10;
 
     pub const HELLO: u16 = 101;
     pub const READY: u16 = 102;
@@ -75,6 +81,7 @@ mod kind {
     pub const EXEC_FAILED: u16 = 107;
     pub const STDIN_CREDIT: u16 = 108;
     pub const FS_REPLY: u16 = 109;
+    pub const PONG: u16 = 110;
 }
 
 /// Output bytes of one stream the guest may send before the host grants more ([`Credit`]).
@@ -181,6 +188,23 @@ pub struct SignalProcess {
     pub id: u32,
     /// Linux signal number.
     pub signal: i32,
+}
+
+/// A liveness check from the host. The host pings only while it waits to hear anything from
+/// the guest; any guest message counts as a sign of life, a [`Pong`] is just the one the guest
+/// sends when it has nothing else to say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ping {
+    /// Chosen by the host; echoed in the [`Pong`].
+    pub seq: u64,
+}
+
+/// The guest's answer to a [`Ping`]. A `seq` the host never sent is harmless: the host only
+/// notes that the guest is alive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pong {
+    /// The [`Ping::seq`] answered.
+    pub seq: u64,
 }
 
 /// The guest's greeting.
@@ -434,6 +458,7 @@ impl HostMessage {
                 m.validate()?;
                 encode_body(kind::FS, m)
             }
+            HostMessage::Ping(m) => encode_body(kind::PING, m),
         }
     }
 
@@ -474,6 +499,7 @@ impl HostMessage {
                 m.validate()?;
                 HostMessage::Fs(m)
             }
+            kind::PING => HostMessage::Ping(decode_body("Ping", body)?),
             kind => {
                 return Err(ProtocolError::UnknownKind {
                     kind,
@@ -501,6 +527,7 @@ impl GuestMessage {
             GuestMessage::ExecFailed(m) => encode_body(kind::EXEC_FAILED, m),
             GuestMessage::StdinCredit(m) => encode_body(kind::STDIN_CREDIT, m),
             GuestMessage::FsReply(m) => encode_body(kind::FS_REPLY, m),
+            GuestMessage::Pong(m) => encode_body(kind::PONG, m),
         }
     }
 
@@ -522,7 +549,8 @@ impl GuestMessage {
             GuestMessage::Ready
             | GuestMessage::Started(_)
             | GuestMessage::Exited(_)
-            | GuestMessage::StdinCredit(_) => Ok(()),
+            | GuestMessage::StdinCredit(_)
+            | GuestMessage::Pong(_) => Ok(()),
         }
     }
 
@@ -543,6 +571,7 @@ impl GuestMessage {
             kind::EXEC_FAILED => GuestMessage::ExecFailed(decode_body("ExecFailed", body)?),
             kind::STDIN_CREDIT => GuestMessage::StdinCredit(decode_body("StdinCredit", body)?),
             kind::FS_REPLY => GuestMessage::FsReply(decode_body("FsReply", body)?),
+            kind::PONG => GuestMessage::Pong(decode_body("Pong", body)?),
             kind => {
                 return Err(ProtocolError::UnknownKind {
                     kind,
@@ -628,6 +657,7 @@ mod tests {
                     message: "read /tmp".into(),
                 }),
             }),
+            GuestMessage::Pong(Pong { seq: u64::MAX }),
         ]
     }
 
@@ -677,6 +707,7 @@ mod tests {
                     truncate: true,
                 },
             }),
+            HostMessage::Ping(Ping { seq: 7 }),
         ];
         // Byte-at-a-time delivery exercises every partial state of the decoder.
         let mut decoder = FrameDecoder::new();
@@ -742,7 +773,8 @@ mod tests {
                 })
                 .collect();
             for kind in [
-                1u16, 2, 3, 4, 5, 6, 7, 8, 9, 101, 102, 103, 104, 105, 106, 107, 108, 109, 0, 65535,
+                1u16, 2, 3, 4, 5, 6, 7, 8, 9, 10, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110,
+                0, 65535,
             ] {
                 let frame = Frame {
                     kind,
@@ -771,6 +803,7 @@ mod tests {
             wire.extend(m.encode().unwrap());
         }
         wire.extend(HostMessage::Exec(exec()).encode().unwrap());
+        wire.extend(HostMessage::Ping(Ping { seq: 1 << 40 }).encode().unwrap());
         crate::fuzz_control_stream(&wire);
         // Every single-byte corruption of a valid stream: no panic, invariants hold.
         let mut state = 0x2545f4914f6cdd1du64;
@@ -784,6 +817,53 @@ mod tests {
                 crate::fuzz_control_stream(&mutated);
             }
         }
+    }
+
+    #[test]
+    fn ping_and_pong_carry_exactly_one_sequence_number() {
+        for seq in [0, 1, 127, 128, u64::MAX] {
+            let frame = HostMessage::Ping(Ping { seq }).to_frame().unwrap();
+            assert!(frame.body.len() <= 10, "a u64 varint is at most 10 bytes");
+            assert_eq!(
+                HostMessage::decode(&frame).unwrap(),
+                HostMessage::Ping(Ping { seq })
+            );
+            let frame = GuestMessage::Pong(Pong { seq }).to_frame().unwrap();
+            assert_eq!(
+                GuestMessage::decode(&frame).unwrap(),
+                GuestMessage::Pong(Pong { seq })
+            );
+        }
+        // Empty, overlong (an 11-byte varint) and trailing bytes are malformed, not panics.
+        for body in [vec![], vec![0x80; 11], vec![1, 0]] {
+            let pong = Frame {
+                kind: kind::PONG,
+                body: body.clone(),
+            };
+            assert!(matches!(
+                GuestMessage::decode(&pong),
+                Err(ProtocolError::Malformed { .. })
+            ));
+            let ping = Frame {
+                kind: kind::PING,
+                body,
+            };
+            assert!(matches!(
+                HostMessage::decode(&ping),
+                Err(ProtocolError::Malformed { .. })
+            ));
+        }
+        // Each travels one way only.
+        let ping = HostMessage::Ping(Ping { seq: 1 }).to_frame().unwrap();
+        assert!(matches!(
+            GuestMessage::decode(&ping),
+            Err(ProtocolError::UnknownKind { kind: 10, .. })
+        ));
+        let pong = GuestMessage::Pong(Pong { seq: 1 }).to_frame().unwrap();
+        assert!(matches!(
+            HostMessage::decode(&pong),
+            Err(ProtocolError::UnknownKind { kind: 110, .. })
+        ));
     }
 
     #[test]

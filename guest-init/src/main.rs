@@ -79,28 +79,38 @@ fn run() -> Result<(), String> {
             HostMessage::Credit(credit) => table.credit(credit.id, credit.stream, credit.bytes),
             HostMessage::Resize(resize) => table.resize(resize.id, resize.size),
             HostMessage::Fs(request) => files::handle(request, &outbox),
+            HostMessage::Ping(ping) => {
+                outbox.pong(ping.seq);
+            }
             HostMessage::Shutdown => return Ok(()),
             HostMessage::Setup(_) => return Err("Setup sent twice".into()),
         }
     }
 }
 
-/// One writer thread owns the socket's write half; everyone else queues frames to it.
+/// One writer thread owns the socket's write half; everyone else queues frames to it. A pong
+/// (the answer to the host's liveness ping) jumps the queue: it is written before the next
+/// queued frame, so it never waits behind more than the frame being written.
 fn start_writer(mut conn: File) -> Result<Outbox, String> {
     let (tx, rx) = sync_channel::<Vec<u8>>(OUTBOX_DEPTH);
+    let (outbox, pong_slot) = Outbox::new(tx);
     std::thread::Builder::new()
         .name("writer".into())
         .spawn(move || {
             for frame in rx {
-                if let Err(err) = conn.write_all(&frame) {
-                    eprintln!("guest-init: host connection lost while writing: {err}");
-                    std::thread::sleep(Duration::from_millis(300));
-                    sys::power_off();
+                // An empty frame only wakes the writer for a pong.
+                let pong = pong_slot.take();
+                for bytes in pong.iter().chain(Some(&frame).filter(|f| !f.is_empty())) {
+                    if let Err(err) = conn.write_all(bytes) {
+                        eprintln!("guest-init: host connection lost while writing: {err}");
+                        std::thread::sleep(Duration::from_millis(300));
+                        sys::power_off();
+                    }
                 }
             }
         })
         .map_err(|e| format!("writer thread: {e}"))?;
-    Ok(Outbox::new(tx))
+    Ok(outbox)
 }
 
 /// Reads until one whole, valid host message is decoded. Any protocol error or EOF ends the

@@ -15,6 +15,19 @@
 #       Boot L1, run CMD in it, power L1 off; exits with CMD's exit status.
 #       CMD's stdout/stderr stream live to ours (as ttys only if ours are);
 #       its stdin is /dev/null. Nothing else L1 prints reaches the terminal.
+#   scripts/nested.sh serve POOL [--mem MIB] [--keep DIR]...
+#       Keep an L1 running that takes jobs from `exec`, several at a time,
+#       until SIGTERM. When L1 dies (its kernel panics, QEMU exits) or stops
+#       answering, a fresh L1 boots at once: POOL/gen-N is the Nth L1's
+#       directory, POOL/current the live one, POOL/deaths one line per death.
+#   KRUNBOX_NESTED_POOL=POOL scripts/nested.sh exec [--] CMD [ARG]...
+#       Run CMD in the pool's live L1 (at our cwd, with our environment as for
+#       `run`) and exit with its status; its stdout and stderr are printed
+#       when it ends. This is cargo-nextest's target runner for the VM tests:
+#       one test, one process, one job. If L1 dies while CMD runs, prints the
+#       fault marker `krunbox-nested-l1-died` and exits 125; if KVM in L1 was
+#       looping on one guest instruction while CMD ran and CMD failed, prints
+#       `krunbox-nested-emulation-fault`. SIGTERM kills CMD's process group.
 #
 # Inside L1: / is the host's / read-only; /tmp, /var/tmp, /run, /dev/shm are
 # fresh tmpfs (so Unix sockets and libkrun's own files live on tmpfs, never on
@@ -22,6 +35,10 @@
 # bound back at the same path: the cwd, $KRUNBOX_CACHE_DIR, CMD's directory,
 # LD_LIBRARY_PATH entries and every --keep DIR. Build on the host: L1's CPU
 # is emulated and roughly 10-50x slower.
+#
+# QEMU's CPU and threading are knobs for measuring the emulation's faults
+# (docs/testing.md): KRUNBOX_NESTED_ACCEL (default tcg,thread=multi),
+# KRUNBOX_NESTED_SMP (2), KRUNBOX_NESTED_CPU (max,+svm).
 #
 # Exit status of `run`: CMD's, or 124 on timeout (KRUNBOX_NESTED_TIMEOUT
 # seconds, default 4800), 125 if L1 failed before reporting one, 130/143 when
@@ -50,7 +67,7 @@ declare -A MODULE_PARAMS=(
 KERNEL_CMDLINE="console=ttyS0 quiet loglevel=3 panic=-1 mitigations=off tsc=reliable lpj=10000000"
 
 # The environment CMD gets, besides HOME and --env: these names or prefixes.
-PASS_ENV='^(PATH|USER|LOGNAME|LANG|LC_[A-Z_]+|TZ|TERM|COLORTERM|NO_COLOR|CI|LD_LIBRARY_PATH|KRUNBOX_[A-Za-z0-9_]*|CARGO_[A-Za-z0-9_]*|RUST_[A-Za-z0-9_]*|RUSTUP_[A-Za-z0-9_]*|RUSTC|RUSTC_[A-Za-z0-9_]*|RUSTFLAGS|RUSTDOCFLAGS)$'
+PASS_ENV='^(PATH|USER|LOGNAME|LANG|LC_[A-Z_]+|TZ|TERM|COLORTERM|NO_COLOR|CI|LD_LIBRARY_PATH|KRUNBOX_[A-Za-z0-9_]*|NEXTEST_[A-Za-z0-9_]*|CARGO_[A-Za-z0-9_]*|RUST_[A-Za-z0-9_]*|RUSTUP_[A-Za-z0-9_]*|RUSTC|RUSTC_[A-Za-z0-9_]*|RUSTFLAGS|RUSTDOCFLAGS)$'
 
 # PID 1 of L1 (busybox sh, in the initramfs). Changing it changes the
 # initramfs' cache key, so `prepare` rebuilds.
@@ -98,6 +115,62 @@ mount -t 9p -o "$opts" krunbox $s || die "cannot mount the scratch export"
 while read -r dir; do
     mkdir -p "$r$dir" && mount --bind "/host$dir" "$r$dir" || die "cannot keep $dir"
 done <$s/keep
+
+# Pool mode (nested.sh serve): run every job the host queues, several at once,
+# until the host stops L1. A job is a directory queue/ID holding cmd.sh; it
+# moves to jobs/ID and gets pgid, started, out, err, ended and status there.
+# A file cancel/ID kills the job's process group.
+if [ -e $s/serve ]; then
+    # run_job ID: one job, in a session (and so a process group) of its own.
+    run_job() {
+        d=$s/jobs/$1
+        cut -d' ' -f1 /proc/uptime >$d/started
+        setsid env -i /bin/chroot $r /bin/sh -c 'echo $$ >"$1/pgid"; exec /bin/sh "$1/cmd.sh"' \
+            sh "/run/krunbox/jobs/$1" </dev/null >$d/out 2>$d/err
+        rc=$?
+        cut -d' ' -f1 /proc/uptime >$d/ended
+        echo $rc >$d/status.new && mv $d/status.new $d/status
+    }
+    # KVM looping on one guest instruction shows as tens of thousands of
+    # injected page faults and emulated instructions a second: log each 2 s
+    # interval where both pass 2000, with L1's uptime, for `exec` to match
+    # against a failed job's run time.
+    watch_kvm() {
+        k=$r/sys/kernel/debug/kvm
+        read -r pf <$k/pf_guest && read -r em <$k/insn_emulation || return
+        while sleep 2; do
+            read -r pf1 <$k/pf_guest && read -r em1 <$k/insn_emulation || return
+            if [ $((pf1 - pf)) -gt 2000 ] && [ $((em1 - em)) -gt 2000 ]; then
+                echo "$(cut -d' ' -f1 /proc/uptime) $((pf1 - pf)) $((em1 - em))" >>$s/kvm-loops
+            fi
+            pf=$pf1 em=$em1
+        done
+    }
+    watch_kvm &
+    mkdir -p $s/queue $s/jobs $s/cancel
+    cut -d' ' -f1 /proc/uptime >$s/ready
+    n=0
+    while :; do
+        for j in $s/queue/*; do
+            [ -d "$j" ] || continue
+            id=${j##*/}
+            mv "$j" $s/jobs/ && run_job "$id" &
+        done
+        for c in $s/cancel/*; do
+            [ -e "$c" ] || continue
+            d=$s/jobs/${c##*/}
+            if [ -e $d/status ]; then
+                rm -f "$c"
+            else
+                { read -r pg <$d/pgid && kill -KILL -- "-$pg"; } 2>/dev/null
+            fi
+        done
+        # The host restarts an L1 whose heartbeat stops.
+        n=$((n + 1))
+        [ $((n % 5)) -ne 0 ] || cut -d' ' -f1 /proc/uptime >$s/heartbeat
+        sleep 0.2
+    done
+fi
 
 # CMD writes to ttyS1 (stdout) and ttyS2 (stderr) with no \n -> \r\n
 # translation; when the caller's side is not a terminal, through pipes, so
@@ -289,32 +362,15 @@ build_initramfs() {
 # q WORD: WORD quoted for any POSIX shell ('...' with ' as '\'').
 q() { printf "'%s'" "${1//\'/\'\\\'\'}"; }
 
-run() {
-    local mem=8192 cwd=$PWD
-    local -a keep=() envs=()
-    while (($#)); do
-        case $1 in
-        --mem) mem=$2; shift 2 ;;
-        --cwd) cwd=$2; shift 2 ;;
-        --env) envs+=("$2"); shift 2 ;;
-        --keep) keep+=("$2"); shift 2 ;;
-        --) shift; break ;;
-        *) usage ;;
-        esac
-    done
-    (($#)) || usage
-    [[ -d $cwd ]] || die "no such directory: $cwd"
-    cwd=$(cd "$cwd" && pwd -P)
-    prepare cached
-
-    # Globals, not locals: the EXIT trap may run after run() has unwound.
-    d=$(mktemp -d "${TMPDIR:-/tmp}/krunbox-nested.XXXXXX")
-    share=$d/share
-    mkdir "$share"
-
-    # The command, as a script for the host's /bin/sh inside L1: the
-    # environment, the cwd, then exec of the arguments, each one quoted.
-    local name var
+# write_cmd FILE CWD [--env NAME[=VALUE]]... -- CMD [ARG]...: the command, as
+# a script for the host's /bin/sh inside L1: the environment, the cwd, then
+# exec of the arguments, each one quoted.
+write_cmd() {
+    local file=$1 cwd=$2 name var
+    shift 2
+    local -a envs=()
+    while [[ $1 == --env ]]; do envs+=("$2"); shift 2; done
+    [[ $1 == -- ]] && shift
     {
         for name in $(compgen -e); do
             if [[ $name =~ $PASS_ENV ]]; then echo "export $(q "$name=${!name}")"; fi
@@ -337,18 +393,65 @@ run() {
         printf 'exec'
         for var in "$@"; do printf ' %s' "$(q "$var")"; done
         echo
-    } >"$share/cmd.sh"
+    } >"$file"
+}
 
-    # Host directories under L1's tmpfs mounts that the command needs.
-    local -a want=("$cwd" "$KRUNBOX_CACHE_DIR" "${keep[@]}") libdirs=()
-    if [[ $1 == */* ]]; then want+=("$(dirname "$1")"); fi
+# write_keep FILE DIR...: the host directories under L1's tmpfs mounts that
+# commands need (those given, the cache, LD_LIBRARY_PATH's entries).
+write_keep() {
+    local file=$1 var
+    shift
+    local -a libdirs=()
     IFS=: read -ra libdirs <<<"${LD_LIBRARY_PATH:-}"
-    for var in "${want[@]}" "${libdirs[@]}"; do
+    for var in "$@" "$KRUNBOX_CACHE_DIR" "${libdirs[@]}"; do
         [[ -d $var ]] || continue
         var=$(cd "$var" && pwd -P)
         [[ $var != *$'\n'* ]] || die "a newline in $var"
         if [[ $var =~ ^/(tmp|var/tmp|run|dev/shm)/ ]]; then echo "$var"; fi
-    done | LC_ALL=C sort -u >"$share/keep"
+    done | LC_ALL=C sort -u >"$file"
+}
+
+# qemu_command SHARE MEM CONSOLE OUT ERR: QEMU's command line for an L1 that
+# exports SHARE as its scratch directory, into the array QEMU.
+qemu_command() {
+    # shellcheck disable=SC2054 # commas inside QEMU's option values
+    QEMU=(
+        qemu-system-x86_64 -nodefaults -no-user-config -nographic -no-reboot
+        -accel "${KRUNBOX_NESTED_ACCEL:-tcg,thread=multi}" -smp "${KRUNBOX_NESTED_SMP:-2}"
+        -cpu "${KRUNBOX_NESTED_CPU:-max,+svm}" -m "$2"
+        -kernel "$KERNEL" -initrd "$INITRD" -append "$KERNEL_CMDLINE"
+        -serial "file:$3" -serial "file:$4" -serial "file:$5"
+        -virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap
+        -virtfs "local,path=$1,mount_tag=krunbox,security_model=none,multidevs=remap"
+    )
+}
+
+run() {
+    local mem=8192 cwd=$PWD
+    local -a keep=() envs=()
+    while (($#)); do
+        case $1 in
+        --mem) mem=$2; shift 2 ;;
+        --cwd) cwd=$2; shift 2 ;;
+        --env) envs+=(--env "$2"); shift 2 ;;
+        --keep) keep+=("$2"); shift 2 ;;
+        --) shift; break ;;
+        *) usage ;;
+        esac
+    done
+    (($#)) || usage
+    [[ -d $cwd ]] || die "no such directory: $cwd"
+    cwd=$(cd "$cwd" && pwd -P)
+    prepare cached
+
+    # Globals, not locals: the EXIT trap may run after run() has unwound.
+    d=$(mktemp -d "${TMPDIR:-/tmp}/krunbox-nested.XXXXXX")
+    share=$d/share
+    mkdir "$share"
+    write_cmd "$share/cmd.sh" "$cwd" "${envs[@]}" -- "$@"
+    local -a dirs=("$cwd" "${keep[@]}")
+    if [[ $1 == */* ]]; then dirs+=("$(dirname "$1")"); fi
+    write_keep "$share/keep" "${dirs[@]}"
 
     if [[ -t 1 ]]; then touch "$share/stdout-tty"; fi
     if [[ -t 2 ]]; then touch "$share/stderr-tty"; fi
@@ -362,19 +465,11 @@ run() {
     cat <"$d/err" >&2 &
     cat_err=$!
 
-    # shellcheck disable=SC2054 # commas inside QEMU's option values
-    local -a qemu=(
-        qemu-system-x86_64 -nodefaults -no-user-config -nographic -no-reboot
-        -accel tcg,thread=multi -smp 2 -cpu max,+svm -m "$mem"
-        -kernel "$KERNEL" -initrd "$INITRD" -append "$KERNEL_CMDLINE"
-        -serial "file:$d/console.log" -serial "file:$d/out" -serial "file:$d/err"
-        -virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap
-        -virtfs "local,path=$share,mount_tag=krunbox,security_model=none,multidevs=remap"
-    )
+    qemu_command "$share" "$mem" "$d/console.log" "$d/out" "$d/err"
     # setpriv --pdeathsig: QEMU and the timer die with us even if we are
     # SIGKILLed (e.g. by CI's own timeout) and cannot clean up.
     local t0=$EPOCHREALTIME
-    setpriv --pdeathsig KILL -- "${qemu[@]}" </dev/null >"$d/qemu.log" 2>&1 &
+    setpriv --pdeathsig KILL -- "${QEMU[@]}" </dev/null >"$d/qemu.log" 2>&1 &
     qpid=$!
     setpriv --pdeathsig KILL -- sleep "${KRUNBOX_NESTED_TIMEOUT:-4800}" &
     spid=$!
@@ -431,6 +526,151 @@ run() {
     exit "$(cat "$share/exit-status")"
 }
 
+# serve POOL [--mem MIB] [--keep DIR]...: keep a live L1 for `exec`, booting
+# a fresh one whenever one dies, until SIGTERM.
+serve() {
+    local pool=$1 mem=8192
+    shift || usage
+    local -a keep=()
+    while (($#)); do
+        case $1 in
+        --mem) mem=$2; shift 2 ;;
+        --keep) keep+=("$2"); shift 2 ;;
+        *) usage ;;
+        esac
+    done
+    prepare cached
+    mkdir -p "$pool"
+    pool=$(cd "$pool" && pwd -P)
+    # Heartbeats come every second; a minute without one is an L1 that hangs
+    # (TCG keeps even a loaded L1's init loop going far more often).
+    local stale=${KRUNBOX_NESTED_HEARTBEAT_LIMIT:-60}
+    local gen=0 early=0 share reason now beat
+    qpid=
+    # shellcheck disable=SC2317 # called from the trap
+    serve_stop() {
+        if [[ -n $qpid ]]; then kill "$qpid" 2>/dev/null; wait "$qpid" 2>/dev/null; fi
+        exit 0
+    }
+    trap serve_stop TERM INT HUP
+    while :; do
+        gen=$((gen + 1))
+        share=$pool/gen-$gen
+        mkdir -p "$share"
+        touch "$share/serve"
+        write_keep "$share/keep" "$PWD" "${keep[@]}"
+        qemu_command "$share" "$mem" "$share/console.log" /dev/null /dev/null
+        setpriv --pdeathsig KILL -- "${QEMU[@]}" </dev/null >"$share/qemu.log" 2>&1 &
+        qpid=$!
+        echo "$qpid" >"$share/qemu.pid"
+        ln -sfn "gen-$gen" "$pool/current.new" && mv -T "$pool/current.new" "$pool/current"
+        reason=
+        local t0=$SECONDS
+        while kill -0 "$qpid" 2>/dev/null; do
+            sleep 1
+            [[ -e $share/ready ]] || continue
+            beat=$(stat -c %Y "$share/heartbeat" 2>/dev/null || stat -c %Y "$share/ready")
+            printf -v now '%(%s)T' -1
+            if ((now - beat > stale)); then
+                reason="no heartbeat from L1 for $((now - beat)) s: killed it"
+                kill -KILL "$qpid" 2>/dev/null
+                break
+            fi
+        done
+        wait "$qpid"
+        local rc=$?
+        qpid=
+        if [[ -z $reason ]]; then
+            reason="QEMU exited with status $rc"
+            # The L1 kernel's own last words, if it panicked.
+            local last
+            last=$(grep -aE 'Kernel panic|BUG:|general protection|Oops' "$share/console.log" | head -n 2 | tr '\n' ' ')
+            [[ -z $last ]] || reason+=": $last"
+        fi
+        echo "$reason" >"$share/dead"
+        echo "L1 #$gen after $((SECONDS - t0)) s: $reason" >>"$pool/deaths"
+        log "nested: L1 #$gen died ($reason); booting a fresh L1"
+        # An L1 that cannot even come up will not do better the next time.
+        if [[ -e $share/ready ]]; then early=0; else early=$((early + 1)); fi
+        if ((early >= 3)); then
+            echo "3 L1s in a row died before they were ready" >"$pool/failed"
+            log "nested: 3 L1s in a row died before they were ready; giving up"
+            tail -n 30 "$share/console.log" "$share/qemu.log" >&2 2>/dev/null
+            exit 1
+        fi
+    done
+}
+
+# exec [--] CMD [ARG]...: run CMD in the live L1 of $KRUNBOX_NESTED_POOL.
+exec_job() {
+    local pool=${KRUNBOX_NESTED_POOL:?KRUNBOX_NESTED_POOL names the pool of a running nested.sh serve}
+    [[ ${1:-} == -- ]] && shift
+    (($#)) || usage
+    local id share gen job waited=0
+    id=$(date +%s%N)-$$
+    while :; do
+        # A live L1: the current generation, ready and not dead.
+        while :; do
+            [[ ! -e $pool/failed ]] || { echo "error: nested.sh exec: $(cat "$pool/failed")" >&2; exit 125; }
+            gen=$(readlink "$pool/current" 2>/dev/null) || gen=
+            share=$pool/$gen
+            [[ -n $gen && -e $share/ready && ! -e $share/dead ]] && break
+            ((waited < 600 * 5)) || { echo "error: nested.sh exec: no live L1 in $pool after 600 s" >&2; exit 125; }
+            waited=$((waited + 1))
+            sleep 0.2
+        done
+        mkdir "$share/new-$id"
+        write_cmd "$share/new-$id/cmd.sh" "$PWD" -- "$@"
+        mv "$share/new-$id" "$share/queue/$id"
+        job=$share/jobs/$id
+        # On SIGTERM (nextest's timeout, Ctrl-C): kill the job, show its output.
+        # shellcheck disable=SC2317 # called from the trap
+        cancel() {
+            if [[ -d $share/queue/$id ]] && rm -rf "$share/queue/$id" 2>/dev/null && [[ ! -e $job ]]; then exit 143; fi
+            touch "$share/cancel/$id"
+            local i
+            for i in $(seq 50); do [[ -e $job/status || -e $share/dead ]] && break; sleep 0.1; done
+            cat "$job/out" 2>/dev/null
+            cat "$job/err" >&2 2>/dev/null
+            echo "nested.sh exec: stopped by a signal; killed the job's process group in L1" >&2
+            exit 143
+        }
+        trap cancel TERM INT HUP
+        while [[ ! -e $job/status ]]; do
+            if [[ -e $share/dead ]]; then
+                [[ -e $job/status ]] && break
+                if [[ -d $share/queue/$id ]]; then
+                    # L1 died before it took the job: nothing ran; give it to the next L1.
+                    rm -rf "$share/queue/$id"
+                    continue 2
+                fi
+                cat "$job/out" 2>/dev/null
+                cat "$job/err" >&2 2>/dev/null
+                echo "krunbox-nested-l1-died: the nested L1 ($gen) died while this ran: $(cat "$share/dead")" >&2
+                grep -aE 'Kernel panic|BUG:|RIP:|Call Trace' "$share/console.log" 2>/dev/null | head -n 8 >&2
+                exit 125
+            fi
+            sleep 0.2
+        done
+        break
+    done
+    trap - TERM INT HUP
+    local rc
+    rc=$(<"$job/status")
+    cat "$job/out"
+    cat "$job/err" >&2
+    if ((rc != 0)) && [[ -s $share/kvm-loops ]]; then
+        local from to loops
+        from=$(<"$job/started") to=$(<"$job/ended")
+        loops=$(awk -v a="$from" -v b="$to" '$1 >= a && $1 <= b + 2' "$share/kvm-loops")
+        if [[ -n $loops ]]; then
+            echo "krunbox-nested-emulation-fault: while this ran, KVM in L1 looped on guest instructions (L1 uptime, page faults and emulations per 2 s):" >&2
+            head -n 5 <<<"$loops" >&2
+        fi
+    fi
+    exit "$rc"
+}
+
 usage() {
     sed -n '2,/^set -euo/{/^set/d; s/^# \{0,1\}//; p}' "${BASH_SOURCE[0]}" >&2
     exit 2
@@ -439,5 +679,7 @@ usage() {
 case ${1:-} in
 prepare) prepare && log "L1 ready: $KERNEL $INITRD" ;;
 run) shift; run "$@" ;;
+serve) shift; serve "$@" ;;
+exec) shift; exec_job "$@" ;;
 *) usage ;;
 esac

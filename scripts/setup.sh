@@ -3,6 +3,7 @@
 #
 #   Debian packages   erofs-utils, mmdebstrap, busybox-static (image building), python3
 #   Rust target       x86_64-unknown-linux-musl (guest-init is a static binary)
+#   cargo-nextest     runs the VM tests, one process per test (from crates.io if missing)
 #   libkrunfw         the guest kernel, Debian sid's libkrunfw5, into the krunbox cache
 #   build             the workspace (krunbox, krunbox-vmm, krunbox-rootfs) and guest-init
 #   images            the built-in busybox and agent images, into the krunbox cache
@@ -21,6 +22,11 @@ musl=x86_64-unknown-linux-musl
 if ! rustup target list --installed | grep -qx "$musl"; then
     log "rustup target add $musl"
     rustup target add "$musl" >&2
+fi
+
+if ! cargo nextest --version >/dev/null 2>&1; then
+    log "cargo install cargo-nextest"
+    cargo install --locked cargo-nextest >&2
 fi
 
 "$here/fetch-libkrunfw.sh" >/dev/null

@@ -1,5 +1,7 @@
-//! Shared by the test binaries that boot microVMs: one tokio runtime per binary (so a VM shared
-//! by several tests outlives each test's body) and a deadline for every test.
+//! Shared by the test binaries that boot microVMs: one tokio runtime per test process and a
+//! deadline for every test. scripts/test.sh runs these tests with cargo-nextest, so every test is
+//! a process of its own and boots its own microVM (a `static` VM is per test there); under plain
+//! `cargo test` the tests of one binary share it.
 
 use std::future::Future;
 use std::sync::OnceLock;
@@ -7,11 +9,12 @@ use std::time::Duration;
 
 use tokio::runtime::Runtime;
 
-/// Longest any single VM test may take, even under nested emulation (the slowest take about a
-/// minute there). A test that hangs fails with this instead of eating the CI run's time.
-pub const TEST_DEADLINE: Duration = Duration::from_secs(360);
+/// Longest any single VM test may take, even under nested emulation (the slowest take about
+/// half a minute there). A test that hangs fails with this, saying what KVM was doing, before
+/// nextest's own limit (.config/nextest.toml: 300 s) kills it.
+pub const TEST_DEADLINE: Duration = Duration::from_secs(240);
 
-/// What `scripts/vm-suite.sh` looks for to tell a fault of the nested hypervisor from a
+/// What `scripts/junit-results.py` looks for to tell a fault of the nested hypervisor from a
 /// failure of ours.
 pub const NESTED_FAULT_MARKER: &str = "krunbox-nested-emulation-fault";
 

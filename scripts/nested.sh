@@ -542,6 +542,7 @@ serve() {
     prepare cached
     mkdir -p "$pool"
     pool=$(cd "$pool" && pwd -P)
+    echo $$ >"$pool/serve.pid"
     # Heartbeats come every second; a minute without one is an L1 that hangs
     # (TCG keeps even a loaded L1's init loop going far more often).
     local stale=${KRUNBOX_NESTED_HEARTBEAT_LIMIT:-60}
@@ -606,12 +607,17 @@ exec_job() {
     local pool=${KRUNBOX_NESTED_POOL:?KRUNBOX_NESTED_POOL names the pool of a running nested.sh serve}
     [[ ${1:-} == -- ]] && shift
     (($#)) || usage
-    local id share gen job waited=0
+    local id share gen job waited=0 supervisor=
     id=$(date +%s%N)-$$
     while :; do
         # A live L1: the current generation, ready and not dead.
         while :; do
             [[ ! -e $pool/failed ]] || { echo "error: nested.sh exec: $(cat "$pool/failed")" >&2; exit 125; }
+            [[ -n $supervisor ]] || supervisor=$(cat "$pool/serve.pid" 2>/dev/null) || supervisor=
+            if [[ -n $supervisor ]] && ! kill -0 "$supervisor" 2>/dev/null; then
+                echo "error: nested.sh exec: the pool's supervisor (nested.sh serve) is gone" >&2
+                exit 125
+            fi
             gen=$(readlink "$pool/current" 2>/dev/null) || gen=
             share=$pool/$gen
             [[ -n $gen && -e $share/ready && ! -e $share/dead ]] && break
@@ -637,6 +643,10 @@ exec_job() {
         }
         trap cancel TERM INT HUP
         while [[ ! -e $job/status ]]; do
+            if ! kill -0 "$supervisor" 2>/dev/null; then
+                echo "error: nested.sh exec: the pool's supervisor (nested.sh serve) is gone" >&2
+                exit 125
+            fi
             if [[ -e $share/dead ]]; then
                 [[ -e $job/status ]] && break
                 if [[ -d $share/queue/$id ]]; then

@@ -47,7 +47,14 @@ set -euo pipefail
 # shellcheck source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-NESTED_DIR=$KRUNBOX_CACHE_DIR/nested
+# L1's kernel: bookworm's (the default), or with KRUNBOX_NESTED_L1_KERNEL=backports the newer
+# one of bookworm-backports (compared in docs/testing.md). Each has a cache directory of its own.
+L1_KERNEL=${KRUNBOX_NESTED_L1_KERNEL:-bookworm}
+case $L1_KERNEL in
+bookworm) NESTED_DIR=$KRUNBOX_CACHE_DIR/nested ;;
+backports) NESTED_DIR=$KRUNBOX_CACHE_DIR/nested-backports ;;
+*) die "KRUNBOX_NESTED_L1_KERNEL=$L1_KERNEL: say bookworm or backports" ;;
+esac
 
 # Modules L1 loads, by name; their dependencies come from the kernel
 # package's modules.dep. Ones built into the kernel are skipped.
@@ -228,6 +235,30 @@ need_qemu() {
     rm -rf "$dir"
 }
 
+# backports_kernel: download the kernel bookworm-backports' linux-image-amd64 points at, through
+# a private sources list (the machine's apt configuration is not changed); set KDIR.
+backports_kernel() {
+    local dir=$NESTED_DIR/apt pkg ver
+    mkdir -p "$dir"
+    printf 'deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] %s bookworm-backports main\n' \
+        "$(debian_mirror)" >"$dir/sources.list"
+    PARTS=/dev/null apt_private "$dir" update -qq >&2
+    local -a opts=(-o Dir::Etc::SourceList="$dir/sources.list" -o Dir::Etc::SourceParts=/dev/null
+        -o Dir::State::Lists="$dir/lists" -o Dir::Cache="$dir/cache")
+    pkg=$(apt-cache "${opts[@]}" depends linux-image-amd64 2>/dev/null |
+        awk '$1 == "Depends:" && $2 ~ /^linux-image-6\.[0-9.]+.*-amd64$/ { print $2; exit }')
+    [[ -n $pkg ]] || die "bookworm-backports has no linux-image-amd64 kernel"
+    ver=$(apt-cache "${opts[@]}" policy "$pkg" | awk '$1 == "Candidate:" { print $2 }')
+    KDIR=$NESTED_DIR/${pkg}_$ver
+    [[ -s $KDIR/kernel.deb ]] && return
+    log "downloading $pkg $ver (bookworm-backports)"
+    rm -rf "$NESTED_DIR"/linux-image-*
+    mkdir -p "$KDIR/dl"
+    (cd "$KDIR/dl" && PARTS=/dev/null apt_private "$dir" download -qq "$pkg=$ver" >&2)
+    mv "$KDIR"/dl/*.deb "$KDIR/kernel.deb"
+    rmdir "$KDIR/dl"
+}
+
 # prepare [cached]: make sure everything `run` needs is there; set KERNEL
 # and INITRD. With "cached", a kernel already in the cache is used without
 # asking apt (slow) whether a newer one came out.
@@ -243,6 +274,10 @@ prepare() {
     if [[ ${1:-} == cached ]]; then
         kdir=$(compgen -G "$NESTED_DIR/linux-image-*/kernel.deb" | head -n1)
         kdir=${kdir%/kernel.deb}
+    fi
+    if [[ -z $kdir && $L1_KERNEL == backports ]]; then
+        backports_kernel
+        kdir=$KDIR
     fi
     if [[ -z $kdir ]]; then
         apt_lists_present || apt_update_once
@@ -342,12 +377,20 @@ build_initramfs() {
 
     # QEMU boots the uncompressed ELF kernel through its PVH entry point, so
     # neither the BIOS runs nor the kernel XZ-decompresses itself: under TCG
-    # that saves about 5 s per boot. The XZ stream starts at its magic bytes.
+    # that saves about 5 s per boot. The compressed stream (XZ for bookworm's
+    # kernel, zstd for backports') starts at its magic bytes.
     local bz=$tmp/x/boot/vmlinuz-$kver off
     off=$(LC_ALL=C grep -obUaP '\xfd7zXZ\x00' "$bz" | awk -F: 'NR == 1 { print $1 }')
-    # (xz stops after the stream, while tail may still be writing: tail's
-    # SIGPIPE must not count as a failure, hence no plain pipe.)
-    xz -dc --single-stream < <(tail -c +$((off + 1)) "$bz") >"$kdir/vmlinux.new"
+    # (the decompressor stops after the stream, while tail may still be writing:
+    # tail's SIGPIPE must not count as a failure, hence no plain pipe.)
+    if [[ -n $off ]]; then
+        xz -dc --single-stream < <(tail -c +$((off + 1)) "$bz") >"$kdir/vmlinux.new"
+    else
+        need_apt zstd
+        off=$(LC_ALL=C grep -obUaP '\x28\xb5\x2f\xfd' "$bz" | awk -F: 'NR == 1 { print $1 }')
+        [[ -n $off ]] || die "$bz is compressed neither with XZ nor zstd"
+        zstd -dcq < <(tail -c +$((off + 1)) "$bz") >"$kdir/vmlinux.new" 2>/dev/null || true
+    fi
     cmp -s -n 4 <(printf '\177ELF') "$kdir/vmlinux.new" || die "no ELF kernel inside $bz"
     (cd "$stage" && find . | LC_ALL=C sort | cpio -o -H newc -R 0:0 --quiet) |
         gzip -1 >"$kdir/initrd.new"

@@ -38,7 +38,8 @@
 #
 # QEMU's CPU and threading are knobs for measuring the emulation's faults
 # (docs/testing.md): KRUNBOX_NESTED_ACCEL (default tcg,thread=multi),
-# KRUNBOX_NESTED_SMP (2), KRUNBOX_NESTED_CPU (max,+svm).
+# KRUNBOX_NESTED_SMP (2), KRUNBOX_NESTED_CPU (max,+svm), and L1's kernel:
+# KRUNBOX_NESTED_L1_KERNEL=bookworm (default) or backports.
 #
 # Exit status of `run`: CMD's, or 124 on timeout (KRUNBOX_NESTED_TIMEOUT
 # seconds, default 4800), 125 if L1 failed before reporting one, 130/143 when

@@ -4,22 +4,111 @@
 //! Every byte from the guest goes through [`FrameDecoder`] and [`GuestMessage::decode`], which
 //! bound and validate it; the first violation stops the instance (the guest is hostile, and a
 //! stream cannot be resynchronised after garbage).
+//!
+//! A third task checks that the guest is alive ([`Liveness`]): a guest that leaves a ping
+//! unanswered and sends nothing else for the liveness timeout is declared hung.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::task::{Context, Poll};
+use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::sync::{mpsc, oneshot, Notify, Semaphore};
+use tokio::time::{Instant, MissedTickBehavior};
 
 use crate::error::{Error, Result};
 use crate::protocol::fs::FsReply;
 use crate::protocol::{
-    ExecFailed, Exited, FrameDecoder, GuestMessage, Hello, HostMessage, ProtocolError, Setup,
+    ExecFailed, Exited, FrameDecoder, GuestMessage, Hello, HostMessage, Ping, ProtocolError, Setup,
     Stream, OUTPUT_WINDOW, PROTOCOL_VERSION,
 };
 
 /// Host-to-guest messages gathered into one write, at most (about) this many bytes.
 const WRITE_BATCH: usize = 256 * 1024;
+
+/// The longest pause between liveness pings.
+const MAX_PING_INTERVAL: Duration = Duration::from_secs(5);
+
+/// How the host checks that the guest is alive.
+///
+/// Every `interval` the host sends a [`Ping`] unless one is already unanswered. Any bytes from
+/// the guest count as a sign of life (a guest streaming output need not answer at all; a pong
+/// is what an idle guest sends). A guest that leaves a ping unanswered and sends nothing for
+/// `timeout` is declared hung. A guest that freezes is therefore noticed between
+/// `timeout - interval` and `timeout + interval` after it froze.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Liveness {
+    pub timeout: Duration,
+    pub interval: Duration,
+}
+
+impl Liveness {
+    /// A check with this timeout, pinging every 5 s (or every quarter of a shorter timeout).
+    pub fn new(timeout: Duration) -> Self {
+        Liveness {
+            timeout,
+            interval: (timeout / 4).min(MAX_PING_INTERVAL),
+        }
+    }
+}
+
+/// Why the channel is unusable.
+#[derive(Debug, Clone)]
+pub(crate) enum Gone {
+    /// The instance stopped (shut down, dropped, the VM ended, or the guest broke the
+    /// protocol): why.
+    Stopped(String),
+    /// The liveness check found the guest silent for this long with a ping outstanding.
+    Hung(Duration),
+}
+
+impl Gone {
+    /// The error a pending or new call reports.
+    pub fn error(&self) -> Error {
+        match self {
+            Gone::Stopped(reason) => Error::InstanceGone {
+                reason: reason.clone(),
+            },
+            Gone::Hung(silent_for) => Error::GuestHung {
+                silent_for: *silent_for,
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for Gone {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Gone::Stopped(reason) => f.write_str(reason),
+            Gone::Hung(_) => write!(f, "{}", self.error()),
+        }
+    }
+}
+
+/// The guest's half of the stream, counting reads that brought bytes: the liveness check's
+/// evidence of progress.
+struct Counting<R> {
+    inner: R,
+    reads: Arc<AtomicU64>,
+}
+
+impl<R: AsyncRead + Unpin> AsyncRead for Counting<R> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let result = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.reads.fetch_add(1, Ordering::Relaxed);
+        }
+        result
+    }
+}
 
 /// Reads until one whole guest message is decoded. `Ok(None)` on a clean end of stream.
 pub(crate) async fn read_message<R: AsyncRead + Unpin>(
@@ -105,6 +194,7 @@ fn message_name(m: &GuestMessage) -> &'static str {
         GuestMessage::ExecFailed(_) => "ExecFailed",
         GuestMessage::StdinCredit(_) => "StdinCredit",
         GuestMessage::FsReply(_) => "FsReply",
+        GuestMessage::Pong(_) => "Pong",
     }
 }
 
@@ -113,8 +203,8 @@ fn message_name(m: &GuestMessage) -> &'static str {
 pub(crate) enum ProcessEnd {
     Exited(Exited),
     Failed(ExecFailed),
-    /// The instance stopped first.
-    Gone(String),
+    /// The instance stopped (or was declared hung) first.
+    Gone(Gone),
 }
 
 /// What a process's output channel carries.
@@ -124,7 +214,7 @@ pub(crate) enum OutputItem {
     Data(Vec<u8>),
     /// The instance stopped before the process ended: the stream is incomplete, and a reader
     /// must hear that instead of a clean end of file.
-    Broken(String),
+    Broken(Gone),
 }
 
 /// The receiving ends for one process.
@@ -157,7 +247,7 @@ struct State {
     /// File operations waiting for their reply.
     fs: HashMap<u32, oneshot::Sender<FsReply>>,
     /// Set once the channel is unusable; new processes fail with this reason.
-    gone: Option<String>,
+    gone: Option<Gone>,
 }
 
 /// A live control channel.
@@ -171,23 +261,40 @@ pub(crate) struct Control {
     pub closed: Arc<Notify>,
     /// The protocol error, if that is why the channel ended.
     pub violation: Mutex<Option<ProtocolError>>,
+    /// Notified when the liveness check declared the guest hung: the instance must kill the
+    /// VMM.
+    pub hung: Arc<Notify>,
+    /// Reads from the guest that brought bytes.
+    reads: Arc<AtomicU64>,
+    /// Set when the reader stopped (end of stream, I/O error, violation): the connection's end
+    /// is then the instance's to explain, not the liveness check's.
+    reader_done: AtomicBool,
 }
 
 impl Control {
-    /// Starts the reader and writer tasks on an established (post-handshake) stream.
-    pub fn start<S>(stream: S, decoder: FrameDecoder) -> Arc<Control>
+    /// Starts the reader, writer and liveness tasks on an established (post-handshake) stream.
+    pub fn start<S>(stream: S, decoder: FrameDecoder, liveness: Liveness) -> Arc<Control>
     where
         S: AsyncRead + AsyncWrite + Send + 'static,
     {
-        let (mut reader, mut writer) = tokio::io::split(stream);
+        let (reader, mut writer) = tokio::io::split(stream);
         let (outgoing, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+        let reads = Arc::new(AtomicU64::new(0));
+        let mut reader = Counting {
+            inner: reader,
+            reads: reads.clone(),
+        };
         let control = Arc::new(Control {
             outgoing,
             state: Mutex::new(State::default()),
             violated: Arc::new(Notify::new()),
             closed: Arc::new(Notify::new()),
             violation: Mutex::new(None),
+            hung: Arc::new(Notify::new()),
+            reads,
+            reader_done: AtomicBool::new(false),
         });
+        tokio::spawn(watch_liveness(Arc::downgrade(&control), liveness));
 
         tokio::spawn(async move {
             while let Some(mut batch) = rx.recv().await {
@@ -221,6 +328,7 @@ impl Control {
                     Ok(None) | Err(_) => break c.closed.notify_one(),
                 }
             }
+            c.reader_done.store(true, Ordering::SeqCst);
         });
         control
     }
@@ -311,6 +419,8 @@ impl Control {
                         .add_permits((credit.bytes as usize).min(room));
                 }
             }
+            // Its arrival is what counts (see `Liveness`); a seq we never sent is harmless.
+            GuestMessage::Pong(_) => {}
             GuestMessage::FsReply(reply) => {
                 let tx = state.fs.remove(&reply.id).ok_or(ProtocolError::Malformed {
                     message: "FsReply",
@@ -332,10 +442,14 @@ impl Control {
 
     /// Ends every pending process with `reason` and refuses new ones.
     pub fn fail_all(&self, reason: String) {
+        self.fail(Gone::Stopped(reason));
+    }
+
+    /// Ends every pending call with the first reason the channel became unusable (this one,
+    /// unless it already was) and refuses new ones.
+    fn fail(&self, reason: Gone) {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if state.gone.is_none() {
-            state.gone = Some(reason.clone());
-        }
+        let reason = state.gone.get_or_insert(reason).clone();
         for (_, mut slot) in state.procs.drain() {
             for tx in [slot.stdout.take(), slot.stderr.take()]
                 .into_iter()
@@ -352,8 +466,19 @@ impl Control {
         state.fs.clear();
     }
 
+    /// The liveness check found the guest silent: every pending call fails, and the instance
+    /// is told to kill the VMM.
+    fn declare_hung(&self, silent_for: Duration) {
+        tracing::warn!(
+            ?silent_for,
+            "the guest left a liveness ping unanswered and sent nothing else; killing the VM"
+        );
+        self.fail(Gone::Hung(silent_for));
+        self.hung.notify_one();
+    }
+
     /// Why the channel is unusable, if it is.
-    pub fn gone(&self) -> Option<String> {
+    pub fn gone(&self) -> Option<Gone> {
         self.state
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -365,9 +490,7 @@ impl Control {
     pub fn register(&self, id: u32) -> Result<ProcessChannels> {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(reason) = &state.gone {
-            return Err(Error::InstanceGone {
-                reason: reason.clone(),
-            });
+            return Err(reason.error());
         }
         let (out_tx, stdout) = mpsc::unbounded_channel();
         let (err_tx, stderr) = mpsc::unbounded_channel();
@@ -420,9 +543,7 @@ impl Control {
     pub fn register_fs(&self, id: u32) -> Result<oneshot::Receiver<FsReply>> {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(reason) = &state.gone {
-            return Err(Error::InstanceGone {
-                reason: reason.clone(),
-            });
+            return Err(reason.error());
         }
         let (tx, rx) = oneshot::channel();
         state.fs.insert(id, tx);
@@ -432,10 +553,253 @@ impl Control {
     /// Queues a message for the guest.
     pub fn send(&self, message: &HostMessage) -> Result<()> {
         let bytes = message.encode()?;
-        self.outgoing.send(bytes).map_err(|_| Error::InstanceGone {
-            reason: self
-                .gone()
-                .unwrap_or_else(|| "the control channel is closed".into()),
+        self.outgoing.send(bytes).map_err(|_| {
+            self.gone()
+                .unwrap_or_else(|| Gone::Stopped("the control channel is closed".into()))
+                .error()
         })
+    }
+}
+
+/// The liveness task: pings the guest and declares it hung when a ping stays unanswered and
+/// nothing else arrives for `liveness.timeout` (see [`Liveness`]). Ends with the channel.
+async fn watch_liveness(control: Weak<Control>, liveness: Liveness) {
+    let mut ticker =
+        tokio::time::interval_at(Instant::now() + liveness.interval, liveness.interval);
+    ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut seq = 0u64;
+    // The first ping sent since the guest was last heard from: when, and the read count then.
+    let mut silent: Option<(Instant, u64)> = None;
+    let mut last_wake = Instant::now();
+    loop {
+        let deadline = silent.map(|(sent, _)| sent + liveness.timeout);
+        tokio::select! {
+            _ = ticker.tick() => {}
+            _ = tokio::time::sleep_until(deadline.unwrap_or(last_wake)), if deadline.is_some() => {}
+        }
+        let Some(control) = control.upgrade() else {
+            return;
+        };
+        if control.gone().is_some() || control.reader_done.load(Ordering::SeqCst) {
+            return;
+        }
+        let now = Instant::now();
+        // This task wakes at least every interval. A longer gap means the host's own runtime
+        // was starved (then the reader may not have had its turn either): start over rather
+        // than blame the guest.
+        let starved = now.duration_since(last_wake) > liveness.interval * 2;
+        last_wake = now;
+        let reads = control.reads.load(Ordering::Relaxed);
+        match silent {
+            // Heard from (or we cannot tell): a new round with a new ping.
+            Some((_, seen)) if reads != seen || starved => {}
+            Some((sent, _)) if now.duration_since(sent) >= liveness.timeout => {
+                return control.declare_hung(now.duration_since(sent));
+            }
+            // Still waiting for an answer to the outstanding ping.
+            Some(_) => continue,
+            None => {}
+        }
+        seq = seq.wrapping_add(1);
+        if control.send(&HostMessage::Ping(Ping { seq })).is_err() {
+            return;
+        }
+        silent = Some((now, reads));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The liveness check, against a scripted guest over an in-memory stream, in tokio's
+    //! paused time (so minutes of silence take no time and the bounds are exact).
+
+    use serde_bytes::ByteBuf;
+    use tokio::io::{DuplexStream, ReadHalf, WriteHalf};
+
+    use super::*;
+    use crate::protocol::{Output, Pong};
+
+    const TIMEOUT: Duration = Duration::from_secs(10);
+
+    /// The guest's side: answers pings while `answer` is set (and reads everything always, as
+    /// a frozen guest's socket buffer would accept bytes for a while), counting them.
+    async fn fake_guest(
+        mut reader: ReadHalf<DuplexStream>,
+        writer: Arc<tokio::sync::Mutex<WriteHalf<DuplexStream>>>,
+        answer: Arc<AtomicBool>,
+        pings: Arc<AtomicU64>,
+    ) {
+        let mut decoder = FrameDecoder::new();
+        let mut buf = vec![0u8; 4096];
+        loop {
+            while let Some(frame) = decoder.next_frame().unwrap() {
+                if let HostMessage::Ping(ping) = HostMessage::decode(&frame).unwrap() {
+                    pings.fetch_add(1, Ordering::SeqCst);
+                    if answer.load(Ordering::SeqCst) {
+                        let pong = GuestMessage::Pong(Pong { seq: ping.seq }).encode().unwrap();
+                        writer.lock().await.write_all(&pong).await.unwrap();
+                    }
+                }
+            }
+            match reader.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => decoder.push(&buf[..n]).unwrap(),
+            }
+        }
+    }
+
+    struct Setup {
+        control: Arc<Control>,
+        writer: Arc<tokio::sync::Mutex<WriteHalf<DuplexStream>>>,
+        answer: Arc<AtomicBool>,
+        pings: Arc<AtomicU64>,
+        guest: tokio::task::JoinHandle<()>,
+    }
+
+    fn setup() -> Setup {
+        let (host, guest) = tokio::io::duplex(1 << 20);
+        let control = Control::start(host, FrameDecoder::new(), Liveness::new(TIMEOUT));
+        let (reader, writer) = tokio::io::split(guest);
+        let writer = Arc::new(tokio::sync::Mutex::new(writer));
+        let answer = Arc::new(AtomicBool::new(true));
+        let pings = Arc::new(AtomicU64::new(0));
+        let guest = tokio::spawn(fake_guest(
+            reader,
+            writer.clone(),
+            answer.clone(),
+            pings.clone(),
+        ));
+        Setup {
+            control,
+            writer,
+            answer,
+            pings,
+            guest,
+        }
+    }
+
+    #[test]
+    fn the_interval_is_five_seconds_or_a_quarter_of_a_shorter_timeout() {
+        assert_eq!(
+            Liveness::new(Duration::from_secs(30)).interval,
+            Duration::from_secs(5)
+        );
+        assert_eq!(
+            Liveness::new(Duration::from_secs(10)).interval,
+            Duration::from_millis(2500)
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_guest_that_stops_answering_is_declared_hung_and_every_pending_call_hears_it() {
+        let s = setup();
+        let mut process = s.control.register(1).unwrap();
+        let fs = s.control.register_fs(2).unwrap();
+
+        // Two minutes of a guest that answers: never declared hung, and pinged at a modest
+        // rate (one ping per interval at most).
+        tokio::time::sleep(Duration::from_secs(120)).await;
+        assert!(s.control.gone().is_none());
+        assert!(process.end.try_recv().is_err(), "still pending");
+
+        // The guest freezes.
+        s.answer.store(false, Ordering::SeqCst);
+        let frozen = Instant::now();
+        let end = tokio::time::timeout(TIMEOUT * 3, process.end)
+            .await
+            .expect("declared hung, not left waiting")
+            .expect("the pending wait is answered");
+        let elapsed = frozen.elapsed();
+        let interval = Liveness::new(TIMEOUT).interval;
+        assert!(
+            elapsed >= TIMEOUT - interval && elapsed <= TIMEOUT + interval,
+            "declared hung {elapsed:?} after the guest froze; the bound is {TIMEOUT:?} ± {interval:?}"
+        );
+        assert!(matches!(end, ProcessEnd::Gone(Gone::Hung(d)) if d >= TIMEOUT));
+        // Every other pending call hears it too, as the typed error.
+        assert!(matches!(
+            process.stdout.recv().await,
+            Some(OutputItem::Broken(Gone::Hung(_)))
+        ));
+        assert!(matches!(
+            process.stderr.recv().await,
+            Some(OutputItem::Broken(Gone::Hung(_)))
+        ));
+        assert!(fs.await.is_err());
+        assert!(process.stdin_credit.is_closed());
+        assert!(matches!(
+            s.control.gone().map(|g| g.error()),
+            Some(Error::GuestHung { .. })
+        ));
+        // The instance was told to kill the VMM (a stored permit: notified at once).
+        tokio::time::timeout(Duration::from_millis(1), s.control.hung.notified())
+            .await
+            .expect("the hung notification");
+        // New calls are refused with it.
+        assert!(matches!(
+            s.control.register(3).err(),
+            Some(Error::GuestHung { .. })
+        ));
+        assert!(matches!(
+            s.control.register_fs(4).err(),
+            Some(Error::GuestHung { .. })
+        ));
+        let message = Gone::Hung(TIMEOUT).error().to_string();
+        assert!(message.contains("boot a new one"), "{message}");
+
+        // About 130 s at one ping per 2.5 s at most (one per round trip: a ping and the check
+        // that sees its answer share a tick).
+        let pings = s.pings.load(Ordering::SeqCst);
+        assert!((20..=53).contains(&pings), "{pings} pings");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_busy_guest_is_alive_without_answering_a_single_ping() {
+        let s = setup();
+        s.answer.store(false, Ordering::SeqCst);
+        let mut process = s.control.register(1).unwrap();
+        // Output every 3 s for two minutes, and never a pong: any message is a sign of life.
+        for _ in 0..40 {
+            let output = GuestMessage::Output(Output {
+                id: 1,
+                stream: Stream::Stdout,
+                data: ByteBuf::from(b"x".to_vec()),
+            })
+            .encode()
+            .unwrap();
+            s.writer.lock().await.write_all(&output).await.unwrap();
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            assert!(s.control.gone().is_none(), "a streaming guest is alive");
+        }
+        assert!(process.end.try_recv().is_err(), "still pending");
+        // Then silence: declared hung within the bound.
+        let quiet = Instant::now();
+        tokio::time::timeout(TIMEOUT * 3, process.end)
+            .await
+            .expect("declared hung once silent")
+            .unwrap();
+        assert!(quiet.elapsed() <= TIMEOUT + Liveness::new(TIMEOUT).interval);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_guest_that_hangs_up_is_not_called_hung() {
+        let s = setup();
+        let mut process = s.control.register(1).unwrap();
+        // The guest closed its end of the connection (the VM is going down) while the host's
+        // pings still find room: the VMM's exit status explains that, not the liveness check.
+        s.answer.store(false, Ordering::SeqCst);
+        s.writer.lock().await.shutdown().await.unwrap();
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        assert!(
+            !s.guest.is_finished(),
+            "the guest still reads what the host sends"
+        );
+        assert!(s.control.gone().is_none());
+        assert!(process.end.try_recv().is_err());
+        s.control.fail_all("the VM stopped".into());
+        assert!(matches!(
+            process.end.await,
+            Ok(ProcessEnd::Gone(Gone::Stopped(_)))
+        ));
     }
 }

@@ -107,6 +107,15 @@ pub enum Error {
         /// How long past the timeout the host waited.
         after: Duration,
     },
+    /// The liveness check found the guest silent: it left a ping unanswered and sent nothing
+    /// else for this long (its vCPU, the VMM or guest-init stopped making progress). The VMM
+    /// helper was killed; every pending call of the instance ends with this error. The bound
+    /// is [`SandboxBuilder::liveness_timeout`](crate::SandboxBuilder::liveness_timeout).
+    #[error("the guest sent nothing for {silent_for:?}, not even an answer to the liveness ping (its vCPU, the VMM or guest-init is stuck); the VM was killed: shut this instance down and boot a new one")]
+    GuestHung {
+        /// How long the guest was silent with a ping outstanding.
+        silent_for: Duration,
+    },
     /// The command was cancelled through its [`CancellationToken`](tokio_util::sync::CancellationToken);
     /// its process group was killed.
     #[error("the command was cancelled; its process group was killed")]

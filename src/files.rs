@@ -24,7 +24,7 @@ use serde_bytes::ByteBuf;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::oneshot;
 
-use crate::control::Control;
+use crate::control::{Control, Gone};
 use crate::error::{Error, Result};
 use crate::instance::Instance;
 use crate::protocol::fs::{
@@ -118,11 +118,13 @@ impl Future for Pending {
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         Poll::Ready(match ready!(Pin::new(&mut self.rx).poll(cx)) {
             Ok(reply) => Ok(reply.result),
-            Err(_) => Err(Error::InstanceGone {
-                reason: self.control.gone().unwrap_or_else(|| {
-                    "the instance stopped before answering a file operation".into()
-                }),
-            }),
+            Err(_) => Err(self
+                .control
+                .gone()
+                .unwrap_or_else(|| {
+                    Gone::Stopped("the instance stopped before answering a file operation".into())
+                })
+                .error()),
         })
     }
 }
@@ -217,6 +219,9 @@ impl Target {
             Error::InstanceGone { reason } => Error::InstanceGone {
                 reason: reason.clone(),
             },
+            Error::GuestHung { silent_for } => Error::GuestHung {
+                silent_for: *silent_for,
+            },
             Error::Protocol(err) => Error::Protocol(err.clone()),
             other => self.error(FsErrorKind::Other, other.to_string()),
         }
@@ -265,7 +270,7 @@ fn to_io(err: Error) -> io::Error {
             FsErrorKind::InvalidInput => io::ErrorKind::InvalidInput,
             FsErrorKind::Other => io::ErrorKind::Other,
         },
-        Error::InstanceGone { .. } => io::ErrorKind::BrokenPipe,
+        Error::InstanceGone { .. } | Error::GuestHung { .. } => io::ErrorKind::BrokenPipe,
         _ => io::ErrorKind::Other,
     };
     io::Error::new(kind, err)

@@ -10,7 +10,7 @@ use std::time::Duration;
 use tokio::net::UnixListener;
 use tokio::sync::watch;
 
-use crate::control::{self, Control};
+use crate::control::{self, Control, Gone, Liveness};
 use crate::error::{Error, Result};
 use crate::process::Command;
 use crate::protocol::{FrameDecoder, HostMessage, RootMount, Setup};
@@ -255,13 +255,14 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     tracing::debug!(kernel = %hello.kernel_release, guest_init = %hello.guest_init, "guest ready");
 
     let vmm_pid = child.id();
-    let control = Control::start(stream, decoder);
+    let control = Control::start(stream, decoder, Liveness::new(config.liveness_timeout));
     let (exited_tx, exited) = watch::channel(None);
     let (kill, mut kill_rx) = watch::channel(false);
     let shutdown_requested = Arc::new(AtomicBool::new(false));
     let requested = shutdown_requested.clone();
     let violated = control.violated.clone();
     let closed = control.closed.clone();
+    let hung = control.hung.clone();
     let c = control.clone();
     let dir_path = dir.path().to_path_buf();
     tokio::spawn(async move {
@@ -269,6 +270,9 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             tokio::select! {
                 status = child.wait() => break status,
                 _ = violated.notified() => { let _ = child.start_kill(); }
+                // The liveness check gave up on the guest: SIGKILL works on a stopped or
+                // spinning helper too.
+                _ = hung.notified() => { let _ = child.start_kill(); }
                 _ = closed.notified() => {
                     // The guest hung up: normally because the VM is going down. Give the VMM a
                     // moment to exit so its status explains what happened; a VM that keeps
@@ -285,24 +289,29 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
                 }
             }
         };
-        let description = match status {
-            Ok(_) if requested.load(Ordering::SeqCst) => "the VM was shut down".to_string(),
-            Ok(s) if s.success() => {
-                let tail = tail(&dir_path);
-                // libkrun logs this (at info level) when a vCPU exits with KVM_EXIT_SHUTDOWN.
-                let what = if tail.contains("KVM_EXIT_SHUTDOWN") {
-                    "the guest CPU triple-faulted (KVM_EXIT_SHUTDOWN): a guest kernel crash, or \
-                     a fault of the virtualization underneath (seen under nested emulation)"
-                } else {
-                    "the guest stopped the VM (power-off, reset or kernel panic)"
-                };
-                format!("{what}\n{tail}")
+        let description = if let Some(hung @ Gone::Hung(_)) = c.gone() {
+            // The liveness check killed it: that, not the kill's signal, is the story.
+            format!("{hung}\n{}", tail(&dir_path))
+        } else {
+            match status {
+                Ok(_) if requested.load(Ordering::SeqCst) => "the VM was shut down".to_string(),
+                Ok(s) if s.success() => {
+                    let tail = tail(&dir_path);
+                    // libkrun logs this (at info level) when a vCPU exits with KVM_EXIT_SHUTDOWN.
+                    let what = if tail.contains("KVM_EXIT_SHUTDOWN") {
+                        "the guest CPU triple-faulted (KVM_EXIT_SHUTDOWN): a guest kernel crash, or \
+                         a fault of the virtualization underneath (seen under nested emulation)"
+                    } else {
+                        "the guest stopped the VM (power-off, reset or kernel panic)"
+                    };
+                    format!("{what}\n{tail}")
+                }
+                Ok(s) if s.code() == Some(vmm::LIFELINE_EXIT_CODE) => {
+                    "the VMM helper exited because its instance handle was dropped".to_string()
+                }
+                Ok(s) => format!("the VM stopped ({s})\n{}", tail(&dir_path)),
+                Err(e) => format!("waiting for the VMM failed: {e}"),
             }
-            Ok(s) if s.code() == Some(vmm::LIFELINE_EXIT_CODE) => {
-                "the VMM helper exited because its instance handle was dropped".to_string()
-            }
-            Ok(s) => format!("the VM stopped ({s})\n{}", tail(&dir_path)),
-            Err(e) => format!("waiting for the VMM failed: {e}"),
         };
         c.fail_all(description.clone());
         let _ = exited_tx.send(Some(description));
@@ -351,7 +360,9 @@ impl Instance {
         }
     }
 
-    /// Whether the VM is still running.
+    /// Whether the VM is still running. False once it stopped, was shut down, broke the
+    /// protocol, or was declared hung by the liveness check
+    /// ([`SandboxBuilder::liveness_timeout`](crate::SandboxBuilder::liveness_timeout)).
     pub fn is_running(&self) -> bool {
         self.inner.exited.borrow().is_none() && self.inner.control.gone().is_none()
     }
@@ -388,6 +399,10 @@ impl Instance {
     }
 
     pub(crate) fn control(&self) -> Result<Arc<Control>> {
+        // A hung guest says so, also after its VMM was killed.
+        if let Some(hung @ Gone::Hung(_)) = self.inner.control.gone() {
+            return Err(hung.error());
+        }
         if let Some(reason) = self.inner.exited.borrow().as_ref() {
             return Err(Error::InstanceGone {
                 reason: reason.clone(),

@@ -64,5 +64,8 @@ pub use process::{
 };
 pub use protocol::fs::{FileType, FsErrorKind};
 pub use rootfs::{BuiltinImage, Rootfs};
-pub use sandbox::{Kernel, KernelFormat, Sandbox, SandboxBuilder, MAX_CPUS, MIN_MEMORY_MIB};
+pub use sandbox::{
+    Kernel, KernelFormat, Sandbox, SandboxBuilder, DEFAULT_LIVENESS_TIMEOUT, MAX_CPUS,
+    MAX_LIVENESS_TIMEOUT, MIN_LIVENESS_TIMEOUT, MIN_MEMORY_MIB,
+};
 pub use tokio_util::sync::CancellationToken;

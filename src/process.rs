@@ -16,7 +16,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio_util::sync::{CancellationToken, PollSemaphore};
 
-use crate::control::{Control, OutputItem, ProcessEnd};
+use crate::control::{Control, Gone, OutputItem, ProcessEnd};
 use crate::error::{Error, Result};
 use crate::instance::Instance;
 use crate::protocol::{
@@ -377,7 +377,7 @@ impl Command {
                 kind: failed.kind,
                 message: failed.message,
             },
-            Ok(ProcessEnd::Gone(reason)) => Error::InstanceGone { reason },
+            Ok(ProcessEnd::Gone(reason)) => reason.error(),
             Ok(ProcessEnd::Exited(_)) | Err(_) => Error::InstanceGone {
                 reason: "the guest ended the process before reporting it started".into(),
             },
@@ -549,7 +549,7 @@ impl Child {
                     reason: format!("process failed after starting: {}", failed.message),
                 })
             }
-            Ok(ProcessEnd::Gone(reason)) => return Err(Error::InstanceGone { reason }),
+            Ok(ProcessEnd::Gone(reason)) => return Err(reason.error()),
             Err(_) => {
                 return Err(Error::InstanceGone {
                     reason: "the control channel closed".into(),
@@ -762,7 +762,7 @@ struct Receiver {
     rx: mpsc::UnboundedReceiver<OutputItem>,
     chunk: Vec<u8>,
     /// Why the stream broke off, once it did: every later read reports it again.
-    broken: Option<String>,
+    broken: Option<Gone>,
     pos: usize,
     control: Arc<Control>,
     id: u32,
@@ -805,9 +805,7 @@ impl Receiver {
     ) -> Poll<std::io::Result<()>> {
         while self.pos == self.chunk.len() {
             if let Some(reason) = &self.broken {
-                return Poll::Ready(Err(std::io::Error::other(Error::InstanceGone {
-                    reason: reason.clone(),
-                })));
+                return Poll::Ready(Err(std::io::Error::other(reason.error())));
             }
             match self.rx.poll_recv(cx) {
                 Poll::Ready(Some(OutputItem::Broken(reason))) => self.broken = Some(reason),

@@ -15,6 +15,14 @@ use crate::vmm::KernelConfig;
 pub const MAX_CPUS: u8 = 32;
 /// Smallest guest memory that boots the libkrunfw kernel with room for a command.
 pub const MIN_MEMORY_MIB: u32 = 128;
+/// The default [`SandboxBuilder::liveness_timeout`].
+pub const DEFAULT_LIVENESS_TIMEOUT: Duration = Duration::from_secs(30);
+/// Shortest [`SandboxBuilder::liveness_timeout`]: the check pings four times within it, and
+/// a busy guest under emulation must get a fair chance to answer.
+pub const MIN_LIVENESS_TIMEOUT: Duration = Duration::from_secs(1);
+/// Longest [`SandboxBuilder::liveness_timeout`]: beyond an hour a hung guest is not noticed
+/// in any useful sense.
+pub const MAX_LIVENESS_TIMEOUT: Duration = Duration::from_secs(3600);
 
 /// A sandbox definition: what to boot. Built once, booted many times, each boot a fresh
 /// microVM; cloning is cheap and shares the definition.
@@ -47,6 +55,7 @@ pub(crate) struct SandboxConfig {
     pub memory_mib: u32,
     pub hostname: String,
     pub boot_timeout: Duration,
+    pub liveness_timeout: Duration,
     pub cache_dir: PathBuf,
     pub artifacts: Artifacts,
     pub kernel: Option<KernelConfig>,
@@ -86,6 +95,7 @@ pub struct SandboxBuilder {
     memory_mib: u32,
     hostname: String,
     boot_timeout: Duration,
+    liveness_timeout: Duration,
     cache_dir: Option<PathBuf>,
     overrides: ArtifactOverrides,
     kernel: Option<Kernel>,
@@ -101,6 +111,7 @@ impl Default for SandboxBuilder {
             hostname: "krunbox".into(),
             // Generous: under nested emulation a boot takes tens of seconds.
             boot_timeout: Duration::from_secs(180),
+            liveness_timeout: DEFAULT_LIVENESS_TIMEOUT,
             cache_dir: None,
             overrides: ArtifactOverrides::default(),
             kernel: None,
@@ -141,6 +152,40 @@ impl SandboxBuilder {
     /// How long a boot may take before it fails with [`Error::BootTimeout`].
     pub fn boot_timeout(mut self, timeout: Duration) -> Self {
         self.boot_timeout = timeout;
+        self
+    }
+
+    /// How long a running guest may stay silent before it is declared hung (default 30 s;
+    /// 1 s to 1 hour).
+    ///
+    /// The library pings the guest every 5 s (every quarter of a shorter timeout) while it
+    /// hears nothing else; anything the guest sends counts as a sign of life, and guest-init
+    /// answers a ping ahead of any output it has queued, so a busy guest is never mistaken for
+    /// a hung one. A guest that leaves a ping unanswered and sends nothing for this long (its
+    /// vCPU wedged, the VMM frozen, guest-init stuck) is declared hung: its VMM helper is
+    /// killed and every pending and later call of the instance fails with
+    /// [`Error::GuestHung`]. A guest that freezes is noticed between `timeout - interval` and
+    /// `timeout + interval` later (25 to 35 s by default).
+    ///
+    /// ```no_run
+    /// # async fn demo() -> krunbox::Result<()> {
+    /// use std::time::Duration;
+    /// use krunbox::Sandbox;
+    ///
+    /// let sandbox = Sandbox::builder().liveness_timeout(Duration::from_secs(60)).build()?;
+    /// let vm = sandbox.boot().await?;
+    /// match vm.command("make").output().await {
+    ///     Err(krunbox::Error::GuestHung { .. }) => {
+    ///         // The VM is gone: boot a new one and retry there.
+    ///         let vm = sandbox.boot().await?;
+    ///         vm.command("make").output().await?;
+    ///     }
+    ///     other => { other?; }
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn liveness_timeout(mut self, timeout: Duration) -> Self {
+        self.liveness_timeout = timeout;
         self
     }
 
@@ -204,6 +249,13 @@ impl SandboxBuilder {
                 self.memory_mib
             )));
         }
+        if !(MIN_LIVENESS_TIMEOUT..=MAX_LIVENESS_TIMEOUT).contains(&self.liveness_timeout) {
+            return Err(Error::InvalidConfig(format!(
+                "liveness_timeout must be between {MIN_LIVENESS_TIMEOUT:?} and \
+                 {MAX_LIVENESS_TIMEOUT:?}, got {:?}",
+                self.liveness_timeout
+            )));
+        }
         let valid_hostname = !self.hostname.is_empty()
             && self.hostname.len() <= 64
             && self
@@ -232,6 +284,7 @@ impl SandboxBuilder {
                 memory_mib: self.memory_mib,
                 hostname: self.hostname,
                 boot_timeout: self.boot_timeout,
+                liveness_timeout: self.liveness_timeout,
                 cache_dir: self.cache_dir.unwrap_or_else(crate::cache_dir),
                 artifacts,
                 kernel,
@@ -558,6 +611,21 @@ mod tests {
         assert!(err.to_string().contains("at least 128 MiB"), "{err}");
         let err = Sandbox::builder().hostname("a b").build().unwrap_err();
         assert!(err.to_string().contains("hostname"), "{err}");
+        for absurd in [
+            Duration::ZERO,
+            Duration::from_millis(999),
+            Duration::from_secs(3601),
+            Duration::MAX,
+        ] {
+            let err = Sandbox::builder()
+                .liveness_timeout(absurd)
+                .build()
+                .unwrap_err();
+            assert!(
+                matches!(&err, Error::InvalidConfig(m) if m.contains("liveness_timeout")),
+                "{absurd:?}: {err}"
+            );
+        }
         let err = Sandbox::builder()
             .rootfs(Rootfs::image("/x.img", "erofs", "nothex"))
             .build()

@@ -7,7 +7,7 @@
 #   stream:MIB   a busybox guest writes MIB MiB of zeros to stdout, over the control channel
 #   block        an agent guest reads every file of its root image (virtio-blk, erofs)
 # Prints one line per run and, last, a table row:
-#   NAME | runs | ok | guest triple fault | wedged | L1 died | other | median s of ok runs
+#   NAME | runs | ok | guest triple fault | wedged | L1 died | too slow | other | median s of ok
 # Needs scripts/setup.sh to have run (it uses the debug build of the krunbox CLI).
 set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -37,7 +37,7 @@ serve_pid=$!
 trap "kill $serve_pid 2>/dev/null; wait $serve_pid 2>/dev/null; rm -rf '$pool'" EXIT
 export KRUNBOX_NESTED_POOL=$pool
 
-ok=0 triple=0 wedged=0 died=0 other=0 times=()
+ok=0 triple=0 wedged=0 died=0 slow=0 other=0 times=()
 for ((i = 1; i <= runs; i++)); do
     t0=$SECONDS
     # A run that takes KRUNBOX_FAULT_RATE_TIMEOUT seconds (default 300) counts as wedged: set
@@ -52,8 +52,12 @@ for ((i = 1; i <= runs; i++)); do
         verdict=l1-died died=$((died + 1))
     elif grep -q 'KVM_EXIT_SHUTDOWN' <<<"$out"; then
         verdict=triple-fault triple=$((triple + 1))
-    elif ((rc == 124 || rc == 143)) || grep -qiE 'unresponsive|krunbox-nested-emulation-fault' <<<"$out"; then
+    elif grep -qiE 'GuestHung|hung|krunbox-nested-emulation-fault' <<<"$out"; then
+        # Declared hung by the library's liveness check, or KVM in L1 seen looping meanwhile.
         verdict=wedged wedged=$((wedged + 1))
+    elif ((rc == 124 || rc == 143)); then
+        # Out of time with no sign of a wedge: too slow, not faulted.
+        verdict=too-slow slow=$((slow + 1))
     else
         verdict=other other=$((other + 1))
     fi
@@ -64,4 +68,4 @@ median=-
 if ((${#times[@]})); then
     median=$(printf '%s\n' "${times[@]}" | sort -n | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }')
 fi
-echo "| $name | $runs | $ok | $triple | $wedged | $died | $other | $median |"
+echo "| $name | $runs | $ok | $triple | $wedged | $died | $slow | $other | $median |"

@@ -683,6 +683,7 @@ exec_job() {
             cat "$job/out" 2>/dev/null
             cat "$job/err" >&2 2>/dev/null
             echo "nested.sh exec: stopped by a signal; killed the job's process group in L1" >&2
+            report_loops "$(cat "$job/started" 2>/dev/null)" "$(cut -d' ' -f1 "$share/heartbeat" 2>/dev/null)"
             exit 143
         }
         trap cancel TERM INT HUP
@@ -713,16 +714,19 @@ exec_job() {
     rc=$(<"$job/status")
     cat "$job/out"
     cat "$job/err" >&2
-    if ((rc != 0)) && [[ -s $share/kvm-loops ]]; then
-        local from to loops
-        from=$(<"$job/started") to=$(<"$job/ended")
-        loops=$(awk -v a="$from" -v b="$to" '$1 >= a && $1 <= b + 2' "$share/kvm-loops")
-        if [[ -n $loops ]]; then
-            echo "krunbox-nested-emulation-fault: while this ran, KVM in L1 looped on guest instructions (L1 uptime, page faults and emulations per 2 s):" >&2
-            head -n 5 <<<"$loops" >&2
-        fi
-    fi
+    if ((rc != 0)); then report_loops "$(<"$job/started")" "$(<"$job/ended")"; fi
     exit "$rc"
+}
+
+# report_loops FROM TO: print the fault marker if KVM in L1 looped on guest instructions between
+# these L1 uptimes (seconds; the job's start and end). Uses $share.
+report_loops() {
+    [[ -s $share/kvm-loops && -n $1 ]] || return 0
+    local loops
+    loops=$(awk -v a="$1" -v b="${2:-1e12}" '$1 >= a && $1 <= b + 2' "$share/kvm-loops")
+    [[ -n $loops ]] || return 0
+    echo "krunbox-nested-emulation-fault: while this ran, KVM in L1 looped on guest instructions (L1 uptime, page faults and emulations per 2 s):" >&2
+    head -n 5 <<<"$loops" >&2
 }
 
 usage() {

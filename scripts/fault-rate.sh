@@ -52,7 +52,7 @@ for ((i = 1; i <= runs; i++)); do
         verdict=l1-died died=$((died + 1))
     elif grep -q 'KVM_EXIT_SHUTDOWN' <<<"$out"; then
         verdict=triple-fault triple=$((triple + 1))
-    elif grep -qiE 'GuestHung|hung|krunbox-nested-emulation-fault' <<<"$out"; then
+    elif grep -qiE 'GuestHung|liveness ping|krunbox-nested-emulation-fault' <<<"$out"; then
         # Declared hung by the library's liveness check, or KVM in L1 seen looping meanwhile.
         verdict=wedged wedged=$((wedged + 1))
     elif ((rc == 124 || rc == 143)); then

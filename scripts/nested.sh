@@ -69,10 +69,13 @@ declare -A MODULE_PARAMS=(
 )
 
 # L1's kernel command line. Its console (ttyS0) goes to a log file, never to
-# the terminal. TCG makes all vCPUs read one host clock, so the TSC can be
-# trusted: that skips a slow sync check and gives a vDSO clock (HPET reads
-# would trap); lpj= skips the second vCPU's slow delay-loop calibration.
-KERNEL_CMDLINE="console=ttyS0 quiet loglevel=3 panic=-1 mitigations=off tsc=reliable lpj=10000000"
+# the terminal. oops=panic with panic=-1: an oops in L1 (the emulation's
+# faults cause some: docs/testing.md) ends L1 at once instead of leaving a
+# half-dead kernel that panics minutes later. TCG makes all vCPUs read one
+# host clock, so the TSC can be trusted: that skips a slow sync check and
+# gives a vDSO clock (HPET reads would trap); lpj= skips the second vCPU's
+# slow delay-loop calibration.
+KERNEL_CMDLINE="console=ttyS0 quiet loglevel=3 panic=-1 oops=panic mitigations=off tsc=reliable lpj=10000000"
 
 # The environment CMD gets, besides HOME and --env: these names or prefixes.
 PASS_ENV='^(PATH|USER|LOGNAME|LANG|LC_[A-Z_]+|TZ|TERM|COLORTERM|NO_COLOR|CI|LD_LIBRARY_PATH|KRUNBOX_[A-Za-z0-9_]*|NEXTEST_[A-Za-z0-9_]*|CARGO_[A-Za-z0-9_]*|RUST_[A-Za-z0-9_]*|RUSTUP_[A-Za-z0-9_]*|RUSTC|RUSTC_[A-Za-z0-9_]*|RUSTFLAGS|RUSTDOCFLAGS)$'
@@ -140,18 +143,27 @@ if [ -e $s/serve ]; then
         echo $rc >$d/status.new && mv $d/status.new $d/status
     }
     # KVM looping on one guest instruction shows as tens of thousands of
-    # injected page faults and emulated instructions a second: log each 2 s
-    # interval where both pass 2000, with L1's uptime, for `exec` to match
-    # against a failed job's run time.
+    # injected page faults and emulated instructions a second. Per VM (KVM's
+    # debugfs has a directory PID-FD for each), log each 2 s interval where
+    # both pass 2000, with L1's uptime and the session of the VMM process:
+    # each job is a session of its own, so `exec` blames only the job whose
+    # microVM looped, not another test running beside it.
     watch_kvm() {
         k=$r/sys/kernel/debug/kvm
-        read -r pf <$k/pf_guest && read -r em <$k/insn_emulation || return
+        [ -d $k ] || return
+        mkdir -p /kvm-prev
         while sleep 2; do
-            read -r pf1 <$k/pf_guest && read -r em1 <$k/insn_emulation || return
-            if [ $((pf1 - pf)) -gt 2000 ] && [ $((em1 - em)) -gt 2000 ]; then
-                echo "$(cut -d' ' -f1 /proc/uptime) $((pf1 - pf)) $((em1 - em))" >>$s/kvm-loops
-            fi
-            pf=$pf1 em=$em1
+            for d in $k/*-*; do
+                [ -r "$d/pf_guest" ] || continue
+                vm=${d##*/}
+                read -r pf <"$d/pf_guest" && read -r em <"$d/insn_emulation" || continue
+                if read -r pf0 em0 <"/kvm-prev/$vm" 2>/dev/null &&
+                    [ $((pf - pf0)) -gt 2000 ] && [ $((em - em0)) -gt 2000 ]; then
+                    sid=$(cut -d' ' -f6 "/proc/${vm%-*}/stat" 2>/dev/null)
+                    echo "$(cut -d' ' -f1 /proc/uptime) ${sid:-?} $((pf - pf0)) $((em - em0))" >>$s/kvm-loops
+                fi
+                echo "$pf $em" >"/kvm-prev/$vm"
+            done
         done
     }
     watch_kvm &
@@ -273,7 +285,7 @@ prepare() {
     # The L1 kernel: the package bookworm's linux-image-amd64 points at.
     local kdir=
     if [[ ${1:-} == cached ]]; then
-        kdir=$(compgen -G "$NESTED_DIR/linux-image-*/kernel.deb" | head -n1)
+        kdir=$(compgen -G "$NESTED_DIR/linux-image-*/kernel.deb" | head -n1 || true)
         kdir=${kdir%/kernel.deb}
     fi
     if [[ -z $kdir && $L1_KERNEL == backports ]]; then
@@ -594,7 +606,7 @@ serve() {
     qpid=
     # shellcheck disable=SC2317 # called from the trap
     serve_stop() {
-        if [[ -n $qpid ]]; then kill "$qpid" 2>/dev/null; wait "$qpid" 2>/dev/null; fi
+        if [[ -n $qpid ]]; then kill "$qpid" 2>/dev/null || true; wait "$qpid" 2>/dev/null || true; fi
         exit 0
     }
     trap serve_stop TERM INT HUP
@@ -618,18 +630,19 @@ serve() {
             printf -v now '%(%s)T' -1
             if ((now - beat > stale)); then
                 reason="no heartbeat from L1 for $((now - beat)) s: killed it"
-                kill -KILL "$qpid" 2>/dev/null
+                kill -KILL "$qpid" 2>/dev/null || true
                 break
             fi
         done
-        wait "$qpid"
-        local rc=$?
+        # (set -e: a QEMU killed or crashed must not end this loop.)
+        local rc=0
+        wait "$qpid" || rc=$?
         qpid=
         if [[ -z $reason ]]; then
             reason="QEMU exited with status $rc"
             # The L1 kernel's own last words, if it panicked.
             local last
-            last=$(grep -aE 'Kernel panic|BUG:|general protection|Oops' "$share/console.log" | head -n 2 | tr '\n' ' ')
+            last=$(grep -aE 'Kernel panic|BUG:|general protection|Oops' "$share/console.log" | head -n 2 | tr '\n' ' ' || true)
             [[ -z $last ]] || reason+=": $last"
         fi
         echo "$reason" >"$share/dead"
@@ -669,14 +682,13 @@ exec_job() {
             waited=$((waited + 1))
             sleep 0.2
         done
-        mkdir "$share/new-$id"
-        write_cmd "$share/new-$id/cmd.sh" "$PWD" -- "$@"
-        mv "$share/new-$id" "$share/queue/$id"
         job=$share/jobs/$id
         # On SIGTERM (nextest's timeout, Ctrl-C): kill the job, show its output.
         # shellcheck disable=SC2317 # called from the trap
         cancel() {
+            rm -rf "$share/new-$id"
             if [[ -d $share/queue/$id ]] && rm -rf "$share/queue/$id" 2>/dev/null && [[ ! -e $job ]]; then exit 143; fi
+            [[ -e $job ]] || exit 143
             touch "$share/cancel/$id"
             local i
             for i in $(seq 50); do [[ -e $job/status || -e $share/dead ]] && break; sleep 0.1; done
@@ -687,8 +699,11 @@ exec_job() {
             exit 143
         }
         trap cancel TERM INT HUP
+        mkdir "$share/new-$id"
+        write_cmd "$share/new-$id/cmd.sh" "$PWD" -- "$@"
+        mv "$share/new-$id" "$share/queue/$id"
         while [[ ! -e $job/status ]]; do
-            if ! kill -0 "$supervisor" 2>/dev/null; then
+            if [[ -n $supervisor ]] && ! kill -0 "$supervisor" 2>/dev/null; then
                 echo "error: nested.sh exec: the pool's supervisor (nested.sh serve) is gone" >&2
                 exit 125
             fi
@@ -699,10 +714,15 @@ exec_job() {
                     rm -rf "$share/queue/$id"
                     continue 2
                 fi
+                if [[ " $* " == *" --list "* ]]; then
+                    # nextest listing a binary's tests: harmless to repeat, and a failure
+                    # there would end the whole run.
+                    continue 2
+                fi
                 cat "$job/out" 2>/dev/null
                 cat "$job/err" >&2 2>/dev/null
                 echo "krunbox-nested-l1-died: the nested L1 ($gen) died while this ran: $(cat "$share/dead")" >&2
-                grep -aE 'Kernel panic|BUG:|RIP:|Call Trace' "$share/console.log" 2>/dev/null | head -n 8 >&2
+                grep -aE 'Kernel panic|BUG:|RIP:|Call Trace' "$share/console.log" 2>/dev/null | head -n 8 >&2 || true
                 exit 125
             fi
             sleep 0.2
@@ -718,14 +738,16 @@ exec_job() {
     exit "$rc"
 }
 
-# report_loops FROM TO: print the fault marker if KVM in L1 looped on guest instructions between
-# these L1 uptimes (seconds; the job's start and end). Uses $share.
+# report_loops FROM TO: print the fault marker if KVM in L1 looped on the instructions of one
+# of this job's microVMs between these L1 uptimes (seconds; the job's start and end). Uses
+# $share and $job.
 report_loops() {
-    [[ -s $share/kvm-loops && -n $1 ]] || return 0
+    [[ -s $share/kvm-loops && -n $1 && -s $job/pgid ]] || return 0
     local loops
-    loops=$(awk -v a="$1" -v b="${2:-1e12}" '$1 >= a && $1 <= b + 2' "$share/kvm-loops")
+    loops=$(awk -v a="$1" -v b="${2:-1e12}" -v sid="$(<"$job/pgid")" \
+        '$1 >= a && $1 <= b + 2 && $2 == sid' "$share/kvm-loops")
     [[ -n $loops ]] || return 0
-    echo "krunbox-nested-emulation-fault: while this ran, KVM in L1 looped on guest instructions (L1 uptime, page faults and emulations per 2 s):" >&2
+    echo "krunbox-nested-emulation-fault: while this ran, KVM in L1 looped on the instructions of its microVM (L1 uptime, session, page faults and emulations per 2 s):" >&2
     head -n 5 <<<"$loops" >&2
 }
 

@@ -20,10 +20,11 @@
 #       until SIGTERM. When L1 dies (its kernel panics, QEMU exits) or stops
 #       answering, a fresh L1 boots at once: POOL/gen-N is the Nth L1's
 #       directory, POOL/current the live one, POOL/deaths one line per death.
-#   KRUNBOX_NESTED_POOL=POOL scripts/nested.sh exec [--] CMD [ARG]...
+#   KRUNBOX_NESTED_POOL=POOL[:POOL]... scripts/nested.sh exec [--] CMD [ARG]...
 #       Run CMD in the pool's live L1 (at our cwd, with our environment as for
 #       `run`) and exit with its status; its stdout and stderr are printed
-#       when it ends. This is cargo-nextest's target runner for the VM tests:
+#       when it ends. Given several pools, runs CMD in the first one that
+#       runs no other `exec`'s job, waiting while all do. This is cargo-nextest's target runner for the VM tests:
 #       one test, one process, one job. If L1 dies while CMD runs, prints the
 #       fault marker `krunbox-nested-l1-died` and exits 125; if KVM in L1 was
 #       looping on one guest instruction while CMD ran and CMD failed, prints
@@ -38,7 +39,8 @@
 #
 # QEMU's CPU and threading are knobs for measuring the emulation's faults
 # (docs/testing.md): KRUNBOX_NESTED_ACCEL (default tcg,thread=multi),
-# KRUNBOX_NESTED_SMP (2), KRUNBOX_NESTED_CPU (max,+svm), and L1's kernel:
+# KRUNBOX_NESTED_SMP (1: with 2 vCPUs, L1 faulted far more often),
+# KRUNBOX_NESTED_CPU (max,+svm), and L1's kernel:
 # KRUNBOX_NESTED_L1_KERNEL=bookworm (default) or backports.
 #
 # Exit status of `run`: CMD's, or 124 on timeout (KRUNBOX_NESTED_TIMEOUT
@@ -473,7 +475,7 @@ qemu_command() {
     # shellcheck disable=SC2054 # commas inside QEMU's option values
     QEMU=(
         qemu-system-x86_64 -nodefaults -no-user-config -nographic -no-reboot
-        -accel "${KRUNBOX_NESTED_ACCEL:-tcg,thread=multi}" -smp "${KRUNBOX_NESTED_SMP:-2}"
+        -accel "${KRUNBOX_NESTED_ACCEL:-tcg,thread=multi}" -smp "${KRUNBOX_NESTED_SMP:-1}"
         -cpu "${KRUNBOX_NESTED_CPU:-max,+svm}" -m "$2"
         -kernel "$KERNEL" -initrd "$INITRD" -append "$KERNEL_CMDLINE"
         -serial "file:$3" -serial "file:$4" -serial "file:$5"
@@ -661,9 +663,26 @@ serve() {
 
 # exec [--] CMD [ARG]...: run CMD in the live L1 of $KRUNBOX_NESTED_POOL.
 exec_job() {
-    local pool=${KRUNBOX_NESTED_POOL:?KRUNBOX_NESTED_POOL names the pool of a running nested.sh serve}
+    local -a pools=()
+    IFS=: read -ra pools <<<"${KRUNBOX_NESTED_POOL:?KRUNBOX_NESTED_POOL names the pool of a running nested.sh serve}"
+    local pool=${pools[0]}
     [[ ${1:-} == -- ]] && shift
     (($#)) || usage
+    if ((${#pools[@]} > 1)); then
+        # Several pools (one L1 each): one job at a time per L1. Take the first free one and
+        # hold it (a lock that goes with this process), waiting while all are busy.
+        local p free=0 busy
+        while :; do
+            for p in "${pools[@]}"; do
+                mkdir -p "$p"
+                exec {busy}>>"$p/.busy"
+                if flock -n "$busy"; then pool=$p free=1; break; fi
+                exec {busy}>&-
+            done
+            ((free == 0)) || break
+            sleep 0.2
+        done
+    fi
     local id share gen job waited=0 supervisor=
     id=$(date +%s%N)-$$
     while :; do

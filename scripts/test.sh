@@ -53,19 +53,26 @@ for line in sys.stdin:
 
 # Where VMs boot: natively, or in the nested L1 that `nested.sh serve` keeps alive (a fresh one
 # replaces one that dies) with `nested.sh exec` as the target runner of every test process.
-runner=()
+# Two L1s of one vCPU each, one test at a time in each: measured, an L1 with two vCPUs faulted
+# in about one stream in three, one with a single vCPU in none (docs/testing.md); two of them
+# keep both host cores busy.
+runner=() pools=() serve_pids=()
 if [[ $where == nested ]]; then
     pool=$target/nested-pool
     rm -rf "$pool"
-    "$here/nested.sh" serve "$pool" --keep "$target" &
-    serve_pid=$!
+    for i in $(seq "${KRUNBOX_NESTED_L1S:-2}"); do
+        "$here/nested.sh" serve "$pool/l1-$i" --mem 4096 --keep "$target" &
+        serve_pids+=($!)
+        pools+=("$pool/l1-$i")
+    done
     # cargo splits a runner's command line at spaces: a path without any calls ours.
     shim=$(mktemp -d /tmp/krunbox-runner.XXXXXX)
     printf '#!/bin/sh\nexec %q exec -- "$@"\n' "$here/nested.sh" >"$shim/runner"
     chmod +x "$shim/runner"
-    # shellcheck disable=SC2064 # expand now: the pid is ours, and only ours is ended
-    trap "kill $serve_pid 2>/dev/null; wait $serve_pid 2>/dev/null; rm -rf '$shim'" EXIT
-    export KRUNBOX_NESTED_POOL=$pool
+    # shellcheck disable=SC2064 # expand now: the pids are ours, and only ours are ended
+    trap "kill ${serve_pids[*]} 2>/dev/null; wait ${serve_pids[*]} 2>/dev/null; rm -rf '$shim'" EXIT
+    KRUNBOX_NESTED_POOL=$(IFS=:; echo "${pools[*]}")
+    export KRUNBOX_NESTED_POOL
     export CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER=$shim/runner
     runner=("$shim/runner")
 fi
@@ -90,7 +97,7 @@ for attempt in 1 2 3; do
     log "VM tests$( ((attempt > 1)) && echo " (attempt $attempt, faulted tests only)") $([[ $where == native ]] && echo natively || echo 'in the nested L1')"
     rm -f "$junit"
     cargo nextest run -p krunbox --tests --profile vm --no-fail-fast --run-ignored all \
-        -E "$vm_tests${filter:+ & ($filter)}" || true
+        ${pools[0]:+--test-threads ${#pools[@]}} -E "$vm_tests${filter:+ & ($filter)}" || true
     [[ -s $junit ]] || die "nextest wrote no JUnit report: the VM tests did not run"
     cases=$("$here/junit-results.py" "$junit" "$fault_signature") || die "cannot read $junit"
     if ((attempt == 1)); then
@@ -138,9 +145,11 @@ ok=$( ((failed || skipped || passed == 0)) && echo 0 || echo 1)
 echo
 echo "VM-booting tests (each in its own process, with its own microVM; benches count once):"
 for key in "${retried[@]}"; do echo "run again after a fault of the nested hypervisor: $key"; done
-if [[ -s ${pool:-/nonexistent}/deaths ]]; then
-    echo "nested L1 deaths (each replaced by a fresh L1):"
-    cat "$pool/deaths"
-fi
+for p in "${pools[@]}"; do
+    if [[ -s $p/deaths ]]; then
+        echo "nested L1 deaths in ${p##*/} (each replaced by a fresh L1):"
+        cat "$p/deaths"
+    fi
+done
 echo "vm-suite: $passed passed, $failed failed, $skipped skipped"
 ((ok))

@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 use crate::protocol::fs::FsReply;
 use crate::protocol::{
     ExecFailed, Exited, FrameDecoder, GuestMessage, Hello, HostMessage, Ping, ProtocolError, Setup,
-    Stream, OUTPUT_WINDOW, PROTOCOL_VERSION,
+    Stream, OUTPUT_WINDOW, PROTOCOL_VERSION, STDIN_WINDOW,
 };
 
 /// Host-to-guest messages gathered into one write, at most (about) this many bytes.
@@ -414,9 +414,23 @@ impl Control {
             GuestMessage::StdinCredit(credit) => {
                 // A process that already ended may still have credit in flight.
                 if let Some(slot) = state.procs.get(&credit.id) {
-                    let room = Semaphore::MAX_PERMITS - slot.stdin_credit.available_permits();
-                    slot.stdin_credit
-                        .add_permits((credit.bytes as usize).min(room));
+                    // A permit leaves the semaphore before its byte is sent, so the bytes the
+                    // guest may still credit are at most the window minus the permits left.
+                    // Credit beyond that would let the host queue more stdin than the window
+                    // (docs/architecture.md, flow control): a forged message.
+                    let window = STDIN_WINDOW as usize;
+                    let outstanding = window.saturating_sub(slot.stdin_credit.available_permits());
+                    if credit.bytes as usize > outstanding {
+                        return Err(ProtocolError::OutOfBounds {
+                            field: "stdin flow control",
+                            detail: format!(
+                                "the guest credited {} stdin bytes, but only {outstanding} were \
+                                 outstanding",
+                                credit.bytes
+                            ),
+                        });
+                    }
+                    slot.stdin_credit.add_permits(credit.bytes as usize);
                 }
             }
             // Its arrival is what counts (see `Liveness`); a seq we never sent is harmless.
@@ -676,6 +690,57 @@ mod tests {
             pings,
             guest,
         }
+    }
+
+    /// Stdin credit may return only bytes the host sent: the real amount is accepted, one byte
+    /// more is a protocol violation that stops the instance.
+    #[tokio::test(start_paused = true)]
+    async fn stdin_credit_beyond_what_was_sent_is_a_violation() {
+        let s = setup();
+        let process = s.control.register(1).unwrap();
+        let window = STDIN_WINDOW as usize;
+        // As ChildStdin does: take permits for 1000 bytes, then "send" them.
+        process
+            .stdin_credit
+            .acquire_many(1000)
+            .await
+            .unwrap()
+            .forget();
+        let credit = |bytes: u32| {
+            GuestMessage::StdinCredit(crate::protocol::Credit {
+                id: 1,
+                stream: Stream::Stdout,
+                bytes,
+            })
+            .encode()
+            .unwrap()
+        };
+        s.writer
+            .lock()
+            .await
+            .write_all(&credit(1000))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(s.control.violation.lock().unwrap().is_none());
+        assert_eq!(process.stdin_credit.available_permits(), window);
+
+        s.writer.lock().await.write_all(&credit(1)).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let violation = s.control.violation.lock().unwrap().take();
+        assert!(
+            matches!(
+                violation,
+                Some(ProtocolError::OutOfBounds {
+                    field: "stdin flow control",
+                    ..
+                })
+            ),
+            "{violation:?}"
+        );
+        // Host memory stayed bounded: the window never grew.
+        assert_eq!(process.stdin_credit.available_permits(), window);
+        s.guest.abort();
     }
 
     #[test]

@@ -544,6 +544,13 @@ impl GuestMessage {
             }
             GuestMessage::SetupFailed(m) => text("failure message", &m.message),
             GuestMessage::ExecFailed(m) => text("exec failure message", &m.message),
+            // An empty chunk costs nothing against the output window but is still one item
+            // the host queues: unbounded memory for a forged stream of them. guest-init never
+            // sends one (a read of 0 bytes is the end of the stream).
+            GuestMessage::Output(m) if m.data.is_empty() => Err(ProtocolError::Malformed {
+                message: "Output",
+                reason: "an empty output chunk".into(),
+            }),
             GuestMessage::Output(m) => bound("output chunk", m.data.len(), MAX_CHUNK),
             GuestMessage::FsReply(m) => m.validate(),
             GuestMessage::Ready
@@ -757,6 +764,48 @@ mod tests {
             GuestMessage::decode(&exec_frame),
             Err(ProtocolError::UnknownKind { .. })
         ));
+    }
+
+    #[test]
+    fn an_empty_output_chunk_is_refused_both_ways() {
+        let empty = GuestMessage::Output(Output {
+            id: 1,
+            stream: Stream::Stdout,
+            data: ByteBuf::new(),
+        });
+        assert!(matches!(
+            empty.encode(),
+            Err(ProtocolError::Malformed {
+                message: "Output",
+                ..
+            })
+        ));
+        // Forged on the wire, as a hostile guest would: the host refuses to decode it.
+        let body = postcard::to_allocvec(&Output {
+            id: 1,
+            stream: Stream::Stdout,
+            data: ByteBuf::new(),
+        })
+        .unwrap();
+        let frame = Frame {
+            kind: kind::OUTPUT,
+            body,
+        };
+        assert!(matches!(
+            GuestMessage::decode(&frame),
+            Err(ProtocolError::Malformed {
+                message: "Output",
+                ..
+            })
+        ));
+        // One byte is a chunk like any other.
+        let one = GuestMessage::Output(Output {
+            id: 1,
+            stream: Stream::Stdout,
+            data: ByteBuf::from(vec![7]),
+        });
+        let frame = one.to_frame().unwrap();
+        assert_eq!(GuestMessage::decode(&frame).unwrap(), one);
     }
 
     #[test]

@@ -263,10 +263,39 @@ async fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let status = child.wait().await?;
     drop(raw);
     vm.shutdown().await?;
-    let code = match (status.code(), status.signal()) {
-        (Some(code), _) => code,
-        (None, Some(sig)) => 128 + sig,
-        (None, None) => KRUNBOX_FAILED as i32,
-    };
-    Ok(ExitCode::from(code.clamp(0, 255) as u8))
+    Ok(ExitCode::from(exit_code(status.code(), status.signal())))
+}
+
+/// The CLI's exit code for a command that exited with `code` or was killed by `signal`, as a
+/// shell reports it (128+N for signal N). Both numbers come from the guest, which may forge
+/// them: a number no real process can have becomes 255, never a panic and never a success.
+fn exit_code(code: Option<i32>, signal: Option<i32>) -> u8 {
+    match (code, signal) {
+        (Some(code), _) => u8::try_from(code).unwrap_or(u8::MAX),
+        (None, Some(signal)) if (1..=127).contains(&signal) => 128 + signal as u8,
+        (None, Some(_)) => u8::MAX,
+        (None, None) => KRUNBOX_FAILED,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::exit_code;
+
+    #[test]
+    fn exit_codes_follow_the_shell_and_forged_numbers_are_failures() {
+        assert_eq!(exit_code(Some(0), None), 0);
+        assert_eq!(exit_code(Some(3), None), 3);
+        assert_eq!(exit_code(Some(255), None), 255);
+        assert_eq!(exit_code(None, Some(9)), 137);
+        assert_eq!(exit_code(None, Some(15)), 143);
+        assert_eq!(exit_code(None, None), super::KRUNBOX_FAILED);
+        // What a hostile guest-init could send: no panic, no success.
+        for code in [-1, 256, i32::MIN, i32::MAX] {
+            assert_eq!(exit_code(Some(code), None), 255, "code {code}");
+        }
+        for signal in [0, -9, 128, i32::MAX, i32::MIN] {
+            assert_eq!(exit_code(None, Some(signal)), 255, "signal {signal}");
+        }
+    }
 }

@@ -395,13 +395,18 @@ impl Command {
     /// # Ok(()) }
     /// ```
     pub async fn output(&mut self) -> Result<Output> {
+        let limit = self.output_limit.unwrap_or(usize::MAX);
+        self.run_collecting(limit).await
+    }
+
+    /// Runs the command to completion, keeping at most `limit` bytes of each output stream.
+    async fn run_collecting(&mut self, limit: usize) -> Result<Output> {
         let cancel = self.cancel.clone().unwrap_or_default();
         // Dropping this future drops the child, which kills its process group.
         let mut child = tokio::select! {
             child = self.spawn() => child?,
             _ = cancel.cancelled() => return Err(Error::Cancelled),
         };
-        let limit = self.output_limit.unwrap_or(usize::MAX);
         let stdout = child.stdout.take().expect("fresh child has stdout");
         let stderr = child.stderr.take();
         let collect = async {
@@ -435,9 +440,17 @@ impl Command {
         }
     }
 
-    /// Runs the command to completion, discarding its output.
+    /// Runs the command to completion, discarding its output (read and dropped as it comes,
+    /// so a command that writes without end costs no host memory).
+    ///
+    /// ```no_run
+    /// # async fn demo(vm: &krunbox::Instance) -> krunbox::Result<()> {
+    /// let status = vm.command("sh").args(["-c", "yes | head -c 100000000; exit 2"]).status().await?;
+    /// assert_eq!(status.code(), Some(2));
+    /// # Ok(()) }
+    /// ```
     pub async fn status(&mut self) -> Result<ExitStatus> {
-        Ok(self.output().await?.status)
+        Ok(self.run_collecting(0).await?.status)
     }
 }
 

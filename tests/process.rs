@@ -443,6 +443,42 @@ fn output_limits_truncate_and_say_so() {
     });
 }
 
+/// The peak resident memory of this test process, in bytes (`VmHWM`).
+fn peak_rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .expect("VmHWM in /proc/self/status");
+    kib << 10
+}
+
+#[test]
+fn status_discards_output_as_it_comes() {
+    common::run(async {
+        let vm = vm().await;
+        // 16 MiB: twice the bound below, so keeping it (as `status()` once did, through
+        // `output()`) raises this process's peak memory past the bound; each test is its own
+        // process (nextest), so nothing else here allocates meanwhile.
+        let before = peak_rss_bytes();
+        let status = vm
+            .command("sh")
+            .args(["-c", "head -c 16777216 /dev/zero; exit 3"])
+            .status()
+            .await
+            .unwrap();
+        assert_eq!(status.code(), Some(3));
+        let growth = peak_rss_bytes().saturating_sub(before);
+        assert!(
+            growth < 8 << 20,
+            "peak memory grew by {} KiB while status() discarded 16 MiB of output",
+            growth >> 10
+        );
+    });
+}
+
 #[test]
 fn a_dropped_reader_does_not_stall_the_process() {
     common::run(async {

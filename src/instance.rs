@@ -99,25 +99,6 @@ fn tail(dir: &Path) -> String {
     vmm::log_tail(&[&dir.join("console.log"), &dir.join("vmm.log")], 25)
 }
 
-/// The guest's initial root: guest-init as `/init.krun` (the name the libkrun kernel command
-/// line asks for) and the mount points guest-init uses before it switches to the image. It holds
-/// a private copy of guest-init, so the guest never sees any other host file.
-fn prepare_boot_dir(instance_dir: &Path, guest_init: &Path) -> Result<PathBuf> {
-    let boot = instance_dir.join("boot");
-    for dir in ["", "dev", "proc", "sys", "newroot"] {
-        std::fs::create_dir_all(boot.join(dir))
-            .map_err(Error::io(format!("creating {}", boot.join(dir).display())))?;
-    }
-    let init = boot.join("init.krun");
-    std::fs::copy(guest_init, &init).map_err(Error::io(format!(
-        "copying {} into the boot directory",
-        guest_init.display()
-    )))?;
-    std::fs::set_permissions(&init, std::os::unix::fs::PermissionsExt::from_mode(0o555))
-        .map_err(Error::io("making init.krun executable"))?;
-    Ok(boot)
-}
-
 pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     let cache_dir = config.cache_dir.clone();
     let rootfs_def = config.rootfs.clone();
@@ -147,12 +128,17 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         cpus: config.cpus,
         memory_mib: config.memory_mib,
         root_fstype: image.fstype.clone(),
-        boot_dir: prepare_boot_dir(dir.path(), &config.artifacts.guest_init)?,
         control_socket: socket.clone(),
         console_log: dir.path().join("console.log"),
         kernel: config.kernel.clone(),
         log_level: config.vmm_log_level,
     };
+    // guest-init reaches the guest as bytes the helper serves from memory, never as a host path.
+    let guest_init =
+        std::fs::File::open(&config.artifacts.guest_init).map_err(Error::io(format!(
+            "opening guest-init {}",
+            config.artifacts.guest_init.display()
+        )))?;
     let config_path = dir.path().join("vmm.json");
     std::fs::write(
         &config_path,
@@ -184,6 +170,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             &config.artifacts.libkrunfw_dir,
             &config_path,
             &image.file,
+            &guest_init,
             &lifeline_read,
             log,
         )?;

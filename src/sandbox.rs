@@ -345,8 +345,8 @@ impl KernelFormat {
 /// `init=/init.krun`, which is exactly what libkrun passes when no command line is given. A
 /// command line given to `krun_set_kernel` replaces that part (libkrun still appends its own
 /// settings after it), so with extra arguments it must carry these too. Each one, and why:
-/// `console=hvc0` (the console log), `rootfstype=virtiofs rw` (the boot directory that holds
-/// guest-init is the initial root), `init=/init.krun` (guest-init's name there), `reboot=k
+/// `console=hvc0` (the console log), `rootfstype=virtiofs rw` (the host-less virtio-fs device that
+/// holds guest-init is the initial root), `init=/init.krun` (guest-init's name there), `reboot=k
 /// panic=-1 panic_print=0` (a panic stops the VM at once, which the library reports),
 /// `nomodule` (no module loading: everything the guest needs is built in), `quiet`,
 /// `no-kvmapf` (no async page faults: libkrun's vCPUs do not handle them).

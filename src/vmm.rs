@@ -25,6 +25,17 @@ pub const ROOT_IMAGE_FD: i32 = 3;
 /// that happened to spawn the helper.
 pub const LIFELINE_FD: i32 = 4;
 
+/// The file descriptor guest-init's binary is passed on. The helper reads it into memory and
+/// serves it as the guest's `/init.krun` from a virtio-fs device that has no host directory
+/// behind it (see [`configure`]).
+pub const GUEST_INIT_FD: i32 = 5;
+
+/// The largest guest-init binary the helper accepts (it is about 1 MiB).
+const GUEST_INIT_MAX_BYTES: u64 = 64 << 20;
+
+/// Mount points guest-init uses on its first root before it switches to the image.
+const BOOT_DIRS: [&str; 4] = ["dev", "proc", "sys", "newroot"];
+
 /// The helper's exit code when its lifeline broke (the instance or the library process went).
 pub const LIFELINE_EXIT_CODE: i32 = 70;
 
@@ -38,9 +49,6 @@ pub struct VmmConfig {
     pub memory_mib: u32,
     /// Filesystem type of the root image (on fd [`ROOT_IMAGE_FD`]).
     pub root_fstype: String,
-    /// The directory served read-only as the guest's initial root: guest-init as `init.krun`
-    /// plus empty mount points (see `instance::prepare_boot_dir`).
-    pub boot_dir: PathBuf,
     /// Host unix socket bridged to guest vsock port [`CONTROL_PORT`].
     pub control_socket: PathBuf,
     /// Where the guest console goes.
@@ -82,7 +90,14 @@ pub fn helper_main() -> i32 {
         }
     };
     watch_lifeline();
-    match configure(&config) {
+    let guest_init = match read_guest_init() {
+        Ok(bytes) => bytes,
+        Err(e) => {
+            eprintln!("krunbox-vmm: cannot read guest-init from fd {GUEST_INIT_FD}: {e}");
+            return 2;
+        }
+    };
+    match configure(&config, guest_init) {
         Ok(ctx) => {
             let err = ctx.start_enter();
             eprintln!("krunbox-vmm: the VM did not start: {err}");
@@ -113,7 +128,30 @@ fn watch_lifeline() {
     });
 }
 
-fn configure(config: &VmmConfig) -> std::result::Result<krun_sys::Context, String> {
+/// guest-init's bytes, from the descriptor the library passed. Leaked: libkrun serves them for
+/// the life of the VM, which is the life of this process.
+fn read_guest_init() -> std::io::Result<&'static [u8]> {
+    use std::io::Read;
+    use std::os::fd::FromRawFd;
+    // SAFETY: the library hands this process fd GUEST_INIT_FD open on guest-init; nothing else
+    // in the helper owns it.
+    let file = unsafe { std::fs::File::from_raw_fd(GUEST_INIT_FD) };
+    let mut bytes = Vec::new();
+    file.take(GUEST_INIT_MAX_BYTES + 1)
+        .read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > GUEST_INIT_MAX_BYTES || bytes.is_empty() {
+        return Err(std::io::Error::other(format!(
+            "{} bytes: not a guest-init binary",
+            bytes.len()
+        )));
+    }
+    Ok(Vec::leak(bytes))
+}
+
+fn configure(
+    config: &VmmConfig,
+    guest_init: &'static [u8],
+) -> std::result::Result<krun_sys::Context, String> {
     use krun_sys::{Context, LogLevel, ROOT_FS_TAG};
     let level = match config.log_level {
         0 => LogLevel::Off,
@@ -134,9 +172,16 @@ fn configure(config: &VmmConfig) -> std::result::Result<krun_sys::Context, Strin
     // The image arrives as an inherited, already-verified descriptor: open it by that fd so a
     // path swap after verification cannot substitute another file.
     let image = PathBuf::from(format!("/proc/self/fd/{ROOT_IMAGE_FD}"));
-    // Read-only: nothing in the guest can write to the host through the boot directory, and
-    // guest-init detaches it once it has switched to the image.
-    step(ctx.add_virtiofs(ROOT_FS_TAG, &config.boot_dir, true))?;
+    // The guest's first root holds guest-init and its mount points and nothing else: a
+    // virtio-fs device with no host directory behind it, served from this process's memory.
+    // libkrun's passthrough server does not jail itself (a hostile guest kernel could look up
+    // `..` past a shared directory), so no host directory is shared at all. guest-init detaches
+    // it once it has switched to the image.
+    step(ctx.add_virtual_fs(ROOT_FS_TAG, true))?;
+    for dir in BOOT_DIRS {
+        step(ctx.add_virtual_dir(ROOT_FS_TAG, dir, 0o755))?;
+    }
+    step(ctx.add_virtual_file(ROOT_FS_TAG, "init.krun", guest_init, 0o555))?;
     step(ctx.add_disk("root", &image, true))?;
     step(ctx.disable_implicit_init())?;
     // No TSI: the guest gets no network through the vsock device, only our port.
@@ -149,16 +194,19 @@ fn configure(config: &VmmConfig) -> std::result::Result<krun_sys::Context, Strin
 }
 
 /// Starts the helper for one VM. The root image descriptor becomes the helper's fd
-/// [`ROOT_IMAGE_FD`], the lifeline's read end fd [`LIFELINE_FD`].
+/// [`ROOT_IMAGE_FD`], the lifeline's read end fd [`LIFELINE_FD`], guest-init fd
+/// [`GUEST_INIT_FD`].
 pub(crate) fn spawn(
     helper: &Path,
     libkrunfw_dir: &Path,
     config_path: &Path,
     root_image: &std::fs::File,
+    guest_init: &std::fs::File,
     lifeline: &impl AsRawFd,
     log: std::fs::File,
 ) -> Result<tokio::process::Child> {
     let image_fd = root_image.as_raw_fd();
+    let init_fd = guest_init.as_raw_fd();
     let lifeline_fd = lifeline.as_raw_fd();
     let log_err = log
         .try_clone()
@@ -177,13 +225,16 @@ pub(crate) fn spawn(
     // SAFETY: only async-signal-safe calls (dup, dup2, fcntl) between fork and exec.
     unsafe {
         cmd.pre_exec(move || {
-            // Move both sources out of the way first, so neither dup2 clobbers the other.
+            // Move the sources out of the way first, so no dup2 clobbers another.
             let image = libc::fcntl(image_fd, libc::F_DUPFD_CLOEXEC, 10);
             let lifeline = libc::fcntl(lifeline_fd, libc::F_DUPFD_CLOEXEC, 10);
+            let init = libc::fcntl(init_fd, libc::F_DUPFD_CLOEXEC, 10);
             if image < 0
                 || lifeline < 0
+                || init < 0
                 || libc::dup2(image, ROOT_IMAGE_FD) < 0
                 || libc::dup2(lifeline, LIFELINE_FD) < 0
+                || libc::dup2(init, GUEST_INIT_FD) < 0
             {
                 return Err(std::io::Error::last_os_error());
             }

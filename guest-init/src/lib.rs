@@ -1,8 +1,8 @@
 //! guest-init: krunbox's first process inside the microVM.
 //!
-//! The host copies this binary into a per-instance boot directory that libkrun serves read-only
-//! over virtio-fs as the guest's first root, where it is `/init.krun` (libkrun's own init is
-//! disabled); it runs as PID 1 there, with nothing else of the host in sight. It then:
+//! The host's VMM helper serves this binary from memory as `/init.krun` on the guest's first
+//! root, a virtio-fs device with no host directory behind it (libkrun's own init is disabled);
+//! it runs as PID 1 there, with nothing of the host in sight. It then:
 //!
 //! 1. mounts `/dev`, `/proc`, `/sys`;
 //! 2. connects to the host over vsock ([`krunbox_protocol::CONTROL_PORT`]) and says hello;

@@ -15,7 +15,8 @@
 //! krun_sys::set_log_level(LogLevel::Warn).unwrap();
 //! let mut ctx = Context::new().unwrap();
 //! ctx.set_vm_config(1, 512).unwrap();
-//! ctx.add_virtiofs(krun_sys::ROOT_FS_TAG, "/run/boot-dir".as_ref(), true).unwrap();
+//! ctx.add_virtual_fs(krun_sys::ROOT_FS_TAG, true).unwrap();
+//! ctx.add_virtual_file(krun_sys::ROOT_FS_TAG, "init.krun", b"#!/bin/sh\n", 0o555).unwrap();
 //! ctx.add_disk("root", "/path/to/image.erofs".as_ref(), true).unwrap();
 //! let err = ctx.start_enter(); // only returns if the VM could not start
 //! eprintln!("{err}");
@@ -155,9 +156,68 @@ impl Context {
         .map(drop)
     }
 
-    /// Shares a host directory with the guest over virtio-fs under `tag`. With
-    /// [`ROOT_FS_TAG`] it becomes the guest's root filesystem. `read_only` makes the device
-    /// refuse every write, whatever the guest mounts it as.
+    /// Adds a virtio-fs device under `tag` that serves no host directory at all: only the
+    /// entries added with [`add_virtual_dir`](Self::add_virtual_dir) and
+    /// [`add_virtual_file`](Self::add_virtual_file), from this process's memory. With
+    /// [`ROOT_FS_TAG`] it becomes the guest's root filesystem. Every other lookup is `ENOENT`,
+    /// so nothing the guest can name on it maps to a host path.
+    pub fn add_virtual_fs(&mut self, tag: &str, read_only: bool) -> Result<(), KrunError> {
+        const CALL: &str = "krun_add_virtiofs4";
+        let tag = cstr(CALL, tag)?;
+        // SAFETY: a valid C string for the call (libkrun copies it); a NULL path asks for the
+        // host-less NullFs. shm_size 0: no DAX window. Semantics 0: libkrun's default.
+        check(CALL, unsafe {
+            krun::krun_add_virtiofs4(self.id, tag.as_ptr(), std::ptr::null(), 0, read_only, 0)
+        })
+        .map(drop)
+    }
+
+    /// Adds an empty directory `path` (relative to the share's root, parents first) to a
+    /// device from [`add_virtual_fs`](Self::add_virtual_fs).
+    pub fn add_virtual_dir(&mut self, tag: &str, path: &str, mode: u32) -> Result<(), KrunError> {
+        const CALL: &str = "krun_fs_add_overlay_dir";
+        let tag = cstr(CALL, tag)?;
+        let path = cstr(CALL, path)?;
+        // SAFETY: valid C strings for the call; libkrun copies them.
+        check(CALL, unsafe {
+            krun::krun_fs_add_overlay_dir(self.id, tag.as_ptr(), path.as_ptr(), mode)
+        })
+        .map(drop)
+    }
+
+    /// Adds a read-only file `path` with the given bytes to a device from
+    /// [`add_virtual_fs`](Self::add_virtual_fs). libkrun keeps a pointer to the bytes for the
+    /// life of the VM, hence `'static`.
+    pub fn add_virtual_file(
+        &mut self,
+        tag: &str,
+        path: &str,
+        data: &'static [u8],
+        mode: u32,
+    ) -> Result<(), KrunError> {
+        const CALL: &str = "krun_fs_add_overlay_file";
+        let tag = cstr(CALL, tag)?;
+        let path = cstr(CALL, path)?;
+        // SAFETY: valid C strings for the call (copied); `data` lives for the rest of the
+        // process, as libkrun requires. Not one-shot: the guest may open it more than once.
+        check(CALL, unsafe {
+            krun::krun_fs_add_overlay_file(
+                self.id,
+                tag.as_ptr(),
+                path.as_ptr(),
+                data.as_ptr(),
+                data.len(),
+                mode,
+                false,
+            )
+        })
+        .map(drop)
+    }
+
+    /// Shares a host directory with the guest over virtio-fs under `tag`, through libkrun's
+    /// in-process passthrough server. That server does not jail itself (a hostile guest kernel
+    /// can look up `..` past the share), so krunbox never uses it for a guest it runs; it is
+    /// here as a baseline for benchmarks. `read_only` makes the device refuse every write.
     pub fn add_virtiofs(
         &mut self,
         tag: &str,
@@ -316,11 +376,28 @@ mod tests {
     }
 
     #[test]
+    fn virtual_entries_need_their_device_and_their_parents() {
+        let mut ctx = Context::new().unwrap();
+        // No device with that tag yet.
+        let err = ctx.add_virtual_dir("work", "a", 0o755).unwrap_err();
+        assert_eq!(err.errno(), Some(libc::ENOENT), "{err}");
+        ctx.add_virtual_fs("work", true).unwrap();
+        ctx.add_virtual_dir("work", "a", 0o755).unwrap();
+        ctx.add_virtual_file("work", "a/f", b"x", 0o444).unwrap();
+        // A parent that does not exist is refused, not created.
+        assert!(ctx.add_virtual_file("work", "b/f", b"x", 0o444).is_err());
+    }
+
+    #[test]
     fn the_krunbox_configuration_is_accepted() {
-        let dir = std::env::temp_dir();
         let mut ctx = Context::new().unwrap();
         ctx.set_vm_config(2, 512).unwrap();
-        ctx.add_virtiofs(ROOT_FS_TAG, &dir, true).unwrap();
+        ctx.add_virtual_fs(ROOT_FS_TAG, true).unwrap();
+        for name in ["dev", "proc", "sys", "newroot"] {
+            ctx.add_virtual_dir(ROOT_FS_TAG, name, 0o755).unwrap();
+        }
+        ctx.add_virtual_file(ROOT_FS_TAG, "init.krun", b"init", 0o555)
+            .unwrap();
         ctx.add_disk("root", Path::new("/nonexistent.img"), true)
             .unwrap();
         ctx.disable_implicit_init().unwrap();

@@ -20,6 +20,7 @@ use tokio::sync::{mpsc, oneshot, Notify, Semaphore};
 use tokio::time::{Instant, MissedTickBehavior};
 
 use crate::error::{Error, Result};
+use crate::limits::Limits;
 use crate::protocol::fs::FsReply;
 use crate::protocol::{
     ExecFailed, Exited, FrameDecoder, GuestMessage, Hello, HostMessage, Ping, ProtocolError, Setup,
@@ -269,11 +270,18 @@ pub(crate) struct Control {
     /// Set when the reader stopped (end of stream, I/O error, violation): the connection's end
     /// is then the instance's to explain, not the liveness check's.
     reader_done: AtomicBool,
+    /// The instance's bounds.
+    pub limits: Limits,
 }
 
 impl Control {
     /// Starts the reader, writer and liveness tasks on an established (post-handshake) stream.
-    pub fn start<S>(stream: S, decoder: FrameDecoder, liveness: Liveness) -> Arc<Control>
+    pub fn start<S>(
+        stream: S,
+        decoder: FrameDecoder,
+        liveness: Liveness,
+        limits: Limits,
+    ) -> Arc<Control>
     where
         S: AsyncRead + AsyncWrite + Send + 'static,
     {
@@ -293,6 +301,7 @@ impl Control {
             hung: Arc::new(Notify::new()),
             reads,
             reader_done: AtomicBool::new(false),
+            limits,
         });
         tokio::spawn(watch_liveness(Arc::downgrade(&control), liveness));
 
@@ -506,6 +515,15 @@ impl Control {
         if let Some(reason) = &state.gone {
             return Err(reason.error());
         }
+        // A slot lives until the guest reports the process ended: a guest that never does
+        // cannot make the host track processes without bound.
+        if state.procs.len() >= self.limits.max_processes {
+            return Err(Error::TooMany {
+                what: "running processes",
+                limit: self.limits.max_processes,
+                knob: "max_processes",
+            });
+        }
         let (out_tx, stdout) = mpsc::unbounded_channel();
         let (err_tx, stderr) = mpsc::unbounded_channel();
         let (started_tx, started) = oneshot::channel();
@@ -672,7 +690,12 @@ mod tests {
 
     fn setup() -> Setup {
         let (host, guest) = tokio::io::duplex(1 << 20);
-        let control = Control::start(host, FrameDecoder::new(), Liveness::new(TIMEOUT));
+        let control = Control::start(
+            host,
+            FrameDecoder::new(),
+            Liveness::new(TIMEOUT),
+            Limits::default(),
+        );
         let (reader, writer) = tokio::io::split(guest);
         let writer = Arc::new(tokio::sync::Mutex::new(writer));
         let answer = Arc::new(AtomicBool::new(true));

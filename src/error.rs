@@ -116,6 +116,40 @@ pub enum Error {
         /// How long the guest was silent with a ping outstanding.
         silent_for: Duration,
     },
+    /// The guest did not answer one request within
+    /// [`Limits::request_timeout`](crate::Limits::request_timeout): a `spawn` waiting for its
+    /// process to start, or a file request. The guest still answers the liveness check (else
+    /// this would be [`Error::GuestHung`]), so the instance stays usable; the request itself is
+    /// abandoned (a spawned process is killed).
+    #[error("the guest did not answer {request} within {after:?}; guest-init is alive but this request is stuck (e.g. a file on a hung filesystem): retry, raise Limits::request_timeout, or boot a new instance")]
+    RequestTimeout {
+        /// Which request, e.g. `read_file "/data/x"` or `spawn "make"`.
+        request: String,
+        /// The deadline that passed.
+        after: Duration,
+    },
+    /// [`Command::output`](crate::Command::output) collected more than its cap of one stream
+    /// ([`Command::max_output`](crate::Command::max_output), default
+    /// [`DEFAULT_MAX_OUTPUT`](crate::DEFAULT_MAX_OUTPUT)). The command's process group was
+    /// killed.
+    #[error("the command's {stream} exceeded {limit} bytes (the output() cap); the command was killed: raise it with Command::max_output, keep a prefix with Command::output_limit, or stream it with spawn()")]
+    OutputLimitExceeded {
+        /// `"stdout"` or `"stderr"`.
+        stream: &'static str,
+        /// The cap, in bytes.
+        limit: usize,
+    },
+    /// A per-instance cap ([`Limits`](crate::Limits)) is reached: too many processes running
+    /// or too many file requests waiting for the guest. Nothing was sent to the guest.
+    #[error("this instance already has {limit} {what}, its cap (Limits::{knob}); wait for some to finish or raise the cap")]
+    TooMany {
+        /// What there are too many of, e.g. `"running processes"`.
+        what: &'static str,
+        /// The cap.
+        limit: usize,
+        /// The [`Limits`](crate::Limits) setting that raises it.
+        knob: &'static str,
+    },
     /// The command was cancelled through its [`CancellationToken`](tokio_util::sync::CancellationToken);
     /// its process group was killed.
     #[error("the command was cancelled; its process group was killed")]

@@ -242,7 +242,12 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     tracing::debug!(kernel = %hello.kernel_release, guest_init = %hello.guest_init, "guest ready");
 
     let vmm_pid = child.id();
-    let control = Control::start(stream, decoder, Liveness::new(config.liveness_timeout));
+    let control = Control::start(
+        stream,
+        decoder,
+        Liveness::new(config.liveness_timeout),
+        config.limits,
+    );
     let (exited_tx, exited) = watch::channel(None);
     let (kill, mut kill_rx) = watch::channel(false);
     let shutdown_requested = Arc::new(AtomicBool::new(false));

@@ -42,6 +42,7 @@ mod control;
 mod error;
 mod files;
 mod instance;
+mod limits;
 mod process;
 mod rootfs;
 mod sandbox;
@@ -58,6 +59,10 @@ pub use capabilities::{HostCapabilities, ImageState, KvmStatus};
 pub use error::{Error, Result};
 pub use files::{DirEntry, GuestFileReader, GuestFileWriter, Metadata};
 pub use instance::Instance;
+pub use limits::{
+    Limits, DEFAULT_MAX_PENDING_FILE_REQUESTS, DEFAULT_MAX_PROCESSES, DEFAULT_READ_DIR_MAX_ENTRIES,
+    DEFAULT_READ_FILE_MAX, DEFAULT_REQUEST_TIMEOUT, MAX_REQUEST_TIMEOUT, MIN_REQUEST_TIMEOUT,
+};
 pub use process::{
     Child, ChildStderr, ChildStdin, ChildStdout, Command, ExitStatus, Output, Stdio,
     TIMEOUT_EXIT_CODE,

@@ -7,6 +7,7 @@ use std::time::Duration;
 use crate::artifacts::{ArtifactOverrides, Artifacts};
 use crate::error::{Error, Result};
 use crate::instance::{self, Instance};
+use crate::limits::Limits;
 use crate::rootfs::{BuiltinImage, Rootfs};
 use crate::vmm::KernelConfig;
 
@@ -56,6 +57,7 @@ pub(crate) struct SandboxConfig {
     pub hostname: String,
     pub boot_timeout: Duration,
     pub liveness_timeout: Duration,
+    pub limits: Limits,
     pub cache_dir: PathBuf,
     pub artifacts: Artifacts,
     pub kernel: Option<KernelConfig>,
@@ -96,6 +98,7 @@ pub struct SandboxBuilder {
     hostname: String,
     boot_timeout: Duration,
     liveness_timeout: Duration,
+    limits: Limits,
     cache_dir: Option<PathBuf>,
     overrides: ArtifactOverrides,
     kernel: Option<Kernel>,
@@ -112,6 +115,7 @@ impl Default for SandboxBuilder {
             // Generous: under nested emulation a boot takes tens of seconds.
             boot_timeout: Duration::from_secs(180),
             liveness_timeout: DEFAULT_LIVENESS_TIMEOUT,
+            limits: Limits::default(),
             cache_dir: None,
             overrides: ArtifactOverrides::default(),
             kernel: None,
@@ -189,6 +193,13 @@ impl SandboxBuilder {
         self
     }
 
+    /// Bounds on what the guest can make the host hold or wait for (request deadlines,
+    /// `read_file` size, process and request counts). See [`Limits`].
+    pub fn limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
+    }
+
     /// Where built-in images are cached (default [`crate::cache_dir`]).
     pub fn cache_dir(mut self, dir: impl Into<PathBuf>) -> Self {
         self.cache_dir = Some(dir.into());
@@ -256,6 +267,7 @@ impl SandboxBuilder {
                 self.liveness_timeout
             )));
         }
+        self.limits.validate()?;
         let valid_hostname = !self.hostname.is_empty()
             && self.hostname.len() <= 64
             && self
@@ -285,6 +297,7 @@ impl SandboxBuilder {
                 hostname: self.hostname,
                 boot_timeout: self.boot_timeout,
                 liveness_timeout: self.liveness_timeout,
+                limits: self.limits,
                 cache_dir: self.cache_dir.unwrap_or_else(crate::cache_dir),
                 artifacts,
                 kernel,

@@ -269,6 +269,8 @@ fn to_io(err: Error) -> io::Error {
             FsErrorKind::DirectoryNotEmpty => io::ErrorKind::DirectoryNotEmpty,
             FsErrorKind::InvalidInput => io::ErrorKind::InvalidInput,
             FsErrorKind::Other => io::ErrorKind::Other,
+            FsErrorKind::NotAFile => io::ErrorKind::InvalidInput,
+            FsErrorKind::TooLarge => io::ErrorKind::FileTooLarge,
         },
         Error::InstanceGone { .. } | Error::GuestHung { .. } => io::ErrorKind::BrokenPipe,
         _ => io::ErrorKind::Other,

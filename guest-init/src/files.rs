@@ -1,7 +1,8 @@
 //! File operations requested by the host (see `krunbox_protocol::fs`).
 //!
-//! Each request runs on its own short-lived thread, so a slow disk (or a read that blocks on a
-//! FIFO) never stalls the control loop, and answers with exactly one [`FsReply`]. Requests run
+//! Each request runs on its own short-lived thread, so a slow disk never stalls the control
+//! loop, and answers with exactly one [`FsReply`]. Reads and writes open without blocking and
+//! refuse anything but a regular file (a FIFO would block the thread, `/dev/zero` never ends). Requests run
 //! as guest-init runs: root. Nothing here changes the process-wide umask (commands are spawned
 //! concurrently and would inherit it); exact modes are set with `fchmod`/`chmod` after creation.
 
@@ -123,6 +124,62 @@ fn invalid(what: &str, path: &Path, detail: &str) -> FsError {
     }
 }
 
+/// What a file that is not a regular file is, for messages.
+fn describe(t: fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else if t.is_socket() {
+        "a socket"
+    } else {
+        "not a regular file"
+    }
+}
+
+/// Opens `path` with `options` and refuses anything but a regular file.
+///
+/// The open never blocks: `O_NONBLOCK` makes a FIFO open at once (reading) or fail with
+/// `ENXIO` (writing, no reader), where a plain open would wait for the other end forever.
+/// `O_NOCTTY` keeps a terminal from becoming guest-init's controlling terminal; std adds
+/// `O_CLOEXEC`. Then `fstat` on the descriptor (not the path, which could be swapped) decides:
+/// FIFOs, devices (`/dev/zero` never ends) and sockets are [`FsErrorKind::NotAFile`], a
+/// directory [`FsErrorKind::IsADirectory`].
+fn open_regular(path: &Path, options: &mut OpenOptions) -> Result<File, FsError> {
+    let file = options
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .map_err(|e| error("open", path, &e))?;
+    let meta = file.metadata().map_err(|e| error("fstat", path, &e))?;
+    let t = meta.file_type();
+    if t.is_file() {
+        return Ok(file);
+    }
+    let (kind, errno) = if t.is_dir() {
+        (FsErrorKind::IsADirectory, libc::EISDIR)
+    } else {
+        (FsErrorKind::NotAFile, libc::EINVAL)
+    };
+    Err(FsError {
+        kind,
+        errno,
+        message: truncate_text(
+            format!(
+                "open {}: {}, not a regular file (file operations read and write regular files \
+                 only; use a command such as `head -c N` for devices and pipes)",
+                path.display(),
+                describe(t)
+            ),
+            MAX_TEXT,
+        ),
+    })
+}
+
 /// Reads up to `len` bytes at `offset`, looping over short reads so that a short chunk means
 /// end of file (the host pipelines reads at consecutive offsets).
 fn read(path: &Path, offset: u64, len: u32) -> Result<FsOk, FsError> {
@@ -130,7 +187,7 @@ fn read(path: &Path, offset: u64, len: u32) -> Result<FsOk, FsError> {
     if len > MAX_FILE_CHUNK {
         return Err(invalid("read", path, "length exceeds the chunk limit"));
     }
-    let file = File::open(path).map_err(|e| error("open", path, &e))?;
+    let file = open_regular(path, OpenOptions::new().read(true))?;
     let mut data = vec![0u8; len];
     let mut filled = 0;
     while filled < len {
@@ -145,28 +202,34 @@ fn read(path: &Path, offset: u64, len: u32) -> Result<FsOk, FsError> {
     Ok(FsOk::Data(ByteBuf::from(data)))
 }
 
-/// Opens for writing. A file this call creates gets exactly `mode` (not `mode & !umask`).
-fn open_for_write(path: &Path, mode: u32, create: bool, truncate: bool) -> io::Result<File> {
+/// Opens for writing, refusing anything but a regular file (see [`open_regular`]). A file this
+/// call creates gets exactly `mode` (not `mode & !umask`).
+fn open_for_write(path: &Path, mode: u32, create: bool, truncate: bool) -> Result<File, FsError> {
     let mode = mode & 0o7777;
     let mut options = OpenOptions::new();
-    options.write(true).truncate(truncate);
+    options
+        .write(true)
+        .truncate(truncate)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY);
     if !create {
-        return options.open(path);
+        return open_regular(path, &mut options);
     }
     let created = |file: File| {
-        file.set_permissions(fs::Permissions::from_mode(mode))?;
+        file.set_permissions(fs::Permissions::from_mode(mode))
+            .map_err(|e| error("chmod", path, &e))?;
         Ok(file)
     };
-    // Exclusive first, so we know whether the file is ours to chmod.
+    // Exclusive first, so we know whether the file is ours to chmod (O_EXCL always makes a
+    // new regular file).
     match options.clone().create_new(true).mode(mode).open(path) {
         Ok(file) => return created(file),
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(e),
+        Err(e) => return Err(error("open", path, &e)),
     }
-    match options.open(path) {
+    match open_regular(path, &mut options.clone()) {
         // A dangling symlink "exists" for O_EXCL; like open(O_CREAT), create its target.
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            created(options.create(true).mode(mode).open(path)?)
+        Err(e) if e.kind == FsErrorKind::NotFound => {
+            created(open_regular(path, options.create(true).mode(mode))?)
         }
         other => other,
     }
@@ -180,14 +243,14 @@ fn write(
     create: bool,
     truncate: bool,
 ) -> Result<FsOk, FsError> {
-    let file = open_for_write(path, mode, create, truncate).map_err(|e| error("open", path, &e))?;
+    let file = open_for_write(path, mode, create, truncate)?;
     file.write_all_at(data, offset)
         .map_err(|e| error("write", path, &e))?;
     Ok(FsOk::Done)
 }
 
 fn sync(path: &Path) -> Result<FsOk, FsError> {
-    let file = File::open(path).map_err(|e| error("open", path, &e))?;
+    let file = open_regular(path, OpenOptions::new().read(true))?;
     file.sync_all().map_err(|e| error("fsync", path, &e))?;
     Ok(FsOk::Done)
 }
@@ -449,6 +512,93 @@ mod tests {
         })
         .unwrap_err();
         assert_eq!(err.kind, FsErrorKind::IsADirectory, "{err:?}");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Runs `op` on a thread and fails if it has not answered within 10 s (a blocked open).
+    fn answers(op: FsOp) -> Result<FsOk, FsError> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || tx.send(run(op)));
+        rx.recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the operation blocked instead of answering")
+    }
+
+    /// FIFOs and devices are refused without blocking: a plain open of a FIFO waits for a
+    /// writer forever, and /dev/zero never ends.
+    #[test]
+    fn reads_and_writes_refuse_fifos_and_devices_without_blocking() {
+        let dir = scratch("not-a-file");
+        let fifo = dir.join("fifo");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_bytes()).unwrap();
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
+        let read = |path: &Path| {
+            answers(FsOp::Read {
+                path: bytes(path),
+                offset: 0,
+                len: 16,
+            })
+        };
+        for path in [
+            fifo.as_path(),
+            Path::new("/dev/zero"),
+            Path::new("/dev/null"),
+        ] {
+            let err = read(path).unwrap_err();
+            assert_eq!(err.kind, FsErrorKind::NotAFile, "{path:?}: {err:?}");
+            assert!(
+                err.message.contains("not a regular file"),
+                "{}",
+                err.message
+            );
+        }
+        assert!(read(&fifo).unwrap_err().message.contains("a FIFO"));
+        assert!(read(Path::new("/dev/zero"))
+            .unwrap_err()
+            .message
+            .contains("a character device"));
+        let err = read(&dir).unwrap_err();
+        assert_eq!(err.kind, FsErrorKind::IsADirectory, "{err:?}");
+        let err = answers(FsOp::Sync { path: bytes(&fifo) }).unwrap_err();
+        assert_eq!(err.kind, FsErrorKind::NotAFile, "{err:?}");
+
+        // Writing: no reader (ENXIO), a reader (opened, then refused), create on a FIFO.
+        let write = |create| {
+            answers(FsOp::Write {
+                path: bytes(&fifo),
+                offset: 0,
+                data: ByteBuf::from(b"x".to_vec()),
+                mode: 0o644,
+                create,
+                truncate: true,
+            })
+        };
+        assert!(write(false).is_err());
+        let reader = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&fifo)
+            .unwrap();
+        for create in [false, true] {
+            let err = write(create).unwrap_err();
+            assert_eq!(err.kind, FsErrorKind::NotAFile, "{err:?}");
+        }
+        drop(reader);
+
+        // A regular file is still read and written.
+        let file = dir.join("file");
+        assert!(answers(FsOp::Write {
+            path: bytes(&file),
+            offset: 0,
+            data: ByteBuf::from(b"data".to_vec()),
+            mode: 0o600,
+            create: true,
+            truncate: true,
+        })
+        .is_ok());
+        assert_eq!(
+            read(&file).unwrap(),
+            FsOk::Data(ByteBuf::from(b"data".to_vec()))
+        );
         fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -16,6 +16,10 @@ pub const MAX_FILE_CHUNK: usize = 512 * 1024;
 /// Directory entries in one [`FsOk::Entries`] reply; a larger directory is listed in pages.
 pub const MAX_DIR_ENTRIES: usize = 1024;
 
+/// The longest entry name in a listing: Linux's `NAME_MAX`. A page therefore holds at most
+/// about 256 KiB of names, and a listing the host collects is bounded by its entry count.
+pub const MAX_NAME: usize = 255;
+
 /// A file-system request, answered by exactly one [`FsReply`] with the same id.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FsRequest {
@@ -180,6 +184,14 @@ pub enum FsErrorKind {
     InvalidInput,
     /// Anything else.
     Other,
+    /// Not a regular file where one is required: reads (and writes) refuse FIFOs, devices and
+    /// sockets, which could block guest-init or never end (`/dev/zero`).
+    NotAFile,
+    /// Past a size bound: a file larger than `read_file` reads into memory, a directory with
+    /// more entries than `read_dir` collects (the host's [`Limits`], named in the message).
+    ///
+    /// [`Limits`]: https://docs.rs/krunbox/latest/krunbox/struct.Limits.html
+    TooLarge,
 }
 
 /// A failed file operation.
@@ -253,6 +265,12 @@ impl FsReply {
                     });
                 }
                 for entry in entries {
+                    if entry.name.is_empty() || entry.name.len() > MAX_NAME {
+                        return Err(ProtocolError::OutOfBounds {
+                            field: "entry name",
+                            detail: format!("{} bytes, must be 1..={MAX_NAME}", entry.name.len()),
+                        });
+                    }
                     path_ok("entry name", &entry.name)?;
                     if entry.name.contains(&b'/') {
                         return Err(ProtocolError::OutOfBounds {
@@ -274,5 +292,39 @@ impl FsReply {
                 Ok(())
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn page(name: &[u8]) -> FsReply {
+        FsReply {
+            id: 1,
+            result: Ok(FsOk::Entries {
+                entries: vec![DirEntry {
+                    name: ByteBuf::from(name.to_vec()),
+                    file_type: FileType::File,
+                }],
+                complete: true,
+            }),
+        }
+    }
+
+    /// A listing's names are Linux names: at most NAME_MAX bytes, so a page of entries is
+    /// bounded by its count (a forged 4 KiB name per entry would make it 16 times larger).
+    #[test]
+    fn entry_names_are_at_most_name_max() {
+        assert!(page(&[b'x'; MAX_NAME]).validate().is_ok());
+        assert!(matches!(
+            page(&[b'x'; MAX_NAME + 1]).validate(),
+            Err(ProtocolError::OutOfBounds {
+                field: "entry name",
+                ..
+            })
+        ));
+        assert!(page(b"").validate().is_err());
+        assert!(page(b"a/b").validate().is_err());
     }
 }

@@ -416,6 +416,9 @@ impl Control {
             }
             GuestMessage::ExecFailed(failed) => {
                 let mut slot = state.procs.remove(&failed.id).ok_or(unknown(failed.id))?;
+                // As for Exited: a writer to the stdin of a process that is gone must hear so,
+                // not wait for credit that can no longer come.
+                slot.stdin_credit.close();
                 if let Some(tx) = slot.end.take() {
                     let _ = tx.send(ProcessEnd::Failed(failed));
                 }
@@ -713,6 +716,32 @@ mod tests {
             pings,
             guest,
         }
+    }
+
+    /// A process that failed after it started (ExecFailed after Started) closes its stdin
+    /// like one that exited: a writer fails at once instead of waiting forever for credit.
+    /// (Found by the host_dispatch fuzz target.)
+    #[tokio::test(start_paused = true)]
+    async fn exec_failed_closes_stdin() {
+        let s = setup();
+        let process = s.control.register(1).unwrap();
+        let mut writer = s.writer.lock().await;
+        for message in [
+            GuestMessage::Started(crate::protocol::Started { id: 1, pid: 7 }),
+            GuestMessage::ExecFailed(ExecFailed {
+                id: 1,
+                kind: crate::protocol::ExecErrorKind::Other,
+                errno: 0,
+                message: "the process failed".into(),
+            }),
+        ] {
+            writer.write_all(&message.encode().unwrap()).await.unwrap();
+        }
+        drop(writer);
+        assert!(matches!(process.end.await, Ok(ProcessEnd::Failed(_))));
+        assert!(process.stdin_credit.is_closed());
+        assert!(s.control.violation.lock().unwrap().is_none());
+        s.guest.abort();
     }
 
     /// Stdin credit may return only bytes the host sent: the real amount is accepted, one byte

@@ -10,13 +10,13 @@
 
 use std::collections::HashMap;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
-use tokio::sync::{mpsc, oneshot, Notify, Semaphore};
+use tokio::sync::{mpsc, oneshot, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, MissedTickBehavior};
 
 use crate::error::{Error, Result};
@@ -245,8 +245,10 @@ struct Slot {
 #[derive(Default)]
 struct State {
     procs: HashMap<u32, Slot>,
-    /// File operations waiting for their reply.
-    fs: HashMap<u32, oneshot::Sender<FsReply>>,
+    /// File operations waiting for their reply, each holding one of
+    /// [`Limits::max_pending_file_requests`] slots until the guest answers (also after the
+    /// caller gave up on it: its reply is still expected, and not a protocol violation).
+    fs: HashMap<u32, (oneshot::Sender<FsReply>, OwnedSemaphorePermit)>,
     /// Set once the channel is unusable; new processes fail with this reason.
     gone: Option<Gone>,
 }
@@ -272,6 +274,11 @@ pub(crate) struct Control {
     reader_done: AtomicBool,
     /// The instance's bounds.
     pub limits: Limits,
+    /// Slots for file requests waiting for the guest ([`Limits::max_pending_file_requests`]).
+    fs_slots: Arc<Semaphore>,
+    /// The next file request id (file requests have their own id space: the host keeps them
+    /// apart from processes, and guest-init only echoes them).
+    next_fs_id: AtomicU32,
 }
 
 impl Control {
@@ -301,6 +308,8 @@ impl Control {
             hung: Arc::new(Notify::new()),
             reads,
             reader_done: AtomicBool::new(false),
+            fs_slots: Arc::new(Semaphore::new(limits.max_pending_file_requests)),
+            next_fs_id: AtomicU32::new(1),
             limits,
         });
         tokio::spawn(watch_liveness(Arc::downgrade(&control), liveness));
@@ -448,7 +457,8 @@ impl Control {
             // Its arrival is what counts (see `Liveness`); a seq we never sent is harmless.
             GuestMessage::Pong(_) => {}
             GuestMessage::FsReply(reply) => {
-                let tx = state.fs.remove(&reply.id).ok_or(ProtocolError::Malformed {
+                // Removing the entry frees its slot, whether or not the caller still waits.
+                let (tx, _slot) = state.fs.remove(&reply.id).ok_or(ProtocolError::Malformed {
                     message: "FsReply",
                     reason: format!("no file operation with id {}", reply.id),
                 })?;
@@ -573,15 +583,30 @@ impl Control {
         }));
     }
 
+    /// A fresh id for a file request.
+    pub fn next_fs_id(&self) -> u32 {
+        self.next_fs_id.fetch_add(1, Ordering::Relaxed)
+    }
+
     /// Registers file operation `id` (before its request is sent) and returns where its reply
-    /// will arrive. The receiver errors if the instance stops first.
+    /// will arrive. The receiver errors if the instance stops first. Fails with
+    /// [`Error::TooMany`] when [`Limits::max_pending_file_requests`] requests already wait.
     pub fn register_fs(&self, id: u32) -> Result<oneshot::Receiver<FsReply>> {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(reason) = &state.gone {
             return Err(reason.error());
         }
+        let slot = self
+            .fs_slots
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| Error::TooMany {
+                what: "file requests waiting for the guest",
+                limit: self.limits.max_pending_file_requests,
+                knob: "max_pending_file_requests",
+            })?;
         let (tx, rx) = oneshot::channel();
-        state.fs.insert(id, tx);
+        state.fs.insert(id, (tx, slot));
         Ok(rx)
     }
 

@@ -46,6 +46,8 @@ mod limits;
 mod process;
 mod rootfs;
 mod sandbox;
+#[cfg(test)]
+mod scripted_guest;
 #[doc(hidden)]
 pub mod vmm;
 

@@ -115,6 +115,7 @@ fn to_io(err: Error) -> io::Error {
             FsErrorKind::TooLarge => io::ErrorKind::FileTooLarge,
         },
         Error::InstanceGone { .. } | Error::GuestHung { .. } => io::ErrorKind::BrokenPipe,
+        Error::RequestTimeout { .. } => io::ErrorKind::TimedOut,
         _ => io::ErrorKind::Other,
     };
     io::Error::new(kind, err)

@@ -14,7 +14,7 @@ use super::request::{Pending, Target, IN_FLIGHT};
 use super::to_io;
 use crate::error::{Error, Result};
 use crate::instance::Instance;
-use crate::protocol::fs::{FsErrorKind, FsOk, FsOp, MAX_FILE_CHUNK};
+use crate::protocol::fs::{FileType, FsErrorKind, FsOk, FsOp, MAX_FILE_CHUNK};
 
 /// Reads a guest file as a stream: implements [`AsyncRead`]. From [`Instance::open_file`].
 ///
@@ -161,11 +161,15 @@ impl AsyncRead for GuestFileReader {
 }
 
 impl Instance {
-    /// Reads a whole file from the guest.
+    /// Reads a whole file from the guest into memory.
     ///
     /// A relative path is relative to the guest's `/`. Reading a directory fails with
-    /// [`FsErrorKind::IsADirectory`], a missing file with [`FsErrorKind::NotFound`] (see
-    /// [`Error::fs_kind`]).
+    /// [`FsErrorKind::IsADirectory`], a missing file with [`FsErrorKind::NotFound`], a FIFO,
+    /// device or socket with [`FsErrorKind::NotAFile`], and a file larger than
+    /// [`Limits::read_file_max`](crate::Limits::read_file_max) (64 MiB by default) with
+    /// [`FsErrorKind::TooLarge`] (see [`Error::fs_kind`](crate::Error::fs_kind)): stream such
+    /// a file with [`Instance::open_file`]. The host never holds more than the limit, also if
+    /// the file grows while it is read or the guest misreports its size.
     ///
     /// ```no_run
     /// # async fn demo(vm: &krunbox::Instance) -> krunbox::Result<()> {
@@ -174,22 +178,13 @@ impl Instance {
     /// # Ok(()) }
     /// ```
     pub async fn read_file(&self, path: impl AsRef<Path>) -> Result<Vec<u8>> {
-        let target = Target::new(self, "read_file", path.as_ref())?;
-        let mut reader = GuestFileReader::open(target).await?;
-        let mut data = std::mem::take(&mut reader.chunk);
-        reader.pos = 0;
-        loop {
-            poll_fn(|cx| reader.poll_fill(cx)).await?;
-            if reader.eof {
-                return Ok(data);
-            }
-            data.extend_from_slice(&reader.chunk[reader.pos..]);
-            reader.pos = reader.chunk.len();
-        }
+        read_whole(Target::new(self, "read_file", path.as_ref())?).await
     }
 
     /// Opens a guest file for streaming reads ([`AsyncRead`]), for files too large to hold in
-    /// memory. Fails here if the file is missing or is a directory.
+    /// memory: there is no size limit, and the host holds at most two chunks (1 MiB) of it.
+    /// Fails here if the file is missing, a directory, or not a regular file
+    /// ([`FsErrorKind::NotAFile`]).
     ///
     /// A relative path is relative to the guest's `/`.
     ///
@@ -202,5 +197,183 @@ impl Instance {
     /// ```
     pub async fn open_file(&self, path: impl AsRef<Path>) -> Result<GuestFileReader> {
         GuestFileReader::open(Target::new(self, "open_file", path.as_ref())?).await
+    }
+}
+
+/// Reads a whole file, never holding more than
+/// [`Limits::read_file_max`](crate::Limits::read_file_max) bytes of it.
+pub(super) async fn read_whole(target: Target) -> Result<Vec<u8>> {
+    let limit = target.control.limits.read_file_max;
+    // Type and size first: a device or FIFO is refused without a read, and a file past the
+    // limit without moving its bytes. The guest may lie (or /proc files say 0), so the bytes
+    // are counted against the limit as they arrive too.
+    let meta = match target
+        .call(FsOp::Metadata {
+            path: target.wire_path(),
+            follow: true,
+        })
+        .await?
+    {
+        FsOk::Metadata(meta) => meta,
+        other => return Err(target.unexpected("Metadata", &other)),
+    };
+    match meta.file_type {
+        FileType::File => {}
+        FileType::Dir => {
+            return Err(target.error(
+                FsErrorKind::IsADirectory,
+                format!(
+                    "{} is a directory; list it with read_dir",
+                    target.path.display()
+                ),
+            ))
+        }
+        _ => {
+            return Err(target.error(
+                FsErrorKind::NotAFile,
+                format!(
+                    "{} is not a regular file (a FIFO, device or socket); read_file reads \
+                     regular files only: run a command such as `head -c N` to read from it",
+                    target.path.display()
+                ),
+            ))
+        }
+    }
+    if meta.len > limit {
+        return Err(too_large(
+            &target,
+            &format!("the file is {} bytes", meta.len),
+            limit,
+        ));
+    }
+    let mut reader = GuestFileReader::open(target).await?;
+    let mut data = Vec::new();
+    loop {
+        let chunk = &reader.chunk[reader.pos..];
+        if data.len() as u64 + chunk.len() as u64 > limit {
+            return Err(too_large(
+                &reader.target,
+                &format!("the file grew past {limit} bytes while it was read"),
+                limit,
+            ));
+        }
+        data.extend_from_slice(chunk);
+        reader.pos = reader.chunk.len();
+        poll_fn(|cx| reader.poll_fill(cx)).await?;
+        if reader.eof {
+            return Ok(data);
+        }
+    }
+}
+
+fn too_large(target: &Target, what: &str, limit: u64) -> crate::Error {
+    target.error(
+        FsErrorKind::TooLarge,
+        format!(
+            "{what}; read_file holds at most {limit} bytes in memory (Limits::read_file_max): \
+             stream it with Instance::open_file, or raise the limit"
+        ),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use serde_bytes::ByteBuf;
+
+    use super::*;
+    use crate::limits::Limits;
+    use crate::protocol::fs::{FileMeta, FsReply};
+    use crate::protocol::{GuestMessage, HostMessage};
+    use crate::scripted_guest::{self, Log};
+    use crate::Error;
+
+    fn meta(file_type: FileType, len: u64) -> FsOk {
+        FsOk::Metadata(FileMeta {
+            file_type,
+            len,
+            mode: 0o644,
+            uid: 0,
+            gid: 0,
+            mtime_secs: 0,
+            mtime_nanos: 0,
+        })
+    }
+
+    /// A guest whose `stat` says `file_type` and `len`, and whose every read returns a full
+    /// chunk of sevens (a file without end, whatever it announced).
+    fn lying_guest(limits: Limits, file_type: FileType, len: u64) -> (Target, Log) {
+        let (control, log) = scripted_guest::start(limits, move |message| {
+            let HostMessage::Fs(request) = message else {
+                return vec![];
+            };
+            let result = match &request.op {
+                FsOp::Metadata { .. } => meta(file_type, len),
+                FsOp::Read { len, .. } => FsOk::Data(ByteBuf::from(vec![7u8; *len as usize])),
+                _ => FsOk::Done,
+            };
+            vec![GuestMessage::FsReply(FsReply {
+                id: request.id,
+                result: Ok(result),
+            })]
+        });
+        let target = Target::with_control(control, "read_file", Path::new("/f")).unwrap();
+        (target, log)
+    }
+
+    fn reads(log: &Log) -> usize {
+        log.lock()
+            .unwrap()
+            .iter()
+            .filter(|m| matches!(m, HostMessage::Fs(r) if matches!(r.op, FsOp::Read { .. })))
+            .count()
+    }
+
+    fn kind_and_message(result: Result<Vec<u8>>) -> (FsErrorKind, String) {
+        match result {
+            Err(err @ Error::Fs { .. }) => (err.fs_kind().unwrap(), err.to_string()),
+            other => panic!("expected a file error, got {:?}", other.map(|d| d.len())),
+        }
+    }
+
+    /// The guest announces 10 bytes and then sends chunks without end: the host stops at the
+    /// limit with a typed error, having asked for little more than the limit's worth.
+    #[tokio::test(start_paused = true)]
+    async fn read_file_holds_at_most_the_limit_when_the_guest_lies() {
+        let limit = 2 * MAX_FILE_CHUNK as u64 + 1;
+        let (target, log) = lying_guest(Limits::new().read_file_max(limit), FileType::File, 10);
+        let read = tokio::time::timeout(std::time::Duration::from_secs(600), read_whole(target));
+        let (kind, message) = kind_and_message(read.await.expect("the read must end"));
+        assert_eq!(kind, FsErrorKind::TooLarge, "{message}");
+        assert!(message.contains("grew past"), "{message}");
+        assert!(message.contains("open_file"), "{message}");
+        // Three chunks cross the limit; the stream keeps two more in flight.
+        assert!(reads(&log) <= 3 + 2, "{} reads", reads(&log));
+    }
+
+    /// A file past the limit, or a FIFO or device, is refused on its `stat`, before any read.
+    #[tokio::test(start_paused = true)]
+    async fn read_file_refuses_big_files_and_devices_without_reading() {
+        let (target, log) = lying_guest(Limits::new(), FileType::File, 10 << 30);
+        let (kind, message) = kind_and_message(read_whole(target).await);
+        assert_eq!(kind, FsErrorKind::TooLarge, "{message}");
+        assert!(message.contains("10737418240 bytes"), "{message}");
+        assert!(message.contains(&(64u64 << 20).to_string()), "{message}");
+        assert_eq!(reads(&log), 0);
+
+        let (target, log) = lying_guest(Limits::new(), FileType::Other, 0);
+        let (kind, message) = kind_and_message(read_whole(target).await);
+        assert_eq!(kind, FsErrorKind::NotAFile, "{message}");
+        assert_eq!(reads(&log), 0);
+
+        // Within the limit, the bytes arrive (the limit counts exactly).
+        let (target, _) = lying_guest(
+            Limits::new().read_file_max(MAX_FILE_CHUNK as u64),
+            FileType::File,
+            0,
+        );
+        let (kind, _) = kind_and_message(read_whole(target).await);
+        assert_eq!(kind, FsErrorKind::TooLarge);
     }
 }

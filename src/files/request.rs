@@ -9,6 +9,7 @@ use std::task::{ready, Context, Poll};
 use serde_bytes::ByteBuf;
 use std::os::unix::ffi::OsStrExt;
 use tokio::sync::oneshot;
+use tokio::time::Sleep;
 
 use crate::control::{Control, Gone};
 use crate::error::{Error, Result};
@@ -20,17 +21,31 @@ use crate::protocol::HostMessage;
 /// Chunk requests a stream keeps outstanding: one being answered while the next is on its way.
 pub(super) const IN_FLIGHT: usize = 2;
 
-/// One request on its way to the guest; resolves to guest-init's answer.
+/// One request on its way to the guest; resolves to guest-init's answer, or to
+/// [`Error::RequestTimeout`] once [`Limits::request_timeout`](crate::Limits::request_timeout)
+/// passed without one (counted from the send, so a caller that consumes a stream slowly does
+/// not use up the guest's time).
 pub(super) struct Pending {
     rx: oneshot::Receiver<FsReply>,
     control: Arc<Control>,
+    deadline: Pin<Box<Sleep>>,
+    /// `read_file "/x"`, for the timeout's message.
+    request: String,
 }
 
 impl Future for Pending {
     type Output = Result<Result<FsOk, FsError>>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        Poll::Ready(match ready!(Pin::new(&mut self.rx).poll(cx)) {
+        let answer = Pin::new(&mut self.rx).poll(cx);
+        if answer.is_pending() && self.deadline.as_mut().poll(cx).is_ready() {
+            // The reply may still come; the control channel keeps its slot until then.
+            return Poll::Ready(Err(Error::RequestTimeout {
+                request: std::mem::take(&mut self.request),
+                after: self.control.limits.request_timeout,
+            }));
+        }
+        Poll::Ready(match ready!(answer) {
             Ok(reply) => Ok(reply.result),
             Err(_) => Err(self
                 .control
@@ -46,7 +61,7 @@ impl Future for Pending {
 /// An operation's subject: which instance, which guest path, and the name errors report.
 #[derive(Clone)]
 pub(super) struct Target {
-    pub(super) instance: Instance,
+    pub(super) control: Arc<Control>,
     pub(super) op: &'static str,
     /// Absolute guest path.
     pub(super) path: PathBuf,
@@ -54,8 +69,17 @@ pub(super) struct Target {
 
 impl Target {
     pub(super) fn new(instance: &Instance, op: &'static str, path: &Path) -> Result<Target> {
+        Target::with_control(instance.control()?, op, path)
+    }
+
+    /// [`Target::new`] on a bare control channel (the scripted guest of unit tests).
+    pub(super) fn with_control(
+        control: Arc<Control>,
+        op: &'static str,
+        path: &Path,
+    ) -> Result<Target> {
         let target = Target {
-            instance: instance.clone(),
+            control,
             op,
             // Relative to the guest's `/`; an empty path stays empty (and is refused).
             path: if path.as_os_str().is_empty() {
@@ -137,15 +161,24 @@ impl Target {
                 silent_for: *silent_for,
             },
             Error::Protocol(err) => Error::Protocol(err.clone()),
+            Error::RequestTimeout { request, after } => Error::RequestTimeout {
+                request: request.clone(),
+                after: *after,
+            },
+            Error::TooMany { what, limit, knob } => Error::TooMany {
+                what,
+                limit: *limit,
+                knob,
+            },
             other => self.error(FsErrorKind::Other, other.to_string()),
         }
     }
 
     /// Sends `op` now (so requests reach the guest in call order); the reply comes later.
     pub(super) fn send(&self, op: FsOp) -> Result<Pending> {
-        let control = self.instance.control()?;
+        let control = self.control.clone();
         let request = FsRequest {
-            id: self.instance.next_process_id(),
+            id: control.next_fs_id(),
             op,
         };
         // Paths were checked in `new` and chunks are sized here, so this is a backstop: a bad
@@ -155,7 +188,12 @@ impl Target {
             .map_err(|err| self.invalid(&err.to_string()))?;
         let rx = control.register_fs(request.id)?;
         control.send(&HostMessage::Fs(request))?;
-        Ok(Pending { rx, control })
+        Ok(Pending {
+            rx,
+            deadline: Box::pin(tokio::time::sleep(control.limits.request_timeout)),
+            control,
+            request: format!("{} {:?}", self.op, self.path),
+        })
     }
 
     pub(super) async fn call(&self, op: FsOp) -> Result<FsOk> {
@@ -167,5 +205,114 @@ impl Target {
             FsOk::Done => Ok(()),
             other => Err(self.unexpected("Done", &other)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    use tokio::time::Instant;
+
+    use super::*;
+    use crate::limits::Limits;
+    use crate::protocol::GuestMessage;
+    use crate::scripted_guest;
+
+    fn sync_op() -> FsOp {
+        FsOp::Sync {
+            path: ByteBuf::from(b"/x".to_vec()),
+        }
+    }
+
+    fn done(id: u32) -> GuestMessage {
+        GuestMessage::FsReply(FsReply {
+            id,
+            result: Ok(FsOk::Done),
+        })
+    }
+
+    /// A guest that answers pings (so the liveness check is content) but not one file request:
+    /// the request fails at its deadline, the instance stays usable, and the late answer, when
+    /// it comes, is not mistaken for a forged one.
+    #[tokio::test(start_paused = true)]
+    async fn a_request_the_guest_never_answers_fails_at_its_deadline() {
+        // Longer than the liveness timeout (30 s): this is not the liveness check.
+        let timeout = Duration::from_secs(60);
+        let first = Arc::new(Mutex::new(None));
+        let (control, _) =
+            scripted_guest::start(Limits::new().request_timeout(timeout), move |message| {
+                let HostMessage::Fs(request) = message else {
+                    return vec![];
+                };
+                let mut first = first.lock().unwrap();
+                match *first {
+                    // The first request is left unanswered...
+                    None => {
+                        *first = Some(request.id);
+                        vec![]
+                    }
+                    // ...until the next one, answered after it.
+                    Some(late) => vec![done(late), done(request.id)],
+                }
+            });
+        let target = Target::with_control(control.clone(), "remove", Path::new("/x")).unwrap();
+        let started = Instant::now();
+        let err = tokio::time::timeout(timeout * 10, target.call(sync_op()))
+            .await
+            .expect("the request must not wait forever")
+            .unwrap_err();
+        let waited = started.elapsed();
+        assert!(
+            matches!(&err, Error::RequestTimeout { request, after }
+                if *after == timeout && request == "remove \"/x\""),
+            "{err:?}"
+        );
+        assert!(
+            waited >= timeout && waited < timeout + Duration::from_secs(1),
+            "{waited:?}"
+        );
+        assert!(err.to_string().contains("request_timeout"), "{err}");
+        assert!(control.gone().is_none(), "the instance stays usable");
+
+        target.call_done(sync_op()).await.unwrap();
+        assert!(control.violation.lock().unwrap().is_none());
+        assert!(control.gone().is_none());
+    }
+
+    /// File requests waiting for the guest are capped; one more fails at once, and requests the
+    /// caller gave up on keep their slots until the guest answers them.
+    #[tokio::test(start_paused = true)]
+    async fn file_requests_past_the_cap_fail_at_once() {
+        let (control, log) = scripted_guest::start(
+            Limits::new()
+                .max_pending_file_requests(2)
+                .request_timeout(Duration::from_secs(1)),
+            |_| vec![],
+        );
+        let target = Target::with_control(control.clone(), "remove", Path::new("/x")).unwrap();
+        let a = target.send(sync_op()).unwrap();
+        let b = target.send(sync_op()).unwrap();
+        let too_many = |result: Result<Pending>| {
+            matches!(
+                result,
+                Err(Error::TooMany {
+                    limit: 2,
+                    knob: "max_pending_file_requests",
+                    ..
+                })
+            )
+        };
+        assert!(too_many(target.send(sync_op())));
+        assert!(matches!(a.await, Err(Error::RequestTimeout { .. })));
+        drop(b);
+        assert!(too_many(target.send(sync_op())), "abandoned, not answered");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(
+            log.lock().unwrap().len(),
+            2,
+            "nothing past the cap was sent"
+        );
     }
 }

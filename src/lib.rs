@@ -67,7 +67,7 @@ pub use limits::{
 };
 pub use process::{
     Child, ChildStderr, ChildStdin, ChildStdout, Command, ExitStatus, Output, Stdio,
-    TIMEOUT_EXIT_CODE,
+    DEFAULT_MAX_OUTPUT, TIMEOUT_EXIT_CODE,
 };
 pub use protocol::fs::{FileType, FsErrorKind};
 pub use rootfs::{BuiltinImage, Rootfs};

@@ -1,28 +1,32 @@
 //! Processes in the guest, shaped like `tokio::process`.
+//!
+//! One concern per file: this module builds and starts commands ([`Command`]); `child` has the
+//! running process and how it ends, `stdio` its streams, `output` collecting them.
+
+mod child;
+mod output;
+mod stdio;
 
 use std::collections::BTreeMap;
 use std::ffi::{OsStr, OsString};
-use std::fmt;
 use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
-use std::pin::Pin;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use std::sync::Arc;
-
 use serde_bytes::ByteBuf;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
-use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::sync::oneshot;
 use tokio_util::sync::{CancellationToken, PollSemaphore};
 
-use crate::control::{Control, Gone, OutputItem, ProcessEnd};
+pub use child::{Child, ExitStatus, TIMEOUT_EXIT_CODE};
+pub use output::{Output, DEFAULT_MAX_OUTPUT};
+pub use stdio::{ChildStderr, ChildStdin, ChildStdout};
+
+use crate::control::{Control, ProcessEnd};
 use crate::error::{Error, Result};
 use crate::instance::Instance;
-use crate::protocol::{
-    self, limits::MAX_CHUNK, Exec, HostMessage, ProcessRef, PtySize, Resize, SignalProcess,
-    StdinData, Stream, OUTPUT_WINDOW,
-};
+use crate::protocol::{Exec, HostMessage, PtySize, Stream};
+use child::{Backstop, KillOnDrop, TIMEOUT_GRACE};
+use stdio::Receiver;
 
 /// The guest environment a command starts from (the host's environment never crosses over).
 const BASE_ENV: [(&str, &str); 2] = [
@@ -32,10 +36,6 @@ const BASE_ENV: [(&str, &str); 2] = [
     ),
     ("HOME", "/root"),
 ];
-
-/// How long the host waits past a command's own timeout for guest-init to report it, before
-/// it kills the process group itself.
-const TIMEOUT_GRACE: Duration = Duration::from_secs(10);
 
 /// A command to run in a sandbox instance, built like [`tokio::process::Command`].
 ///
@@ -71,6 +71,7 @@ pub struct Command {
     stdin: Stdio,
     pty: Option<PtySize>,
     output_limit: Option<usize>,
+    max_output: usize,
     cancel: Option<CancellationToken>,
 }
 
@@ -117,6 +118,7 @@ impl Command {
             stdin: Stdio::null(),
             pty: None,
             output_limit: None,
+            max_output: DEFAULT_MAX_OUTPUT,
             cancel: None,
         }
     }
@@ -153,6 +155,21 @@ impl Command {
     /// and dropped, and [`Output::stdout_truncated`] / [`Output::stderr_truncated`] say so.
     pub fn output_limit(&mut self, bytes: usize) -> &mut Command {
         self.output_limit = Some(bytes);
+        self
+    }
+
+    /// Caps what [`output`](Self::output) collects of each stream at `bytes` (default
+    /// [`DEFAULT_MAX_OUTPUT`], 64 MiB); past it the command is killed and `output()` fails
+    /// with [`Error::OutputLimitExceeded`]. (With [`output_limit`](Self::output_limit), output
+    /// is cut instead, and this cap does not apply.)
+    ///
+    /// ```no_run
+    /// # async fn demo(vm: &krunbox::Instance) -> krunbox::Result<()> {
+    /// let out = vm.command("cat").arg("/var/log/big.log").max_output(512 << 20).output().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn max_output(&mut self, bytes: usize) -> &mut Command {
+        self.max_output = bytes;
         self
     }
 
@@ -310,34 +327,9 @@ impl Command {
             }),
             fired: false,
         };
-        let channels = control.register(id)?;
-        control.send(&message)?;
-        // From here the process may be running: if this future is dropped (cancelled) before
-        // it returns a `Child`, the guard kills it.
-        let mut guard = KillOnDrop {
-            control: control.clone(),
-            id,
-            armed: true,
-        };
-        let mut end = channels.end;
-        // guest-init sends Started before anything else about a process, and one connection
-        // keeps the order; but a quick process can have both Started and its end waiting
-        // here, so look at Started first.
-        let pid = tokio::select! {
-            biased;
-            pid = channels.started => pid.ok(),
-            end = &mut end => {
-                guard.armed = false;
-                return Err(self.early_end(end));
-            }
-        };
-        let Some(pid) = pid else {
-            let end = end.await;
-            guard.armed = false;
-            return Err(self.early_end(end));
-        };
-        // The Child takes over: dropping it kills the process.
-        guard.armed = false;
+        let started = start(&control, id, &message, &self.program).await?;
+        let channels = started.channels;
+        let (pid, end) = (started.pid, started.end);
         let has_stdin = self.stdin.piped || self.pty.is_some();
         Ok(Child {
             instance: self.instance.clone(),
@@ -369,617 +361,204 @@ impl Command {
             is_pty: self.pty.is_some(),
         })
     }
-
-    fn early_end(&self, end: std::result::Result<ProcessEnd, oneshot::error::RecvError>) -> Error {
-        match end {
-            Ok(ProcessEnd::Failed(failed)) => Error::Exec {
-                program: self.program.to_string_lossy().into_owned(),
-                kind: failed.kind,
-                message: failed.message,
-            },
-            Ok(ProcessEnd::Gone(reason)) => reason.error(),
-            Ok(ProcessEnd::Exited(_)) | Err(_) => Error::InstanceGone {
-                reason: "the guest ended the process before reporting it started".into(),
-            },
-        }
-    }
-
-    /// Runs the command to completion and collects its status and all of its output.
-    ///
-    /// ```no_run
-    /// # async fn demo(vm: &krunbox::Instance) -> krunbox::Result<()> {
-    /// let out = vm.command("sh").args(["-c", "echo out; echo err >&2; exit 3"]).output().await?;
-    /// assert_eq!(out.status.code(), Some(3));
-    /// assert_eq!(out.stdout, b"out\n");
-    /// assert_eq!(out.stderr, b"err\n");
-    /// # Ok(()) }
-    /// ```
-    pub async fn output(&mut self) -> Result<Output> {
-        let limit = self.output_limit.unwrap_or(usize::MAX);
-        self.run_collecting(limit).await
-    }
-
-    /// Runs the command to completion, keeping at most `limit` bytes of each output stream.
-    async fn run_collecting(&mut self, limit: usize) -> Result<Output> {
-        let cancel = self.cancel.clone().unwrap_or_default();
-        // Dropping this future drops the child, which kills its process group.
-        let mut child = tokio::select! {
-            child = self.spawn() => child?,
-            _ = cancel.cancelled() => return Err(Error::Cancelled),
-        };
-        let stdout = child.stdout.take().expect("fresh child has stdout");
-        let stderr = child.stderr.take();
-        let collect = async {
-            let streams = async {
-                tokio::join!(read_capped(stdout, limit), async {
-                    match stderr {
-                        Some(s) => read_capped(s, limit).await,
-                        None => Ok((Vec::new(), false)),
-                    }
-                })
-            };
-            // guest-init ends a timed-out command's streams too; should it not, the host kills
-            // the process group itself.
-            let (out, err) = child.backstop.run(streams).await?;
-            let status = child.wait().await?;
-            let ((stdout, stdout_truncated), (stderr, stderr_truncated)) = (
-                out.map_err(Error::io("reading command output"))?,
-                err.map_err(Error::io("reading command output"))?,
-            );
-            Ok(Output {
-                status,
-                stdout,
-                stderr,
-                stdout_truncated,
-                stderr_truncated,
-            })
-        };
-        tokio::select! {
-            output = collect => output,
-            _ = cancel.cancelled() => Err(Error::Cancelled),
-        }
-    }
-
-    /// Runs the command to completion, discarding its output (read and dropped as it comes,
-    /// so a command that writes without end costs no host memory).
-    ///
-    /// ```no_run
-    /// # async fn demo(vm: &krunbox::Instance) -> krunbox::Result<()> {
-    /// let status = vm.command("sh").args(["-c", "yes | head -c 100000000; exit 2"]).status().await?;
-    /// assert_eq!(status.code(), Some(2));
-    /// # Ok(()) }
-    /// ```
-    pub async fn status(&mut self) -> Result<ExitStatus> {
-        Ok(self.run_collecting(0).await?.status)
-    }
 }
 
-/// Reads a stream to its end, keeping at most `limit` bytes.
-async fn read_capped<R: AsyncRead + Unpin>(
-    mut reader: R,
-    limit: usize,
-) -> std::io::Result<(Vec<u8>, bool)> {
-    let mut kept = Vec::new();
-    let mut truncated = false;
-    let mut buf = vec![0u8; 64 * 1024];
-    loop {
-        let n = reader.read(&mut buf).await?;
-        if n == 0 {
-            return Ok((kept, truncated));
-        }
-        let room = limit.saturating_sub(kept.len());
-        kept.extend_from_slice(&buf[..n.min(room)]);
-        truncated |= n > room;
-    }
-}
-
-/// A running process in the guest.
-#[derive(Debug)]
-pub struct Child {
-    instance: Instance,
-    /// The control-channel process id (not the guest pid).
-    key: u32,
+/// A process guest-init reported started, and the host's ends of its channels.
+struct Started {
     pid: u32,
-    is_pty: bool,
-    /// The process's standard input, when it was spawned with [`Stdio::piped`] or a pty.
-    pub stdin: Option<ChildStdin>,
-    /// The process's standard output, streaming (a pty's whole screen output).
-    pub stdout: Option<ChildStdout>,
-    /// The process's standard error, streaming.
-    pub stderr: Option<ChildStderr>,
-    end: Option<oneshot::Receiver<ProcessEnd>>,
-    status: Option<ExitStatus>,
-    backstop: Backstop,
+    channels: StartedChannels,
+    end: oneshot::Receiver<ProcessEnd>,
 }
 
-impl Child {
-    /// The process id inside the guest.
-    pub fn id(&self) -> u32 {
-        self.pid
-    }
-
-    /// Sends `signal` (a Linux signal number, e.g. `libc::SIGTERM`) to the process group.
-    pub fn signal(&self, signal: i32) -> Result<()> {
-        if self.status.is_some() {
-            return Ok(());
-        }
-        self.instance
-            .control()?
-            .send(&HostMessage::Signal(SignalProcess {
-                id: self.key,
-                signal,
-            }))
-    }
-
-    /// Changes the size of the process's pty; the foreground process group gets SIGWINCH.
-    /// An error if the command was not started with [`Command::pty`].
-    pub fn resize(&self, rows: u16, cols: u16) -> Result<()> {
-        if !self.is_pty {
-            return Err(Error::InvalidConfig(
-                "resize needs a command started with .pty(rows, cols)".into(),
-            ));
-        }
-        if self.status.is_some() {
-            return Ok(());
-        }
-        self.instance.control()?.send(&HostMessage::Resize(Resize {
-            id: self.key,
-            size: PtySize { rows, cols },
-        }))
-    }
-
-    /// Kills the process group with SIGKILL and waits for the process to end.
-    pub async fn kill(&mut self) -> Result<ExitStatus> {
-        self.signal(libc::SIGKILL)?;
-        self.wait().await
-    }
-
-    /// Waits for the process to exit. Output not yet read stays readable.
-    pub async fn wait(&mut self) -> Result<ExitStatus> {
-        if let Some(status) = self.status {
-            return Ok(status);
-        }
-        let end = self
-            .end
-            .as_mut()
-            .expect("end receiver present until a status is known");
-        let result = self.backstop.run(end).await?;
-        let result = result.map(|end| match end {
-            // The command outlived its timeout so long that the host killed it.
-            ProcessEnd::Exited(mut exited) if self.backstop.fired => {
-                exited.timed_out = true;
-                ProcessEnd::Exited(exited)
-            }
-            other => other,
-        });
-        let status = match result {
-            Ok(ProcessEnd::Exited(exited)) => ExitStatus {
-                raw: exited.status,
-                timed_out: exited.timed_out,
-            },
-            Ok(ProcessEnd::Failed(failed)) => {
-                return Err(Error::InstanceGone {
-                    reason: format!("process failed after starting: {}", failed.message),
-                })
-            }
-            Ok(ProcessEnd::Gone(reason)) => return Err(reason.error()),
-            Err(_) => {
-                return Err(Error::InstanceGone {
-                    reason: "the control channel closed".into(),
-                })
-            }
-        };
-        self.end = None;
-        self.status = Some(status);
-        Ok(status)
-    }
+struct StartedChannels {
+    stdout: tokio::sync::mpsc::UnboundedReceiver<crate::control::OutputItem>,
+    stderr: tokio::sync::mpsc::UnboundedReceiver<crate::control::OutputItem>,
+    stdin_credit: std::sync::Arc<tokio::sync::Semaphore>,
 }
 
-impl Drop for Receiver {
-    fn drop(&mut self) {
-        // Bytes read but not yet credited, plus whatever arrives later, are released so the
-        // process is not stalled by a reader that went away (the control task discards them).
-        if self.uncredited > 0 {
-            self.control.credit(self.id, self.stream, self.uncredited);
-        }
-        self.rx.close();
-        while let Ok(item) = self.rx.try_recv() {
-            if let OutputItem::Data(chunk) = item {
-                self.control
-                    .credit(self.id, self.stream, chunk.len() as u32);
-            }
-        }
-    }
-}
-
-/// A child's standard input ([`AsyncWrite`]), for commands spawned with [`Stdio::piped`] or a
-/// pty. Writes wait while the guest has not yet consumed earlier input (bounded memory on both
-/// sides). Shutting it down (or dropping it) closes the process's stdin.
-pub struct ChildStdin {
-    control: Arc<Control>,
+/// Registers process `id`, sends its `Exec` (`message`) and waits for guest-init to report it
+/// started, at most [`Limits::request_timeout`](crate::Limits::request_timeout) (then
+/// [`Error::RequestTimeout`]). Ended any other way than with the process started (an error,
+/// the deadline, or this future dropped), the process is killed.
+async fn start(
+    control: &std::sync::Arc<Control>,
     id: u32,
-    credit: PollSemaphore,
-    closed: bool,
-}
-
-impl fmt::Debug for ChildStdin {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ChildStdin")
-            .field("id", &self.id)
-            .finish_non_exhaustive()
-    }
-}
-
-fn broken_pipe() -> std::io::Error {
-    std::io::Error::new(
-        std::io::ErrorKind::BrokenPipe,
-        "the guest process has ended",
-    )
-}
-
-impl AsyncWrite for ChildStdin {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        let this = self.get_mut();
-        if this.closed {
-            return Poll::Ready(Err(broken_pipe()));
-        }
-        if buf.is_empty() {
-            return Poll::Ready(Ok(0));
-        }
-        // One permit is one byte the guest has room for.
-        let first = match this.credit.poll_acquire(cx) {
-            Poll::Pending => return Poll::Pending,
-            Poll::Ready(None) => return Poll::Ready(Err(broken_pipe())),
-            Poll::Ready(Some(permit)) => permit,
-        };
-        let semaphore: &Semaphore = this.credit.as_ref();
-        let extra = buf
-            .len()
-            .min(MAX_CHUNK)
-            .saturating_sub(1)
-            .min(semaphore.available_permits());
-        let n = 1 + match semaphore.try_acquire_many(extra as u32) {
-            Ok(permits) => {
-                permits.forget();
-                extra
-            }
-            Err(_) => 0,
-        };
-        first.forget();
-        let message = HostMessage::Stdin(StdinData {
-            id: this.id,
-            data: ByteBuf::from(buf[..n].to_vec()),
-        });
-        match this.control.send(&message) {
-            Ok(()) => Poll::Ready(Ok(n)),
-            Err(_) => Poll::Ready(Err(broken_pipe())),
-        }
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        let this = self.get_mut();
-        if !this.closed {
-            this.closed = true;
-            let _ = this
-                .control
-                .send(&HostMessage::CloseStdin(ProcessRef { id: this.id }));
-        }
-        Poll::Ready(Ok(()))
-    }
-}
-
-impl Drop for ChildStdin {
-    fn drop(&mut self) {
-        if !self.closed {
-            let _ = self
-                .control
-                .send(&HostMessage::CloseStdin(ProcessRef { id: self.id }));
-        }
-    }
-}
-
-/// The host's backstop for a command's timeout, which guest-init enforces. Should guest-init
-/// not have ended the command [`TIMEOUT_GRACE`] after the timeout, the host sends the kill
-/// itself; should the guest still not end it within another grace period, it is unresponsive,
-/// and waiting longer would hang the caller.
-struct Backstop {
-    control: Arc<Control>,
-    id: u32,
-    /// When the host stops waiting for guest-init; `None` without a timeout.
-    deadline: Option<tokio::time::Instant>,
-    /// The host had to send the kill itself.
-    fired: bool,
-}
-
-impl fmt::Debug for Backstop {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Backstop")
-            .field("deadline", &self.deadline)
-            .field("fired", &self.fired)
-            .finish_non_exhaustive()
-    }
-}
-
-impl Backstop {
-    /// Runs `work` (reading the streams, or waiting for the end) under the backstop.
-    async fn run<F: std::future::Future>(&mut self, work: F) -> Result<F::Output> {
-        let Some(deadline) = self.deadline else {
-            return Ok(work.await);
-        };
-        tokio::pin!(work);
-        if let Ok(done) = tokio::time::timeout_at(deadline, &mut work).await {
-            return Ok(done);
-        }
-        if !self.fired {
-            self.fired = true;
-            tracing::warn!(id = self.id, "guest did not enforce a timeout; killing");
-            send_kill(&self.control, self.id);
-        }
-        let Some(last) = deadline.checked_add(TIMEOUT_GRACE) else {
-            return Ok(work.await);
-        };
-        tokio::time::timeout_at(last, work)
-            .await
-            .map_err(|_| Error::GuestUnresponsive {
-                after: TIMEOUT_GRACE * 2,
-            })
-    }
-}
-
-/// Asks guest-init to SIGKILL process `id`'s group (ignored if it has already ended).
-fn send_kill(control: &Control, id: u32) {
-    let _ = control.send(&HostMessage::Signal(SignalProcess {
+    message: &HostMessage,
+    program: &OsStr,
+) -> Result<Started> {
+    let channels = control.register(id)?;
+    control.send(message)?;
+    // From here the process may be running: if this future is dropped (cancelled) or gives up
+    // before it returns, the guard kills it.
+    let mut guard = KillOnDrop {
+        control: control.clone(),
         id,
-        signal: libc::SIGKILL,
-    }));
-}
-
-/// Kills a process whose `Exec` was sent but whose [`Child`] does not exist yet, should the
-/// spawn be abandoned (its future dropped) in between.
-struct KillOnDrop {
-    control: Arc<Control>,
-    id: u32,
-    armed: bool,
-}
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        if self.armed {
-            send_kill(&self.control, self.id);
-        }
-    }
-}
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        // Cancellation: a process nobody waits for anymore is killed, group and all.
-        if self.status.is_none() {
-            if let Ok(control) = self.instance.control() {
-                send_kill(&control, self.key);
+        armed: true,
+    };
+    let mut end = channels.end;
+    let mut started = channels.started;
+    let timeout = control.limits.request_timeout;
+    let pid = tokio::time::timeout(timeout, async {
+        // guest-init sends Started before anything else about a process, and one connection
+        // keeps the order; but a quick process can have both Started and its end waiting
+        // here, so look at Started first.
+        let pid = tokio::select! {
+            biased;
+            pid = &mut started => pid.ok(),
+            ended = &mut end => {
+                guard.armed = false;
+                return Err(early_end(program, ended));
             }
-        }
+        };
+        let Some(pid) = pid else {
+            let ended = (&mut end).await;
+            guard.armed = false;
+            return Err(early_end(program, ended));
+        };
+        Ok(pid)
+    })
+    .await
+    .map_err(|_| Error::RequestTimeout {
+        request: format!("spawn {program:?} (waiting for the process to start)"),
+        after: timeout,
+    })??;
+    // The caller's Child takes over: dropping it kills the process.
+    guard.armed = false;
+    Ok(Started {
+        pid,
+        channels: StartedChannels {
+            stdout: channels.stdout,
+            stderr: channels.stderr,
+            stdin_credit: channels.stdin_credit,
+        },
+        end,
+    })
+}
+
+fn early_end(
+    program: &OsStr,
+    end: std::result::Result<ProcessEnd, oneshot::error::RecvError>,
+) -> Error {
+    match end {
+        Ok(ProcessEnd::Failed(failed)) => Error::Exec {
+            program: program.to_string_lossy().into_owned(),
+            kind: failed.kind,
+            message: failed.message,
+        },
+        Ok(ProcessEnd::Gone(reason)) => reason.error(),
+        Ok(ProcessEnd::Exited(_)) | Err(_) => Error::InstanceGone {
+            reason: "the guest ended the process before reporting it started".into(),
+        },
     }
 }
 
-/// Chunks from the control channel, read as a byte stream. Consumed bytes are credited back
-/// to the guest in batches, so at most [`OUTPUT_WINDOW`] bytes per stream wait in host memory.
-struct Receiver {
-    rx: mpsc::UnboundedReceiver<OutputItem>,
-    chunk: Vec<u8>,
-    /// Why the stream broke off, once it did: every later read reports it again.
-    broken: Option<Gone>,
-    pos: usize,
-    control: Arc<Control>,
-    id: u32,
-    stream: Stream,
-    uncredited: u32,
-}
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
 
-impl fmt::Debug for Receiver {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Receiver")
-            .field("id", &self.id)
-            .field("stream", &self.stream)
-            .finish_non_exhaustive()
-    }
-}
+    use tokio::time::Instant;
 
-impl Receiver {
-    fn new(
-        rx: mpsc::UnboundedReceiver<OutputItem>,
-        control: Arc<Control>,
-        id: u32,
-        stream: Stream,
-    ) -> Self {
-        Receiver {
-            rx,
-            chunk: Vec::new(),
-            broken: None,
-            pos: 0,
-            control,
+    use super::*;
+    use crate::limits::Limits;
+    use crate::protocol::{GuestMessage, SignalProcess};
+    use crate::scripted_guest;
+
+    fn exec(id: u32) -> HostMessage {
+        HostMessage::Exec(Exec {
             id,
-            stream,
-            uncredited: 0,
-        }
+            argv: vec![ByteBuf::from(b"sleep".to_vec())],
+            env: vec![],
+            cwd: None,
+            uid: None,
+            gid: None,
+            timeout_ms: None,
+            stdin: false,
+            pty: None,
+        })
     }
 
-    fn poll_read(
-        &mut self,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        while self.pos == self.chunk.len() {
-            if let Some(reason) = &self.broken {
-                return Poll::Ready(Err(std::io::Error::other(reason.error())));
+    /// A guest that answers pings but never reports the process started: `spawn` fails at its
+    /// deadline (not when the liveness check would, which it never does here), and the process
+    /// it may have started is killed.
+    #[tokio::test(start_paused = true)]
+    async fn a_spawn_the_guest_never_answers_fails_at_its_deadline_and_kills() {
+        let timeout = Duration::from_secs(45);
+        let (control, log) =
+            scripted_guest::start(Limits::new().request_timeout(timeout), |_| vec![]);
+        let started = Instant::now();
+        let result = tokio::time::timeout(
+            timeout * 10,
+            start(&control, 7, &exec(7), OsStr::new("sleep")),
+        )
+        .await
+        .expect("spawn must not wait forever");
+        let waited = started.elapsed();
+        match result {
+            Err(Error::RequestTimeout { request, after }) => {
+                assert_eq!(after, timeout);
+                assert!(request.starts_with("spawn \"sleep\""), "{request}");
             }
-            match self.rx.poll_recv(cx) {
-                Poll::Ready(Some(OutputItem::Broken(reason))) => self.broken = Some(reason),
-                Poll::Ready(Some(OutputItem::Data(chunk))) => {
-                    // The chunk left the channel: credit once a quarter window accumulated.
-                    self.uncredited += chunk.len() as u32;
-                    if self.uncredited >= OUTPUT_WINDOW / 4 {
-                        self.control.credit(self.id, self.stream, self.uncredited);
-                        self.uncredited = 0;
-                    }
-                    self.chunk = chunk;
-                    self.pos = 0;
+            other => panic!("expected RequestTimeout, got {:?}", other.err()),
+        }
+        assert!(
+            waited >= timeout && waited < timeout + Duration::from_secs(1),
+            "{waited:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let log = log.lock().unwrap();
+        assert!(matches!(log[0], HostMessage::Exec(_)), "{log:?}");
+        assert!(
+            log.contains(&HostMessage::Signal(SignalProcess {
+                id: 7,
+                signal: libc::SIGKILL
+            })),
+            "{log:?}"
+        );
+        assert!(control.gone().is_none(), "the instance stays usable");
+    }
+
+    /// The host tracks at most `max_processes` processes the guest has not reported ended;
+    /// one more fails at once, before anything is sent.
+    #[tokio::test(start_paused = true)]
+    async fn processes_past_the_cap_fail_at_once() {
+        let (control, log) =
+            scripted_guest::start(Limits::new().max_processes(2), |message| match message {
+                HostMessage::Exec(exec) => vec![GuestMessage::Started(crate::protocol::Started {
+                    id: exec.id,
+                    pid: 100 + exec.id,
+                })],
+                _ => vec![],
+            });
+        let a = start(&control, 1, &exec(1), OsStr::new("sleep"))
+            .await
+            .unwrap();
+        let b = start(&control, 2, &exec(2), OsStr::new("sleep"))
+            .await
+            .unwrap();
+        assert_eq!((a.pid, b.pid), (101, 102));
+        let err = start(&control, 3, &exec(3), OsStr::new("sleep"))
+            .await
+            .err()
+            .unwrap();
+        assert!(
+            matches!(
+                err,
+                Error::TooMany {
+                    limit: 2,
+                    knob: "max_processes",
+                    ..
                 }
-                Poll::Ready(None) => return Poll::Ready(Ok(())),
-                Poll::Pending => return Poll::Pending,
-            }
-        }
-        let n = buf.remaining().min(self.chunk.len() - self.pos);
-        buf.put_slice(&self.chunk[self.pos..self.pos + n]);
-        self.pos += n;
-        Poll::Ready(Ok(()))
-    }
-}
-
-/// A child's standard output ([`AsyncRead`]); ends when the process and everything it started
-/// have closed it.
-///
-/// If the VM stops before the process ends, the stream is incomplete: reads then fail with an
-/// [`std::io::Error`] whose inner error is [`Error::InstanceGone`], never a clean end of file.
-///
-/// ```no_run
-/// # async fn demo(vm: &krunbox::Instance) -> krunbox::Result<()> {
-/// use tokio::io::AsyncReadExt;
-///
-/// let mut child = vm.command("ls").arg("/").spawn().await?;
-/// let mut listing = String::new();
-/// match child.stdout.take().unwrap().read_to_string(&mut listing).await {
-///     Ok(_) => println!("{listing}"),
-///     Err(err) => match err.get_ref().and_then(|e| e.downcast_ref::<krunbox::Error>()) {
-///         Some(krunbox::Error::InstanceGone { reason }) => eprintln!("VM stopped: {reason}"),
-///         _ => eprintln!("reading failed: {err}"),
-///     },
-/// }
-/// # Ok(()) }
-/// ```
-#[derive(Debug)]
-pub struct ChildStdout(Receiver);
-
-/// A child's standard error ([`AsyncRead`]); behaves like [`ChildStdout`].
-#[derive(Debug)]
-pub struct ChildStderr(Receiver);
-
-impl AsyncRead for ChildStdout {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        self.get_mut().0.poll_read(cx, buf)
-    }
-}
-
-impl AsyncRead for ChildStderr {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        self.get_mut().0.poll_read(cx, buf)
-    }
-}
-
-/// How a guest process ended.
-///
-/// ```
-/// # use krunbox::ExitStatus;
-/// fn describe(status: ExitStatus) -> String {
-///     match (status.code(), status.signal()) {
-///         (_, _) if status.timed_out() => "timed out (exit code 124)".into(),
-///         (Some(code), _) => format!("exited with {code}"),
-///         (None, Some(sig)) => format!("killed by signal {sig}"),
-///         (None, None) => unreachable!(),
-///     }
-/// }
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ExitStatus {
-    raw: protocol::ExitStatus,
-    timed_out: bool,
-}
-
-/// The exit code reported for a command killed by its timeout (as coreutils `timeout` does).
-pub const TIMEOUT_EXIT_CODE: i32 = 124;
-
-impl ExitStatus {
-    /// True for exit code 0.
-    pub fn success(&self) -> bool {
-        self.code() == Some(0)
-    }
-
-    /// The exit code; [`TIMEOUT_EXIT_CODE`] when the timeout killed it; `None` when a signal
-    /// (other than the timeout's) ended it.
-    pub fn code(&self) -> Option<i32> {
-        if self.timed_out {
-            return Some(TIMEOUT_EXIT_CODE);
-        }
-        match self.raw {
-            protocol::ExitStatus::Code(code) => Some(code),
-            protocol::ExitStatus::Signal(_) => None,
-        }
-    }
-
-    /// The terminating signal, if a signal (not the timeout) ended it.
-    pub fn signal(&self) -> Option<i32> {
-        match self.raw {
-            protocol::ExitStatus::Signal(sig) if !self.timed_out => Some(sig),
-            _ => None,
-        }
-    }
-
-    /// Whether the command's timeout killed it.
-    pub fn timed_out(&self) -> bool {
-        self.timed_out
-    }
-}
-
-impl fmt::Display for ExitStatus {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.timed_out {
-            return write!(f, "timed out (exit code {TIMEOUT_EXIT_CODE})");
-        }
-        match self.raw {
-            protocol::ExitStatus::Code(c) => write!(f, "exit code {c}"),
-            protocol::ExitStatus::Signal(s) => write!(f, "signal {s}"),
-        }
-    }
-}
-
-/// The result of [`Command::output`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Output {
-    /// How it ended.
-    pub status: ExitStatus,
-    /// Everything written to stdout (up to [`Command::output_limit`]).
-    pub stdout: Vec<u8>,
-    /// Everything written to stderr (up to [`Command::output_limit`]).
-    pub stderr: Vec<u8>,
-    /// Whether stdout was cut at the output limit.
-    pub stdout_truncated: bool,
-    /// Whether stderr was cut at the output limit.
-    pub stderr_truncated: bool,
-}
-
-impl Output {
-    /// Stdout as text (lossy UTF-8).
-    pub fn stdout_text(&self) -> String {
-        String::from_utf8_lossy(&self.stdout).into_owned()
-    }
-
-    /// Stderr as text (lossy UTF-8).
-    pub fn stderr_text(&self) -> String {
-        String::from_utf8_lossy(&self.stderr).into_owned()
+            ),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("max_processes"), "{err}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let execs = log
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|m| matches!(m, HostMessage::Exec(_)))
+            .count();
+        assert_eq!(execs, 2, "nothing past the cap was sent");
     }
 }

@@ -1,0 +1,269 @@
+//! A running process ([`Child`]): signals, resizing, waiting, and how it ended
+//! ([`ExitStatus`]); the host's backstop for a command's timeout; killing on drop.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+
+use super::stdio::{ChildStderr, ChildStdin, ChildStdout};
+use crate::control::{Control, ProcessEnd};
+use crate::error::{Error, Result};
+use crate::instance::Instance;
+use crate::protocol::{self, HostMessage, PtySize, Resize, SignalProcess};
+
+/// How long the host waits past a command's own timeout for guest-init to report it, before
+/// it kills the process group itself.
+pub(super) const TIMEOUT_GRACE: Duration = Duration::from_secs(10);
+
+/// A running process in the guest.
+#[derive(Debug)]
+pub struct Child {
+    pub(super) instance: Instance,
+    /// The control-channel process id (not the guest pid).
+    pub(super) key: u32,
+    pub(super) pid: u32,
+    pub(super) is_pty: bool,
+    /// The process's standard input, when it was spawned with [`Stdio::piped`] or a pty.
+    pub stdin: Option<ChildStdin>,
+    /// The process's standard output, streaming (a pty's whole screen output).
+    pub stdout: Option<ChildStdout>,
+    /// The process's standard error, streaming.
+    pub stderr: Option<ChildStderr>,
+    pub(super) end: Option<oneshot::Receiver<ProcessEnd>>,
+    pub(super) status: Option<ExitStatus>,
+    pub(super) backstop: Backstop,
+}
+
+impl Child {
+    /// The process id inside the guest.
+    pub fn id(&self) -> u32 {
+        self.pid
+    }
+
+    /// Sends `signal` (a Linux signal number, e.g. `libc::SIGTERM`) to the process group.
+    pub fn signal(&self, signal: i32) -> Result<()> {
+        if self.status.is_some() {
+            return Ok(());
+        }
+        self.instance
+            .control()?
+            .send(&HostMessage::Signal(SignalProcess {
+                id: self.key,
+                signal,
+            }))
+    }
+
+    /// Changes the size of the process's pty; the foreground process group gets SIGWINCH.
+    /// An error if the command was not started with [`Command::pty`].
+    pub fn resize(&self, rows: u16, cols: u16) -> Result<()> {
+        if !self.is_pty {
+            return Err(Error::InvalidConfig(
+                "resize needs a command started with .pty(rows, cols)".into(),
+            ));
+        }
+        if self.status.is_some() {
+            return Ok(());
+        }
+        self.instance.control()?.send(&HostMessage::Resize(Resize {
+            id: self.key,
+            size: PtySize { rows, cols },
+        }))
+    }
+
+    /// Kills the process group with SIGKILL and waits for the process to end.
+    pub async fn kill(&mut self) -> Result<ExitStatus> {
+        self.signal(libc::SIGKILL)?;
+        self.wait().await
+    }
+
+    /// Waits for the process to exit. Output not yet read stays readable.
+    pub async fn wait(&mut self) -> Result<ExitStatus> {
+        if let Some(status) = self.status {
+            return Ok(status);
+        }
+        let end = self
+            .end
+            .as_mut()
+            .expect("end receiver present until a status is known");
+        let result = self.backstop.run(end).await?;
+        let result = result.map(|end| match end {
+            // The command outlived its timeout so long that the host killed it.
+            ProcessEnd::Exited(mut exited) if self.backstop.fired => {
+                exited.timed_out = true;
+                ProcessEnd::Exited(exited)
+            }
+            other => other,
+        });
+        let status = match result {
+            Ok(ProcessEnd::Exited(exited)) => ExitStatus {
+                raw: exited.status,
+                timed_out: exited.timed_out,
+            },
+            Ok(ProcessEnd::Failed(failed)) => {
+                return Err(Error::InstanceGone {
+                    reason: format!("process failed after starting: {}", failed.message),
+                })
+            }
+            Ok(ProcessEnd::Gone(reason)) => return Err(reason.error()),
+            Err(_) => {
+                return Err(Error::InstanceGone {
+                    reason: "the control channel closed".into(),
+                })
+            }
+        };
+        self.end = None;
+        self.status = Some(status);
+        Ok(status)
+    }
+}
+
+/// The host's backstop for a command's timeout, which guest-init enforces. Should guest-init
+/// not have ended the command [`TIMEOUT_GRACE`] after the timeout, the host sends the kill
+/// itself; should the guest still not end it within another grace period, it is unresponsive,
+/// and waiting longer would hang the caller.
+pub(super) struct Backstop {
+    pub(super) control: Arc<Control>,
+    pub(super) id: u32,
+    /// When the host stops waiting for guest-init; `None` without a timeout.
+    pub(super) deadline: Option<tokio::time::Instant>,
+    /// The host had to send the kill itself.
+    pub(super) fired: bool,
+}
+
+impl fmt::Debug for Backstop {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Backstop")
+            .field("deadline", &self.deadline)
+            .field("fired", &self.fired)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Backstop {
+    /// Runs `work` (reading the streams, or waiting for the end) under the backstop.
+    pub(super) async fn run<F: std::future::Future>(&mut self, work: F) -> Result<F::Output> {
+        let Some(deadline) = self.deadline else {
+            return Ok(work.await);
+        };
+        tokio::pin!(work);
+        if let Ok(done) = tokio::time::timeout_at(deadline, &mut work).await {
+            return Ok(done);
+        }
+        if !self.fired {
+            self.fired = true;
+            tracing::warn!(id = self.id, "guest did not enforce a timeout; killing");
+            send_kill(&self.control, self.id);
+        }
+        let Some(last) = deadline.checked_add(TIMEOUT_GRACE) else {
+            return Ok(work.await);
+        };
+        tokio::time::timeout_at(last, work)
+            .await
+            .map_err(|_| Error::GuestUnresponsive {
+                after: TIMEOUT_GRACE * 2,
+            })
+    }
+}
+
+/// Asks guest-init to SIGKILL process `id`'s group (ignored if it has already ended).
+pub(super) fn send_kill(control: &Control, id: u32) {
+    let _ = control.send(&HostMessage::Signal(SignalProcess {
+        id,
+        signal: libc::SIGKILL,
+    }));
+}
+
+/// Kills a process whose `Exec` was sent but whose [`Child`] does not exist yet, should the
+/// spawn be abandoned (its future dropped) in between.
+pub(super) struct KillOnDrop {
+    pub(super) control: Arc<Control>,
+    pub(super) id: u32,
+    pub(super) armed: bool,
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            send_kill(&self.control, self.id);
+        }
+    }
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        // Cancellation: a process nobody waits for anymore is killed, group and all.
+        if self.status.is_none() {
+            if let Ok(control) = self.instance.control() {
+                send_kill(&control, self.key);
+            }
+        }
+    }
+}
+
+/// How a guest process ended.
+///
+/// ```
+/// # use krunbox::ExitStatus;
+/// fn describe(status: ExitStatus) -> String {
+///     match (status.code(), status.signal()) {
+///         (_, _) if status.timed_out() => "timed out (exit code 124)".into(),
+///         (Some(code), _) => format!("exited with {code}"),
+///         (None, Some(sig)) => format!("killed by signal {sig}"),
+///         (None, None) => unreachable!(),
+///     }
+/// }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExitStatus {
+    raw: protocol::ExitStatus,
+    timed_out: bool,
+}
+
+/// The exit code reported for a command killed by its timeout (as coreutils `timeout` does).
+pub const TIMEOUT_EXIT_CODE: i32 = 124;
+
+impl ExitStatus {
+    /// True for exit code 0.
+    pub fn success(&self) -> bool {
+        self.code() == Some(0)
+    }
+
+    /// The exit code; [`TIMEOUT_EXIT_CODE`] when the timeout killed it; `None` when a signal
+    /// (other than the timeout's) ended it.
+    pub fn code(&self) -> Option<i32> {
+        if self.timed_out {
+            return Some(TIMEOUT_EXIT_CODE);
+        }
+        match self.raw {
+            protocol::ExitStatus::Code(code) => Some(code),
+            protocol::ExitStatus::Signal(_) => None,
+        }
+    }
+
+    /// The terminating signal, if a signal (not the timeout) ended it.
+    pub fn signal(&self) -> Option<i32> {
+        match self.raw {
+            protocol::ExitStatus::Signal(sig) if !self.timed_out => Some(sig),
+            _ => None,
+        }
+    }
+
+    /// Whether the command's timeout killed it.
+    pub fn timed_out(&self) -> bool {
+        self.timed_out
+    }
+}
+
+impl fmt::Display for ExitStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.timed_out {
+            return write!(f, "timed out (exit code {TIMEOUT_EXIT_CODE})");
+        }
+        match self.raw {
+            protocol::ExitStatus::Code(c) => write!(f, "exit code {c}"),
+            protocol::ExitStatus::Signal(s) => write!(f, "signal {s}"),
+        }
+    }
+}

@@ -516,3 +516,111 @@ fn many_concurrent_operations_get_their_own_answers() {
         assert_eq!(out.stdout_text().trim(), "64");
     });
 }
+
+/// Fails the test if `fut` takes longer than a minute: a refused read must be answered at
+/// once, never block (a FIFO) or stream without end (`/dev/zero`).
+async fn promptly<T>(fut: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(60), fut)
+        .await
+        .expect("answered promptly, not blocked or streaming")
+}
+
+/// `read_file` of a device, a FIFO or a 10 GiB (sparse) file is a typed error, answered at
+/// once, and the instance stays healthy. (Before, `/dev/zero` exhausted host memory and a FIFO
+/// blocked guest-init's open until the instance died.)
+#[test]
+fn read_file_refuses_devices_fifos_and_huge_files() {
+    common::run(async {
+        let vm = shared_vm().await;
+        let dir = scratch(vm, "not-files").await;
+        sh(
+            vm,
+            &format!("mkfifo {dir}/fifo && truncate -s 10G {dir}/sparse"),
+        )
+        .await;
+
+        let (kind, message) = fs_kind(promptly(vm.read_file("/dev/zero")).await);
+        assert_eq!(kind, FsErrorKind::NotAFile, "{message}");
+        assert!(message.contains("not a regular file"), "{message}");
+        let (kind, message) = fs_kind(promptly(vm.read_file(format!("{dir}/fifo"))).await);
+        assert_eq!(kind, FsErrorKind::NotAFile, "{message}");
+        // The stream refuses them in guest-init, without blocking on the FIFO's open.
+        let (kind, message) = fs_kind(promptly(vm.open_file(format!("{dir}/fifo"))).await);
+        assert_eq!(kind, FsErrorKind::NotAFile, "{message}");
+        assert!(message.contains("a FIFO"), "{message}");
+        let (kind, message) = fs_kind(promptly(vm.open_file("/dev/zero")).await);
+        assert_eq!(kind, FsErrorKind::NotAFile, "{message}");
+
+        let (kind, message) = fs_kind(promptly(vm.read_file(format!("{dir}/sparse"))).await);
+        assert_eq!(kind, FsErrorKind::TooLarge, "{message}");
+        assert!(message.contains("10737418240 bytes"), "{message}");
+        assert!(message.contains("open_file"), "{message}");
+
+        // Still healthy: a command and a file read work.
+        assert!(vm.is_running());
+        assert_eq!(
+            sh(vm, "echo still here").await.stdout_text(),
+            "still here\n"
+        );
+        vm.write_file(format!("{dir}/ok"), b"ok").await.unwrap();
+        assert_eq!(vm.read_file(format!("{dir}/ok")).await.unwrap(), b"ok");
+    });
+}
+
+/// With a small `read_file` limit (1 MiB, so three chunks cross it): a file of exactly the
+/// limit is read, one byte more is `TooLarge`, and `open_file` streams it whole. A directory
+/// past `read_dir_max_entries` is `TooLarge` too.
+#[test]
+fn files_past_the_limits_are_refused_and_streamed_instead() {
+    common::run(async {
+        const LIMIT: u64 = 1 << 20;
+        let vm = Sandbox::builder()
+            .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
+            .limits(
+                krunbox::Limits::new()
+                    .read_file_max(LIMIT)
+                    .read_dir_max_entries(10),
+            )
+            .build()
+            .expect("sandbox definition")
+            .boot()
+            .await
+            .expect("booting");
+        sh(
+            &vm,
+            &format!(
+                "mkdir -p /tmp/big/dir && cd /tmp/big && head -c {LIMIT} /dev/urandom > exact && \
+                 cat exact > over && echo x >> over && touch dir/f1 dir/f2 dir/f3 dir/f4 \
+                 dir/f5 dir/f6 dir/f7 dir/f8 dir/f9 dir/f10"
+            ),
+        )
+        .await;
+        let exact = vm.read_file("/tmp/big/exact").await.unwrap();
+        assert_eq!(exact.len() as u64, LIMIT);
+
+        let (kind, message) = fs_kind(vm.read_file("/tmp/big/over").await);
+        assert_eq!(kind, FsErrorKind::TooLarge, "{message}");
+        assert!(
+            message.contains(&format!("{} bytes", LIMIT + 2)),
+            "{message}"
+        );
+
+        let mut streamed = Vec::new();
+        vm.open_file("/tmp/big/over")
+            .await
+            .unwrap()
+            .read_to_end(&mut streamed)
+            .await
+            .unwrap();
+        assert_eq!(streamed.len() as u64, LIMIT + 2);
+        assert_eq!(&streamed[..LIMIT as usize], &exact[..]);
+        assert_eq!(&streamed[LIMIT as usize..], b"x\n");
+
+        assert_eq!(vm.read_dir("/tmp/big/dir").await.unwrap().len(), 10);
+        sh(&vm, "touch /tmp/big/dir/f11").await;
+        let (kind, message) = fs_kind(vm.read_dir("/tmp/big/dir").await);
+        assert_eq!(kind, FsErrorKind::TooLarge, "{message}");
+        assert!(message.contains("more than 10 entries"), "{message}");
+        assert!(vm.is_running());
+    });
+}

@@ -499,3 +499,45 @@ fn a_dropped_reader_does_not_stall_the_process() {
         assert!(child.wait().await.unwrap().success());
     });
 }
+
+/// `output()` of a command that writes without end fails with the typed error at its cap
+/// (small here: the least I/O that crosses it), kills the command, and the instance stays
+/// usable.
+#[test]
+fn output_past_its_cap_is_a_typed_error_and_the_command_is_killed() {
+    common::run(async {
+        let vm = vm().await;
+        let pidfile = "/tmp/yes.pid";
+        let err = tokio::time::timeout(
+            Duration::from_secs(120),
+            vm.command("sh")
+                .args(["-c", &format!("echo $$ > {pidfile}; exec yes")])
+                .max_output(100_000)
+                .output(),
+        )
+        .await
+        .expect("output() must stop at its cap, not wait for `yes` to end")
+        .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::OutputLimitExceeded {
+                    stream: "stdout",
+                    limit: 100_000
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("100000 bytes"), "{err}");
+        assert!(gone(vm, pidfile).await, "`yes` was killed");
+        // Within the cap, all of it.
+        let out = vm
+            .command("head")
+            .args(["-c", "100000", "/dev/zero"])
+            .max_output(100_000)
+            .output()
+            .await
+            .unwrap();
+        assert_eq!(out.stdout.len(), 100_000);
+    });
+}

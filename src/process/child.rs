@@ -25,7 +25,7 @@ pub struct Child {
     pub(super) key: u32,
     pub(super) pid: u32,
     pub(super) is_pty: bool,
-    /// The process's standard input, when it was spawned with [`Stdio::piped`] or a pty.
+    /// The process's standard input, when it was spawned with [`Stdio::piped`](crate::Stdio::piped) or a pty.
     pub stdin: Option<ChildStdin>,
     /// The process's standard output, streaming (a pty's whole screen output).
     pub stdout: Option<ChildStdout>,
@@ -56,7 +56,7 @@ impl Child {
     }
 
     /// Changes the size of the process's pty; the foreground process group gets SIGWINCH.
-    /// An error if the command was not started with [`Command::pty`].
+    /// An error if the command was not started with [`Command::pty`](crate::Command::pty).
     pub fn resize(&self, rows: u16, cols: u16) -> Result<()> {
         if !self.is_pty {
             return Err(Error::InvalidConfig(

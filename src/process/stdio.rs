@@ -34,7 +34,7 @@ impl Drop for Receiver {
     }
 }
 
-/// A child's standard input ([`AsyncWrite`]), for commands spawned with [`Stdio::piped`] or a
+/// A child's standard input ([`AsyncWrite`]), for commands spawned with [`Stdio::piped`](crate::Stdio::piped) or a
 /// pty. Writes wait while the guest has not yet consumed earlier input (bounded memory on both
 /// sides). Shutting it down (or dropping it) closes the process's stdin.
 pub struct ChildStdin {
@@ -206,7 +206,7 @@ impl Receiver {
 /// have closed it.
 ///
 /// If the VM stops before the process ends, the stream is incomplete: reads then fail with an
-/// [`std::io::Error`] whose inner error is [`Error::InstanceGone`], never a clean end of file.
+/// [`std::io::Error`] whose inner error is [`Error::InstanceGone`](crate::Error::InstanceGone), never a clean end of file.
 ///
 /// ```no_run
 /// # async fn demo(vm: &krunbox::Instance) -> krunbox::Result<()> {

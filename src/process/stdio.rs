@@ -249,3 +249,75 @@ impl AsyncRead for ChildStderr {
         self.get_mut().0.poll_read(cx, buf)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::OsStr;
+    use std::time::Duration;
+
+    use serde_bytes::ByteBuf;
+
+    use crate::limits::Limits;
+    use crate::protocol::{
+        limits::MAX_CHUNK, Exec, GuestMessage, HostMessage, Output, ProtocolError, Started, Stream,
+        OUTPUT_WINDOW,
+    };
+    use crate::scripted_guest;
+
+    /// A guest that sends output past its credit (a window and one chunk, with nobody
+    /// reading) breaks the protocol: the instance stops, and the host never queued more than
+    /// the window.
+    #[tokio::test(start_paused = true)]
+    async fn output_past_the_window_stops_the_instance() {
+        let chunks = OUTPUT_WINDOW as usize / MAX_CHUNK + 1;
+        let (control, _) = scripted_guest::start(Limits::new(), move |message| {
+            let HostMessage::Exec(exec) = message else {
+                return vec![];
+            };
+            let mut answers = vec![GuestMessage::Started(Started {
+                id: exec.id,
+                pid: 1,
+            })];
+            answers.extend((0..chunks).map(|_| {
+                GuestMessage::Output(Output {
+                    id: exec.id,
+                    stream: Stream::Stdout,
+                    data: ByteBuf::from(vec![b'y'; MAX_CHUNK]),
+                })
+            }));
+            answers
+        });
+        let exec = HostMessage::Exec(Exec {
+            id: 1,
+            argv: vec![ByteBuf::from(b"yes".to_vec())],
+            env: vec![],
+            cwd: None,
+            uid: None,
+            gid: None,
+            timeout_ms: None,
+            stdin: false,
+            pty: None,
+        });
+        let mut started = super::super::start(&control, 1, &exec, OsStr::new("yes"))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let violation = control.violation.lock().unwrap().clone();
+        assert!(
+            matches!(
+                violation,
+                Some(ProtocolError::OutOfBounds {
+                    field: "output flow control",
+                    ..
+                })
+            ),
+            "{violation:?}"
+        );
+        let mut queued = 0;
+        while let Ok(crate::control::OutputItem::Data(chunk)) = started.channels.stdout.try_recv() {
+            queued += chunk.len();
+        }
+        assert!(queued <= OUTPUT_WINDOW as usize, "{queued} bytes queued");
+        assert!(control.gone().is_some());
+    }
+}

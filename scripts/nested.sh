@@ -129,6 +129,15 @@ while read -r dir; do
     mkdir -p "$r$dir" && mount --bind "/host$dir" "$r$dir" || die "cannot keep $dir"
 done <$s/keep
 
+# How a command gets the host's tree as its root, run in a mount namespace of
+# its own (unshare -m): the tree is moved over / there and the command
+# chroots to it, so its root is the namespace's topmost mount and not a
+# chroot inside it. Inside a plain chroot the kernel refuses what sandboxes
+# do (unshare(CLONE_NEWUSER) is EPERM, pivot_root EINVAL), and the VMM
+# helper's jail could not be tested here. Its arguments are /bin/sh's in the
+# new root.
+enter_root="cd $r && mount --move . / && exec chroot . /bin/sh \"\$@\""
+
 # Pool mode (nested.sh serve): run every job the host queues, several at once,
 # until the host stops L1. A job is a directory queue/ID holding cmd.sh; it
 # moves to jobs/ID and gets pgid, started, out, err, ended and status there.
@@ -138,8 +147,8 @@ if [ -e $s/serve ]; then
     run_job() {
         d=$s/jobs/$1
         cut -d' ' -f1 /proc/uptime >$d/started
-        setsid env -i /bin/chroot $r /bin/sh -c 'echo $$ >"$1/pgid"; exec /bin/sh "$1/cmd.sh"' \
-            sh "/run/krunbox/jobs/$1" </dev/null >$d/out 2>$d/err
+        setsid env -i /bin/unshare -m /bin/sh -c "$enter_root" sh \
+            -c 'echo $$ >"$1/pgid"; exec /bin/sh "$1/cmd.sh"' sh "/run/krunbox/jobs/$1" </dev/null >$d/out 2>$d/err
         rc=$?
         cut -d' ' -f1 /proc/uptime >$d/ended
         echo $rc >$d/status.new && mv $d/status.new $d/status
@@ -211,7 +220,7 @@ if [ ! -e $s/stderr-tty ]; then
     pids="$pids $!" err=/err
 fi
 cut -d' ' -f1 /proc/uptime >$s/boot-seconds
-env -i /bin/chroot $r /bin/sh /run/krunbox/cmd.sh </dev/null >$out 2>$err
+env -i /bin/unshare -m /bin/sh -c "$enter_root" sh /run/krunbox/cmd.sh </dev/null >$out 2>$err
 echo $? >$s/exit-status
 cut -d' ' -f1 /proc/uptime >$s/end-seconds
 # Let the pipes drain, but do not wait for children CMD left running.

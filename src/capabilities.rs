@@ -72,6 +72,10 @@ pub struct HostCapabilities {
     pub libkrunfw: Result<PathBuf, String>,
     /// Each built-in image.
     pub images: Vec<(BuiltinImage, ImageState)>,
+    /// The VMM helper's jail on this host: each isolation layer and canary, as the helper
+    /// applies them before a boot (probed without booting, so also where KVM cannot boot
+    /// guests), or why it could not be probed.
+    pub isolation: Result<crate::Isolation, String>,
 }
 
 // ioctl numbers from <linux/kvm.h>: _IO(KVMIO, 0x00) and _IO(KVMIO, 0x01).
@@ -133,6 +137,11 @@ impl HostCapabilities {
             guest_init: artifacts::locate_guest_init(None).map_err(|e| e.to_string()),
             libkrunfw: artifacts::locate_libkrunfw(None).map_err(|e| e.to_string()),
             images,
+            isolation: Err("not probed".into()),
+        };
+        caps.isolation = match (&caps.vmm_helper, &caps.libkrunfw) {
+            (Ok(helper), Ok(libkrunfw)) => crate::jail::host::probe(helper, libkrunfw).await,
+            _ => Err("needs the VMM helper and libkrunfw (run scripts/setup.sh)".into()),
         };
         caps.kvm = caps.probe_kvm().await;
         caps
@@ -206,6 +215,24 @@ slower, but real microVMs."
         line(&mut out, "VMM helper:", &self.vmm_helper);
         line(&mut out, "guest-init:", &self.guest_init);
         line(&mut out, "libkrunfw:", &self.libkrunfw);
+        match &self.isolation {
+            Ok(isolation) => {
+                let breaches = isolation.breaches();
+                let verdict = if breaches.is_empty() {
+                    "ok: every canary was blocked"
+                } else {
+                    "BREACHED: a canary got through, so krunbox refuses to boot here"
+                };
+                let _ = writeln!(
+                    out,
+                    "Isolation:    {verdict}; the VMM helper's jail on this host:"
+                );
+                out.push_str(&isolation.to_string());
+            }
+            Err(e) => {
+                let _ = writeln!(out, "Isolation:    unknown: {e}");
+            }
+        }
         for (image, state) in &self.images {
             let label = format!("image {}:", image.name());
             let _ = match state {

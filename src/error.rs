@@ -62,6 +62,29 @@ pub enum Error {
         /// The last lines of the guest console and VMM log.
         console_tail: String,
     },
+    /// The VMM helper's jail did not hold: a canary reached what it must not (a host file, host
+    /// loopback, a denied system call). The VM was not started.
+    #[error("the VMM helper's confinement failed its canaries ({}); the VM was not started. \
+             `krunbox doctor` shows the isolation layers this host provides:\n{isolation}",
+             .breaches.iter().map(|b| format!("{}: {}", b.canary, b.detail)).collect::<Vec<_>>().join("; "))]
+    IsolationBreached {
+        /// The canaries that got through.
+        breaches: Vec<crate::CanaryReport>,
+        /// Everything the helper reported.
+        isolation: crate::Isolation,
+    },
+    /// This host cannot provide an isolation layer the definition requires
+    /// ([`SandboxBuilder::require_isolation`](crate::SandboxBuilder::require_isolation)). The
+    /// VM was not started.
+    #[error("this host cannot provide isolation the sandbox requires ({}); the VM was not started. \
+             Enable what is missing (see `krunbox doctor`) or require less:\n{isolation}",
+             .missing.iter().map(|l| format!("{}: {}", l.layer, l.detail)).collect::<Vec<_>>().join("; "))]
+    IsolationUnavailable {
+        /// The required layers that are not in force, with the reason for each.
+        missing: Vec<crate::LayerReport>,
+        /// Everything the helper reported.
+        isolation: crate::Isolation,
+    },
     /// guest-init could not finish setting up the guest.
     #[error("guest setup failed: {message}")]
     GuestSetup {

@@ -66,6 +66,10 @@ struct Inner {
     kill: watch::Sender<bool>,
     /// Held so the helper's lifeline pipe stays open while the instance lives.
     _lifeline: OwnedFd,
+    /// What the VMM helper's jail holds, as it reported before the VM started.
+    isolation: crate::Isolation,
+    /// Drains the guest console into the bounded log while the instance lives.
+    _console: Arc<crate::console::ConsoleLog>,
     dir: tempfile::TempDir,
 }
 
@@ -88,7 +92,7 @@ impl Drop for Inner {
 
 /// Where per-instance sockets and logs live: a local filesystem (unix sockets can't live on
 /// network filesystems), short paths (sun_path is 108 bytes).
-fn runtime_dir() -> PathBuf {
+pub(crate) fn runtime_dir() -> PathBuf {
     std::env::var_os("XDG_RUNTIME_DIR")
         .map(PathBuf::from)
         .filter(|d| d.is_dir())
@@ -96,7 +100,38 @@ fn runtime_dir() -> PathBuf {
 }
 
 fn tail(dir: &Path) -> String {
-    vmm::log_tail(&[&dir.join("console.log"), &dir.join("vmm.log")], 25)
+    let [older, newer] = crate::console::CONSOLE_LOGS;
+    vmm::log_tail(
+        &[&dir.join(older), &dir.join(newer), &dir.join("vmm.log")],
+        25,
+    )
+}
+
+/// The error for a helper that exited with [`vmm::ISOLATION_EXIT_CODE`]: it refused to start the
+/// VM, and its report says why.
+fn isolation_refusal(
+    report: Option<crate::Isolation>,
+    required: &[crate::Layer],
+    tail: String,
+) -> Error {
+    let Some(isolation) = report else {
+        return Error::VmExited {
+            status: "the VMM helper refused to start the VM and wrote no isolation report".into(),
+            console_tail: tail,
+        };
+    };
+    let breaches = isolation.breaches();
+    if breaches.is_empty() {
+        Error::IsolationUnavailable {
+            missing: isolation.missing(required),
+            isolation,
+        }
+    } else {
+        Error::IsolationBreached {
+            breaches,
+            isolation,
+        }
+    }
 }
 
 pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
@@ -124,12 +159,15 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     let listener =
         UnixListener::bind(&socket).map_err(Error::io(format!("binding {}", socket.display())))?;
 
+    let jail = crate::jail::host::prepare(dir.path(), &config.required_isolation)?;
     let vmm_config = VmmConfig {
         cpus: config.cpus,
         memory_mib: config.memory_mib,
         root_fstype: image.fstype.clone(),
+        root_image: image.path.clone(),
         control_socket: socket.clone(),
-        console_log: dir.path().join("console.log"),
+        console: dir.path().join(crate::console::CONSOLE_FIFO),
+        jail: jail.config.clone(),
         kernel: config.kernel.clone(),
         log_level: config.vmm_log_level,
     };
@@ -159,22 +197,33 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     };
     let console = dir.path().join("console.log");
     let mut attempt = 1;
-    let (mut child, lifeline_write, stream, decoder, hello) = loop {
+    let (mut child, lifeline_write, stream, decoder, hello, report, console_log) = loop {
         let log = std::fs::File::create(dir.path().join("vmm.log"))
             .map_err(Error::io("creating the VMM log"))?;
-        let _ = std::fs::remove_file(&console);
-        let (lifeline_read, lifeline_write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
-            .map_err(|e| Error::io("creating the lifeline pipe")(e.into()))?;
-        let mut child = vmm::spawn(
-            &config.artifacts.vmm_helper,
-            &config.artifacts.libkrunfw_dir,
-            &config_path,
-            &image.file,
-            &guest_init,
-            &lifeline_read,
-            log,
-        )?;
+        let console_log = crate::console::ConsoleLog::start(dir.path())?;
+        let pipe = || nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC);
+        let (lifeline_read, lifeline_write) =
+            pipe().map_err(|e| Error::io("creating the lifeline pipe")(e.into()))?;
+        let (report_read, report_write) =
+            pipe().map_err(|e| Error::io("creating the isolation report pipe")(e.into()))?;
+        let mut child = {
+            use std::os::fd::AsRawFd;
+            vmm::spawn(
+                &config.artifacts.vmm_helper,
+                &config.artifacts.libkrunfw_dir,
+                &[config_path.as_os_str()],
+                &[
+                    (image.file.as_raw_fd(), vmm::ROOT_IMAGE_FD),
+                    (lifeline_read.as_raw_fd(), vmm::LIFELINE_FD),
+                    (guest_init.as_raw_fd(), vmm::GUEST_INIT_FD),
+                    (report_write.as_raw_fd(), vmm::REPORT_FD),
+                ],
+                log,
+            )?
+        };
         drop(lifeline_read);
+        drop(report_write);
+        let report = tokio::spawn(crate::jail::host::read_report(report_read));
 
         let handshake = async {
             let (mut stream, _) = listener
@@ -199,21 +248,44 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
                 }
             }
         };
+        let mut report = report;
         let outcome = tokio::select! {
             result = handshake => result.map(Some),
-            status = child.wait() => Err(Error::VmExited {
-                status: status.map(|s| s.to_string()).unwrap_or_else(|e| e.to_string()),
-                console_tail: tail(dir.path()),
-            }),
-            _ = &mut deadline => Err(Error::BootTimeout {
-                after: config.boot_timeout,
-                console_tail: tail(dir.path()),
-            }),
+            status = child.wait() => {
+                console_log.settle().await;
+                match status {
+                    Ok(s) if s.code() == Some(vmm::ISOLATION_EXIT_CODE) => {
+                        let report = (&mut report).await.ok().flatten();
+                        Err(isolation_refusal(report, &config.required_isolation, tail(dir.path())))
+                    }
+                    status => Err(Error::VmExited {
+                        status: status.map(|s| s.to_string()).unwrap_or_else(|e| e.to_string()),
+                        console_tail: tail(dir.path()),
+                    }),
+                }
+            }
+            _ = &mut deadline => {
+                console_log.settle().await;
+                Err(Error::BootTimeout {
+                    after: config.boot_timeout,
+                    console_tail: tail(dir.path()),
+                })
+            }
             _ = stalled, if attempt < BOOT_ATTEMPTS => Ok(None),
         };
         match outcome {
             Ok(Some((stream, decoder, hello))) => {
-                break (child, lifeline_write, stream, decoder, hello)
+                // The helper wrote its report before it started the VM.
+                let report = (&mut report).await.ok().flatten();
+                break (
+                    child,
+                    lifeline_write,
+                    stream,
+                    decoder,
+                    hello,
+                    report,
+                    console_log,
+                );
             }
             Ok(None) => {
                 tracing::warn!(
@@ -227,6 +299,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             Err(err) => {
                 let _ = child.start_kill();
                 let _ = child.wait().await;
+                console_log.settle().await;
                 // A guest that died while the handshake failed explains the failure better.
                 return Err(match err {
                     Error::GuestSetup { message } => Error::GuestSetup {
@@ -239,6 +312,16 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     };
     drop(image);
     drop(listener);
+    drop(jail);
+    let Some(isolation) = report else {
+        let _ = child.start_kill();
+        let _ = child.wait().await;
+        return Err(Error::VmExited {
+            status: "the VMM helper started the VM without a readable isolation report".into(),
+            console_tail: tail(dir.path()),
+        });
+    };
+    let console_log = Arc::new(console_log);
     tracing::debug!(kernel = %hello.kernel_release, guest_init = %hello.guest_init, "guest ready");
 
     let vmm_pid = child.id();
@@ -257,6 +340,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     let hung = control.hung.clone();
     let c = control.clone();
     let dir_path = dir.path().to_path_buf();
+    let console = console_log.clone();
     tokio::spawn(async move {
         let status = loop {
             tokio::select! {
@@ -281,6 +365,8 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
                 }
             }
         };
+        // The console's last lines may still be in the FIFO.
+        console.settle().await;
         let description = if let Some(hung @ Gone::Hung(_)) = c.gone() {
             // The liveness check killed it: that, not the kill's signal, is the story.
             format!("{hung}\n{}", tail(&dir_path))
@@ -319,12 +405,32 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             exited,
             kill,
             _lifeline: lifeline_write,
+            isolation,
+            _console: console_log,
             dir,
         }),
     })
 }
 
 impl Instance {
+    /// The VMM helper's confinement: every isolation layer (in force or not, and why) and
+    /// the outcome of each canary, as the helper reported them before it started this VM.
+    /// Every canary of a running instance was blocked: a boot where one got through fails.
+    ///
+    /// ```no_run
+    /// # async fn demo(vm: krunbox::Instance) {
+    /// use krunbox::Layer;
+    ///
+    /// let isolation = vm.isolation();
+    /// if !isolation.is_enforced(Layer::Landlock) {
+    ///     eprintln!("no Landlock on this host:\n{isolation}");
+    /// }
+    /// # }
+    /// ```
+    pub fn isolation(&self) -> &crate::Isolation {
+        &self.inner.isolation
+    }
+
     /// Builds a command to run `program` in this VM.
     ///
     /// ```no_run

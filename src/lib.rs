@@ -38,10 +38,12 @@
 
 mod artifacts;
 mod capabilities;
+mod console;
 mod control;
 mod error;
 mod files;
 mod instance;
+mod jail;
 mod limits;
 mod process;
 mod rootfs;
@@ -61,6 +63,7 @@ pub use capabilities::{HostCapabilities, ImageState, KvmStatus};
 pub use error::{Error, Result};
 pub use files::{DirEntry, GuestFileReader, GuestFileWriter, Metadata};
 pub use instance::Instance;
+pub use jail::{Canary, CanaryReport, Isolation, Layer, LayerReport};
 pub use limits::{
     Limits, DEFAULT_MAX_PENDING_FILE_REQUESTS, DEFAULT_MAX_PROCESSES, DEFAULT_READ_DIR_MAX_ENTRIES,
     DEFAULT_READ_FILE_MAX, DEFAULT_REQUEST_TIMEOUT, MAX_REQUEST_TIMEOUT, MIN_REQUEST_TIMEOUT,

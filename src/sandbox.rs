@@ -62,6 +62,7 @@ pub(crate) struct SandboxConfig {
     pub artifacts: Artifacts,
     pub kernel: Option<KernelConfig>,
     pub vmm_log_level: u32,
+    pub required_isolation: Vec<crate::Layer>,
 }
 
 impl Sandbox {
@@ -103,6 +104,7 @@ pub struct SandboxBuilder {
     overrides: ArtifactOverrides,
     kernel: Option<Kernel>,
     vmm_log_level: u32,
+    required_isolation: Vec<crate::Layer>,
 }
 
 impl Default for SandboxBuilder {
@@ -124,6 +126,7 @@ impl Default for SandboxBuilder {
                 .and_then(|v| v.parse().ok())
                 // Info: a handful of lines per VM, among them how a vCPU stopped.
                 .unwrap_or(3),
+            required_isolation: Vec::new(),
         }
     }
 }
@@ -190,6 +193,38 @@ impl SandboxBuilder {
     /// ```
     pub fn liveness_timeout(mut self, timeout: Duration) -> Self {
         self.liveness_timeout = timeout;
+        self
+    }
+
+    /// Isolation layers the VMM helper must have in force, or the boot fails with
+    /// [`Error::IsolationUnavailable`](crate::Error::IsolationUnavailable) before the guest
+    /// runs. Whatever is required, the helper always applies every layer the host offers, and a
+    /// boot whose canaries get through always fails
+    /// ([`Error::IsolationBreached`](crate::Error::IsolationBreached)). Calls add up.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> krunbox::Result<()> {
+    /// use krunbox::{Layer, Sandbox};
+    ///
+    /// let sandbox = Sandbox::builder()
+    ///     .require_isolation([Layer::Seccomp, Layer::Landlock, Layer::UserNamespace])
+    ///     .build()?;
+    /// match sandbox.boot().await {
+    ///     Err(krunbox::Error::IsolationUnavailable { missing, .. }) => {
+    ///         for layer in missing {
+    ///             eprintln!("missing {}: {}", layer.layer, layer.detail);
+    ///         }
+    ///     }
+    ///     other => { other?; }
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn require_isolation(mut self, layers: impl IntoIterator<Item = crate::Layer>) -> Self {
+        for layer in layers {
+            if !self.required_isolation.contains(&layer) {
+                self.required_isolation.push(layer);
+            }
+        }
         self
     }
 
@@ -302,6 +337,7 @@ impl SandboxBuilder {
                 artifacts,
                 kernel,
                 vmm_log_level: self.vmm_log_level,
+                required_isolation: self.required_isolation,
             }),
         })
     }

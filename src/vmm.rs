@@ -7,13 +7,13 @@
 //! talks to (the control channel today; filesystems and network later) stay in the library's
 //! process, reached through unix sockets that libkrun bridges to guest vsock ports.
 
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::jail::{Isolation, JailConfig, JailPaths};
 use crate::protocol::CONTROL_PORT;
 
 /// The file descriptor number the root image is passed on.
@@ -36,6 +36,14 @@ const GUEST_INIT_MAX_BYTES: u64 = 64 << 20;
 /// Mount points guest-init uses on its first root before it switches to the image.
 const BOOT_DIRS: [&str; 4] = ["dev", "proc", "sys", "newroot"];
 
+/// The file descriptor of the pipe the helper writes its [`Isolation`] report to (JSON), before
+/// it starts the VM or refuses to.
+pub const REPORT_FD: i32 = 6;
+
+/// The helper's exit code when it refused to start the VM because its jail did not hold (a
+/// canary got through) or a required isolation layer is missing. The report says which.
+pub const ISOLATION_EXIT_CODE: i32 = 71;
+
 /// The helper's exit code when its lifeline broke (the instance or the library process went).
 pub const LIFELINE_EXIT_CODE: i32 = 70;
 
@@ -49,10 +57,15 @@ pub struct VmmConfig {
     pub memory_mib: u32,
     /// Filesystem type of the root image (on fd [`ROOT_IMAGE_FD`]).
     pub root_fstype: String,
+    /// The root image's path, only to find it again inside the helper's mount namespace: the
+    /// file opened there must be the very file of [`ROOT_IMAGE_FD`] (same device and inode).
+    pub root_image: PathBuf,
     /// Host unix socket bridged to guest vsock port [`CONTROL_PORT`].
     pub control_socket: PathBuf,
-    /// Where the guest console goes.
-    pub console_log: PathBuf,
+    /// The FIFO the guest console goes to; the library drains it into a bounded log.
+    pub console: PathBuf,
+    /// The helper's jail.
+    pub jail: JailConfig,
     /// A custom kernel instead of libkrunfw's.
     pub kernel: Option<KernelConfig>,
     /// libkrun log level (0 off … 5 trace).
@@ -72,12 +85,21 @@ pub struct KernelConfig {
 
 /// Entry point of the `krunbox-vmm` helper binary. Only returns (with an exit code) if the VM
 /// could not be started; otherwise libkrun exits the process when the guest powers off.
+///
+/// `krunbox-vmm --probe-isolation CONFIG` applies the jail and runs the canaries, writes the
+/// report, and exits without starting a VM (`krunbox doctor` uses it; no KVM needed).
 #[doc(hidden)]
 pub fn helper_main() -> i32 {
     let args: Vec<String> = std::env::args().collect();
-    let [_, config_path] = &args[..] else {
-        eprintln!("usage: krunbox-vmm CONFIG.json (started by the krunbox library, not by hand)");
-        return 2;
+    let (probe, config_path) = match &args[..] {
+        [_, config] => (false, config),
+        [_, flag, config] if flag == "--probe-isolation" => (true, config),
+        _ => {
+            eprintln!(
+                "usage: krunbox-vmm [--probe-isolation] CONFIG.json (started by the krunbox library, not by hand)"
+            );
+            return 2;
+        }
     };
     let config: VmmConfig = match std::fs::read(config_path)
         .map_err(|e| e.to_string())
@@ -89,15 +111,64 @@ pub fn helper_main() -> i32 {
             return 2;
         }
     };
-    watch_lifeline();
-    let guest_init = match read_guest_init() {
-        Ok(bytes) => bytes,
-        Err(e) => {
-            eprintln!("krunbox-vmm: cannot read guest-init from fd {GUEST_INIT_FD}: {e}");
-            return 2;
+    let guest_init = if probe {
+        &[][..]
+    } else {
+        match read_guest_init() {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                eprintln!("krunbox-vmm: cannot read guest-init from fd {GUEST_INIT_FD}: {e}");
+                return 2;
+            }
         }
     };
-    match configure(&config, guest_init) {
+    // The jail, in the order that works: namespaces while this process has one thread; libkrun's
+    // context (it loads libkrunfw) while the host's tree is still there; then the empty root,
+    // limits, privileges, Landlock and seccomp; then the canaries. No guest code has run yet.
+    let mut isolation = Isolation::default();
+    let in_mount_namespace = crate::jail::enter_namespaces(&mut isolation);
+    let ctx = match new_context(&config) {
+        Ok(ctx) => ctx,
+        Err(e) => {
+            eprintln!("krunbox-vmm: {e}");
+            return 1;
+        }
+    };
+    let image = if probe {
+        PathBuf::from("/dev/null")
+    } else if in_mount_namespace {
+        match reopen_image(&config.root_image) {
+            Ok(path) => path,
+            Err(e) => {
+                eprintln!("krunbox-vmm: {e}");
+                return 1;
+            }
+        }
+    } else {
+        PathBuf::from(format!("/proc/self/fd/{ROOT_IMAGE_FD}"))
+    };
+    let host = JailPaths {
+        kvm: PathBuf::from("/dev/kvm"),
+        image,
+        console: config.console.clone(),
+        control_socket: config.control_socket.clone(),
+        kernel: config.kernel.as_ref().map(|k| k.path.clone()),
+    };
+    let paths = crate::jail::build_root(&config.jail, host, in_mount_namespace, &mut isolation);
+    let configured = configure(ctx, &config, &paths, guest_init);
+    crate::jail::restrict(&paths, &mut isolation);
+    crate::jail::run_canaries(&config.jail, &mut isolation);
+    let refusal = crate::jail::refusal(&config.jail, &isolation);
+    write_report(&isolation);
+    if let Some(why) = refusal {
+        eprintln!("krunbox-vmm: not starting the VM: {why}");
+        return ISOLATION_EXIT_CODE;
+    }
+    if probe {
+        return 0;
+    }
+    watch_lifeline();
+    match configured {
         Ok(ctx) => {
             let err = ctx.start_enter();
             eprintln!("krunbox-vmm: the VM did not start: {err}");
@@ -107,6 +178,46 @@ pub fn helper_main() -> i32 {
             eprintln!("krunbox-vmm: {e}");
             1
         }
+    }
+}
+
+/// The root image, opened again inside the helper's new mount namespace (a descriptor from the
+/// library's namespace cannot be bind-mounted here), and checked to be the very file the library
+/// verified: the same device and inode as [`ROOT_IMAGE_FD`]. Returns its `/proc/self/fd` path.
+fn reopen_image(path: &Path) -> std::result::Result<PathBuf, String> {
+    use std::os::fd::{AsRawFd, BorrowedFd};
+    use std::os::unix::fs::MetadataExt;
+    let file = std::fs::File::open(path)
+        .map_err(|e| format!("cannot open the root image {}: {e}", path.display()))?;
+    // SAFETY: the library passes ROOT_IMAGE_FD open for the helper's whole life.
+    let verified = unsafe { BorrowedFd::borrow_raw(ROOT_IMAGE_FD) };
+    let verified =
+        nix::sys::stat::fstat(verified).map_err(|e| format!("fstat of fd {ROOT_IMAGE_FD}: {e}"))?;
+    let reopened = file
+        .metadata()
+        .map_err(|e| format!("fstat of {}: {e}", path.display()))?;
+    if reopened.dev() != verified.st_dev as u64 || reopened.ino() != verified.st_ino as u64 {
+        return Err(format!(
+            "{} is no longer the root image the library verified (it was replaced)",
+            path.display()
+        ));
+    }
+    let fd = file.as_raw_fd();
+    // Kept open for the helper's life: libkrun opens the image through this path.
+    std::mem::forget(file);
+    Ok(PathBuf::from(format!("/proc/self/fd/{fd}")))
+}
+
+/// Writes the isolation report on [`REPORT_FD`] and closes it, so the library sees EOF.
+fn write_report(isolation: &Isolation) {
+    use std::io::Write;
+    use std::os::fd::FromRawFd;
+    // SAFETY: the library hands this process fd REPORT_FD open on a pipe's write end; nothing
+    // else in the helper owns it. If it was not passed, the write fails and nothing else breaks.
+    let mut pipe = unsafe { std::fs::File::from_raw_fd(REPORT_FD) };
+    let json = serde_json::to_vec(isolation).expect("the report serialises");
+    if let Err(e) = pipe.write_all(&json) {
+        eprintln!("krunbox-vmm: cannot write the isolation report: {e}");
     }
 }
 
@@ -148,11 +259,10 @@ fn read_guest_init() -> std::io::Result<&'static [u8]> {
     Ok(Vec::leak(bytes))
 }
 
-fn configure(
-    config: &VmmConfig,
-    guest_init: &'static [u8],
-) -> std::result::Result<krun_sys::Context, String> {
-    use krun_sys::{Context, LogLevel, ROOT_FS_TAG};
+/// libkrun's context. Creating it loads libkrunfw, so it happens before the jail's root
+/// replaces the host's tree.
+fn new_context(config: &VmmConfig) -> std::result::Result<krun_sys::Context, String> {
+    use krun_sys::LogLevel;
     let level = match config.log_level {
         0 => LogLevel::Off,
         1 => LogLevel::Error,
@@ -162,16 +272,27 @@ fn configure(
         _ => LogLevel::Trace,
     };
     krun_sys::set_log_level(level).map_err(|e| e.to_string())?;
-    let mut ctx = Context::new().map_err(|e| e.to_string())?;
+    krun_sys::Context::new().map_err(|e| e.to_string())
+}
+
+/// Configures the VM with the paths libkrun will open (inside the jail when it pivoted).
+fn configure(
+    mut ctx: krun_sys::Context,
+    config: &VmmConfig,
+    paths: &JailPaths,
+    guest_init: &'static [u8],
+) -> std::result::Result<krun_sys::Context, String> {
+    use krun_sys::ROOT_FS_TAG;
     let step = |r: std::result::Result<(), krun_sys::KrunError>| r.map_err(|e| e.to_string());
     step(ctx.set_vm_config(config.cpus, config.memory_mib))?;
-    if let Some(kernel) = &config.kernel {
+    if let (Some(kernel), Some(path)) = (&config.kernel, &paths.kernel) {
         // No initramfs: its /init would run instead of guest-init.
-        step(ctx.set_kernel(&kernel.path, kernel.format, None, kernel.cmdline.as_deref()))?;
+        step(ctx.set_kernel(path, kernel.format, None, kernel.cmdline.as_deref()))?;
     }
-    // The image arrives as an inherited, already-verified descriptor: open it by that fd so a
-    // path swap after verification cannot substitute another file.
-    let image = PathBuf::from(format!("/proc/self/fd/{ROOT_IMAGE_FD}"));
+    // The image arrives as an inherited, already-verified descriptor, opened by that fd (or a
+    // bind mount of it inside the jail), so a path swap after verification cannot substitute
+    // another file.
+    let image = &paths.image;
     // The guest's first root holds guest-init and its mount points and nothing else: a
     // virtio-fs device with no host directory behind it, served from this process's memory.
     // libkrun's passthrough server does not jail itself (a hostile guest kernel could look up
@@ -182,37 +303,43 @@ fn configure(
         step(ctx.add_virtual_dir(ROOT_FS_TAG, dir, 0o755))?;
     }
     step(ctx.add_virtual_file(ROOT_FS_TAG, "init.krun", guest_init, 0o555))?;
-    step(ctx.add_disk("root", &image, true))?;
+    step(ctx.add_disk("root", image, true))?;
     step(ctx.disable_implicit_init())?;
     // No TSI: the guest gets no network through the vsock device, only our port.
     step(ctx.set_vsock(0))?;
-    step(ctx.add_vsock_port(CONTROL_PORT, &config.control_socket, false))?;
+    step(ctx.add_vsock_port(CONTROL_PORT, &paths.control_socket, false))?;
     // Explicitly empty: nothing of this process's environment reaches the guest.
     step(ctx.set_env(&[]))?;
-    step(ctx.set_console_output(&config.console_log))?;
+    step(ctx.set_console_output(&paths.console))?;
     Ok(ctx)
 }
 
-/// Starts the helper for one VM. The root image descriptor becomes the helper's fd
-/// [`ROOT_IMAGE_FD`], the lifeline's read end fd [`LIFELINE_FD`], guest-init fd
-/// [`GUEST_INIT_FD`].
+/// Descriptors handed to the helper, each as (descriptor in this process, number in the helper).
+pub(crate) type Inherited = [(std::os::fd::RawFd, i32)];
+
+/// Starts the helper with `args`. Each inherited descriptor becomes the given number in the
+/// helper (for a VM: the root image [`ROOT_IMAGE_FD`], the lifeline [`LIFELINE_FD`], guest-init
+/// [`GUEST_INIT_FD`], the report pipe [`REPORT_FD`]).
 pub(crate) fn spawn(
     helper: &Path,
     libkrunfw_dir: &Path,
-    config_path: &Path,
-    root_image: &std::fs::File,
-    guest_init: &std::fs::File,
-    lifeline: &impl AsRawFd,
+    args: &[&std::ffi::OsStr],
+    inherited: &Inherited,
     log: std::fs::File,
 ) -> Result<tokio::process::Child> {
-    let image_fd = root_image.as_raw_fd();
-    let init_fd = guest_init.as_raw_fd();
-    let lifeline_fd = lifeline.as_raw_fd();
+    const MAX_INHERITED: usize = 8;
+    assert!(
+        inherited.len() <= MAX_INHERITED,
+        "too many inherited descriptors"
+    );
+    let mut plan = [(-1, -1); MAX_INHERITED];
+    plan[..inherited.len()].copy_from_slice(inherited);
+    let count = inherited.len();
     let log_err = log
         .try_clone()
         .map_err(Error::io("duplicating the VMM log file"))?;
     let mut cmd = tokio::process::Command::new(helper);
-    cmd.arg(config_path)
+    cmd.args(args)
         .env_clear()
         .env("LD_LIBRARY_PATH", libkrunfw_dir)
         .stdin(Stdio::null())
@@ -222,21 +349,22 @@ pub(crate) fn spawn(
     if let Some(level) = std::env::var_os("RUST_LOG") {
         cmd.env("RUST_LOG", level);
     }
-    // SAFETY: only async-signal-safe calls (dup, dup2, fcntl) between fork and exec.
+    // SAFETY: only async-signal-safe calls (fcntl, dup2) between fork and exec, on a copy of
+    // the plan made before the fork (no allocation here).
     unsafe {
         cmd.pre_exec(move || {
+            let mut plan = plan;
             // Move the sources out of the way first, so no dup2 clobbers another.
-            let image = libc::fcntl(image_fd, libc::F_DUPFD_CLOEXEC, 10);
-            let lifeline = libc::fcntl(lifeline_fd, libc::F_DUPFD_CLOEXEC, 10);
-            let init = libc::fcntl(init_fd, libc::F_DUPFD_CLOEXEC, 10);
-            if image < 0
-                || lifeline < 0
-                || init < 0
-                || libc::dup2(image, ROOT_IMAGE_FD) < 0
-                || libc::dup2(lifeline, LIFELINE_FD) < 0
-                || libc::dup2(init, GUEST_INIT_FD) < 0
-            {
-                return Err(std::io::Error::last_os_error());
+            for (source, _) in plan.iter_mut().take(count) {
+                *source = libc::fcntl(*source, libc::F_DUPFD_CLOEXEC, 10);
+                if *source < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            for (source, target) in plan.iter().take(count) {
+                if libc::dup2(*source, *target) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
             }
             Ok(())
         });

@@ -10,7 +10,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-use krunbox::{BuiltinImage, Instance, Rootfs, Sandbox};
+use krunbox::{BuiltinImage, Instance, Layer, Rootfs, Sandbox};
 
 fn busybox() -> Sandbox {
     Sandbox::builder()
@@ -148,5 +148,120 @@ fn the_guest_finds_no_host_file_on_any_device_it_can_reach() {
             );
         }
         vm.shutdown().await.unwrap();
+    });
+}
+
+/// A `Name:  value` line of /proc/PID/status.
+fn status_field(pid: u32, name: &str) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(&format!("{name}:"))
+                .map(|v| v.trim().to_string())
+        })
+        .unwrap_or_else(|| panic!("no {name} in /proc/{pid}/status"))
+}
+
+#[test]
+fn the_vmm_helper_is_jailed_and_every_canary_is_blocked() {
+    common::run(async {
+        let vm = busybox().boot().await.unwrap();
+        let isolation = vm.isolation().clone();
+        println!("{isolation}");
+        // What the helper reports.
+        assert_eq!(isolation.canaries().len(), 3, "{isolation}");
+        assert!(isolation.breaches().is_empty(), "{isolation}");
+        // The layers every host this suite runs on provides (Linux >= 5.13 with Landlock,
+        // user namespaces or root). LandlockNetwork/Scope depend on the kernel's ABI.
+        let required = [
+            Layer::UserNamespace,
+            Layer::MountNamespace,
+            Layer::NetworkNamespace,
+            Layer::IpcNamespace,
+            Layer::Rlimits,
+            Layer::NoNewPrivs,
+            Layer::Capabilities,
+            Layer::Landlock,
+            Layer::Seccomp,
+        ];
+        assert!(isolation.missing(&required).is_empty(), "{isolation}");
+
+        // What the kernel says about the running helper, not trusting its report.
+        let pid = vm.vmm_pid().unwrap();
+        assert_eq!(status_field(pid, "NoNewPrivs"), "1");
+        assert_eq!(status_field(pid, "Seccomp"), "2", "seccomp filter mode");
+        assert_eq!(status_field(pid, "CapEff"), "0000000000000000");
+        assert_eq!(status_field(pid, "CapBnd"), "0000000000000000");
+        let ns = |p: &str, kind: &str| std::fs::read_link(format!("/proc/{p}/ns/{kind}")).unwrap();
+        for kind in ["user", "mnt", "net", "ipc", "uts"] {
+            assert_ne!(
+                ns("self", kind),
+                ns(&pid.to_string(), kind),
+                "{kind} namespace shared"
+            );
+        }
+        // Its root holds exactly what libkrun opens.
+        let root: BTreeSet<String> = std::fs::read_dir(format!("/proc/{pid}/root"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        let expected: BTreeSet<String> = ["dev", "root.img", "console", "control.sock"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        assert_eq!(root, expected);
+        let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+        let limit = |name: &str| {
+            limits
+                .lines()
+                .find(|l| l.starts_with(name))
+                .map(|l| {
+                    l[name.len()..]
+                        .split_whitespace()
+                        .next()
+                        .unwrap()
+                        .to_string()
+                })
+                .unwrap()
+        };
+        assert_eq!(limit("Max core file size"), "0");
+        assert_eq!(limit("Max open files"), "512");
+
+        // And the VM works inside all that.
+        let out = sh(&vm, "echo jailed").await;
+        assert_eq!(out.stdout_text(), "jailed\n");
+        vm.shutdown().await.unwrap();
+    });
+}
+
+#[test]
+fn a_required_layer_the_host_cannot_give_fails_the_boot_before_the_guest_runs() {
+    common::run(async {
+        // No host gives the helper a pid namespace today (tokio's Command cannot start it in
+        // one): requiring it must refuse the boot, naming the layer and why.
+        let sandbox = Sandbox::builder()
+            .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
+            .memory_mib(256)
+            .require_isolation([Layer::Seccomp, Layer::PidNamespace])
+            .build()
+            .unwrap();
+        let err = sandbox.boot().await.unwrap_err();
+        match &err {
+            krunbox::Error::IsolationUnavailable { missing, isolation } => {
+                assert_eq!(missing.len(), 1, "{err}");
+                assert_eq!(missing[0].layer, Layer::PidNamespace);
+                assert!(!missing[0].detail.is_empty());
+                // The rest of the jail was still applied and reported.
+                assert!(isolation.is_enforced(Layer::Seccomp), "{isolation}");
+                assert!(isolation.breaches().is_empty(), "{isolation}");
+            }
+            other => panic!("expected IsolationUnavailable, got {other}"),
+        }
+        let text = err.to_string();
+        assert!(
+            text.contains("pid namespace") && text.contains("krunbox doctor"),
+            "{text}"
+        );
     });
 }

@@ -1,0 +1,453 @@
+//! The helper side of the jail: namespaces and the empty root, rlimits, `no_new_privs`,
+//! capabilities, Landlock, then seccomp. Runs in `krunbox-vmm` before any thread is started and
+//! before `krun_start_enter`, so every thread libkrun creates inherits all of it.
+//!
+//! Each layer is best effort on its own and reported as it went: the canaries decide whether the
+//! whole holds, and the definition's required layers decide whether a missing one is fatal.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::{Isolation, Layer};
+
+/// Descriptors the jailed helper may hold open: libkrun uses about 60 for a VM with our devices
+/// (eventfds per virtqueue, vCPU fds, epoll, sockets). Each guest vsock connection costs one,
+/// so this also bounds what a guest can make the helper hold.
+pub(crate) const MAX_OPEN_FILES: u64 = 512;
+
+/// The largest file the helper may write (its own log, libkrun's messages on stderr): past it,
+/// writes fail with EFBIG instead of filling the disk. SIGXFSZ is ignored so that is all that
+/// happens.
+pub(crate) const MAX_LOG_BYTES: u64 = 16 << 20;
+
+/// What the library tells the helper about its jail (part of the VMM configuration).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct JailConfig {
+    /// An empty directory the helper mounts its new root on (inside its own mount namespace, so
+    /// nothing of that mount is visible outside).
+    pub root_dir: PathBuf,
+    /// A file only the library should be able to read: the host-file canary.
+    pub canary_file: PathBuf,
+    /// A TCP port on 127.0.0.1 where the library listens: the loopback canary.
+    pub canary_port: u16,
+    /// Layers the definition requires: the helper refuses to start the VM without them.
+    pub required: Vec<Layer>,
+}
+
+/// Where libkrun finds what it opens. Before confinement these are host paths; after a
+/// successful pivot they are paths inside the jail's root.
+#[derive(Debug, Clone)]
+pub(crate) struct JailPaths {
+    /// `/dev/kvm`.
+    pub kvm: PathBuf,
+    /// The verified root image (by descriptor: `/proc/self/fd/N` on the host).
+    pub image: PathBuf,
+    /// The console FIFO the library drains.
+    pub console: PathBuf,
+    /// The control socket the library listens on.
+    pub control_socket: PathBuf,
+    /// A custom kernel, if any.
+    pub kernel: Option<PathBuf>,
+}
+
+fn errno() -> std::io::Error {
+    std::io::Error::last_os_error()
+}
+
+/// Enters fresh namespaces. Must run while the process has a single thread (unshare of a user
+/// namespace requires it). Returns whether a mount namespace was entered.
+pub(crate) fn enter_namespaces(report: &mut Isolation) -> bool {
+    let uid = unsafe { libc::geteuid() };
+    let gid = unsafe { libc::getegid() };
+    let others = libc::CLONE_NEWNS | libc::CLONE_NEWNET | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS;
+    // SAFETY: unshare only changes this (single-threaded) process's namespaces.
+    let user = unsafe { libc::unshare(libc::CLONE_NEWUSER | others) } == 0;
+    let entered = if user {
+        // Map our own ids to themselves, so files keep their owners as the kernel sees them.
+        let maps = std::fs::write("/proc/self/setgroups", "deny")
+            .and_then(|()| std::fs::write("/proc/self/uid_map", format!("{uid} {uid} 1")))
+            .and_then(|()| std::fs::write("/proc/self/gid_map", format!("{gid} {gid} 1")));
+        match maps {
+            Ok(()) => report.push_layer(
+                Layer::UserNamespace,
+                true,
+                format!("uid {uid} and gid {gid} mapped to themselves, nothing else"),
+            ),
+            Err(e) => report.push_layer(
+                Layer::UserNamespace,
+                true,
+                format!("entered, but the id maps could not be written ({e}): ids are unmapped"),
+            ),
+        }
+        true
+    } else {
+        let why = errno();
+        report.push_layer(
+            Layer::UserNamespace,
+            false,
+            format!("unshare(CLONE_NEWUSER) failed: {why} (unprivileged user namespaces off?)"),
+        );
+        // Root can have the other namespaces without a user namespace.
+        // SAFETY: as above.
+        unsafe { libc::unshare(others) == 0 }
+    };
+    let detail = |what: &str| {
+        if entered {
+            (true, what.to_string())
+        } else {
+            (false, format!("not entered: {}", errno()))
+        }
+    };
+    let (on, d) = detail(
+        "fresh; its root is a read-only tmpfs holding only /dev/kvm, the image, the console and the control socket",
+    );
+    report.push_layer(Layer::MountNamespace, on, d);
+    let (on, d) = detail("fresh: no interfaces, loopback down");
+    report.push_layer(Layer::NetworkNamespace, on, d);
+    let (on, d) = detail("fresh ipc and uts namespaces");
+    report.push_layer(Layer::IpcNamespace, on, d);
+    report.push_layer(
+        Layer::PidNamespace,
+        false,
+        "not applied: the helper is started by tokio's Command, which cannot create it inside a \
+         new pid namespace; seccomp denies ptrace, process_vm_* and signals to other processes",
+    );
+    entered
+}
+
+/// Builds the jail's root: a tmpfs on `root_dir` holding bind mounts of exactly the files
+/// libkrun opens, then `pivot_root` into it and detaches the host's tree. Returns the paths to
+/// give libkrun inside it.
+fn pivot_into_jail(root_dir: &Path, host: &JailPaths) -> Result<JailPaths, String> {
+    use nix::mount::{mount, umount2, MntFlags, MsFlags};
+    let step = |what: String| move |e: nix::Error| format!("{what}: {e}");
+    let io = |what: String| move |e: std::io::Error| format!("{what}: {e}");
+    // Nothing we mount may propagate back to the host's mount namespace.
+    mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+        None::<&str>,
+    )
+    .map_err(step("making / private".into()))?;
+    mount(
+        Some("krunbox-jail"),
+        root_dir,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        Some("size=64k,nr_inodes=64,mode=0755"),
+    )
+    .map_err(step(format!("mounting a tmpfs on {}", root_dir.display())))?;
+    let inside = JailPaths {
+        kvm: PathBuf::from("/dev/kvm"),
+        image: PathBuf::from("/root.img"),
+        console: PathBuf::from("/console"),
+        control_socket: PathBuf::from("/control.sock"),
+        kernel: host.kernel.as_ref().map(|_| PathBuf::from("/kernel")),
+    };
+    std::fs::create_dir(root_dir.join("dev")).map_err(io("creating dev".into()))?;
+    let mut binds: Vec<(&Path, &Path, bool)> = vec![
+        (&host.kvm, &inside.kvm, false),
+        (&host.image, &inside.image, true),
+        (&host.console, &inside.console, false),
+        (&host.control_socket, &inside.control_socket, false),
+    ];
+    if let (Some(h), Some(i)) = (&host.kernel, &inside.kernel) {
+        binds.push((h, i, true));
+    }
+    for (source, target, read_only) in binds {
+        let target = root_dir.join(target.strip_prefix("/").unwrap_or(target));
+        std::fs::File::create(&target).map_err(io(format!("creating {}", target.display())))?;
+        mount(
+            Some(source),
+            &target,
+            None::<&str>,
+            MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .map_err(step(format!(
+            "binding {} to {}",
+            source.display(),
+            target.display()
+        )))?;
+        if read_only {
+            mount(
+                None::<&str>,
+                &target,
+                None::<&str>,
+                MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_RDONLY,
+                None::<&str>,
+            )
+            .map_err(step(format!("making {} read-only", target.display())))?;
+        }
+    }
+    // pivot_root(".", "."): the old root ends up stacked under the new one, and detaching it
+    // leaves nothing of the host's tree reachable.
+    std::env::set_current_dir(root_dir).map_err(io("entering the jail's root".into()))?;
+    nix::unistd::pivot_root(".", ".").map_err(step("pivot_root".into()))?;
+    umount2(".", MntFlags::MNT_DETACH).map_err(step("detaching the host's tree".into()))?;
+    std::env::set_current_dir("/").map_err(io("entering /".into()))?;
+    // The root itself becomes read-only; the bound device, FIFO and socket still open.
+    mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_RDONLY,
+        None::<&str>,
+    )
+    .map_err(step("making the jail's root read-only".into()))?;
+    Ok(inside)
+}
+
+/// rlimits: no core dumps (guest memory would land on disk), bounded descriptors, bounded file
+/// size (the helper's log).
+pub(crate) fn set_rlimits(report: &mut Isolation) {
+    use nix::sys::resource::{setrlimit, Resource};
+    // SAFETY: ignoring SIGXFSZ only makes oversized writes fail with EFBIG.
+    unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) };
+    let results = [
+        (Resource::RLIMIT_CORE, 0, "no core dumps"),
+        (Resource::RLIMIT_NOFILE, MAX_OPEN_FILES, "descriptors"),
+        (Resource::RLIMIT_FSIZE, MAX_LOG_BYTES, "file size"),
+    ]
+    .map(|(resource, limit, what)| (what, limit, setrlimit(resource, limit, limit)));
+    let failed: Vec<String> = results
+        .iter()
+        .filter_map(|(what, _, r)| r.as_ref().err().map(|e| format!("{what}: {e}")))
+        .collect();
+    if failed.is_empty() {
+        report.push_layer(
+            Layer::Rlimits,
+            true,
+            format!(
+                "no core dumps, at most {MAX_OPEN_FILES} descriptors, files at most {} MiB",
+                MAX_LOG_BYTES >> 20
+            ),
+        );
+    } else {
+        report.push_layer(Layer::Rlimits, false, failed.join("; "));
+    }
+}
+
+/// `no_new_privs` (required for an unprivileged seccomp filter and for Landlock anyway), then
+/// every capability gone: bounding set, ambient set, then effective/permitted/inheritable.
+pub(crate) fn drop_privileges(report: &mut Isolation) {
+    // SAFETY: prctl with integer arguments only.
+    let nnp = unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } == 0;
+    report.push_layer(
+        Layer::NoNewPrivs,
+        nnp,
+        if nnp {
+            "set".to_string()
+        } else {
+            format!("prctl failed: {}", errno())
+        },
+    );
+    // Past the kernel's last capability the call fails with EINVAL, which is harmless.
+    for cap in 0..64 {
+        // SAFETY: as above. Fails with EPERM without CAP_SETPCAP, which is fine: then the
+        // bounding set cannot matter, as nothing can be gained (no_new_privs).
+        unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap, 0, 0, 0) };
+    }
+    // SAFETY: as above.
+    unsafe {
+        libc::prctl(
+            libc::PR_CAP_AMBIENT,
+            libc::PR_CAP_AMBIENT_CLEAR_ALL,
+            0,
+            0,
+            0,
+        )
+    };
+    #[repr(C)]
+    struct CapHeader {
+        version: u32,
+        pid: i32,
+    }
+    #[repr(C)]
+    #[derive(Default, Clone, Copy)]
+    struct CapData {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
+    let mut header = CapHeader {
+        version: LINUX_CAPABILITY_VERSION_3,
+        pid: 0,
+    };
+    let data = [CapData::default(); 2];
+    // SAFETY: capset with a valid v3 header and two zeroed data structs: drops everything.
+    let dropped = unsafe {
+        libc::syscall(
+            libc::SYS_capset,
+            &mut header as *mut CapHeader,
+            data.as_ptr(),
+        )
+    } == 0;
+    let mut now = [CapData::default(); 2];
+    // SAFETY: capget with a valid v3 header into two data structs.
+    let read = unsafe {
+        libc::syscall(
+            libc::SYS_capget,
+            &mut header as *mut CapHeader,
+            now.as_mut_ptr(),
+        )
+    } == 0;
+    let none_left = read
+        && now
+            .iter()
+            .all(|d| d.effective == 0 && d.permitted == 0 && d.inheritable == 0);
+    let dropped = dropped && none_left;
+    let detail = if dropped {
+        "all dropped (effective, permitted, inheritable, ambient, bounding)".to_string()
+    } else if !none_left {
+        "capget still shows capabilities".to_string()
+    } else {
+        format!("capset failed: {}", errno())
+    };
+    report.push_layer(Layer::Capabilities, dropped, detail);
+}
+
+/// Landlock: the handled filesystem rights are all the kernel knows; the only rules allow
+/// `/dev/kvm`, the image, the console, the control socket and the kernel, each for what libkrun
+/// does with it. TCP bind/connect are handled with no rule (denied), and scopes are set.
+pub(crate) fn landlock(paths: &JailPaths, report: &mut Isolation) {
+    use landlock::{
+        Access, AccessFs, AccessNet, PathBeneath, PathFd, Ruleset, RulesetAttr, RulesetCreatedAttr,
+        RulesetStatus, Scope, ABI,
+    };
+    let abi = ABI::V10;
+    let read = AccessFs::ReadFile;
+    let write = AccessFs::WriteFile | AccessFs::Truncate;
+    let result =
+        (|| -> Result<(landlock::RestrictionStatus, Vec<String>), landlock::RulesetError> {
+            let mut ruleset = Ruleset::default()
+                .handle_access(AccessFs::from_all(abi))?
+                .handle_access(AccessNet::from_all(abi))?
+                .scope(Scope::from_all(abi))?
+                .create()?;
+            let mut missing = Vec::new();
+            let mut rules: Vec<(&Path, landlock::BitFlags<AccessFs>)> = vec![
+                (&paths.kvm, read | AccessFs::WriteFile | AccessFs::IoctlDev),
+                (&paths.image, read.into()),
+                (&paths.console, write),
+                (&paths.control_socket, AccessFs::ResolveUnix.into()),
+            ];
+            if let Some(kernel) = &paths.kernel {
+                rules.push((kernel, read.into()));
+            }
+            for (path, access) in rules {
+                match PathFd::new(path) {
+                    Ok(fd) => ruleset = ruleset.add_rule(PathBeneath::new(fd, access))?,
+                    Err(e) => missing.push(format!("{}: {e}", path.display())),
+                }
+            }
+            Ok((ruleset.restrict_self()?, missing))
+        })();
+    match result {
+        Ok((status, missing)) => {
+            let fs_on = status.ruleset != RulesetStatus::NotEnforced;
+            let abi_found = landlock_abi();
+            report.push_layer(
+                Layer::Landlock,
+                fs_on,
+                if fs_on {
+                    let mut d = format!(
+                        "ABI {abi_found}: only /dev/kvm, the image, the console and the control socket"
+                    );
+                    if !missing.is_empty() {
+                        d.push_str(&format!(" (no rule for {})", missing.join(", ")));
+                    }
+                    d
+                } else {
+                    "the kernel does not enforce Landlock (not built in or not in lsm=)".into()
+                },
+            );
+            let net = fs_on && abi_found >= 4;
+            report.push_layer(
+                Layer::LandlockNetwork,
+                net,
+                if net {
+                    "no TCP bind or connect".to_string()
+                } else {
+                    format!("needs Landlock ABI 4 (Linux 6.7); this kernel has ABI {abi_found}")
+                },
+            );
+            let scope = fs_on && abi_found >= 6;
+            report.push_layer(
+                Layer::LandlockScope,
+                scope,
+                if scope {
+                    "no signals or abstract unix sockets outside the jail".to_string()
+                } else {
+                    format!("needs Landlock ABI 6 (Linux 6.12); this kernel has ABI {abi_found}")
+                },
+            );
+        }
+        Err(e) => {
+            for layer in [
+                Layer::Landlock,
+                Layer::LandlockNetwork,
+                Layer::LandlockScope,
+            ] {
+                report.push_layer(layer, false, format!("Landlock failed: {e}"));
+            }
+        }
+    }
+}
+
+/// The Landlock ABI version the kernel offers (0: none).
+fn landlock_abi() -> i64 {
+    const LANDLOCK_CREATE_RULESET_VERSION: libc::c_uint = 1;
+    // SAFETY: the version query takes no ruleset attribute and returns a number.
+    let v = unsafe {
+        libc::syscall(
+            libc::SYS_landlock_create_ruleset,
+            std::ptr::null::<libc::c_void>(),
+            0usize,
+            LANDLOCK_CREATE_RULESET_VERSION,
+        )
+    };
+    v.max(0)
+}
+
+/// The jail's root: with a mount namespace, an empty tmpfs holding only what libkrun opens (see
+/// [`pivot_into_jail`]); without one, the host's paths as they are (Landlock then stands alone).
+/// Returns the paths to configure libkrun with.
+pub(crate) fn build_root(
+    config: &JailConfig,
+    host: JailPaths,
+    in_mount_namespace: bool,
+    report: &mut Isolation,
+) -> JailPaths {
+    if !in_mount_namespace {
+        return host;
+    }
+    match pivot_into_jail(&config.root_dir, &host) {
+        Ok(inside) => inside,
+        Err(e) => {
+            // Keep the namespace, but say the root could not be emptied.
+            if let Some(l) = report
+                .layers
+                .iter_mut()
+                .find(|l| l.layer == Layer::MountNamespace)
+            {
+                l.enforced = false;
+                l.detail = format!("entered, but the empty root could not be built: {e}");
+            }
+            host
+        }
+    }
+}
+
+/// Everything after the root: rlimits, privileges, Landlock, seccomp, in that order (seccomp
+/// last, so the calls the others make need not be on its list).
+pub(crate) fn restrict(paths: &JailPaths, report: &mut Isolation) {
+    set_rlimits(report);
+    drop_privileges(report);
+    landlock(paths, report);
+    super::seccomp::install(report);
+}

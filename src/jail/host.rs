@@ -1,0 +1,139 @@
+//! The library's side of the jail: what it prepares for the helper (an empty directory for the
+//! jail's root, the canary file, the canary listener) and how it reads the helper's report.
+
+use std::io::Read;
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::Path;
+
+use super::{Isolation, JailConfig, Layer, REPORT_MAX_BYTES};
+use crate::error::{Error, Result};
+
+/// What one boot's jail needs on the host side. The canary listener lives as long as this.
+#[derive(Debug)]
+pub(crate) struct JailHost {
+    /// The helper's part, for its configuration.
+    pub config: JailConfig,
+    _canary_listener: std::net::TcpListener,
+}
+
+/// Prepares the jail of a helper whose instance directory is `dir`.
+pub(crate) fn prepare(dir: &Path, required: &[Layer]) -> Result<JailHost> {
+    let root_dir = dir.join("jail-root");
+    if !root_dir.is_dir() {
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&root_dir)
+            .map_err(Error::io("creating the jail's root directory"))?;
+    }
+    let canary_file = dir.join("canary");
+    let mut token = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut token))
+        .map_err(Error::io("reading /dev/urandom"))?;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&canary_file)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, hex::encode(token).as_bytes()))
+        .map_err(Error::io("writing the canary file"))?;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")
+        .map_err(Error::io("opening the loopback canary listener"))?;
+    let canary_port = listener
+        .local_addr()
+        .map_err(Error::io("reading the canary listener's port"))?
+        .port();
+    Ok(JailHost {
+        config: JailConfig {
+            root_dir,
+            canary_file,
+            canary_port,
+            required: required.to_vec(),
+        },
+        _canary_listener: listener,
+    })
+}
+
+/// Reads the helper's report from the read end of its report pipe, to EOF (the helper closes
+/// its end before it starts the VM or refuses to). `None` if the helper wrote none (it failed
+/// earlier) or wrote something that is not a report.
+pub(crate) async fn read_report(pipe: OwnedFd) -> Option<Isolation> {
+    tokio::task::spawn_blocking(move || {
+        let mut bytes = Vec::new();
+        std::fs::File::from(pipe)
+            .take(REPORT_MAX_BYTES)
+            .read_to_end(&mut bytes)
+            .ok()?;
+        serde_json::from_slice(&bytes).ok()
+    })
+    .await
+    .ok()
+    .flatten()
+}
+
+/// Runs the helper in probe mode (`--probe-isolation`): it applies the whole jail and runs the
+/// canaries exactly as before a boot, reports, and exits without starting a VM. Needs no KVM
+/// and no image, so `krunbox doctor` can show what this host provides even where guests cannot
+/// boot.
+pub(crate) async fn probe(
+    helper: &Path,
+    libkrunfw_dir: &Path,
+) -> std::result::Result<Isolation, String> {
+    use std::os::fd::AsRawFd;
+    let dir = tempfile::Builder::new()
+        .prefix("krunbox-probe-")
+        .tempdir_in(crate::instance::runtime_dir())
+        .map_err(|e| format!("creating a probe directory: {e}"))?;
+    // What the jail binds into its root must exist, as at a boot.
+    let console = dir.path().join(crate::console::CONSOLE_FIFO);
+    nix::unistd::mkfifo(
+        &console,
+        nix::sys::stat::Mode::S_IRUSR | nix::sys::stat::Mode::S_IWUSR,
+    )
+    .map_err(|e| format!("creating the probe's console FIFO: {e}"))?;
+    let socket = dir.path().join("control.sock");
+    let _listener = std::os::unix::net::UnixListener::bind(&socket)
+        .map_err(|e| format!("binding the probe's control socket: {e}"))?;
+    let jail = prepare(dir.path(), &[]).map_err(|e| e.to_string())?;
+    let config = crate::vmm::VmmConfig {
+        cpus: 1,
+        memory_mib: 128,
+        root_fstype: "erofs".into(),
+        root_image: "/dev/null".into(),
+        control_socket: socket,
+        console,
+        jail: jail.config.clone(),
+        kernel: None,
+        log_level: 1,
+    };
+    let config_path = dir.path().join("vmm.json");
+    std::fs::write(
+        &config_path,
+        serde_json::to_vec(&config).expect("VmmConfig serialises"),
+    )
+    .map_err(|e| format!("writing the probe configuration: {e}"))?;
+    let log_path = dir.path().join("vmm.log");
+    let log =
+        std::fs::File::create(&log_path).map_err(|e| format!("creating the probe log: {e}"))?;
+    let (report_read, report_write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+        .map_err(|e| format!("creating the report pipe: {e}"))?;
+    let mut child = crate::vmm::spawn(
+        helper,
+        libkrunfw_dir,
+        &["--probe-isolation".as_ref(), config_path.as_os_str()],
+        &[(report_write.as_raw_fd(), crate::vmm::REPORT_FD)],
+        log,
+    )
+    .map_err(|e| e.to_string())?;
+    drop(report_write);
+    let report = read_report(report_read).await;
+    let status = child.wait().await.map_err(|e| e.to_string())?;
+    report.ok_or_else(|| {
+        format!(
+            "the VMM helper wrote no isolation report ({status}): {}",
+            crate::vmm::log_tail(&[&log_path], 5).trim()
+        )
+    })
+}

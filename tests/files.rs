@@ -511,7 +511,7 @@ fn many_concurrent_operations_get_their_own_answers() {
             done.unwrap();
         }
         assert_eq!(vm.read_dir(&dir).await.unwrap().len(), 64);
-        // Commands keep working alongside (file operations share the process id space).
+        // Commands keep working alongside (file requests and processes have ids of their own).
         let out = sh(vm, &format!("ls {dir} | wc -l")).await;
         assert_eq!(out.stdout_text().trim(), "64");
     });

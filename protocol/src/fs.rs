@@ -23,7 +23,8 @@ pub const MAX_NAME: usize = 255;
 /// A file-system request, answered by exactly one [`FsReply`] with the same id.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FsRequest {
-    /// Host-chosen id, unique among outstanding requests (shares the process id space).
+    /// Host-chosen id, unique among outstanding file requests (an id space of its own: guest-init
+    /// only echoes it in the reply).
     pub id: u32,
     /// The operation.
     pub op: FsOp,

@@ -2,9 +2,9 @@
 //!
 //! The guest controls what it prints on its console (any root process can write `/dev/console`
 //! forever). libkrun writes it to a path; krunbox gives it a FIFO and drains that here into
-//! `console.log` in the instance directory. When the log reaches [`CONSOLE_LOG_ROTATE_BYTES`] it
-//! becomes `console.log.1` (replacing the previous one) and a new log starts, so at most twice
-//! that much is ever on disk and the latest output is always kept. A slow drain only slows the
+//! `console.log` in the instance directory. When the log reaches half the definition's
+//! `console_log_max` it becomes `console.log.1` (replacing the previous one) and a new log
+//! starts, so at most `console_log_max` is ever on disk and the latest output is always kept. A slow drain only slows the
 //! guest's console writes (the FIFO fills and the console device waits), never the host.
 
 use std::io::Write;
@@ -15,8 +15,11 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::error::{Error, Result};
 
-/// Size at which `console.log` is rotated to `console.log.1`.
-pub(crate) const CONSOLE_LOG_ROTATE_BYTES: u64 = 4 << 20;
+/// The default bound on the console log's disk use: 8 MiB, two generations of 4 MiB.
+pub const DEFAULT_CONSOLE_LOG_MAX: u64 = 8 << 20;
+
+/// The values `console_log_max` may take.
+pub(crate) const CONSOLE_LOG_MAX_RANGE: std::ops::RangeInclusive<u64> = (64 << 10)..=(1 << 30);
 
 /// The FIFO's name in the instance directory.
 pub(crate) const CONSOLE_FIFO: &str = "console.fifo";
@@ -42,7 +45,7 @@ impl Drop for ConsoleLog {
 impl ConsoleLog {
     /// Creates the FIFO `console.fifo` in `dir` (replacing one from an earlier boot attempt)
     /// and starts draining it into a fresh `console.log`.
-    pub(crate) fn start(dir: &Path) -> Result<ConsoleLog> {
+    pub(crate) fn start(dir: &Path, max_bytes: u64) -> Result<ConsoleLog> {
         let fifo = dir.join(CONSOLE_FIFO);
         for name in CONSOLE_LOGS.iter().chain([CONSOLE_FIFO].iter()) {
             let _ = std::fs::remove_file(dir.join(name));
@@ -60,7 +63,13 @@ impl ConsoleLog {
         let log = std::fs::File::create(dir.join("console.log"))
             .map_err(Error::io("creating the console log"))?;
         let (settle, requests) = mpsc::channel(4);
-        let task = tokio::spawn(drain(receiver, log, dir.to_path_buf(), requests));
+        let task = tokio::spawn(drain(
+            receiver,
+            log,
+            dir.to_path_buf(),
+            max_bytes / 2,
+            requests,
+        ));
         Ok(ConsoleLog {
             #[cfg(test)]
             fifo,
@@ -89,6 +98,7 @@ async fn drain(
     receiver: pipe::Receiver,
     mut log: std::fs::File,
     dir: PathBuf,
+    rotate_at: u64,
     mut requests: mpsc::Receiver<oneshot::Sender<()>>,
 ) {
     let mut written = 0u64;
@@ -103,7 +113,7 @@ async fn drain(
             match receiver.try_read(&mut buf) {
                 Ok(0) => break,
                 Ok(n) => {
-                    if written + n as u64 > CONSOLE_LOG_ROTATE_BYTES {
+                    if written + n as u64 > rotate_at {
                         if let Some(fresh) = rotate(&dir) {
                             log = fresh;
                             written = 0;
@@ -138,14 +148,15 @@ mod tests {
     #[tokio::test]
     async fn the_log_rotates_and_never_holds_more_than_two_generations() {
         let dir = tempfile::tempdir().unwrap();
-        let console = ConsoleLog::start(dir.path()).unwrap();
+        const MAX: u64 = 256 << 10;
+        let console = ConsoleLog::start(dir.path(), MAX).unwrap();
         let mut writer = std::fs::OpenOptions::new()
             .write(true)
             .open(console.fifo())
             .unwrap();
         // Three generations' worth of numbered lines, written by another thread (the FIFO
         // fills while the drain is not polled).
-        let lines = (3 * CONSOLE_LOG_ROTATE_BYTES / 16) as usize;
+        let lines = (3 * MAX / 2 / 16) as usize;
         let writer_thread = std::thread::spawn(move || {
             for i in 0..lines {
                 writer
@@ -162,8 +173,8 @@ mod tests {
             .unwrap()
             .len();
         let new = std::fs::read_to_string(dir.path().join("console.log")).unwrap();
-        assert!(old <= CONSOLE_LOG_ROTATE_BYTES && old > 0, "{old}");
-        assert!(new.len() as u64 <= CONSOLE_LOG_ROTATE_BYTES);
+        assert!(old <= MAX / 2 && old > 0, "{old}");
+        assert!(new.len() as u64 <= MAX / 2);
         // The latest output is kept.
         assert!(
             new.ends_with(&format!("line {:010}\n", lines - 1)),

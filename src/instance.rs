@@ -200,7 +200,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     let (mut child, lifeline_write, stream, decoder, hello, report, console_log) = loop {
         let log = std::fs::File::create(dir.path().join("vmm.log"))
             .map_err(Error::io("creating the VMM log"))?;
-        let console_log = crate::console::ConsoleLog::start(dir.path())?;
+        let console_log = crate::console::ConsoleLog::start(dir.path(), config.console_log_max)?;
         let pipe = || nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC);
         let (lifeline_read, lifeline_write) =
             pipe().map_err(|e| Error::io("creating the lifeline pipe")(e.into()))?;

@@ -60,6 +60,7 @@ pub mod protocol {
 
 pub use artifacts::{cache_dir, Artifacts};
 pub use capabilities::{HostCapabilities, ImageState, KvmStatus};
+pub use console::DEFAULT_CONSOLE_LOG_MAX;
 pub use error::{Error, Result};
 pub use files::{DirEntry, GuestFileReader, GuestFileWriter, Metadata};
 pub use instance::Instance;

@@ -63,6 +63,7 @@ pub(crate) struct SandboxConfig {
     pub kernel: Option<KernelConfig>,
     pub vmm_log_level: u32,
     pub required_isolation: Vec<crate::Layer>,
+    pub console_log_max: u64,
 }
 
 impl Sandbox {
@@ -105,6 +106,7 @@ pub struct SandboxBuilder {
     kernel: Option<Kernel>,
     vmm_log_level: u32,
     required_isolation: Vec<crate::Layer>,
+    console_log_max: u64,
 }
 
 impl Default for SandboxBuilder {
@@ -127,6 +129,7 @@ impl Default for SandboxBuilder {
                 // Info: a handful of lines per VM, among them how a vCPU stopped.
                 .unwrap_or(3),
             required_isolation: Vec::new(),
+            console_log_max: crate::console::DEFAULT_CONSOLE_LOG_MAX,
         }
     }
 }
@@ -228,6 +231,21 @@ impl SandboxBuilder {
         self
     }
 
+    /// The most disk the guest console's log may take, in bytes (default
+    /// [`DEFAULT_CONSOLE_LOG_MAX`](crate::DEFAULT_CONSOLE_LOG_MAX), 8 MiB). The guest writes its
+    /// console at will; the host keeps two generations (`console.log` and `console.log.1` in
+    /// the instance directory) of half this each, so the newest output is always kept for error
+    /// messages. Between 64 KiB and 1 GiB.
+    ///
+    /// ```
+    /// let sandbox = krunbox::Sandbox::builder().console_log_max(1 << 20).build();
+    /// # let _ = sandbox;
+    /// ```
+    pub fn console_log_max(mut self, bytes: u64) -> Self {
+        self.console_log_max = bytes;
+        self
+    }
+
     /// Bounds on what the guest can make the host hold or wait for (request deadlines,
     /// `read_file` size, process and request counts). See [`Limits`].
     pub fn limits(mut self, limits: Limits) -> Self {
@@ -283,6 +301,15 @@ impl SandboxBuilder {
 
     /// Checks the definition and finds the run-time files it needs.
     pub fn build(self) -> Result<Sandbox> {
+        let console_range = crate::console::CONSOLE_LOG_MAX_RANGE;
+        if !console_range.contains(&self.console_log_max) {
+            return Err(Error::InvalidConfig(format!(
+                "console_log_max must be between {} KiB and {} MiB, got {} bytes",
+                console_range.start() >> 10,
+                console_range.end() >> 20,
+                self.console_log_max
+            )));
+        }
         if self.cpus == 0 || self.cpus > MAX_CPUS {
             return Err(Error::InvalidConfig(format!(
                 "cpus must be between 1 and {MAX_CPUS}, got {}",
@@ -338,6 +365,7 @@ impl SandboxBuilder {
                 kernel,
                 vmm_log_level: self.vmm_log_level,
                 required_isolation: self.required_isolation,
+                console_log_max: self.console_log_max,
             }),
         })
     }

@@ -265,3 +265,59 @@ fn a_required_layer_the_host_cannot_give_fails_the_boot_before_the_guest_runs() 
         );
     });
 }
+
+#[test]
+fn the_guest_console_never_takes_more_than_two_log_generations_on_disk() {
+    common::run(async {
+        // The smallest bound, so that little console I/O (slow under nested emulation: the
+        // console goes out in small chunks) proves it: 64 KiB, two generations of 32 KiB.
+        const MAX: u64 = 64 << 10;
+        let vm = Sandbox::builder()
+            .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
+            .memory_mib(256)
+            .console_log_max(MAX)
+            .build()
+            .unwrap()
+            .boot()
+            .await
+            .unwrap();
+        let dir = instance_dir(&vm);
+        // Root in the guest writes 160 KiB to the console, more than twice the bound, ending
+        // with a marker line.
+        let out = sh(
+            &vm,
+            "yes 0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcde \
+             | head -c 163840 >/dev/console; echo console-end-marker >/dev/console",
+        )
+        .await;
+        assert!(out.status.success(), "{}", out.stderr_text());
+        // The drain may trail the guest by a moment.
+        let log = dir.join("console.log");
+        let mut waited = 0;
+        while !std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .contains("console-end-marker")
+        {
+            assert!(waited < 100, "the marker never reached console.log");
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            waited += 1;
+        }
+        let size = |name: &str| {
+            std::fs::metadata(dir.join(name))
+                .map(|m| m.len())
+                .unwrap_or(0)
+        };
+        let (newer, older) = (size("console.log"), size("console.log.1"));
+        assert!(
+            older > 0,
+            "the log never rotated ({newer} bytes in console.log)"
+        );
+        assert!(
+            newer <= MAX / 2 && older <= MAX / 2,
+            "console.log {newer} bytes, console.log.1 {older} bytes"
+        );
+        // The instance is fine.
+        assert_eq!(sh(&vm, "echo ok").await.stdout_text(), "ok\n");
+        vm.shutdown().await.unwrap();
+    });
+}

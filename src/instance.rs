@@ -256,7 +256,11 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
                 match status {
                     Ok(s) if s.code() == Some(vmm::ISOLATION_EXIT_CODE) => {
                         let report = (&mut report).await.ok().flatten();
-                        Err(isolation_refusal(report, &config.required_isolation, tail(dir.path())))
+                        Err(isolation_refusal(
+                            report.map(|r| r.isolation),
+                            &config.required_isolation,
+                            tail(dir.path()),
+                        ))
                     }
                     status => Err(Error::VmExited {
                         status: status.map(|s| s.to_string()).unwrap_or_else(|e| e.to_string()),
@@ -313,7 +317,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     drop(image);
     drop(listener);
     drop(jail);
-    let Some(isolation) = report else {
+    let Some(crate::jail::HelperReport { vmm_pid, isolation }) = report else {
         let _ = child.start_kill();
         let _ = child.wait().await;
         return Err(Error::VmExited {
@@ -324,7 +328,9 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     let console_log = Arc::new(console_log);
     tracing::debug!(kernel = %hello.kernel_release, guest_init = %hello.guest_init, "guest ready");
 
-    let vmm_pid = child.id();
+    // With a pid namespace the VM runs in a child of the helper the library started (`child`):
+    // that child is the VMM process; killing `child` ends it too.
+    let vmm_pid = Some(vmm_pid);
     let control = Control::start(
         stream,
         decoder,
@@ -448,8 +454,9 @@ impl Instance {
         &self.inner.kernel_release
     }
 
-    /// The host pid of this VM's `krunbox-vmm` helper process (for monitoring its CPU and
-    /// memory), or `None` once it has been reaped.
+    /// The host pid of the process that runs this VM (for monitoring its CPU and memory), or
+    /// `None` once it has stopped. It is `krunbox-vmm`; where the host allows a pid namespace
+    /// it is the helper's child, pid 1 in that namespace (see [`Instance::isolation`]).
     pub fn vmm_pid(&self) -> Option<u32> {
         if self.inner.exited.borrow().is_some() {
             None

@@ -126,7 +126,13 @@ pub fn helper_main() -> i32 {
     // context (it loads libkrunfw) while the host's tree is still there; then the empty root,
     // limits, privileges, Landlock and seccomp; then the canaries. No guest code has run yet.
     let mut isolation = Isolation::default();
-    let in_mount_namespace = crate::jail::enter_namespaces(&mut isolation);
+    let (in_mount_namespace, in_pid_namespace) = crate::jail::enter_namespaces(&mut isolation);
+    // From here on this is the VMM process (with a pid namespace: a child, its pid 1).
+    let vmm_pid = if in_pid_namespace {
+        crate::jail::fork_into_pid_namespace(&mut isolation)
+    } else {
+        std::process::id()
+    };
     let ctx = match new_context(&config) {
         Ok(ctx) => ctx,
         Err(e) => {
@@ -159,7 +165,7 @@ pub fn helper_main() -> i32 {
     crate::jail::restrict(&paths, &mut isolation);
     crate::jail::run_canaries(&config.jail, &mut isolation);
     let refusal = crate::jail::refusal(&config.jail, &isolation);
-    write_report(&isolation);
+    write_report(vmm_pid, &isolation);
     if let Some(why) = refusal {
         eprintln!("krunbox-vmm: not starting the VM: {why}");
         return ISOLATION_EXIT_CODE;
@@ -209,13 +215,17 @@ fn reopen_image(path: &Path) -> std::result::Result<PathBuf, String> {
 }
 
 /// Writes the isolation report on [`REPORT_FD`] and closes it, so the library sees EOF.
-fn write_report(isolation: &Isolation) {
+fn write_report(vmm_pid: u32, isolation: &Isolation) {
     use std::io::Write;
     use std::os::fd::FromRawFd;
     // SAFETY: the library hands this process fd REPORT_FD open on a pipe's write end; nothing
     // else in the helper owns it. If it was not passed, the write fails and nothing else breaks.
     let mut pipe = unsafe { std::fs::File::from_raw_fd(REPORT_FD) };
-    let json = serde_json::to_vec(isolation).expect("the report serialises");
+    let report = crate::jail::HelperReport {
+        vmm_pid,
+        isolation: isolation.clone(),
+    };
+    let json = serde_json::to_vec(&report).expect("the report serialises");
     if let Err(e) = pipe.write_all(&json) {
         eprintln!("krunbox-vmm: cannot write the isolation report: {e}");
     }

@@ -56,11 +56,16 @@ fn errno() -> std::io::Error {
 }
 
 /// Enters fresh namespaces. Must run while the process has a single thread (unshare of a user
-/// namespace requires it). Returns whether a mount namespace was entered.
-pub(crate) fn enter_namespaces(report: &mut Isolation) -> bool {
-    let uid = unsafe { libc::geteuid() };
-    let gid = unsafe { libc::getegid() };
-    let others = libc::CLONE_NEWNS | libc::CLONE_NEWNET | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS;
+/// namespace requires it). Returns whether a mount namespace was entered and whether a pid
+/// namespace was unshared (then the caller must [`fork_into_pid_namespace`]).
+pub(crate) fn enter_namespaces(report: &mut Isolation) -> (bool, bool) {
+    // SAFETY: getters without arguments.
+    let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+    let others = libc::CLONE_NEWNS
+        | libc::CLONE_NEWNET
+        | libc::CLONE_NEWIPC
+        | libc::CLONE_NEWUTS
+        | libc::CLONE_NEWPID;
     // SAFETY: unshare only changes this (single-threaded) process's namespaces.
     let user = unsafe { libc::unshare(libc::CLONE_NEWUSER | others) } == 0;
     let entered = if user {
@@ -107,13 +112,84 @@ pub(crate) fn enter_namespaces(report: &mut Isolation) -> bool {
     report.push_layer(Layer::NetworkNamespace, on, d);
     let (on, d) = detail("fresh ipc and uts namespaces");
     report.push_layer(Layer::IpcNamespace, on, d);
-    report.push_layer(
-        Layer::PidNamespace,
-        false,
-        "not applied: the helper is started by tokio's Command, which cannot create it inside a \
-         new pid namespace; seccomp denies ptrace, process_vm_* and signals to other processes",
-    );
-    entered
+    let (on, d) = detail("fresh: the VMM is its pid 1 and sees no other process");
+    report.push_layer(Layer::PidNamespace, on, d);
+    (entered, entered)
+}
+
+/// After `unshare(CLONE_NEWPID)` only a child enters the new pid namespace, so the helper forks:
+/// the child (pid 1 there) goes on to run the VM and returns its pid as the host sees it; the
+/// parent stays outside, waits for it and exits the way it did (the library supervises the
+/// parent). The child dies with the parent (`PR_SET_PDEATHSIG`), so killing the helper the
+/// library started still ends the VM. Must run while the process has a single thread.
+pub(crate) fn fork_into_pid_namespace(report: &mut Isolation) -> u32 {
+    let (ready_read, ready_write) = match nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC) {
+        Ok(p) => p,
+        Err(e) => return no_pid_namespace(report, format!("pipe: {e}")),
+    };
+    // SAFETY: the process has one thread; the child goes on with ordinary code.
+    match unsafe { nix::unistd::fork() } {
+        Err(e) => no_pid_namespace(report, format!("fork: {e}")),
+        Ok(nix::unistd::ForkResult::Parent { child }) => {
+            drop(ready_read);
+            // Tell the child its pid as the host sees it (it is 1 to itself), then get out of
+            // the way: the VM's descriptors (the report pipe above all: the library waits for
+            // its EOF) must be held by the child alone.
+            let pid = child.as_raw() as u32;
+            let _ = nix::unistd::write(&ready_write, &pid.to_ne_bytes());
+            drop(ready_write);
+            for fd in 3..1024 {
+                // SAFETY: closing descriptors this process no longer uses.
+                unsafe { libc::close(fd) };
+            }
+            wait_and_mirror(child)
+        }
+        Ok(nix::unistd::ForkResult::Child) => {
+            drop(ready_write);
+            // SAFETY: prctl with integer arguments.
+            unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
+            let mut pid = [0u8; 4];
+            // EOF instead of a pid: the parent died before PDEATHSIG was set.
+            match nix::unistd::read(&ready_read, &mut pid) {
+                Ok(4) => u32::from_ne_bytes(pid),
+                _ => std::process::exit(crate::vmm::LIFELINE_EXIT_CODE),
+            }
+        }
+    }
+}
+
+fn no_pid_namespace(report: &mut Isolation, why: String) -> u32 {
+    if let Some(l) = report
+        .layers
+        .iter_mut()
+        .find(|l| l.layer == Layer::PidNamespace)
+    {
+        l.enforced = false;
+        l.detail = format!("unshared, but the VMM could not be started in it: {why}");
+    }
+    std::process::id()
+}
+
+/// The parent's life: wait for the VMM child and end as it ended.
+fn wait_and_mirror(child: nix::unistd::Pid) -> ! {
+    use nix::sys::wait::{waitpid, WaitStatus};
+    loop {
+        match waitpid(child, None) {
+            Ok(WaitStatus::Exited(_, code)) => std::process::exit(code),
+            Ok(WaitStatus::Signaled(_, signal, _)) => {
+                // SAFETY: restoring the default action and raising the same signal on ourselves,
+                // so the library sees the same status the VMM had.
+                unsafe {
+                    libc::signal(signal as libc::c_int, libc::SIG_DFL);
+                    libc::raise(signal as libc::c_int);
+                }
+                std::process::exit(128 + signal as i32)
+            }
+            Ok(_) => continue,
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(_) => std::process::exit(1),
+        }
+    }
 }
 
 /// Builds the jail's root: a tmpfs on `root_dir` holding bind mounts of exactly the files

@@ -6,7 +6,7 @@ use std::os::fd::OwnedFd;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::Path;
 
-use super::{Isolation, JailConfig, Layer, REPORT_MAX_BYTES};
+use super::{HelperReport, Isolation, JailConfig, Layer, REPORT_MAX_BYTES};
 use crate::error::{Error, Result};
 
 /// What one boot's jail needs on the host side. The canary listener lives as long as this.
@@ -59,7 +59,7 @@ pub(crate) fn prepare(dir: &Path, required: &[Layer]) -> Result<JailHost> {
 /// Reads the helper's report from the read end of its report pipe, to EOF (the helper closes
 /// its end before it starts the VM or refuses to). `None` if the helper wrote none (it failed
 /// earlier) or wrote something that is not a report.
-pub(crate) async fn read_report(pipe: OwnedFd) -> Option<Isolation> {
+pub(crate) async fn read_report(pipe: OwnedFd) -> Option<HelperReport> {
     tokio::task::spawn_blocking(move || {
         let mut bytes = Vec::new();
         std::fs::File::from(pipe)
@@ -130,7 +130,7 @@ pub(crate) async fn probe(
     drop(report_write);
     let report = read_report(report_read).await;
     let status = child.wait().await.map_err(|e| e.to_string())?;
-    report.ok_or_else(|| {
+    report.map(|r| r.isolation).ok_or_else(|| {
         format!(
             "the VMM helper wrote no isolation report ({status}): {}",
             crate::vmm::log_tail(&[&log_path], 5).trim()

@@ -5,8 +5,8 @@
 //! code as the helper; the jail decides what that code can reach. Before it calls
 //! `krun_start_enter` (and so before any guest code runs), the helper:
 //!
-//! 1. enters fresh user, mount, network, IPC and UTS namespaces (where the kernel allows them),
-//!    and pivots into an empty tmpfs root holding only what libkrun opens: `/dev/kvm`, the root
+//! 1. enters fresh user, mount, network, IPC, UTS and pid namespaces (where the kernel allows
+//!    them; for the pid namespace it forks, and the child, pid 1 there, runs the VM), and pivots into an empty tmpfs root holding only what libkrun opens: `/dev/kvm`, the root
 //!    image, the console pipe, the control socket and a custom kernel if one is set;
 //! 2. sets rlimits (no core dumps, bounded descriptors, bounded log size);
 //! 3. sets `no_new_privs` and drops every capability;
@@ -31,7 +31,9 @@ use serde::{Deserialize, Serialize};
 
 pub(crate) use canary::run as run_canaries;
 pub use confine::JailConfig;
-pub(crate) use confine::{build_root, enter_namespaces, restrict, JailPaths};
+pub(crate) use confine::{
+    build_root, enter_namespaces, fork_into_pid_namespace, restrict, JailPaths,
+};
 
 /// Why the helper must not start the VM, if it must not: a canary got through (whatever the
 /// definition asked), or a layer the definition requires is missing.
@@ -67,7 +69,7 @@ pub enum Layer {
     NetworkNamespace,
     /// IPC and UTS namespaces of its own (System V IPC, hostname).
     IpcNamespace,
-    /// A PID namespace of its own (the helper could not see or signal host processes by pid).
+    /// A PID namespace of its own: the VMM is its pid 1 and cannot name a host process by pid.
     PidNamespace,
     /// rlimits: no core dumps, a bounded number of descriptors, bounded log file size.
     Rlimits,
@@ -273,6 +275,16 @@ impl fmt::Display for Isolation {
         }
         Ok(())
     }
+}
+
+/// What the helper writes on its report pipe.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct HelperReport {
+    /// The pid of the process that runs the VM, as the host sees it (with a pid namespace it is
+    /// a child of the process the library started).
+    pub vmm_pid: u32,
+    /// The jail.
+    pub isolation: Isolation,
 }
 
 /// The largest report the library reads from the helper's report pipe.

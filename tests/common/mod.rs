@@ -43,8 +43,9 @@ pub fn run<F: Future>(body: F) -> F::Output {
 /// instruction and injecting a page fault the guest's handler finds spurious; the guest's vCPU
 /// spins and nothing moves. KVM's per-VM counters in debugfs (`kvm/PID-FD/`) show it: tens of
 /// thousands of injected page faults and emulated instructions a second. Only this process's
-/// own VMM helpers (its children) are looked at: another test beside this one may loop without
-/// this one's hang being a fault. Empty when the counters are unreadable or calm.
+/// own VMM processes (its children, or their children) are looked at: another test beside this
+/// one may loop without this one's hang being a fault. Empty when the counters are unreadable or
+/// calm.
 pub fn nested_emulation_evidence() -> String {
     let ours = std::process::id().to_string();
     let sample = || -> Vec<(String, u64, u64)> {
@@ -56,9 +57,20 @@ pub fn nested_emulation_evidence() -> String {
             let name = dir.file_name()?.to_str()?.to_owned();
             let pid = name.split_once('-')?.0;
             // /proc/PID/stat: "pid (comm) state ppid ..."; comm may hold spaces, not ')'.
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-            let ppid = stat.rsplit_once(')')?.1.split_whitespace().nth(1)?;
-            if ppid != ours {
+            let ppid = |pid: &str| -> Option<String> {
+                let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+                Some(
+                    stat.rsplit_once(')')?
+                        .1
+                        .split_whitespace()
+                        .nth(1)?
+                        .to_string(),
+                )
+            };
+            // The VMM is the helper this process started, or (in the helper's own pid
+            // namespace) that helper's child.
+            let parent = ppid(pid)?;
+            if parent != ours && ppid(&parent).as_deref() != Some(ours.as_str()) {
                 return None;
             }
             let read = |file: &str| -> Option<u64> {

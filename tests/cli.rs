@@ -205,11 +205,30 @@ fn doctor_boots_a_probe_vm_where_vms_boot() {
         kernel::libkrunfw_release()
     );
     assert!(report.contains(&expected), "{report}");
-    for part in ["VMM helper:", "guest-init:", "libkrunfw:", "image busybox:"] {
+    for part in [
+        "VMM helper:",
+        "guest-init:",
+        "libkrunfw:",
+        "image busybox:",
+        "Isolation:",
+    ] {
         let line = report.lines().find(|l| l.starts_with(part));
         assert!(
             line.is_some_and(|l| l.contains("ok")),
             "{part} is not ok: {report}"
         );
     }
+    // The isolation layers this host gives the VMM helper, each on or off with its reason,
+    // and the three canaries, all blocked.
+    for layer in krunbox::Layer::ALL {
+        let name = layer.to_string();
+        let line = report
+            .lines()
+            .find(|l| l.contains(&format!("] {name}")))
+            .unwrap_or_else(|| panic!("no line for {name}: {report}"));
+        assert!(line.contains("[on ]") || line.contains("[OFF]"), "{line}");
+    }
+    let canaries: Vec<&str> = report.lines().filter(|l| l.contains("canary ")).collect();
+    assert_eq!(canaries.len(), 3, "{report}");
+    assert!(canaries.iter().all(|l| l.contains("blocked")), "{report}");
 }

@@ -42,6 +42,8 @@ mod console;
 mod control;
 mod error;
 mod files;
+#[doc(hidden)]
+pub mod fuzzing;
 mod instance;
 mod jail;
 mod limits;

@@ -21,6 +21,7 @@ use tokio::time::{Instant, MissedTickBehavior};
 
 use crate::error::{Error, Result};
 use crate::limits::Limits;
+use crate::output_queue::{output_queue, OutputReceiver, OutputSender};
 use crate::protocol::fs::FsReply;
 use crate::protocol::{
     ExecFailed, Exited, FrameDecoder, GuestMessage, Hello, HostMessage, Ping, ProtocolError, Setup,
@@ -220,8 +221,8 @@ pub(crate) enum OutputItem {
 
 /// The receiving ends for one process.
 pub(crate) struct ProcessChannels {
-    pub stdout: mpsc::UnboundedReceiver<OutputItem>,
-    pub stderr: mpsc::UnboundedReceiver<OutputItem>,
+    pub stdout: OutputReceiver,
+    pub stderr: OutputReceiver,
     pub started: oneshot::Receiver<u32>,
     pub end: oneshot::Receiver<ProcessEnd>,
     /// Stdin bytes the guest allows, as permits (starts at [`crate::protocol::STDIN_WINDOW`]);
@@ -230,8 +231,8 @@ pub(crate) struct ProcessChannels {
 }
 
 struct Slot {
-    stdout: Option<mpsc::UnboundedSender<OutputItem>>,
-    stderr: Option<mpsc::UnboundedSender<OutputItem>>,
+    stdout: Option<OutputSender>,
+    stderr: Option<OutputSender>,
     started: Option<oneshot::Sender<u32>>,
     end: Option<oneshot::Sender<ProcessEnd>>,
     stdin_credit: Arc<Semaphore>,
@@ -537,8 +538,8 @@ impl Control {
                 knob: "max_processes",
             });
         }
-        let (out_tx, stdout) = mpsc::unbounded_channel();
-        let (err_tx, stderr) = mpsc::unbounded_channel();
+        let (out_tx, stdout) = output_queue();
+        let (err_tx, stderr) = output_queue();
         let (started_tx, started) = oneshot::channel();
         let (end_tx, end) = oneshot::channel();
         let stdin_credit = Arc::new(Semaphore::new(crate::protocol::STDIN_WINDOW as usize));

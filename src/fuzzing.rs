@@ -31,13 +31,14 @@ use std::time::Duration;
 
 use serde_bytes::ByteBuf;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::sync::{mpsc, oneshot, Notify, Semaphore};
+use tokio::sync::{oneshot, Notify, Semaphore};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::control::{self, Control, Gone, Liveness, OutputItem, ProcessEnd};
 use crate::error::{Error, Result};
 use crate::limits::Limits;
+use crate::output_queue::{OutputReceiver, TryRecvError};
 use crate::protocol::fs::{
     DirEntry, FileMeta, FileType, FsError, FsErrorKind, FsOk, FsOp, FsReply, FsRequest,
 };
@@ -298,7 +299,7 @@ impl GuestProc {
 /// chunk when it takes it off the channel, in quarter windows, and on drop gives back
 /// everything) over the real channel.
 struct Reader {
-    rx: mpsc::UnboundedReceiver<OutputItem>,
+    rx: OutputReceiver,
     /// Taken off the channel only to look at: still "in the channel" for the model.
     queued: VecDeque<Vec<u8>>,
     queued_bytes: u64,
@@ -309,7 +310,7 @@ struct Reader {
 }
 
 impl Reader {
-    fn new(rx: mpsc::UnboundedReceiver<OutputItem>) -> Reader {
+    fn new(rx: OutputReceiver) -> Reader {
         Reader {
             rx,
             queued: VecDeque::new(),
@@ -333,8 +334,8 @@ impl Reader {
                     assert!(!self.broken, "broken twice");
                     self.broken = true;
                 }
-                Err(mpsc::error::TryRecvError::Empty) => return,
-                Err(mpsc::error::TryRecvError::Disconnected) => {
+                Err(TryRecvError::Empty) => return,
+                Err(TryRecvError::Disconnected) => {
                     self.done = true;
                     return;
                 }

@@ -47,6 +47,7 @@ pub mod fuzzing;
 mod instance;
 mod jail;
 mod limits;
+mod output_queue;
 mod process;
 mod rootfs;
 mod sandbox;

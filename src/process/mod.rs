@@ -371,8 +371,8 @@ struct Started {
 }
 
 struct StartedChannels {
-    stdout: tokio::sync::mpsc::UnboundedReceiver<crate::control::OutputItem>,
-    stderr: tokio::sync::mpsc::UnboundedReceiver<crate::control::OutputItem>,
+    stdout: crate::output_queue::OutputReceiver,
+    stderr: crate::output_queue::OutputReceiver,
     stdin_credit: std::sync::Arc<tokio::sync::Semaphore>,
 }
 

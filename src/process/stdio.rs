@@ -9,10 +9,11 @@ use std::task::{Context, Poll};
 
 use serde_bytes::ByteBuf;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::Semaphore;
 use tokio_util::sync::PollSemaphore;
 
 use crate::control::{Control, Gone, OutputItem};
+use crate::output_queue::OutputReceiver;
 use crate::protocol::{
     limits::MAX_CHUNK, HostMessage, ProcessRef, StdinData, Stream, OUTPUT_WINDOW,
 };
@@ -131,7 +132,7 @@ impl Drop for ChildStdin {
 /// Chunks from the control channel, read as a byte stream. Consumed bytes are credited back
 /// to the guest in batches, so at most [`OUTPUT_WINDOW`] bytes per stream wait in host memory.
 pub(super) struct Receiver {
-    rx: mpsc::UnboundedReceiver<OutputItem>,
+    rx: OutputReceiver,
     chunk: Vec<u8>,
     /// Why the stream broke off, once it did: every later read reports it again.
     broken: Option<Gone>,
@@ -152,12 +153,7 @@ impl fmt::Debug for Receiver {
 }
 
 impl Receiver {
-    pub(super) fn new(
-        rx: mpsc::UnboundedReceiver<OutputItem>,
-        control: Arc<Control>,
-        id: u32,
-        stream: Stream,
-    ) -> Self {
+    pub(super) fn new(rx: OutputReceiver, control: Arc<Control>, id: u32, stream: Stream) -> Self {
         Receiver {
             rx,
             chunk: Vec::new(),

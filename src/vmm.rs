@@ -126,6 +126,7 @@ pub fn helper_main() -> i32 {
     // context (it loads libkrunfw) while the host's tree is still there; then the empty root,
     // limits, privileges, Landlock and seccomp; then the canaries. No guest code has run yet.
     let mut isolation = Isolation::default();
+    let jail_started = std::time::Instant::now();
     let (in_mount_namespace, in_pid_namespace) = crate::jail::enter_namespaces(&mut isolation);
     // From here on this is the VMM process (with a pid namespace: a child, its pid 1).
     let vmm_pid = if in_pid_namespace {
@@ -133,6 +134,7 @@ pub fn helper_main() -> i32 {
     } else {
         std::process::id()
     };
+    isolation.add_setup_time(jail_started.elapsed());
     let ctx = match new_context(&config) {
         Ok(ctx) => ctx,
         Err(e) => {
@@ -160,10 +162,14 @@ pub fn helper_main() -> i32 {
         control_socket: config.control_socket.clone(),
         kernel: config.kernel.as_ref().map(|k| k.path.clone()),
     };
+    let root_started = std::time::Instant::now();
     let paths = crate::jail::build_root(&config.jail, host, in_mount_namespace, &mut isolation);
+    isolation.add_setup_time(root_started.elapsed());
     let configured = configure(ctx, &config, &paths, guest_init);
+    let rest_started = std::time::Instant::now();
     crate::jail::restrict(&paths, &mut isolation);
     crate::jail::run_canaries(&config.jail, &mut isolation);
+    isolation.add_setup_time(rest_started.elapsed());
     let refusal = crate::jail::refusal(&config.jail, &isolation);
     write_report(vmm_pid, &isolation);
     if let Some(why) = refusal {

@@ -195,6 +195,9 @@ pub struct CanaryReport {
 pub struct Isolation {
     layers: Vec<LayerReport>,
     canaries: Vec<CanaryReport>,
+    /// Microseconds the helper spent on the jail and the canaries.
+    #[serde(default)]
+    setup_micros: u64,
 }
 
 impl Isolation {
@@ -206,6 +209,15 @@ impl Isolation {
     /// Every canary's outcome.
     pub fn canaries(&self) -> &[CanaryReport] {
         &self.canaries
+    }
+
+    /// How long the helper took to apply the jail and run the canaries (part of every boot).
+    pub fn setup_time(&self) -> std::time::Duration {
+        std::time::Duration::from_micros(self.setup_micros)
+    }
+
+    pub(crate) fn add_setup_time(&mut self, spent: std::time::Duration) {
+        self.setup_micros += spent.as_micros() as u64;
     }
 
     /// Whether `layer` is in force.
@@ -273,7 +285,11 @@ impl fmt::Display for Isolation {
                 c.detail
             )?;
         }
-        Ok(())
+        writeln!(
+            f,
+            "  jail and canaries took {:.1} ms of the boot",
+            self.setup_micros as f64 / 1000.0
+        )
     }
 }
 

@@ -23,6 +23,7 @@
 //! ```
 
 use std::ffi::{CString, NulError};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
@@ -265,6 +266,28 @@ impl Context {
         .map(drop)
     }
 
+    /// Adds a virtio-net device (the guest's `eth0` for the first one) whose Ethernet frames
+    /// travel over `socket`, a connected `AF_UNIX` `SOCK_STREAM` socket, each frame preceded
+    /// by its length as a 4-byte big-endian number (the framing of passt and gvproxy's qemu
+    /// mode). Whatever serves the other end is the guest's whole network.
+    ///
+    /// No offload features and no flags: the guest computes its own checksums and sends frames
+    /// of at most its MTU (1500 bytes by default), and libkrun runs no DHCP client. libkrun
+    /// takes `socket` over: it is closed when the VM ends, or now if the call fails.
+    pub fn add_net_unixstream(&mut self, socket: OwnedFd, mac: [u8; 6]) -> Result<(), KrunError> {
+        const CALL: &str = "krun_add_net_unixstream";
+        let fd = socket.as_raw_fd();
+        // SAFETY: a NULL path with a valid descriptor selects the fd backend; `mac` points at
+        // six readable bytes for the call (libkrun copies them). On success libkrun owns `fd`
+        // (it wraps it in an `OwnedFd` when the device starts), so ours is forgotten then.
+        let ret = unsafe {
+            krun::krun_add_net_unixstream(self.id, std::ptr::null(), fd, mac.as_ptr(), 0, 0)
+        };
+        check(CALL, ret)?;
+        std::mem::forget(socket);
+        Ok(())
+    }
+
     /// Writes the guest console (kernel messages, init's stdout/stderr) to a file.
     pub fn set_console_output(&mut self, path: &Path) -> Result<(), KrunError> {
         const CALL: &str = "krun_set_console_output";
@@ -386,6 +409,26 @@ mod tests {
         ctx.add_virtual_file("work", "a/f", b"x", 0o444).unwrap();
         // A parent that does not exist is refused, not created.
         assert!(ctx.add_virtual_file("work", "b/f", b"x", 0o444).is_err());
+    }
+
+    #[test]
+    fn a_net_device_takes_a_socket_and_refuses_a_context_it_does_not_know() {
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        let mut ctx = Context::new().unwrap();
+        ctx.add_net_unixstream(OwnedFd::from(theirs), [0x5a, 0x94, 0xef, 0, 0, 1])
+            .unwrap();
+        drop(ctx);
+        // A freed context: ENOENT, and the socket is closed, not leaked (the peer sees EOF).
+        let (other, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        let mut gone = Context { id: u32::MAX };
+        let err = gone
+            .add_net_unixstream(OwnedFd::from(theirs), [0x5a, 0x94, 0xef, 0, 0, 1])
+            .unwrap_err();
+        std::mem::forget(gone);
+        assert_eq!(err.errno(), Some(libc::ENOENT), "{err}");
+        let mut byte = [0u8; 1];
+        assert_eq!(std::io::Read::read(&mut &other, &mut byte).unwrap(), 0);
+        drop(ours);
     }
 
     #[test]

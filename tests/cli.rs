@@ -228,7 +228,10 @@ fn doctor_boots_a_probe_vm_where_vms_boot() {
             .unwrap_or_else(|| panic!("no line for {name}: {report}"));
         assert!(line.contains("[on ]") || line.contains("[OFF]"), "{line}");
     }
-    let canaries: Vec<&str> = report.lines().filter(|l| l.contains("canary ")).collect();
+    let canaries: Vec<&str> = report
+        .lines()
+        .filter(|l| l.trim_start().starts_with("canary "))
+        .collect();
     assert_eq!(canaries.len(), 3, "{report}");
     assert!(canaries.iter().all(|l| l.contains("blocked")), "{report}");
 }

@@ -469,6 +469,7 @@ pub async fn host_dispatch(data: &[u8]) -> Outcome {
                 fstype: "erofs".into(),
                 read_only: true,
             },
+            network: None,
         };
         h.handshake = Some(tokio::spawn(async move {
             let mut stream = stream;

@@ -194,6 +194,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             fstype: vmm_config.root_fstype.clone(),
             read_only: true,
         },
+        network: None,
     };
     let console = dir.path().join("console.log");
     let mut attempt = 1;

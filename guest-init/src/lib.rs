@@ -14,6 +14,7 @@
 
 pub mod files;
 pub mod mounts;
+pub mod net;
 pub mod supervisor;
 pub mod sys;
 pub mod vsock;

@@ -6,7 +6,7 @@ use std::sync::mpsc::sync_channel;
 use std::time::Duration;
 
 use guest_init::supervisor::{self, Outbox, Reaper, Table};
-use guest_init::{files, mounts, sys, vsock};
+use guest_init::{files, mounts, net, sys, vsock};
 use krunbox_protocol::{
     Failure, FrameDecoder, GuestMessage, Hello, HostMessage, CONTROL_PORT, PROTOCOL_VERSION,
 };
@@ -58,7 +58,13 @@ fn run() -> Result<(), String> {
     };
     let setup_result = mounts::switch_root(&setup.root)
         .map_err(|e| format!("switching to root {}: {e}", setup.root.device))
-        .and_then(|()| sys::set_hostname(&setup.hostname).map_err(|e| e.to_string()));
+        .and_then(|()| sys::set_hostname(&setup.hostname).map_err(|e| e.to_string()))
+        .and_then(|()| match &setup.network {
+            Some(network) => net::configure(network)
+                .map(|name| eprintln!("guest-init: network on {name}"))
+                .map_err(|e| format!("configuring the network: {e}")),
+            None => Ok(()),
+        });
     if let Err(message) = setup_result {
         outbox.send(&GuestMessage::SetupFailed(Failure {
             message: message.clone(),

@@ -110,6 +110,49 @@ pub struct Setup {
     pub hostname: String,
     /// The root filesystem to switch to.
     pub root: RootMount,
+    /// The network interface to configure, if the VM has one.
+    pub network: Option<GuestNetwork>,
+}
+
+/// The guest's network interface, as the host's gateway serves it: IPv4 only.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GuestNetwork {
+    /// The interface's MAC address: guest-init finds the interface by it.
+    pub mac: [u8; 6],
+    /// The guest's address.
+    pub address: [u8; 4],
+    /// Its prefix length (1-30).
+    pub prefix_len: u8,
+    /// The default route's gateway, on the interface's subnet.
+    pub gateway: [u8; 4],
+    /// Resolvers for `/etc/resolv.conf` (1-3, as glibc and musl read at most three).
+    pub nameservers: Vec<[u8; 4]>,
+}
+
+impl GuestNetwork {
+    fn validate(&self) -> Result<(), ProtocolError> {
+        let bad = |detail: String| ProtocolError::OutOfBounds {
+            field: "network",
+            detail,
+        };
+        if !(1..=30).contains(&self.prefix_len) {
+            return Err(bad(format!("prefix length {}", self.prefix_len)));
+        }
+        if self.nameservers.is_empty() || self.nameservers.len() > 3 {
+            return Err(bad(format!("{} nameservers", self.nameservers.len())));
+        }
+        let mask = u32::MAX << (32 - u32::from(self.prefix_len));
+        let (address, gateway) = (
+            u32::from_be_bytes(self.address),
+            u32::from_be_bytes(self.gateway),
+        );
+        if address & mask != gateway & mask || address == gateway {
+            return Err(bad(
+                "the gateway is not another address on the subnet".into()
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Start one process.
@@ -426,6 +469,9 @@ impl Setup {
         ] {
             no_nul(field, s.as_bytes())?;
         }
+        if let Some(network) = &self.network {
+            network.validate()?;
+        }
         Ok(())
     }
 }
@@ -669,6 +715,63 @@ mod tests {
     }
 
     #[test]
+    fn a_network_setup_is_checked_on_both_ends() {
+        let good = GuestNetwork {
+            mac: [2, 0, 0, 0, 0, 15],
+            address: [10, 0, 2, 15],
+            prefix_len: 24,
+            gateway: [10, 0, 2, 2],
+            nameservers: vec![[10, 0, 2, 2]],
+        };
+        let setup = |network: GuestNetwork| {
+            HostMessage::Setup(Setup {
+                hostname: "box".into(),
+                root: RootMount {
+                    device: "/dev/vda".into(),
+                    fstype: "erofs".into(),
+                    read_only: true,
+                },
+                network: Some(network),
+            })
+        };
+        assert!(setup(good.clone()).encode().is_ok());
+        for bad in [
+            GuestNetwork {
+                prefix_len: 0,
+                ..good.clone()
+            },
+            GuestNetwork {
+                prefix_len: 31,
+                ..good.clone()
+            },
+            GuestNetwork {
+                gateway: [10, 0, 3, 2],
+                ..good.clone()
+            },
+            GuestNetwork {
+                gateway: good.address,
+                ..good.clone()
+            },
+            GuestNetwork {
+                nameservers: vec![],
+                ..good.clone()
+            },
+            GuestNetwork {
+                nameservers: vec![[1, 1, 1, 1]; 4],
+                ..good.clone()
+            },
+        ] {
+            assert!(
+                matches!(
+                    setup(bad.clone()).encode(),
+                    Err(ProtocolError::OutOfBounds { .. })
+                ),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
     fn every_message_round_trips_through_the_decoder() {
         let mut wire = Vec::new();
         for m in all_guest_messages() {
@@ -682,6 +785,13 @@ mod tests {
                     fstype: "erofs".into(),
                     read_only: true,
                 },
+                network: Some(GuestNetwork {
+                    mac: [2, 0, 0, 0, 0, 15],
+                    address: [10, 0, 2, 15],
+                    prefix_len: 24,
+                    gateway: [10, 0, 2, 2],
+                    nameservers: vec![[10, 0, 2, 2]],
+                }),
             }),
             HostMessage::Exec(exec()),
             HostMessage::Signal(SignalProcess { id: 3, signal: 9 }),

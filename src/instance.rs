@@ -70,6 +70,8 @@ struct Inner {
     isolation: crate::Isolation,
     /// Drains the guest console into the bounded log while the instance lives.
     _console: Arc<crate::console::ConsoleLog>,
+    /// Serves the guest's network link while the instance lives (dropping it stops the task).
+    _network: Option<crate::net::service::NetService>,
     dir: tempfile::TempDir,
 }
 
@@ -170,6 +172,9 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         jail: jail.config.clone(),
         kernel: config.kernel.clone(),
         log_level: config.vmm_log_level,
+        network: config.network.as_ref().map(|n| vmm::NetDeviceConfig {
+            mac: n.addressing().guest_mac,
+        }),
     };
     // guest-init reaches the guest as bytes the helper serves from memory, never as a host path.
     let guest_init =
@@ -194,11 +199,11 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             fstype: vmm_config.root_fstype.clone(),
             read_only: true,
         },
-        network: None,
+        network: config.network.as_ref().map(|n| n.guest_config()),
     };
     let console = dir.path().join("console.log");
     let mut attempt = 1;
-    let (mut child, lifeline_write, stream, decoder, hello, report, console_log) = loop {
+    let (mut child, lifeline_write, stream, decoder, hello, report, console_log, net_socket) = loop {
         let log = std::fs::File::create(dir.path().join("vmm.log"))
             .map_err(Error::io("creating the VMM log"))?;
         let console_log = crate::console::ConsoleLog::start(dir.path(), config.console_log_max)?;
@@ -207,23 +212,39 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             pipe().map_err(|e| Error::io("creating the lifeline pipe")(e.into()))?;
         let (report_read, report_write) =
             pipe().map_err(|e| Error::io("creating the isolation report pipe")(e.into()))?;
+        // The guest's network link: the helper gets one end for libkrun, the library serves
+        // the other. A fresh pair per attempt, so a retried boot never sees old frames.
+        let net_pair = config
+            .network
+            .as_ref()
+            .map(|_| {
+                std::os::unix::net::UnixStream::pair()
+                    .map_err(Error::io("creating the network socket pair"))
+            })
+            .transpose()?;
         let mut child = {
             use std::os::fd::AsRawFd;
+            let mut inherited = vec![
+                (image.file.as_raw_fd(), vmm::ROOT_IMAGE_FD),
+                (lifeline_read.as_raw_fd(), vmm::LIFELINE_FD),
+                (guest_init.as_raw_fd(), vmm::GUEST_INIT_FD),
+                (report_write.as_raw_fd(), vmm::REPORT_FD),
+            ];
+            if let Some((_, helper_end)) = &net_pair {
+                inherited.push((helper_end.as_raw_fd(), vmm::NET_FD));
+            }
             vmm::spawn(
                 &config.artifacts.vmm_helper,
                 &config.artifacts.libkrunfw_dir,
                 &[config_path.as_os_str()],
-                &[
-                    (image.file.as_raw_fd(), vmm::ROOT_IMAGE_FD),
-                    (lifeline_read.as_raw_fd(), vmm::LIFELINE_FD),
-                    (guest_init.as_raw_fd(), vmm::GUEST_INIT_FD),
-                    (report_write.as_raw_fd(), vmm::REPORT_FD),
-                ],
+                &inherited,
                 log,
             )?
         };
         drop(lifeline_read);
         drop(report_write);
+        // Only the helper holds its end now: when it exits, the service reads EOF.
+        let net_socket = net_pair.map(|(ours, _helper_end)| OwnedFd::from(ours));
         let report = tokio::spawn(crate::jail::host::read_report(report_read));
 
         let handshake = async {
@@ -290,6 +311,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
                     hello,
                     report,
                     console_log,
+                    net_socket,
                 );
             }
             Ok(None) => {
@@ -327,6 +349,19 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         });
     };
     let console_log = Arc::new(console_log);
+    let network = match (&config.network, net_socket) {
+        (Some(network), Some(socket)) => {
+            match crate::net::service::NetService::start(network.addressing().clone(), socket) {
+                Ok(service) => Some(service),
+                Err(err) => {
+                    let _ = child.start_kill();
+                    let _ = child.wait().await;
+                    return Err(err);
+                }
+            }
+        }
+        _ => None,
+    };
     tracing::debug!(kernel = %hello.kernel_release, guest_init = %hello.guest_init, "guest ready");
 
     // With a pid namespace the VM runs in a child of the helper the library started (`child`):
@@ -414,6 +449,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             _lifeline: lifeline_write,
             isolation,
             _console: console_log,
+            _network: network,
             dir,
         }),
     })

@@ -47,6 +47,7 @@ pub mod fuzzing;
 mod instance;
 mod jail;
 mod limits;
+mod net;
 mod output_queue;
 mod process;
 mod rootfs;
@@ -72,6 +73,7 @@ pub use limits::{
     Limits, DEFAULT_MAX_PENDING_FILE_REQUESTS, DEFAULT_MAX_PROCESSES, DEFAULT_READ_DIR_MAX_ENTRIES,
     DEFAULT_READ_FILE_MAX, DEFAULT_REQUEST_TIMEOUT, MAX_REQUEST_TIMEOUT, MIN_REQUEST_TIMEOUT,
 };
+pub use net::Network;
 pub use process::{
     Child, ChildStderr, ChildStdin, ChildStdout, Command, ExitStatus, Output, Stdio,
     DEFAULT_MAX_OUTPUT, TIMEOUT_EXIT_CODE,

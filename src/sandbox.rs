@@ -64,6 +64,7 @@ pub(crate) struct SandboxConfig {
     pub vmm_log_level: u32,
     pub required_isolation: Vec<crate::Layer>,
     pub console_log_max: u64,
+    pub network: Option<crate::Network>,
 }
 
 impl Sandbox {
@@ -107,6 +108,7 @@ pub struct SandboxBuilder {
     vmm_log_level: u32,
     required_isolation: Vec<crate::Layer>,
     console_log_max: u64,
+    network: Option<crate::Network>,
 }
 
 impl Default for SandboxBuilder {
@@ -130,6 +132,7 @@ impl Default for SandboxBuilder {
                 .unwrap_or(3),
             required_isolation: Vec::new(),
             console_log_max: crate::console::DEFAULT_CONSOLE_LOG_MAX,
+            network: None,
         }
     }
 }
@@ -243,6 +246,20 @@ impl SandboxBuilder {
     /// ```
     pub fn console_log_max(mut self, bytes: u64) -> Self {
         self.console_log_max = bytes;
+        self
+    }
+
+    /// Gives the guest a network device served by the library, under `network`'s policy
+    /// (see [`Network`](crate::Network)). Without this the guest has no network device at all.
+    ///
+    /// ```
+    /// let sandbox = krunbox::Sandbox::builder()
+    ///     .network(krunbox::Network::deny_all())
+    ///     .build();
+    /// # let _ = sandbox;
+    /// ```
+    pub fn network(mut self, network: crate::Network) -> Self {
+        self.network = Some(network);
         self
     }
 
@@ -366,6 +383,7 @@ impl SandboxBuilder {
                 vmm_log_level: self.vmm_log_level,
                 required_isolation: self.required_isolation,
                 console_log_max: self.console_log_max,
+                network: self.network,
             }),
         })
     }

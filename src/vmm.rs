@@ -40,6 +40,11 @@ const BOOT_DIRS: [&str; 4] = ["dev", "proc", "sys", "newroot"];
 /// it starts the VM or refuses to.
 pub const REPORT_FD: i32 = 6;
 
+/// The file descriptor of the helper's end of the guest's network link (a connected unix
+/// stream socket; the library serves the other end), passed only when the definition has a
+/// network. The helper hands it to libkrun as the virtio-net device's backend.
+pub const NET_FD: i32 = 7;
+
 /// The helper's exit code when it refused to start the VM because its jail did not hold (a
 /// canary got through) or a required isolation layer is missing. The report says which.
 pub const ISOLATION_EXIT_CODE: i32 = 71;
@@ -70,6 +75,15 @@ pub struct VmmConfig {
     pub kernel: Option<KernelConfig>,
     /// libkrun log level (0 off … 5 trace).
     pub log_level: u32,
+    /// A virtio-net device on [`NET_FD`], or none at all.
+    pub network: Option<NetDeviceConfig>,
+}
+
+/// The guest's network device.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NetDeviceConfig {
+    /// The guest's MAC address.
+    pub mac: [u8; 6],
 }
 
 /// A custom guest kernel.
@@ -327,6 +341,13 @@ fn configure(
     // Explicitly empty: nothing of this process's environment reaches the guest.
     step(ctx.set_env(&[]))?;
     step(ctx.set_console_output(&paths.console))?;
+    if let Some(net) = &config.network {
+        use std::os::fd::FromRawFd;
+        // SAFETY: the library passes NET_FD, open on its socket, exactly when `network` is
+        // set, and nothing else in the helper owns it; libkrun takes it over.
+        let socket = unsafe { std::os::fd::OwnedFd::from_raw_fd(NET_FD) };
+        step(ctx.add_net_unixstream(socket, net.mac))?;
+    }
     Ok(ctx)
 }
 

@@ -107,6 +107,7 @@ pub(crate) async fn probe(
         jail: jail.config.clone(),
         kernel: None,
         log_level: 1,
+        network: None,
     };
     let config_path = dir.path().join("vmm.json");
     std::fs::write(

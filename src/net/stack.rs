@@ -1,0 +1,602 @@
+//! The guest's gateway: a smoltcp interface on the guest's link, with a gate in front of it
+//! that decides which frames reach it at all, and the DNS server on the gateway's address.
+//!
+//! No I/O here: frames go in with [`Gateway::receive`], [`Gateway::poll`] runs the stack at a
+//! given time, and what the gateway sends to the guest collects, already framed for the
+//! stream, in [`Gateway::output`]. The service (`service.rs`) moves the bytes.
+//!
+//! Default deny, per protocol:
+//! - **TCP** reaches the stack whatever its destination (smoltcp's AnyIP): no socket listens,
+//!   so every SYN is answered with a reset from the address the guest dialled, and the guest's
+//!   `connect` fails at once with "connection refused".
+//! - **DNS** (UDP to the gateway, port 53) is parsed with hickory-proto and answered
+//!   `REFUSED`, so resolvers fail at once instead of timing out.
+//! - **Other UDP and ICMP** (ping included) are dropped without an answer: a gateway that
+//!   answered pings for every address would tell the guest the world is up, and an ICMP error
+//!   for a datagram would be the host generating traffic on the guest's behalf with nothing to
+//!   decide yet. Later slices hand such flows to the policy.
+//! - **IPv6**, IPv4 fragments and other EtherTypes are dropped; ARP is answered for the
+//!   gateway's address only, so the guest's link holds the gateway and nothing else.
+
+use std::collections::VecDeque;
+
+use hickory_proto::op::{Message, MessageType, ResponseCode};
+use smoltcp::iface::{Config, Interface, SocketHandle, SocketSet};
+use smoltcp::phy::{Device, DeviceCapabilities, Medium, RxToken, TxToken};
+use smoltcp::socket::udp;
+use smoltcp::time::{Duration, Instant};
+use smoltcp::wire::{
+    ArpPacket, ArpRepr, EthernetAddress, EthernetFrame, EthernetProtocol, HardwareAddress, IpCidr,
+    IpProtocol, Ipv4Packet, UdpPacket,
+};
+
+use super::frame::{self, MAX_FRAME};
+use super::Addressing;
+
+/// Frames from the guest waiting for the stack. The service stops reading the socket while
+/// this is full, which holds the guest back (its virtio queue fills).
+pub(crate) const RX_QUEUE_FRAMES: usize = 64;
+
+/// Bytes of framed output for the guest the gateway holds before it stops producing more
+/// (smoltcp then gets no transmit token and holds back; the socket's own buffer comes after).
+pub(crate) const OUTPUT_MAX: usize = 256 * 1024;
+
+/// The DNS socket's buffers: queries waiting for an answer, answers waiting for the link.
+const DNS_PACKETS: usize = 16;
+const DNS_BYTES: usize = 16 * 1024;
+
+/// The largest DNS message answered over UDP (RFC 1035's limit without EDNS). A refusal
+/// repeats only the question, so it is never larger than the query.
+const DNS_UDP_MAX: usize = 512;
+
+/// Why a frame from the guest got nowhere.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Dropped {
+    /// Not a well-formed Ethernet/ARP/IPv4/UDP frame.
+    Malformed,
+    /// ARP for an address other than the gateway's.
+    ArpNotForGateway,
+    /// UDP other than DNS to the gateway.
+    Udp,
+    /// ICMP, including pings.
+    Icmp,
+    /// IPv6.
+    Ipv6,
+    /// An IPv4 fragment (the guest's MTU makes them unnecessary).
+    Fragment,
+    /// Another EtherType or IP protocol.
+    Other,
+    /// The queue to the stack was full.
+    QueueFull,
+}
+
+/// What happened to the guest's frames, for tests and tracing.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Counters {
+    pub admitted: u64,
+    pub dropped: u64,
+    pub dns_refused: u64,
+    pub last_drop: Option<Dropped>,
+}
+
+/// The smoltcp device: frames from the guest wait in `rx`; frames to it are framed into `out`.
+struct Port {
+    rx: VecDeque<Vec<u8>>,
+    out: Vec<u8>,
+}
+
+struct Rx(Vec<u8>);
+
+impl RxToken for Rx {
+    fn consume<R, F: FnOnce(&[u8]) -> R>(self, f: F) -> R {
+        f(&self.0)
+    }
+}
+
+struct Tx<'a>(&'a mut Vec<u8>);
+
+impl TxToken for Tx<'_> {
+    fn consume<R, F: FnOnce(&mut [u8]) -> R>(self, len: usize, f: F) -> R {
+        let mut buf = vec![0u8; len];
+        let result = f(&mut buf);
+        if let Err(err) = frame::encode(&buf, self.0) {
+            // The stack's MTU is the link's: this would be a bug, and libkrun must never see it.
+            tracing::error!(target: "krunbox::net", "not sending a frame to the guest: {err}");
+        }
+        result
+    }
+}
+
+impl Device for Port {
+    type RxToken<'a> = Rx;
+    type TxToken<'a> = Tx<'a>;
+
+    fn receive(&mut self, _: Instant) -> Option<(Rx, Tx<'_>)> {
+        let frame = self.rx.pop_front()?;
+        // One answer per received frame may pass OUTPUT_MAX by at most one frame.
+        Some((Rx(frame), Tx(&mut self.out)))
+    }
+
+    fn transmit(&mut self, _: Instant) -> Option<Tx<'_>> {
+        (self.out.len() + frame::LENGTH_PREFIX + MAX_FRAME <= OUTPUT_MAX)
+            .then_some(Tx(&mut self.out))
+    }
+
+    fn capabilities(&self) -> DeviceCapabilities {
+        let mut caps = DeviceCapabilities::default();
+        caps.medium = Medium::Ethernet;
+        caps.max_transmission_unit = MAX_FRAME;
+        caps
+    }
+}
+
+/// The gateway of one guest.
+pub(crate) struct Gateway {
+    addressing: Addressing,
+    iface: Interface,
+    port: Port,
+    sockets: SocketSet<'static>,
+    dns: SocketHandle,
+    pub(crate) counters: Counters,
+}
+
+impl Gateway {
+    pub(crate) fn new(addressing: Addressing, now: Instant) -> Self {
+        let mut port = Port {
+            rx: VecDeque::with_capacity(RX_QUEUE_FRAMES),
+            out: Vec::new(),
+        };
+        let mut config = Config::new(HardwareAddress::Ethernet(EthernetAddress(
+            addressing.gateway_mac,
+        )));
+        config.random_seed = rand_seed();
+        let mut iface = Interface::new(config, &mut port, now);
+        iface.update_ip_addrs(|addrs| {
+            addrs
+                .push(IpCidr::new(
+                    addressing.gateway.into(),
+                    addressing.prefix_len,
+                ))
+                .expect("one address fits");
+        });
+        // Every destination the guest routes through us reaches the stack, so a connection to
+        // any address is refused by us rather than left to time out.
+        iface.set_any_ip(true);
+        let mut sockets = SocketSet::new(Vec::new());
+        let buffer = || {
+            udp::PacketBuffer::new(
+                vec![udp::PacketMetadata::EMPTY; DNS_PACKETS],
+                vec![0u8; DNS_BYTES],
+            )
+        };
+        let mut dns = udp::Socket::new(buffer(), buffer());
+        dns.bind((smoltcp::wire::IpAddress::from(addressing.gateway), 53))
+            .expect("binding a fresh socket");
+        let dns = sockets.add(dns);
+        Self {
+            addressing,
+            iface,
+            port,
+            sockets,
+            dns,
+            counters: Counters::default(),
+        }
+    }
+
+    /// Whether the queue to the stack has room for another frame.
+    pub(crate) fn has_room(&self) -> bool {
+        self.port.rx.len() < RX_QUEUE_FRAMES
+    }
+
+    /// A frame from the guest: queued for the stack if the gate admits it.
+    pub(crate) fn receive(&mut self, frame: Vec<u8>) -> Result<(), Dropped> {
+        let verdict = if self.has_room() {
+            self.admit(&frame)
+        } else {
+            Err(Dropped::QueueFull)
+        };
+        match verdict {
+            Ok(()) => {
+                self.counters.admitted += 1;
+                self.port.rx.push_back(frame);
+            }
+            Err(why) => {
+                self.counters.dropped += 1;
+                self.counters.last_drop = Some(why);
+                tracing::trace!(target: "krunbox::net", ?why, "dropped a frame from the guest");
+            }
+        }
+        verdict
+    }
+
+    fn admit(&self, frame: &[u8]) -> Result<(), Dropped> {
+        let eth = EthernetFrame::new_checked(frame).map_err(|_| Dropped::Malformed)?;
+        match eth.ethertype() {
+            EthernetProtocol::Arp => {
+                let arp = ArpPacket::new_checked(eth.payload()).map_err(|_| Dropped::Malformed)?;
+                match ArpRepr::parse(&arp).map_err(|_| Dropped::Malformed)? {
+                    ArpRepr::EthernetIpv4 {
+                        target_protocol_addr,
+                        ..
+                    } if target_protocol_addr == self.addressing.gateway => Ok(()),
+                    _ => Err(Dropped::ArpNotForGateway),
+                }
+            }
+            EthernetProtocol::Ipv4 => {
+                let ip = Ipv4Packet::new_checked(eth.payload()).map_err(|_| Dropped::Malformed)?;
+                if ip.more_frags() || ip.frag_offset() != 0 {
+                    return Err(Dropped::Fragment);
+                }
+                match ip.next_header() {
+                    IpProtocol::Tcp => Ok(()),
+                    IpProtocol::Udp => {
+                        let udp =
+                            UdpPacket::new_checked(ip.payload()).map_err(|_| Dropped::Malformed)?;
+                        if ip.dst_addr() == self.addressing.gateway && udp.dst_port() == 53 {
+                            Ok(())
+                        } else {
+                            Err(Dropped::Udp)
+                        }
+                    }
+                    IpProtocol::Icmp => Err(Dropped::Icmp),
+                    _ => Err(Dropped::Other),
+                }
+            }
+            EthernetProtocol::Ipv6 => Err(Dropped::Ipv6),
+            _ => Err(Dropped::Other),
+        }
+    }
+
+    /// Runs the stack: takes the queued frames, answers DNS, produces output.
+    pub(crate) fn poll(&mut self, now: Instant) {
+        self.iface.poll(now, &mut self.port, &mut self.sockets);
+        if self.answer_dns() {
+            self.iface.poll(now, &mut self.port, &mut self.sockets);
+        }
+    }
+
+    /// How long until the stack next needs a poll with no new input (`None`: not before
+    /// something arrives).
+    pub(crate) fn poll_delay(&mut self, now: Instant) -> Option<Duration> {
+        if !self.port.rx.is_empty() {
+            return Some(Duration::ZERO);
+        }
+        self.iface.poll_delay(now, &self.sockets)
+    }
+
+    /// Framed bytes for the guest, to be written to the stream and drained from the front.
+    pub(crate) fn output(&mut self) -> &mut Vec<u8> {
+        &mut self.port.out
+    }
+
+    /// Answers every waiting DNS query with `REFUSED`. Returns whether it sent anything.
+    fn answer_dns(&mut self) -> bool {
+        let socket = self.sockets.get_mut::<udp::Socket>(self.dns);
+        let mut sent = false;
+        while socket.can_recv() && socket.can_send() {
+            let Ok((query, meta)) = socket.recv() else {
+                break;
+            };
+            let Some(answer) = refusal(query) else {
+                continue;
+            };
+            if socket.send_slice(&answer, meta.endpoint).is_ok() {
+                self.counters.dns_refused += 1;
+                sent = true;
+            }
+        }
+        sent
+    }
+}
+
+/// The `REFUSED` answer to a DNS query, or `None` for something that is not a query (a
+/// response, or bytes hickory-proto cannot parse: a resolver gets no answer to garbage).
+pub(crate) fn refusal(query: &[u8]) -> Option<Vec<u8>> {
+    let query = Message::from_vec(query).ok()?;
+    if query.metadata.message_type != MessageType::Query {
+        return None;
+    }
+    let mut answer = Message::error_msg(
+        query.metadata.id,
+        query.metadata.op_code,
+        ResponseCode::Refused,
+    );
+    answer.metadata.recursion_desired = query.metadata.recursion_desired;
+    answer.add_queries(query.queries);
+    let bytes = answer.to_vec().ok()?;
+    (bytes.len() <= DNS_UDP_MAX).then_some(bytes)
+}
+
+/// smoltcp's seed (initial TCP sequence numbers, ephemeral ports): different per gateway.
+fn rand_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    hasher.finish()
+}
+
+/// The gateway's own address, for tests.
+#[cfg(test)]
+impl Gateway {
+    fn gateway(&self) -> std::net::Ipv4Addr {
+        self.addressing.gateway
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use smoltcp::phy::ChecksumCapabilities;
+    use smoltcp::wire::{
+        ArpOperation, EthernetRepr, Icmpv4Packet, Icmpv4Repr, Ipv4Repr, TcpControl, TcpPacket,
+        TcpRepr, TcpSeqNumber, UdpRepr,
+    };
+    use std::net::Ipv4Addr;
+
+    const GUEST: Ipv4Addr = Ipv4Addr::new(10, 0, 2, 15);
+
+    fn gateway() -> Gateway {
+        Gateway::new(Addressing::default(), Instant::from_millis(0))
+    }
+
+    fn guest_mac() -> EthernetAddress {
+        EthernetAddress(Addressing::default().guest_mac)
+    }
+
+    fn ethernet(dst: EthernetAddress, ethertype: EthernetProtocol, payload: &[u8]) -> Vec<u8> {
+        let repr = EthernetRepr {
+            src_addr: guest_mac(),
+            dst_addr: dst,
+            ethertype,
+        };
+        let mut buf = vec![0u8; repr.buffer_len() + payload.len()];
+        let mut frame = EthernetFrame::new_unchecked(&mut buf);
+        repr.emit(&mut frame);
+        frame.payload_mut().copy_from_slice(payload);
+        buf
+    }
+
+    fn ipv4(dst: Ipv4Addr, protocol: IpProtocol, payload: &[u8]) -> Vec<u8> {
+        let repr = Ipv4Repr {
+            src_addr: GUEST,
+            dst_addr: dst,
+            next_header: protocol,
+            payload_len: payload.len(),
+            hop_limit: 64,
+        };
+        let mut buf = vec![0u8; repr.buffer_len() + payload.len()];
+        let mut packet = Ipv4Packet::new_unchecked(&mut buf);
+        repr.emit(&mut packet, &ChecksumCapabilities::default());
+        packet.payload_mut().copy_from_slice(payload);
+        let gw = EthernetAddress(Addressing::default().gateway_mac);
+        ethernet(gw, EthernetProtocol::Ipv4, &buf)
+    }
+
+    fn arp_request(target: Ipv4Addr) -> Vec<u8> {
+        let repr = ArpRepr::EthernetIpv4 {
+            operation: ArpOperation::Request,
+            source_hardware_addr: guest_mac(),
+            source_protocol_addr: GUEST,
+            target_hardware_addr: EthernetAddress([0; 6]),
+            target_protocol_addr: target,
+        };
+        let mut buf = vec![0u8; repr.buffer_len()];
+        repr.emit(&mut ArpPacket::new_unchecked(&mut buf));
+        ethernet(EthernetAddress::BROADCAST, EthernetProtocol::Arp, &buf)
+    }
+
+    fn syn(dst: Ipv4Addr, port: u16) -> Vec<u8> {
+        let repr = TcpRepr {
+            src_port: 40000,
+            dst_port: port,
+            control: TcpControl::Syn,
+            seq_number: TcpSeqNumber(1000),
+            ack_number: None,
+            window_len: 64240,
+            window_scale: None,
+            max_seg_size: Some(1460),
+            sack_permitted: false,
+            sack_ranges: [None; 3],
+            timestamp: None,
+            payload: &[],
+        };
+        let mut buf = vec![0u8; repr.buffer_len()];
+        repr.emit(
+            &mut TcpPacket::new_unchecked(&mut buf),
+            &GUEST.into(),
+            &dst.into(),
+            &ChecksumCapabilities::default(),
+        );
+        ipv4(dst, IpProtocol::Tcp, &buf)
+    }
+
+    fn udp(dst: Ipv4Addr, port: u16, payload: &[u8]) -> Vec<u8> {
+        let repr = UdpRepr {
+            src_port: 40001,
+            dst_port: port,
+        };
+        let mut buf = vec![0u8; repr.header_len() + payload.len()];
+        repr.emit(
+            &mut UdpPacket::new_unchecked(&mut buf),
+            &GUEST.into(),
+            &dst.into(),
+            payload.len(),
+            |p| p.copy_from_slice(payload),
+            &ChecksumCapabilities::default(),
+        );
+        ipv4(dst, IpProtocol::Udp, &buf)
+    }
+
+    /// The frames the gateway sent, decoded from its output.
+    fn sent(gw: &mut Gateway) -> Vec<Vec<u8>> {
+        let bytes = std::mem::take(gw.output());
+        let mut decoder = frame::FrameDecoder::new();
+        let mut input = &bytes[..];
+        let mut frames = Vec::new();
+        while let Some(f) = decoder.decode(&mut input) {
+            frames.push(f.unwrap());
+        }
+        frames
+    }
+
+    /// ARP first, as the guest does: the gateway learns the guest's MAC from it.
+    fn with_guest_known() -> Gateway {
+        let mut gw = gateway();
+        let target = gw.gateway();
+        gw.receive(arp_request(target)).unwrap();
+        gw.poll(Instant::from_millis(1));
+        let replies = sent(&mut gw);
+        assert_eq!(replies.len(), 1, "one ARP reply");
+        let eth = EthernetFrame::new_checked(&replies[0][..]).unwrap();
+        let arp = ArpRepr::parse(&ArpPacket::new_checked(eth.payload()).unwrap()).unwrap();
+        let ArpRepr::EthernetIpv4 {
+            operation,
+            source_protocol_addr,
+            ..
+        } = arp
+        else {
+            panic!("{arp:?}")
+        };
+        assert_eq!(operation, ArpOperation::Reply);
+        assert_eq!(source_protocol_addr, target);
+        gw
+    }
+
+    fn tcp_reply(frame: &[u8]) -> (Ipv4Addr, TcpControl) {
+        let eth = EthernetFrame::new_checked(frame).unwrap();
+        let ip = Ipv4Packet::new_checked(eth.payload()).unwrap();
+        let tcp = TcpPacket::new_checked(ip.payload()).unwrap();
+        let repr = TcpRepr::parse(
+            &tcp,
+            &ip.src_addr().into(),
+            &ip.dst_addr().into(),
+            &ChecksumCapabilities::default(),
+        )
+        .unwrap();
+        (ip.src_addr(), repr.control)
+    }
+
+    #[test]
+    fn a_syn_to_any_address_is_reset_by_that_address() {
+        let mut gw = with_guest_known();
+        for dst in [
+            gw.gateway(),
+            Ipv4Addr::new(93, 184, 215, 14),
+            Ipv4Addr::new(10, 0, 2, 3),
+        ] {
+            gw.receive(syn(dst, 443)).unwrap();
+            gw.poll(Instant::from_millis(2));
+            let out = sent(&mut gw);
+            assert_eq!(out.len(), 1, "{dst}");
+            assert_eq!(tcp_reply(&out[0]), (dst, TcpControl::Rst), "{dst}");
+        }
+    }
+
+    #[test]
+    fn dns_to_the_gateway_is_refused_and_names_the_question() {
+        let mut gw = with_guest_known();
+        let mut query = Message::query();
+        query.metadata.recursion_desired = true;
+        query.add_query(hickory_proto::op::Query::query(
+            "example.com.".parse().unwrap(),
+            hickory_proto::rr::RecordType::A,
+        ));
+        let id = query.metadata.id;
+        let dst = gw.gateway();
+        gw.receive(udp(dst, 53, &query.to_vec().unwrap())).unwrap();
+        gw.poll(Instant::from_millis(2));
+        let out = sent(&mut gw);
+        assert_eq!(out.len(), 1);
+        let eth = EthernetFrame::new_checked(&out[0][..]).unwrap();
+        let ip = Ipv4Packet::new_checked(eth.payload()).unwrap();
+        let udp = UdpPacket::new_checked(ip.payload()).unwrap();
+        assert_eq!(
+            (ip.src_addr(), udp.src_port(), udp.dst_port()),
+            (dst, 53, 40001)
+        );
+        let answer = Message::from_vec(udp.payload()).unwrap();
+        assert_eq!(answer.metadata.id, id);
+        assert_eq!(answer.metadata.message_type, MessageType::Response);
+        assert_eq!(answer.metadata.response_code, ResponseCode::Refused);
+        assert!(answer.answers.is_empty());
+        assert_eq!(answer.queries[0].name().to_ascii(), "example.com.");
+        assert_eq!(gw.counters.dns_refused, 1);
+    }
+
+    #[test]
+    fn garbage_and_responses_to_the_dns_port_get_no_answer() {
+        let mut gw = with_guest_known();
+        let dst = gw.gateway();
+        let response =
+            Message::error_msg(7, hickory_proto::op::OpCode::Query, ResponseCode::NoError);
+        for payload in [&b"\x00\x01garbage"[..], &[], &response.to_vec().unwrap()] {
+            gw.receive(udp(dst, 53, payload)).unwrap();
+            gw.poll(Instant::from_millis(2));
+            assert!(sent(&mut gw).is_empty());
+        }
+        assert_eq!(refusal(&[0xff; 600]), None);
+    }
+
+    #[test]
+    fn other_udp_icmp_ipv6_and_foreign_arp_get_nothing() {
+        let mut gw = with_guest_known();
+        let far = Ipv4Addr::new(1, 1, 1, 1);
+        let echo = {
+            let repr = Icmpv4Repr::EchoRequest {
+                ident: 1,
+                seq_no: 1,
+                data: b"ping",
+            };
+            let mut buf = vec![0u8; repr.buffer_len()];
+            repr.emit(
+                &mut Icmpv4Packet::new_unchecked(&mut buf),
+                &ChecksumCapabilities::default(),
+            );
+            buf
+        };
+        let gw_addr = gw.gateway();
+        let gw_mac = EthernetAddress(Addressing::default().gateway_mac);
+        let cases = [
+            (udp(far, 53, b"x"), Dropped::Udp),
+            (udp(gw_addr, 123, b"x"), Dropped::Udp),
+            (ipv4(gw_addr, IpProtocol::Icmp, &echo), Dropped::Icmp),
+            (ipv4(far, IpProtocol::Icmp, &echo), Dropped::Icmp),
+            (
+                ethernet(gw_mac, EthernetProtocol::Ipv6, &[0x60; 40]),
+                Dropped::Ipv6,
+            ),
+            (
+                arp_request(Ipv4Addr::new(10, 0, 2, 3)),
+                Dropped::ArpNotForGateway,
+            ),
+            (
+                ethernet(gw_mac, EthernetProtocol::Ipv4, &[0x45; 3]),
+                Dropped::Malformed,
+            ),
+            (ipv4(far, IpProtocol::Unknown(132), b"sctp"), Dropped::Other),
+        ];
+        for (frame, why) in cases {
+            assert_eq!(gw.receive(frame), Err(why));
+            gw.poll(Instant::from_millis(2));
+            assert!(sent(&mut gw).is_empty(), "{why:?}");
+        }
+    }
+
+    #[test]
+    fn the_queue_to_the_stack_is_bounded() {
+        let mut gw = with_guest_known();
+        let far = Ipv4Addr::new(1, 1, 1, 1);
+        for _ in 0..RX_QUEUE_FRAMES {
+            gw.receive(syn(far, 80)).unwrap();
+        }
+        assert!(!gw.has_room());
+        assert_eq!(gw.receive(syn(far, 80)), Err(Dropped::QueueFull));
+        gw.poll(Instant::from_millis(2));
+        assert!(gw.has_room());
+        assert!(gw.output().len() <= OUTPUT_MAX);
+    }
+}

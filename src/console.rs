@@ -94,15 +94,23 @@ impl ConsoleLog {
     }
 }
 
+/// How many bytes the drain moves before it lets other tasks run: a guest that floods its
+/// console must not hog a runtime thread (the liveness check runs on the same runtime).
+const DRAIN_BUDGET: usize = 1 << 20;
+
 async fn drain(
     receiver: pipe::Receiver,
-    mut log: std::fs::File,
+    log: std::fs::File,
     dir: PathBuf,
     rotate_at: u64,
     mut requests: mpsc::Receiver<oneshot::Sender<()>>,
 ) {
+    // `None` while a rotation failed: output is dropped rather than written past the bound,
+    // and the next chunk tries to rotate again.
+    let mut log = Some(log);
     let mut written = 0u64;
     let mut buf = vec![0u8; 64 * 1024];
+    let mut budget = DRAIN_BUDGET;
     loop {
         let ack = tokio::select! {
             ready = receiver.readable() => { if ready.is_err() { return; } None }
@@ -113,15 +121,27 @@ async fn drain(
             match receiver.try_read(&mut buf) {
                 Ok(0) => break,
                 Ok(n) => {
-                    if written + n as u64 > rotate_at {
-                        if let Some(fresh) = rotate(&dir) {
-                            log = fresh;
+                    let mut rest = &buf[..n];
+                    while !rest.is_empty() {
+                        if log.is_none() || written >= rotate_at {
+                            log = rotate(&dir);
                             written = 0;
+                            if log.is_none() {
+                                break;
+                            }
                         }
+                        let take = rest.len().min((rotate_at - written) as usize);
+                        // A full disk loses console output, not the VM.
+                        if let Some(file) = log.as_mut() {
+                            let _ = file.write_all(&rest[..take]);
+                        }
+                        written += take as u64;
+                        rest = &rest[take..];
                     }
-                    // A full disk loses console output, not the VM.
-                    if log.write_all(&buf[..n]).is_ok() {
-                        written += n as u64;
+                    budget = budget.saturating_sub(n);
+                    if budget == 0 {
+                        budget = DRAIN_BUDGET;
+                        tokio::task::yield_now().await;
                     }
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
@@ -135,10 +155,14 @@ async fn drain(
     }
 }
 
-/// `console.log` → `console.log.1`, and a new `console.log`.
+/// `console.log` → `console.log.1`, and a new `console.log`. `None` if either step failed
+/// (then nothing is written until a later rotation succeeds).
 fn rotate(dir: &Path) -> Option<std::fs::File> {
-    std::fs::rename(dir.join(CONSOLE_LOGS[1]), dir.join(CONSOLE_LOGS[0])).ok()?;
-    std::fs::File::create(dir.join(CONSOLE_LOGS[1])).ok()
+    let newer = dir.join(CONSOLE_LOGS[1]);
+    if newer.exists() {
+        std::fs::rename(&newer, dir.join(CONSOLE_LOGS[0])).ok()?;
+    }
+    std::fs::File::create(newer).ok()
 }
 
 #[cfg(test)]

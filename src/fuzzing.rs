@@ -1,5 +1,5 @@
-//! Fuzzing entry points (not API): the `host_dispatch` target in `fuzz/` and its replay in this
-//! crate's tests.
+//! Fuzzing entry points (not API): the `host_dispatch` and `net_link` targets in `fuzz/` and
+//! their replays in this crate's tests.
 //!
 //! [`host_dispatch`] plays a hostile guest against the host's real control channel
 //! ([`Control`]: its reader, dispatch, flow control, liveness check and `fail_all`, and
@@ -1462,6 +1462,13 @@ pub fn host_dispatch_seeds() -> Vec<Vec<u8>> {
     }
     seeds.push(handshake);
     seeds.into_iter().map(Script::bytes).collect()
+}
+
+/// A hostile guest's network link against the host's frame decoder and gateway: `data` is the
+/// stream libkrun would write (any bytes), cut into reads by its own bytes. Panics if the
+/// gateway's output passes its bound or holds a frame libkrun could not take.
+pub fn net_link(data: &[u8]) {
+    crate::net::fuzz_link(data)
 }
 
 #[cfg(test)]

@@ -339,7 +339,6 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     };
     drop(image);
     drop(listener);
-    drop(jail);
     let Some(crate::jail::HelperReport { vmm_pid, isolation }) = report else {
         let _ = child.start_kill();
         let _ = child.wait().await;
@@ -348,6 +347,18 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             console_tail: tail(dir.path()),
         });
     };
+    // The helper refuses to start a VM whose jail does not hold; checked here too, so a helper
+    // from another build (KRUNBOX_VMM) that ignored a requirement cannot slip through.
+    if crate::jail::refusal(&jail.config, &isolation).is_some() {
+        let _ = child.start_kill();
+        let _ = child.wait().await;
+        return Err(isolation_refusal(
+            Some(isolation),
+            &config.required_isolation,
+            tail(dir.path()),
+        ));
+    }
+    drop(jail);
     let console_log = Arc::new(console_log);
     let network = match (&config.network, net_socket) {
         (Some(network), Some(socket)) => {

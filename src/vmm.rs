@@ -55,6 +55,7 @@ pub const LIFELINE_EXIT_CODE: i32 = 70;
 /// Everything the helper needs to configure libkrun. Written as JSON by the library, read by
 /// `krunbox-vmm`; both are built from this crate, so the format is private to one build.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
 pub struct VmmConfig {
     /// vCPUs.
     pub cpus: u8,
@@ -398,9 +399,33 @@ pub(crate) fn spawn(
                     return Err(std::io::Error::last_os_error());
                 }
             }
+            let mut highest = 2;
             for (source, target) in plan.iter().take(count) {
                 if libc::dup2(*source, *target) < 0 {
                     return Err(std::io::Error::last_os_error());
+                }
+                highest = highest.max(*target);
+            }
+            // Nothing else of this process goes along: a descriptor the caller (or its own
+            // parent) left without CLOEXEC would pass every layer of the jail, as Landlock and
+            // the empty root govern only what is opened later. close_range is a plain syscall.
+            let first = (highest + 1) as libc::c_uint;
+            if libc::syscall(
+                libc::SYS_close_range,
+                first,
+                libc::c_uint::MAX,
+                0 as libc::c_uint,
+            ) != 0
+            {
+                // Kernels before 5.9 lack close_range: close one by one up to the fd limit.
+                let mut limit = libc::rlimit {
+                    rlim_cur: 0,
+                    rlim_max: 0,
+                };
+                libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit);
+                let end = limit.rlim_cur.min(1 << 20) as libc::c_int;
+                for fd in first as libc::c_int..end {
+                    libc::close(fd);
                 }
             }
             Ok(())

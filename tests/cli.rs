@@ -219,7 +219,7 @@ fn doctor_boots_a_probe_vm_where_vms_boot() {
         );
     }
     // The isolation layers this host gives the VMM helper, each on or off with its reason,
-    // and the three canaries, all blocked.
+    // and the five canaries, all blocked.
     for layer in krunbox::Layer::ALL {
         let name = layer.to_string();
         let line = report
@@ -232,6 +232,6 @@ fn doctor_boots_a_probe_vm_where_vms_boot() {
         .lines()
         .filter(|l| l.trim_start().starts_with("canary "))
         .collect();
-    assert_eq!(canaries.len(), 3, "{report}");
+    assert_eq!(canaries.len(), 5, "{report}");
     assert!(canaries.iter().all(|l| l.contains("blocked")), "{report}");
 }

@@ -163,14 +163,31 @@ fn status_field(pid: u32, name: &str) -> String {
         .unwrap_or_else(|| panic!("no {name} in /proc/{pid}/status"))
 }
 
+/// What each open descriptor of process `pid` points at.
+fn open_descriptors(pid: u32) -> Vec<String> {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.unwrap().path()).ok())
+        .map(|p| p.to_string_lossy().into_owned())
+        .collect()
+}
+
 #[test]
 fn the_vmm_helper_is_jailed_and_every_canary_is_blocked() {
     common::run(async {
+        // A descriptor this process holds without CLOEXEC (as a caller's C library or a
+        // parent's jobserver pipe might): it must not reach the helper, where an open
+        // directory would escape any root.
+        let leak_dir = tempfile::tempdir().unwrap();
+        let path = std::ffi::CString::new(leak_dir.path().to_str().unwrap()).unwrap();
+        // SAFETY: opening a directory by a valid C string; closed at the end of the test.
+        let leaked = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY) };
+        assert!(leaked >= 0);
         let vm = busybox().boot().await.unwrap();
         let isolation = vm.isolation().clone();
         println!("{isolation}");
         // What the helper reports.
-        assert_eq!(isolation.canaries().len(), 3, "{isolation}");
+        assert_eq!(isolation.canaries().len(), 5, "{isolation}");
         assert!(isolation.breaches().is_empty(), "{isolation}");
         // The layers every host this suite runs on provides (Linux >= 5.13 with Landlock,
         // user namespaces or root). LandlockNetwork/Scope depend on the kernel's ABI.
@@ -202,6 +219,19 @@ fn the_vmm_helper_is_jailed_and_every_canary_is_blocked() {
                 "{kind} namespace shared"
             );
         }
+        // No descriptor of the helper (the VMM, or its parent outside the pid namespace) is
+        // the one this process leaked.
+        let parent = status_field(pid, "PPid").parse::<u32>().unwrap();
+        for p in [pid, parent] {
+            let fds = open_descriptors(p);
+            assert!(
+                !fds.iter()
+                    .any(|f| f.as_str() == leak_dir.path().to_str().unwrap()),
+                "pid {p} holds the leaked directory: {fds:?}"
+            );
+        }
+        // SAFETY: closing the descriptor opened above, once.
+        unsafe { libc::close(leaked) };
         // Its root holds exactly what libkrun opens.
         let root: BTreeSet<String> = std::fs::read_dir(format!("/proc/{pid}/root"))
             .unwrap()

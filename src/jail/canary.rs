@@ -11,6 +11,7 @@ use super::{Canary, Isolation, JailConfig};
 pub(crate) fn run(config: &JailConfig, report: &mut Isolation) {
     host_file(config, report);
     host_loopback(config, report);
+    host_unix_sockets(config, report);
     denied_syscall(report);
 }
 
@@ -34,6 +35,29 @@ fn host_loopback(config: &JailConfig, report: &mut Isolation) {
     match TcpStream::connect_timeout(&addr.into(), Duration::from_secs(2)) {
         Ok(_) => report.push_canary(Canary::HostLoopback, false, format!("connected to {addr}")),
         Err(e) => report.push_canary(Canary::HostLoopback, true, e.to_string()),
+    }
+}
+
+fn host_unix_sockets(config: &JailConfig, report: &mut Isolation) {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr, UnixStream};
+    match UnixStream::connect(&config.canary_socket) {
+        Ok(_) => report.push_canary(
+            Canary::HostUnixSocket,
+            false,
+            format!("connected to {}", config.canary_socket.display()),
+        ),
+        Err(e) => report.push_canary(Canary::HostUnixSocket, true, e.to_string()),
+    }
+    let outcome = SocketAddr::from_abstract_name(config.canary_abstract.as_bytes())
+        .and_then(|addr| UnixStream::connect_addr(&addr));
+    match outcome {
+        Ok(_) => report.push_canary(
+            Canary::HostAbstractSocket,
+            false,
+            format!("connected to @{}", config.canary_abstract),
+        ),
+        Err(e) => report.push_canary(Canary::HostAbstractSocket, true, e.to_string()),
     }
 }
 

@@ -23,6 +23,7 @@ pub(crate) const MAX_LOG_BYTES: u64 = 16 << 20;
 
 /// What the library tells the helper about its jail (part of the VMM configuration).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
 pub struct JailConfig {
     /// An empty directory the helper mounts its new root on (inside its own mount namespace, so
     /// nothing of that mount is visible outside).
@@ -31,6 +32,10 @@ pub struct JailConfig {
     pub canary_file: PathBuf,
     /// A TCP port on 127.0.0.1 where the library listens: the loopback canary.
     pub canary_port: u16,
+    /// A unix socket the library listens on by path: the host-unix-socket canary.
+    pub canary_socket: PathBuf,
+    /// The name of a unix socket the library listens on in the abstract namespace.
+    pub canary_abstract: String,
     /// Layers the definition requires: the helper refuses to start the VM without them.
     pub required: Vec<Layer>,
 }
@@ -137,8 +142,10 @@ pub(crate) fn fork_into_pid_namespace(report: &mut Isolation) -> u32 {
             // its EOF) must be held by the child alone.
             let pid = child.as_raw() as u32;
             let _ = nix::unistd::write(&ready_write, &pid.to_ne_bytes());
-            drop(ready_write);
-            for fd in 3..1024 {
+            // The write end stays open as long as this process lives: the child checks it, after
+            // arming PDEATHSIG, to know this process had not died before.
+            let keep = std::os::fd::AsRawFd::as_raw_fd(&ready_write);
+            for fd in (3..1024).filter(|fd| *fd != keep) {
                 // SAFETY: closing descriptors this process no longer uses.
                 unsafe { libc::close(fd) };
             }
@@ -149,11 +156,24 @@ pub(crate) fn fork_into_pid_namespace(report: &mut Isolation) -> u32 {
             // SAFETY: prctl with integer arguments.
             unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
             let mut pid = [0u8; 4];
-            // EOF instead of a pid: the parent died before PDEATHSIG was set.
-            match nix::unistd::read(&ready_read, &mut pid) {
+            let pid = match nix::unistd::read(&ready_read, &mut pid) {
                 Ok(4) => u32::from_ne_bytes(pid),
+                // EOF instead of a pid: the parent died before PDEATHSIG was set.
                 _ => std::process::exit(crate::vmm::LIFELINE_EXIT_CODE),
+            };
+            // The parent may also have died after writing and before PDEATHSIG was armed: then
+            // its end of the pipe is closed (hang-up), and nothing would ever kill this process.
+            let mut poll = libc::pollfd {
+                fd: std::os::fd::AsRawFd::as_raw_fd(&ready_read),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: poll on one valid pollfd, without waiting.
+            let ready = unsafe { libc::poll(&mut poll, 1, 0) };
+            if ready != 0 && poll.revents & libc::POLLHUP != 0 {
+                std::process::exit(crate::vmm::LIFELINE_EXIT_CODE);
             }
+            pid
         }
     }
 }
@@ -377,8 +397,15 @@ pub(crate) fn drop_privileges(report: &mut Isolation) {
             .iter()
             .all(|d| d.effective == 0 && d.permitted == 0 && d.inheritable == 0);
     let dropped = dropped && none_left;
-    let detail = if dropped {
+    // SAFETY: prctl reads; past the kernel's last capability it fails with EINVAL (< 0).
+    let bounding_left =
+        (0..64).any(|cap| unsafe { libc::prctl(libc::PR_CAPBSET_READ, cap, 0, 0, 0) } == 1);
+    let detail = if dropped && !bounding_left {
         "all dropped (effective, permitted, inheritable, ambient, bounding)".to_string()
+    } else if dropped {
+        "effective, permitted, inheritable and ambient dropped; the bounding set stays (dropping \
+         it needs CAP_SETPCAP), which no_new_privs and the absence of execve make moot"
+            .to_string()
     } else if !none_left {
         "capget still shows capabilities".to_string()
     } else {

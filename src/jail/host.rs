@@ -9,12 +9,14 @@ use std::path::Path;
 use super::{HelperReport, Isolation, JailConfig, Layer, REPORT_MAX_BYTES};
 use crate::error::{Error, Result};
 
-/// What one boot's jail needs on the host side. The canary listener lives as long as this.
+/// What one boot's jail needs on the host side. The canary listeners live as long as this.
 #[derive(Debug)]
 pub(crate) struct JailHost {
     /// The helper's part, for its configuration.
     pub config: JailConfig,
     _canary_listener: std::net::TcpListener,
+    _canary_socket: std::os::unix::net::UnixListener,
+    _canary_abstract: std::os::unix::net::UnixListener,
 }
 
 /// Prepares the jail of a helper whose instance directory is `dir`.
@@ -45,14 +47,29 @@ pub(crate) fn prepare(dir: &Path, required: &[Layer]) -> Result<JailHost> {
         .local_addr()
         .map_err(Error::io("reading the canary listener's port"))?
         .port();
+    let canary_socket = dir.join("canary.sock");
+    let _ = std::fs::remove_file(&canary_socket);
+    let socket_listener = std::os::unix::net::UnixListener::bind(&canary_socket)
+        .map_err(Error::io("opening the unix socket canary listener"))?;
+    let canary_abstract = format!("krunbox-canary-{}", hex::encode(token));
+    let abstract_listener = {
+        use std::os::linux::net::SocketAddrExt;
+        std::os::unix::net::SocketAddr::from_abstract_name(canary_abstract.as_bytes())
+            .and_then(|addr| std::os::unix::net::UnixListener::bind_addr(&addr))
+            .map_err(Error::io("opening the abstract socket canary listener"))?
+    };
     Ok(JailHost {
         config: JailConfig {
             root_dir,
             canary_file,
             canary_port,
+            canary_socket,
+            canary_abstract,
             required: required.to_vec(),
         },
         _canary_listener: listener,
+        _canary_socket: socket_listener,
+        _canary_abstract: abstract_listener,
     })
 }
 

@@ -13,8 +13,8 @@
 //! 4. restricts itself with Landlock (filesystem, TCP and scopes, as far as the kernel's ABI goes);
 //! 5. installs a seccomp allowlist of the system calls libkrun needs to run a VM;
 //! 6. runs the canaries: it tries to read a canary file the library created, to connect to a
-//!    canary TCP listener on host loopback, and to make a system call outside the allowlist.
-//!    Each must fail.
+//!    canary TCP listener on host loopback and to canary unix sockets (by path and abstract),
+//!    and to make a system call outside the allowlist. Each must fail.
 //!
 //! The helper writes what it did as an [`Isolation`] report on a pipe, then either starts the VM
 //! or, if a canary got through or a layer the definition requires is missing, exits without
@@ -148,6 +148,11 @@ pub enum Canary {
     HostFile,
     /// Connect to a TCP listener the library opened on host loopback.
     HostLoopback,
+    /// Connect to a unix socket the library listens on by path (as the session bus, a docker
+    /// socket or an ssh agent would): reachable, it would let the helper drive host services.
+    HostUnixSocket,
+    /// Connect to a unix socket the library listens on in the abstract namespace.
+    HostAbstractSocket,
     /// Make a system call outside the seccomp allowlist (`process_vm_readv` on itself).
     DeniedSyscall,
 }
@@ -157,6 +162,8 @@ impl fmt::Display for Canary {
         f.write_str(match self {
             Canary::HostFile => "read a host file",
             Canary::HostLoopback => "connect to host loopback",
+            Canary::HostUnixSocket => "connect to a host unix socket",
+            Canary::HostAbstractSocket => "connect to an abstract socket",
             Canary::DeniedSyscall => "a denied system call",
         })
     }

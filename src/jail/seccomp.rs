@@ -5,8 +5,12 @@
 //! docs/security.md), plus a few close relatives a different code path or libc version may pick
 //! (`pwrite64` beside `pread64`, `ppoll` beside `poll`, …). Arguments are narrowed where a call
 //! could reach beyond the VM: `socket` only for unix sockets, `ioctl` only KVM's and a few
-//! terminal/fd ones, `clone` only threads, `prctl` only thread names, `prlimit64` only reads,
-//! `tgkill` only this process's threads.
+//! terminal/fd ones, `fcntl` only descriptor and status flags and duplication (no `F_SETOWN`:
+//! signals through `O_ASYNC`), `clone` only threads, `prctl` only thread names, `prlimit64`
+//! only reads, `tgkill` only this process's threads. `fallocate` is left out: with
+//! `FALLOC_FL_KEEP_SIZE` it would grow the helper's log past `RLIMIT_FSIZE` on some
+//! filesystems, and libkrun needs it only for writable disks and its passthrough filesystem,
+//! neither of which krunbox uses.
 //!
 //! Anything else fails with `EPERM` rather than killing the helper: a call libkrun makes on a
 //! rare path then fails like any refused call instead of taking the VM down, and what matters
@@ -59,12 +63,10 @@ fn allowlist() -> BTreeMap<i64, Vec<SeccompRule>> {
         libc::SYS_fstat,
         libc::SYS_newfstatat,
         libc::SYS_statx,
-        libc::SYS_fcntl,
         libc::SYS_dup,
         libc::SYS_dup3,
         libc::SYS_fsync,
         libc::SYS_fdatasync,
-        libc::SYS_fallocate,
         libc::SYS_mmap,
         libc::SYS_munmap,
         libc::SYS_mprotect,
@@ -138,6 +140,22 @@ fn allowlist() -> BTreeMap<i64, Vec<SeccompRule>> {
             .map(|req| rule(vec![cond(1, Len::Dword, Op::Eq, *req)])),
     );
     rules.insert(libc::SYS_ioctl, ioctls);
+    // fcntl only for descriptor flags, status flags and duplication: F_SETOWN/F_SETSIG would
+    // let a pipe's O_ASYNC signal any process of the same user.
+    rules.insert(
+        libc::SYS_fcntl,
+        [
+            libc::F_DUPFD,
+            libc::F_GETFD,
+            libc::F_SETFD,
+            libc::F_GETFL,
+            libc::F_SETFL,
+            libc::F_DUPFD_CLOEXEC,
+        ]
+        .iter()
+        .map(|cmd| rule(vec![cond(1, Len::Dword, Op::Eq, *cmd as u64)]))
+        .collect(),
+    );
     // Allowed here only so that this filter does not answer it: the clone3 filter's ENOSYS must
     // be the answer (between two ERRNO results the later filter's errno would win).
     rules.insert(libc::SYS_clone3, Vec::new());
@@ -328,6 +346,7 @@ mod tests {
             libc::SYS_socketpair,
             libc::SYS_bind,
             libc::SYS_listen,
+            libc::SYS_fallocate,
         ] {
             assert!(!list.contains_key(&nr), "syscall {nr} is allowed");
         }

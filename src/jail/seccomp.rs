@@ -5,7 +5,7 @@
 //! docs/security.md), plus a few close relatives a different code path or libc version may pick
 //! (`pwrite64` beside `pread64`, `ppoll` beside `poll`, …). Arguments are narrowed where a call
 //! could reach beyond the VM: `socket` only for unix sockets, `ioctl` only KVM's and a few
-//! terminal/fd ones, `fcntl` only descriptor and status flags and duplication (no `F_SETOWN`:
+//! terminal/fd ones, `setsockopt` only buffer sizes, `fcntl` only descriptor and status flags and duplication (no `F_SETOWN`:
 //! signals through `O_ASYNC`), `clone` only threads, `prctl` only thread names, `prlimit64`
 //! only reads, `tgkill` only this process's threads. `fallocate` is left out: with
 //! `FALLOC_FL_KEEP_SIZE` it would grow the helper's log past `RLIMIT_FSIZE` on some
@@ -159,6 +159,19 @@ fn allowlist() -> BTreeMap<i64, Vec<SeccompRule>> {
     // Allowed here only so that this filter does not answer it: the clone3 filter's ENOSYS must
     // be the answer (between two ERRNO results the later filter's errno would win).
     rules.insert(libc::SYS_clone3, Vec::new());
+    // libkrun's net worker sizes its socket's buffers; nothing else of setsockopt.
+    rules.insert(
+        libc::SYS_setsockopt,
+        [libc::SO_SNDBUF, libc::SO_RCVBUF]
+            .iter()
+            .map(|opt| {
+                rule(vec![
+                    cond(1, Len::Dword, Op::Eq, libc::SOL_SOCKET as u64),
+                    cond(2, Len::Dword, Op::Eq, *opt as u64),
+                ])
+            })
+            .collect(),
+    );
     rules.insert(
         libc::SYS_socket,
         vec![rule(vec![cond(

@@ -144,7 +144,7 @@ pub(crate) fn fuzz_link(data: &[u8]) {
         millis += i64::from(cut);
         gateway.poll(smoltcp::time::Instant::from_millis(millis));
         let out = std::mem::take(gateway.output());
-        assert!(out.len() <= stack::OUTPUT_MAX + frame::LENGTH_PREFIX + frame::MAX_FRAME);
+        assert!(out.len() <= stack::OUTPUT_MAX);
         let mut sent = frame::FrameDecoder::new();
         let mut input = &out[..];
         while let Some(item) = sent.decode(&mut input) {

@@ -85,6 +85,15 @@ struct Port {
     out: Vec<u8>,
 }
 
+impl Port {
+    /// Whether `out` could not take one more frame within [`OUTPUT_MAX`]. Then the stack gets
+    /// no tokens at all, not even to receive (an answer to a received frame needs room too), so
+    /// `out` never passes the bound and the guest's frames wait in `rx`.
+    fn output_full(&self) -> bool {
+        self.out.len() + frame::LENGTH_PREFIX + MAX_FRAME > OUTPUT_MAX
+    }
+}
+
 struct Rx(Vec<u8>);
 
 impl RxToken for Rx {
@@ -112,14 +121,15 @@ impl Device for Port {
     type TxToken<'a> = Tx<'a>;
 
     fn receive(&mut self, _: Instant) -> Option<(Rx, Tx<'_>)> {
+        if self.output_full() {
+            return None;
+        }
         let frame = self.rx.pop_front()?;
-        // One answer per received frame may pass OUTPUT_MAX by at most one frame.
         Some((Rx(frame), Tx(&mut self.out)))
     }
 
     fn transmit(&mut self, _: Instant) -> Option<Tx<'_>> {
-        (self.out.len() + frame::LENGTH_PREFIX + MAX_FRAME <= OUTPUT_MAX)
-            .then_some(Tx(&mut self.out))
+        (!self.output_full()).then_some(Tx(&mut self.out))
     }
 
     fn capabilities(&self) -> DeviceCapabilities {
@@ -256,12 +266,18 @@ impl Gateway {
     }
 
     /// How long until the stack next needs a poll with no new input (`None`: not before
-    /// something arrives).
+    /// something arrives, or before the output drains when it is full: polling then would
+    /// spin). At least a millisecond unless frames wait, which is smoltcp's own granularity.
     pub(crate) fn poll_delay(&mut self, now: Instant) -> Option<Duration> {
+        if self.port.output_full() {
+            return None;
+        }
         if !self.port.rx.is_empty() {
             return Some(Duration::ZERO);
         }
-        self.iface.poll_delay(now, &self.sockets)
+        self.iface
+            .poll_delay(now, &self.sockets)
+            .map(|d| d.max(Duration::from_millis(1)))
     }
 
     /// Framed bytes for the guest, to be written to the stream and drained from the front.
@@ -584,6 +600,32 @@ mod tests {
             gw.poll(Instant::from_millis(2));
             assert!(sent(&mut gw).is_empty(), "{why:?}");
         }
+    }
+
+    #[test]
+    fn a_full_output_holds_the_guests_frames_back_instead_of_growing() {
+        let mut gw = with_guest_known();
+        let far = Ipv4Addr::new(1, 1, 1, 1);
+        // Fill the output as if the socket stopped taking bytes.
+        gw.output().resize(OUTPUT_MAX - MAX_FRAME, 0);
+        gw.receive(syn(far, 80)).unwrap();
+        gw.poll(Instant::from_millis(2));
+        assert_eq!(gw.port.rx.len(), 1, "the SYN waits");
+        assert_eq!(
+            gw.output().len(),
+            OUTPUT_MAX - MAX_FRAME,
+            "nothing was added"
+        );
+        assert_eq!(
+            gw.poll_delay(Instant::from_millis(2)),
+            None,
+            "no spinning while full"
+        );
+        // The socket took the bytes: the SYN is answered.
+        gw.output().clear();
+        assert_eq!(gw.poll_delay(Instant::from_millis(3)), Some(Duration::ZERO));
+        gw.poll(Instant::from_millis(3));
+        assert_eq!(tcp_reply(&sent(&mut gw)[0]), (far, TcpControl::Rst));
     }
 
     #[test]

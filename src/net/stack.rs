@@ -602,6 +602,111 @@ mod tests {
         }
     }
 
+    /// Link streams that reach past the gate: what a guest sends first (ARP for the gateway),
+    /// then SYNs near and far, DNS queries, pings, stray UDP, IPv6. Each is a `net_link` input:
+    /// one read of the whole framed stream.
+    fn net_link_seeds() -> Vec<Vec<u8>> {
+        let gw = Addressing::default().gateway;
+        let far = Ipv4Addr::new(192, 0, 2, 1);
+        let mut query = Message::query();
+        query.add_query(hickory_proto::op::Query::query(
+            "example.com.".parse().unwrap(),
+            hickory_proto::rr::RecordType::AAAA,
+        ));
+        let query = query.to_vec().unwrap();
+        let echo = {
+            let repr = Icmpv4Repr::EchoRequest {
+                ident: 1,
+                seq_no: 1,
+                data: b"ping",
+            };
+            let mut buf = vec![0u8; repr.buffer_len()];
+            repr.emit(
+                &mut Icmpv4Packet::new_unchecked(&mut buf),
+                &ChecksumCapabilities::default(),
+            );
+            buf
+        };
+        let gw_mac = EthernetAddress(Addressing::default().gateway_mac);
+        let sessions: Vec<Vec<Vec<u8>>> = vec![
+            vec![arp_request(gw), syn(gw, 80)],
+            vec![arp_request(gw), syn(far, 443), syn(far, 443)],
+            vec![
+                arp_request(gw),
+                udp(gw, 53, &query),
+                udp(gw, 53, &query[..5]),
+            ],
+            vec![
+                arp_request(gw),
+                ipv4(far, IpProtocol::Icmp, &echo),
+                udp(far, 123, b"ntp"),
+            ],
+            vec![
+                ethernet(gw_mac, EthernetProtocol::Ipv6, &[0x60; 48]),
+                arp_request(Ipv4Addr::new(10, 0, 2, 3)),
+                syn(gw, 22),
+            ],
+        ];
+        sessions
+            .into_iter()
+            .map(|frames| {
+                let mut stream = Vec::new();
+                for f in &frames {
+                    frame::encode(f, &mut stream).unwrap();
+                }
+                let cut = stream.len().div_ceil(16);
+                assert!(cut <= 255, "a seed is one read");
+                let mut input = vec![cut as u8];
+                input.extend(stream);
+                input
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_link_seeds_hold_the_fuzz_property_and_reach_past_the_gate() {
+        for seed in net_link_seeds() {
+            crate::net::fuzz_link(&seed);
+        }
+        // They are answered: an ARP reply, then a reset.
+        let mut gw = gateway();
+        let seed = &net_link_seeds()[0];
+        let mut input = &seed[1..];
+        let mut decoder = frame::FrameDecoder::new();
+        while let Some(f) = decoder.decode(&mut input) {
+            gw.receive(f.unwrap()).unwrap();
+        }
+        gw.poll(Instant::from_millis(1));
+        assert_eq!(sent(&mut gw).len(), 2);
+    }
+
+    /// The committed corpus, replayed on every test run.
+    #[test]
+    fn the_link_fuzz_corpus_holds_the_property() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/net_link");
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return;
+        };
+        for entry in entries {
+            let path = entry.unwrap().path();
+            let data = std::fs::read(&path).unwrap();
+            let result = std::panic::catch_unwind(|| crate::net::fuzz_link(&data));
+            assert!(result.is_ok(), "{} fails the property", path.display());
+        }
+    }
+
+    /// Writes the seeds into the fuzz corpus: `cargo test --lib write_net_link_seeds --
+    /// --ignored`.
+    #[test]
+    #[ignore]
+    fn write_net_link_seeds() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/net_link");
+        std::fs::create_dir_all(&dir).unwrap();
+        for (i, seed) in net_link_seeds().iter().enumerate() {
+            std::fs::write(dir.join(format!("seed-{i:02}")), seed).unwrap();
+        }
+    }
+
     #[test]
     fn a_full_output_holds_the_guests_frames_back_instead_of_growing() {
         let mut gw = with_guest_known();

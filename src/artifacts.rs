@@ -213,6 +213,15 @@ pub(crate) fn locate_libkrunfw(explicit: Option<&Path>) -> Result<PathBuf> {
         })
 }
 
+/// Where per-instance sockets and logs live: a local filesystem (unix sockets can't live on
+/// network filesystems), short paths (sun_path is 108 bytes).
+pub(crate) fn runtime_dir() -> PathBuf {
+    std::env::var_os("XDG_RUNTIME_DIR")
+        .map(PathBuf::from)
+        .filter(|d| d.is_dir())
+        .unwrap_or_else(std::env::temp_dir)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -2,7 +2,7 @@
 
 use std::ffi::OsStr;
 use std::os::fd::OwnedFd;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -92,15 +92,6 @@ impl Drop for Inner {
     }
 }
 
-/// Where per-instance sockets and logs live: a local filesystem (unix sockets can't live on
-/// network filesystems), short paths (sun_path is 108 bytes).
-pub(crate) fn runtime_dir() -> PathBuf {
-    std::env::var_os("XDG_RUNTIME_DIR")
-        .map(PathBuf::from)
-        .filter(|d| d.is_dir())
-        .unwrap_or_else(std::env::temp_dir)
-}
-
 fn tail(dir: &Path) -> String {
     let [older, newer] = crate::console::CONSOLE_LOGS;
     vmm::log_tail(
@@ -150,7 +141,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
 
     let mut dir = tempfile::Builder::new()
         .prefix("krunbox-")
-        .tempdir_in(runtime_dir())
+        .tempdir_in(crate::artifacts::runtime_dir())
         .map_err(Error::io("creating the instance directory"))?;
     // For debugging boots: keep the console and VMM logs after the instance is gone.
     if std::env::var_os("KRUNBOX_KEEP_INSTANCE_DIR").is_some() {

@@ -101,7 +101,7 @@ pub(crate) async fn probe(
     use std::os::fd::AsRawFd;
     let dir = tempfile::Builder::new()
         .prefix("krunbox-probe-")
-        .tempdir_in(crate::instance::runtime_dir())
+        .tempdir_in(crate::artifacts::runtime_dir())
         .map_err(|e| format!("creating a probe directory: {e}"))?;
     // What the jail binds into its root must exist, as at a boot.
     let console = dir.path().join(crate::console::CONSOLE_FIFO);

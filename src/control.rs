@@ -219,10 +219,29 @@ pub(crate) enum OutputItem {
     Broken(Gone),
 }
 
+impl crate::output_queue::Mergeable for OutputItem {
+    fn merge_len(&self) -> Option<usize> {
+        match self {
+            OutputItem::Data(data) => Some(data.len()),
+            OutputItem::Broken(_) => None,
+        }
+    }
+
+    fn merge(&mut self, later: Self) -> Result<(), Self> {
+        match (self, later) {
+            (OutputItem::Data(data), OutputItem::Data(more)) => {
+                data.extend_from_slice(&more);
+                Ok(())
+            }
+            (_, later) => Err(later),
+        }
+    }
+}
+
 /// The receiving ends for one process.
 pub(crate) struct ProcessChannels {
-    pub stdout: OutputReceiver,
-    pub stderr: OutputReceiver,
+    pub stdout: OutputReceiver<OutputItem>,
+    pub stderr: OutputReceiver<OutputItem>,
     pub started: oneshot::Receiver<u32>,
     pub end: oneshot::Receiver<ProcessEnd>,
     /// Stdin bytes the guest allows, as permits (starts at [`crate::protocol::STDIN_WINDOW`]);
@@ -231,8 +250,8 @@ pub(crate) struct ProcessChannels {
 }
 
 struct Slot {
-    stdout: Option<OutputSender>,
-    stderr: Option<OutputSender>,
+    stdout: Option<OutputSender<OutputItem>>,
+    stderr: Option<OutputSender<OutputItem>>,
     started: Option<oneshot::Sender<u32>>,
     end: Option<oneshot::Sender<ProcessEnd>>,
     stdin_credit: Arc<Semaphore>,

@@ -299,7 +299,7 @@ impl GuestProc {
 /// chunk when it takes it off the channel, in quarter windows, and on drop gives back
 /// everything) over the real channel.
 struct Reader {
-    rx: OutputReceiver,
+    rx: OutputReceiver<OutputItem>,
     /// Taken off the channel only to look at: still "in the channel" for the model.
     queued: VecDeque<Vec<u8>>,
     queued_bytes: u64,
@@ -310,7 +310,7 @@ struct Reader {
 }
 
 impl Reader {
-    fn new(rx: OutputReceiver) -> Reader {
+    fn new(rx: OutputReceiver<OutputItem>) -> Reader {
         Reader {
             rx,
             queued: VecDeque::new(),

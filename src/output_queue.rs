@@ -8,20 +8,27 @@
 //!
 //! Hand-written rather than `tokio::sync::mpsc` because no channel of tokio's can merge into an
 //! item already queued; the rest (one sender, one receiver, wake on send or close) is the small
-//! part of a channel this needs.
+//! part of a channel this needs. Generic over what it carries ([`Mergeable`]), so it depends on
+//! nothing of the control channel.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 
-use crate::control::OutputItem;
+/// What the queue carries: items that can take a later item's bytes into themselves.
+pub(crate) trait Mergeable: Sized {
+    /// This item's size, for the merge threshold; `None` for an item that never merges.
+    fn merge_len(&self) -> Option<usize>;
+    /// Appends `later` to `self` if both merge; otherwise gives `later` back.
+    fn merge(&mut self, later: Self) -> Result<(), Self>;
+}
 
 /// A waiting chunk smaller than this takes the next chunk's bytes instead of a new item.
 pub(crate) const COALESCE_BELOW: usize = 64 * 1024;
 
-#[derive(Debug, Default)]
-struct State {
-    items: VecDeque<OutputItem>,
+#[derive(Debug)]
+struct State<T> {
+    items: VecDeque<T>,
     sender_gone: bool,
     receiver_gone: bool,
     waker: Option<Waker>,
@@ -38,37 +45,43 @@ pub(crate) enum TryRecvError {
 
 /// The control channel's end.
 #[derive(Debug)]
-pub(crate) struct OutputSender(Arc<Mutex<State>>);
+pub(crate) struct OutputSender<T>(Arc<Mutex<State<T>>>);
 
 /// The reader's end.
 #[derive(Debug)]
-pub(crate) struct OutputReceiver(Arc<Mutex<State>>);
+pub(crate) struct OutputReceiver<T>(Arc<Mutex<State<T>>>);
 
 /// A new queue.
-pub(crate) fn output_queue() -> (OutputSender, OutputReceiver) {
-    let state = Arc::new(Mutex::new(State::default()));
+pub(crate) fn output_queue<T: Mergeable>() -> (OutputSender<T>, OutputReceiver<T>) {
+    let state = Arc::new(Mutex::new(State {
+        items: VecDeque::new(),
+        sender_gone: false,
+        receiver_gone: false,
+        waker: None,
+    }));
     (OutputSender(state.clone()), OutputReceiver(state))
 }
 
-fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
+fn lock<T>(state: &Mutex<State<T>>) -> std::sync::MutexGuard<'_, State<T>> {
     state.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-impl OutputSender {
+impl<T: Mergeable> OutputSender<T> {
     /// Queues `item`, merging data into a small chunk already waiting. Gives the item back if
     /// the receiver is gone.
-    pub(crate) fn send(&self, item: OutputItem) -> Result<(), OutputItem> {
+    pub(crate) fn send(&self, item: T) -> Result<(), T> {
         let mut state = lock(&self.0);
         if state.receiver_gone {
             return Err(item);
         }
-        match (state.items.back_mut(), item) {
-            (Some(OutputItem::Data(last)), OutputItem::Data(more))
-                if last.len() < COALESCE_BELOW =>
-            {
-                last.extend_from_slice(&more);
+        let unmerged = match state.items.back_mut() {
+            Some(last) if last.merge_len().is_some_and(|n| n < COALESCE_BELOW) => {
+                last.merge(item).err()
             }
-            (_, item) => state.items.push_back(item),
+            _ => Some(item),
+        };
+        if let Some(item) = unmerged {
+            state.items.push_back(item);
         }
         if let Some(waker) = state.waker.take() {
             waker.wake();
@@ -77,7 +90,7 @@ impl OutputSender {
     }
 }
 
-impl Drop for OutputSender {
+impl<T> Drop for OutputSender<T> {
     fn drop(&mut self) {
         let mut state = lock(&self.0);
         state.sender_gone = true;
@@ -87,9 +100,9 @@ impl Drop for OutputSender {
     }
 }
 
-impl OutputReceiver {
+impl<T: Mergeable> OutputReceiver<T> {
     /// The next item; `None` once the sender is gone and everything was received.
-    pub(crate) fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<OutputItem>> {
+    pub(crate) fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<T>> {
         let mut state = lock(&self.0);
         if let Some(item) = state.items.pop_front() {
             return Poll::Ready(Some(item));
@@ -103,12 +116,12 @@ impl OutputReceiver {
 
     /// The next item; `None` once the sender is gone and everything was received.
     #[cfg_attr(not(test), allow(dead_code))]
-    pub(crate) async fn recv(&mut self) -> Option<OutputItem> {
+    pub(crate) async fn recv(&mut self) -> Option<T> {
         std::future::poll_fn(|cx| self.poll_recv(cx)).await
     }
 
     /// The next item if one waits.
-    pub(crate) fn try_recv(&mut self) -> Result<OutputItem, TryRecvError> {
+    pub(crate) fn try_recv(&mut self) -> Result<T, TryRecvError> {
         let mut state = lock(&self.0);
         match state.items.pop_front() {
             Some(item) => Ok(item),
@@ -123,31 +136,25 @@ impl OutputReceiver {
         lock(&self.0).receiver_gone = true;
     }
 
-    /// The items waiting now (for tests and bounds checks).
+    /// The items waiting now and their merged size (for tests and bounds checks).
     #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn queued(&self) -> (usize, usize) {
         let state = lock(&self.0);
-        let bytes = state
-            .items
-            .iter()
-            .map(|i| match i {
-                OutputItem::Data(d) => d.len(),
-                OutputItem::Broken(_) => 0,
-            })
-            .sum();
+        let bytes = state.items.iter().filter_map(Mergeable::merge_len).sum();
         (state.items.len(), bytes)
     }
 }
 
-impl Drop for OutputReceiver {
+impl<T> Drop for OutputReceiver<T> {
     fn drop(&mut self) {
-        self.close();
+        lock(&self.0).receiver_gone = true;
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::control::OutputItem;
 
     #[test]
     fn a_window_cut_into_one_byte_chunks_is_a_handful_of_items() {

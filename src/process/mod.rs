@@ -371,8 +371,8 @@ struct Started {
 }
 
 struct StartedChannels {
-    stdout: crate::output_queue::OutputReceiver,
-    stderr: crate::output_queue::OutputReceiver,
+    stdout: crate::output_queue::OutputReceiver<crate::control::OutputItem>,
+    stderr: crate::output_queue::OutputReceiver<crate::control::OutputItem>,
     stdin_credit: std::sync::Arc<tokio::sync::Semaphore>,
 }
 

@@ -132,7 +132,7 @@ impl Drop for ChildStdin {
 /// Chunks from the control channel, read as a byte stream. Consumed bytes are credited back
 /// to the guest in batches, so at most [`OUTPUT_WINDOW`] bytes per stream wait in host memory.
 pub(super) struct Receiver {
-    rx: OutputReceiver,
+    rx: OutputReceiver<OutputItem>,
     chunk: Vec<u8>,
     /// Why the stream broke off, once it did: every later read reports it again.
     broken: Option<Gone>,
@@ -153,7 +153,12 @@ impl fmt::Debug for Receiver {
 }
 
 impl Receiver {
-    pub(super) fn new(rx: OutputReceiver, control: Arc<Control>, id: u32, stream: Stream) -> Self {
+    pub(super) fn new(
+        rx: OutputReceiver<OutputItem>,
+        control: Arc<Control>,
+        id: u32,
+        stream: Stream,
+    ) -> Self {
         Receiver {
             rx,
             chunk: Vec::new(),

@@ -1536,16 +1536,23 @@ mod tests {
         }
     }
 
-    /// Writes the seeds into the fuzz corpus: `cargo test --lib write_host_dispatch_seeds --
-    /// --ignored`.
+    /// The corpus holds the seeds as they are generated now (`seed-NN`), so the fuzzer starts
+    /// from them. After changing the seeds, write them with
+    /// `KRUNBOX_WRITE_FUZZ_SEEDS=1 cargo test --lib committed_host_dispatch_seeds`.
     #[test]
-    #[ignore]
-    fn write_host_dispatch_seeds() {
+    fn committed_host_dispatch_seeds_are_the_generated_ones() {
         let dir =
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/host_dispatch");
-        std::fs::create_dir_all(&dir).unwrap();
+        let write = std::env::var_os("KRUNBOX_WRITE_FUZZ_SEEDS").is_some();
         for (i, seed) in host_dispatch_seeds().iter().enumerate() {
-            std::fs::write(dir.join(format!("seed-{i:02}")), seed).unwrap();
+            let path = dir.join(format!("seed-{i:02}"));
+            if write {
+                std::fs::create_dir_all(&dir).unwrap();
+                std::fs::write(&path, seed).unwrap();
+            }
+            let committed = std::fs::read(&path)
+                .unwrap_or_else(|e| panic!("{}: {e} (write the seeds, see above)", path.display()));
+            assert_eq!(&committed, seed, "{} is stale", path.display());
         }
     }
 }

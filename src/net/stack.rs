@@ -608,7 +608,12 @@ mod tests {
     fn net_link_seeds() -> Vec<Vec<u8>> {
         let gw = Addressing::default().gateway;
         let far = Ipv4Addr::new(192, 0, 2, 1);
-        let mut query = Message::query();
+        // A fixed id: the seeds are committed and must come out the same every time.
+        let mut query = Message::new(
+            0x5eed,
+            hickory_proto::op::MessageType::Query,
+            hickory_proto::op::OpCode::Query,
+        );
         query.add_query(hickory_proto::op::Query::query(
             "example.com.".parse().unwrap(),
             hickory_proto::rr::RecordType::AAAA,
@@ -695,15 +700,21 @@ mod tests {
         }
     }
 
-    /// Writes the seeds into the fuzz corpus: `cargo test --lib write_net_link_seeds --
-    /// --ignored`.
+    /// The corpus holds the seeds as they are generated now (`seed-NN`). After changing them,
+    /// write them with `KRUNBOX_WRITE_FUZZ_SEEDS=1 cargo test --lib committed_net_link_seeds`.
     #[test]
-    #[ignore]
-    fn write_net_link_seeds() {
+    fn committed_net_link_seeds_are_the_generated_ones() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/net_link");
-        std::fs::create_dir_all(&dir).unwrap();
+        let write = std::env::var_os("KRUNBOX_WRITE_FUZZ_SEEDS").is_some();
         for (i, seed) in net_link_seeds().iter().enumerate() {
-            std::fs::write(dir.join(format!("seed-{i:02}")), seed).unwrap();
+            let path = dir.join(format!("seed-{i:02}"));
+            if write {
+                std::fs::create_dir_all(&dir).unwrap();
+                std::fs::write(&path, seed).unwrap();
+            }
+            let committed = std::fs::read(&path)
+                .unwrap_or_else(|e| panic!("{}: {e} (write the seeds, see above)", path.display()));
+            assert_eq!(&committed, seed, "{} is stale", path.display());
         }
     }
 

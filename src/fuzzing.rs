@@ -1471,6 +1471,30 @@ pub fn net_link(data: &[u8]) {
     crate::net::fuzz_link(data)
 }
 
+/// Asserts that `fuzz/corpus/TARGET/seed-NN` hold exactly `seeds` (rewriting them first when
+/// `KRUNBOX_WRITE_FUZZ_SEEDS` is set), for the fuzz targets' seed tests.
+#[cfg(test)]
+pub(crate) fn assert_committed_seeds(target: &str, seeds: &[Vec<u8>]) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fuzz/corpus")
+        .join(target);
+    let write = std::env::var_os("KRUNBOX_WRITE_FUZZ_SEEDS").is_some();
+    for (i, seed) in seeds.iter().enumerate() {
+        let path = dir.join(format!("seed-{i:02}"));
+        if write {
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(&path, seed).unwrap();
+        }
+        let committed = std::fs::read(&path).unwrap_or_else(|e| {
+            panic!(
+                "{}: {e} (KRUNBOX_WRITE_FUZZ_SEEDS=1 writes them)",
+                path.display()
+            )
+        });
+        assert_eq!(&committed, seed, "{} is stale", path.display());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1541,18 +1565,6 @@ mod tests {
     /// `KRUNBOX_WRITE_FUZZ_SEEDS=1 cargo test --lib committed_host_dispatch_seeds`.
     #[test]
     fn committed_host_dispatch_seeds_are_the_generated_ones() {
-        let dir =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/host_dispatch");
-        let write = std::env::var_os("KRUNBOX_WRITE_FUZZ_SEEDS").is_some();
-        for (i, seed) in host_dispatch_seeds().iter().enumerate() {
-            let path = dir.join(format!("seed-{i:02}"));
-            if write {
-                std::fs::create_dir_all(&dir).unwrap();
-                std::fs::write(&path, seed).unwrap();
-            }
-            let committed = std::fs::read(&path)
-                .unwrap_or_else(|e| panic!("{}: {e} (write the seeds, see above)", path.display()));
-            assert_eq!(&committed, seed, "{} is stale", path.display());
-        }
+        assert_committed_seeds("host_dispatch", &host_dispatch_seeds());
     }
 }

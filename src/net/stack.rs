@@ -704,18 +704,7 @@ mod tests {
     /// write them with `KRUNBOX_WRITE_FUZZ_SEEDS=1 cargo test --lib committed_net_link_seeds`.
     #[test]
     fn committed_net_link_seeds_are_the_generated_ones() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/net_link");
-        let write = std::env::var_os("KRUNBOX_WRITE_FUZZ_SEEDS").is_some();
-        for (i, seed) in net_link_seeds().iter().enumerate() {
-            let path = dir.join(format!("seed-{i:02}"));
-            if write {
-                std::fs::create_dir_all(&dir).unwrap();
-                std::fs::write(&path, seed).unwrap();
-            }
-            let committed = std::fs::read(&path)
-                .unwrap_or_else(|e| panic!("{}: {e} (write the seeds, see above)", path.display()));
-            assert_eq!(&committed, seed, "{} is stale", path.display());
-        }
+        crate::fuzzing::assert_committed_seeds("net_link", &net_link_seeds());
     }
 
     #[test]

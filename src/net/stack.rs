@@ -557,23 +557,26 @@ mod tests {
         assert_eq!(refusal(&[0xff; 600]), None);
     }
 
+    /// An ICMP echo request (a ping), without its IP header.
+    fn echo_request() -> Vec<u8> {
+        let repr = Icmpv4Repr::EchoRequest {
+            ident: 1,
+            seq_no: 1,
+            data: b"ping",
+        };
+        let mut buf = vec![0u8; repr.buffer_len()];
+        repr.emit(
+            &mut Icmpv4Packet::new_unchecked(&mut buf),
+            &ChecksumCapabilities::default(),
+        );
+        buf
+    }
+
     #[test]
     fn other_udp_icmp_ipv6_and_foreign_arp_get_nothing() {
         let mut gw = with_guest_known();
         let far = Ipv4Addr::new(1, 1, 1, 1);
-        let echo = {
-            let repr = Icmpv4Repr::EchoRequest {
-                ident: 1,
-                seq_no: 1,
-                data: b"ping",
-            };
-            let mut buf = vec![0u8; repr.buffer_len()];
-            repr.emit(
-                &mut Icmpv4Packet::new_unchecked(&mut buf),
-                &ChecksumCapabilities::default(),
-            );
-            buf
-        };
+        let echo = echo_request();
         let gw_addr = gw.gateway();
         let gw_mac = EthernetAddress(Addressing::default().gateway_mac);
         let cases = [
@@ -619,19 +622,7 @@ mod tests {
             hickory_proto::rr::RecordType::AAAA,
         ));
         let query = query.to_vec().unwrap();
-        let echo = {
-            let repr = Icmpv4Repr::EchoRequest {
-                ident: 1,
-                seq_no: 1,
-                data: b"ping",
-            };
-            let mut buf = vec![0u8; repr.buffer_len()];
-            repr.emit(
-                &mut Icmpv4Packet::new_unchecked(&mut buf),
-                &ChecksumCapabilities::default(),
-            );
-            buf
-        };
+        let echo = echo_request();
         let gw_mac = EthernetAddress(Addressing::default().gateway_mac);
         let sessions: Vec<Vec<Vec<u8>>> = vec![
             vec![arp_request(gw), syn(gw, 80)],

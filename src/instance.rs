@@ -12,7 +12,7 @@ use tokio::sync::watch;
 
 use crate::control::{self, Control, Gone, Liveness};
 use crate::error::{Error, Result};
-use crate::process::Command;
+use crate::process::{Command, Guest};
 use crate::protocol::{FrameDecoder, HostMessage, RootMount, Setup};
 use crate::rootfs;
 use crate::sandbox::SandboxConfig;
@@ -485,7 +485,7 @@ impl Instance {
     /// # Ok(()) }
     /// ```
     pub fn command(&self, program: impl AsRef<OsStr>) -> Command {
-        Command::new(self.clone(), program.as_ref())
+        Command::new(self.inner.clone(), program.as_ref())
     }
 
     /// The guest kernel's release (`uname -r` inside the VM), as reported at boot.
@@ -513,12 +513,7 @@ impl Instance {
 
     /// The protocol violation that stopped this instance, if the guest sent garbage.
     pub fn protocol_violation(&self) -> Option<crate::protocol::ProtocolError> {
-        self.inner
-            .control
-            .violation
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.inner.protocol_violation()
     }
 
     /// Asks the guest to sync and power off, and waits for the VM to stop (killing it if it
@@ -543,11 +538,29 @@ impl Instance {
     }
 
     pub(crate) fn control(&self) -> Result<Arc<Control>> {
+        self.inner.control()
+    }
+}
+
+impl Inner {
+    fn protocol_violation(&self) -> Option<crate::protocol::ProtocolError> {
+        self.control
+            .violation
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+/// Processes hold the instance's shared state itself (not an [`Instance`]), so they keep the VM
+/// alive exactly as a handle does while naming only what they use.
+impl Guest for Inner {
+    fn control(&self) -> Result<Arc<Control>> {
         // A hung guest says so, also after its VMM was killed.
-        if let Some(hung @ Gone::Hung(_)) = self.inner.control.gone() {
+        if let Some(hung @ Gone::Hung(_)) = self.control.gone() {
             return Err(hung.error());
         }
-        if let Some(reason) = self.inner.exited.borrow().as_ref() {
+        if let Some(reason) = self.exited.borrow().as_ref() {
             return Err(Error::InstanceGone {
                 reason: reason.clone(),
             });
@@ -555,10 +568,10 @@ impl Instance {
         if let Some(err) = self.protocol_violation() {
             return Err(Error::Protocol(err));
         }
-        Ok(self.inner.control.clone())
+        Ok(self.control.clone())
     }
 
-    pub(crate) fn next_process_id(&self) -> u32 {
-        self.inner.next_id.fetch_add(1, Ordering::Relaxed)
+    fn next_process_id(&self) -> u32 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
     }
 }

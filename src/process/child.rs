@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 
+use super::guest::Guest;
 use super::stdio::{ChildStderr, ChildStdin, ChildStdout};
 use crate::control::{Control, ProcessEnd};
 use crate::error::{Error, Result};
-use crate::instance::Instance;
 use crate::protocol::{self, HostMessage, PtySize, Resize, SignalProcess};
 
 /// How long the host waits past a command's own timeout for guest-init to report it, before
@@ -20,7 +20,7 @@ pub(super) const TIMEOUT_GRACE: Duration = Duration::from_secs(10);
 /// A running process in the guest.
 #[derive(Debug)]
 pub struct Child {
-    pub(super) instance: Instance,
+    pub(super) instance: Arc<dyn Guest>,
     /// The control-channel process id (not the guest pid).
     pub(super) key: u32,
     pub(super) pid: u32,

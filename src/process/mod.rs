@@ -1,9 +1,11 @@
 //! Processes in the guest, shaped like `tokio::process`.
 //!
 //! One concern per file: this module builds and starts commands ([`Command`]); `child` has the
-//! running process and how it ends, `stdio` its streams, `output` collecting them.
+//! running process and how it ends, `stdio` its streams, `output` collecting them, `guest`
+//! what they need of the instance they run in.
 
 mod child;
+mod guest;
 mod output;
 mod stdio;
 
@@ -11,6 +13,7 @@ use std::collections::BTreeMap;
 use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_bytes::ByteBuf;
@@ -18,12 +21,12 @@ use tokio::sync::oneshot;
 use tokio_util::sync::{CancellationToken, PollSemaphore};
 
 pub use child::{Child, ExitStatus, TIMEOUT_EXIT_CODE};
+pub(crate) use guest::Guest;
 pub use output::{Output, DEFAULT_MAX_OUTPUT};
 pub use stdio::{ChildStderr, ChildStdin, ChildStdout};
 
 use crate::control::{Control, ProcessEnd};
 use crate::error::{Error, Result};
-use crate::instance::Instance;
 use crate::protocol::{Exec, HostMessage, PtySize, Stream};
 use child::{Backstop, KillOnDrop, TIMEOUT_GRACE};
 use stdio::Receiver;
@@ -60,7 +63,7 @@ const BASE_ENV: [(&str, &str); 2] = [
 /// ```
 #[derive(Debug, Clone)]
 pub struct Command {
-    instance: Instance,
+    instance: Arc<dyn Guest>,
     program: OsString,
     args: Vec<OsString>,
     env: BTreeMap<OsString, OsString>,
@@ -102,7 +105,7 @@ impl Stdio {
 }
 
 impl Command {
-    pub(crate) fn new(instance: Instance, program: &OsStr) -> Command {
+    pub(crate) fn new(instance: Arc<dyn Guest>, program: &OsStr) -> Command {
         Command {
             instance,
             program: program.to_owned(),

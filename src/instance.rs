@@ -10,12 +10,12 @@ use std::time::Duration;
 use tokio::net::UnixListener;
 use tokio::sync::watch;
 
+use crate::config::SandboxConfig;
 use crate::control::{self, Control, Gone, Liveness};
 use crate::error::{Error, Result};
 use crate::process::{Command, Guest};
 use crate::protocol::{FrameDecoder, HostMessage, RootMount, Setup};
 use crate::rootfs;
-use crate::sandbox::SandboxConfig;
 use crate::vmm::{self, VmmConfig};
 
 /// A boot whose guest prints nothing at all (not even guest-init's first console line) for

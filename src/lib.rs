@@ -38,6 +38,7 @@
 
 mod artifacts;
 mod capabilities;
+mod config;
 mod console;
 mod control;
 mod error;

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::artifacts::{ArtifactOverrides, Artifacts};
+use crate::config::SandboxConfig;
 use crate::error::{Error, Result};
 use crate::instance::{self, Instance};
 use crate::limits::Limits;
@@ -47,24 +48,6 @@ pub const MAX_LIVENESS_TIMEOUT: Duration = Duration::from_secs(3600);
 #[derive(Debug, Clone)]
 pub struct Sandbox {
     config: Arc<SandboxConfig>,
-}
-
-#[derive(Debug)]
-pub(crate) struct SandboxConfig {
-    pub rootfs: Rootfs,
-    pub cpus: u8,
-    pub memory_mib: u32,
-    pub hostname: String,
-    pub boot_timeout: Duration,
-    pub liveness_timeout: Duration,
-    pub limits: Limits,
-    pub cache_dir: PathBuf,
-    pub artifacts: Artifacts,
-    pub kernel: Option<KernelConfig>,
-    pub vmm_log_level: u32,
-    pub required_isolation: Vec<crate::Layer>,
-    pub console_log_max: u64,
-    pub network: Option<crate::Network>,
 }
 
 impl Sandbox {

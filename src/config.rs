@@ -1,0 +1,33 @@
+//! A sandbox definition as a boot reads it ([`SandboxConfig`]).
+//!
+//! Apart from the public `Sandbox` that checks and holds it: `Sandbox::boot` starts the boot
+//! (`instance.rs`), and the boot reads these settings, so with them in `sandbox.rs` each would
+//! depend on the other.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::artifacts::Artifacts;
+use crate::limits::Limits;
+use crate::rootfs::Rootfs;
+use crate::vmm::KernelConfig;
+
+/// A definition as [`SandboxBuilder::build`](crate::SandboxBuilder::build) checked it, with the
+/// run-time files found; shared, unchanged, by every boot of it.
+#[derive(Debug)]
+pub(crate) struct SandboxConfig {
+    pub rootfs: Rootfs,
+    pub cpus: u8,
+    pub memory_mib: u32,
+    pub hostname: String,
+    pub boot_timeout: Duration,
+    pub liveness_timeout: Duration,
+    pub limits: Limits,
+    pub cache_dir: PathBuf,
+    pub artifacts: Artifacts,
+    pub kernel: Option<KernelConfig>,
+    pub vmm_log_level: u32,
+    pub required_isolation: Vec<crate::Layer>,
+    pub console_log_max: u64,
+    pub network: Option<crate::Network>,
+}

@@ -21,7 +21,7 @@ use krunbox_protocol::limits::MAX_TEXT;
 use krunbox_protocol::GuestMessage;
 use serde_bytes::ByteBuf;
 
-use crate::supervisor::Outbox;
+use crate::outbox::Outbox;
 
 /// Handles one request off the control loop's thread and sends its reply.
 pub fn handle(request: FsRequest, outbox: &Outbox) {

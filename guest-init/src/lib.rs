@@ -15,6 +15,7 @@
 pub mod files;
 pub mod mounts;
 pub mod net;
+pub mod outbox;
 pub mod supervisor;
 pub mod sys;
 pub mod vsock;

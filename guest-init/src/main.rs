@@ -5,7 +5,8 @@ use std::io::{Read, Write};
 use std::sync::mpsc::sync_channel;
 use std::time::Duration;
 
-use guest_init::supervisor::{self, Outbox, Reaper, Table};
+use guest_init::outbox::Outbox;
+use guest_init::supervisor::{self, Reaper, Table};
 use guest_init::{files, mounts, net, sys, vsock};
 use krunbox_protocol::{
     Failure, FrameDecoder, GuestMessage, Hello, HostMessage, CONTROL_PORT, PROTOCOL_VERSION,

@@ -353,7 +353,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     let console_log = Arc::new(console_log);
     let network = match (&config.network, net_socket) {
         (Some(network), Some(socket)) => {
-            match crate::net::service::NetService::start(network.addressing().clone(), socket) {
+            match crate::net::service::NetService::start(network, socket) {
                 Ok(service) => Some(service),
                 Err(err) => {
                     let _ = child.start_kill();

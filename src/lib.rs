@@ -48,7 +48,7 @@ pub mod fuzzing;
 mod instance;
 mod jail;
 mod limits;
-mod net;
+pub mod net;
 mod output_queue;
 mod process;
 mod rootfs;

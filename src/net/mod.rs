@@ -6,15 +6,51 @@
 //! instance (the frame codec is [`frame`], the gateway [`stack`]). Nothing crosses the helper's
 //! jail but that socket. A definition without a [`Network`] has no device at all.
 //!
-//! This slice is default deny: the guest gets an address, a route and a resolver, and every
-//! flow is refused or dropped (see [`stack`] for each protocol). Nothing is forwarded and no
-//! upstream connection is ever made.
+//! Default deny: the guest gets an address, a route and a resolver, and every flow is refused
+//! or dropped unless a [`Policy`] grants it. A granted DNS query is resolved by the host and
+//! recorded as the name's trusted answer ([`Flow::hostname`]); a granted connection is dialled
+//! by the host (tokio) and relayed. The guest never reaches anything but the gateway.
+//!
+//! ```no_run
+//! # async fn demo() -> krunbox::Result<()> {
+//! use krunbox::net::{Flow, Network, Protocol, Resolver, Verdict};
+//! use krunbox::{BuiltinImage, Rootfs, Sandbox};
+//!
+//! // `api.test` is a server on the host's loopback, port 8080.
+//! let network = Network::with_policy(|flow: Flow| async move {
+//!     match (flow.protocol(), flow.hostname()) {
+//!         (Protocol::Dns, Some("api.test")) => {
+//!             Verdict::resolve(Resolver::fixed(["127.0.0.1".parse().unwrap()]))
+//!         }
+//!         (Protocol::Tcp, Some("api.test")) if flow.destination().port() == 8080 => {
+//!             Verdict::accept()
+//!         }
+//!         _ => Verdict::deny(),
+//!     }
+//! });
+//! let sandbox = Sandbox::builder()
+//!     .rootfs(Rootfs::builtin(BuiltinImage::Agent))
+//!     .network(network)
+//!     .build()?;
+//! let vm = sandbox.boot().await?;
+//! let out = vm.command("curl").args(["-s", "http://api.test:8080/"]).output().await?;
+//! # Ok(()) }
+//! ```
 
+pub mod address;
+mod dns;
 pub(crate) mod frame;
+mod names;
+mod policy;
+mod relay;
 pub(crate) mod service;
 pub(crate) mod stack;
 
 use std::net::Ipv4Addr;
+use std::sync::Arc;
+
+pub use address::{classify, AddressClass};
+pub use policy::{Decide, Flow, Policy, Protocol, Resolver, Verdict};
 
 /// A sandbox's network: the guest gets a network device (`eth0`) with an address, a default
 /// route and a resolver, all pointing at a gateway the library serves, and the gateway decides
@@ -38,26 +74,69 @@ use std::net::Ipv4Addr;
 /// assert!(!out.status.success()); // connection refused
 /// # Ok(()) }
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone)]
 pub struct Network {
     addressing: Addressing,
-    policy: Policy,
+    /// `None`: deny all.
+    policy: Option<Arc<dyn Policy>>,
 }
 
-/// What the gateway lets through. Later: a per-flow callback, grants, declarative rules.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Policy {
-    /// Every flow refused or dropped.
-    DenyAll,
+impl std::fmt::Debug for Network {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Network")
+            .field("addressing", &self.addressing)
+            .field("policy", &self.policy.as_ref().map(|_| "callback"))
+            .finish()
+    }
 }
+
+/// Two networks are equal when they have the same addressing and the same policy object (a
+/// callback is compared by identity: clones of one `Network` are equal).
+impl PartialEq for Network {
+    fn eq(&self, other: &Self) -> bool {
+        self.addressing == other.addressing
+            && match (&self.policy, &other.policy) {
+                (None, None) => true,
+                (Some(a), Some(b)) => std::ptr::addr_eq(Arc::as_ptr(a), Arc::as_ptr(b)),
+                _ => false,
+            }
+    }
+}
+
+impl Eq for Network {}
 
 impl Network {
     /// A network on which the guest reaches nothing.
+    ///
+    /// ```
+    /// assert!(krunbox::Network::deny_all().is_deny_all());
+    /// ```
     pub fn deny_all() -> Self {
         Self {
             addressing: Addressing::default(),
-            policy: Policy::DenyAll,
+            policy: None,
         }
+    }
+
+    /// A network on which `policy` decides each new flow: every DNS query and every TCP
+    /// connection the guest starts (see [`Policy`]). Other UDP, ICMP and IPv6 stay blocked.
+    ///
+    /// ```
+    /// use krunbox::net::{Flow, Network, Verdict};
+    /// let network = Network::with_policy(|flow: Flow| async move {
+    ///     if flow.upstream_class().is_public() { Verdict::accept() } else { Verdict::deny() }
+    /// });
+    /// assert!(!network.is_deny_all());
+    /// ```
+    pub fn with_policy(policy: impl Policy) -> Self {
+        Self {
+            addressing: Addressing::default(),
+            policy: Some(Arc::new(policy)),
+        }
+    }
+
+    pub(crate) fn policy(&self) -> Option<Arc<dyn Policy>> {
+        self.policy.clone()
     }
 
     /// The guest's IPv4 address (`10.0.2.15`, on a `/24`).
@@ -86,9 +165,13 @@ impl Network {
         }
     }
 
-    /// Whether this network lets anything through (never, in this version).
+    /// Whether this network has no policy, so lets nothing through.
+    ///
+    /// ```
+    /// assert!(krunbox::Network::deny_all().is_deny_all());
+    /// ```
     pub fn is_deny_all(&self) -> bool {
-        matches!(self.policy, Policy::DenyAll)
+        self.policy.is_none()
     }
 }
 
@@ -121,11 +204,15 @@ impl Default for Addressing {
 /// The fuzz entry point over what the guest controls on its link (see
 /// [`crate::fuzzing::net_link`]): `data` is the byte stream libkrun would write, cut into reads
 /// at lengths taken from its own bytes, fed through the frame decoder into the gateway with time
-/// advancing. Checks that nothing panics, that the gateway's output stays within its bound and
-/// decodes into frames of at most [`frame::MAX_FRAME`] bytes.
+/// advancing. The service's part is played without I/O: new connections are accepted or
+/// refused by their port's parity, accepted ones echo what the guest sends, DNS datagrams are
+/// parsed and answered. Checks that nothing panics, that the gateway's output stays within its
+/// bound and decodes into frames of at most [`frame::MAX_FRAME`] bytes, and that its
+/// connections stay within theirs.
 pub(crate) fn fuzz_link(data: &[u8]) {
     let mut gateway = stack::Gateway::new(Addressing::default(), smoltcp::time::Instant::ZERO);
     let mut decoder = frame::FrameDecoder::new();
+    let mut open: Vec<stack::FlowKey> = Vec::new();
     let mut rest = data;
     let mut millis = 0;
     while let Some((&cut, tail)) = rest.split_first() {
@@ -142,7 +229,49 @@ pub(crate) fn fuzz_link(data: &[u8]) {
             }
         }
         millis += i64::from(cut);
-        gateway.poll(smoltcp::time::Instant::from_millis(millis));
+        let now = smoltcp::time::Instant::from_millis(millis);
+        gateway.poll(now);
+        for key in gateway.take_new_flows() {
+            if key.destination.port() % 2 == 0 && gateway.accept_tcp(key) {
+                open.push(key);
+            } else {
+                gateway.refuse_tcp(key);
+            }
+        }
+        assert!(open.len() <= stack::MAX_CONNECTIONS);
+        for (bytes, from) in gateway.take_dns_queries() {
+            match dns::incoming(&bytes) {
+                dns::Incoming::Query(query) => {
+                    let answer = if query.name.len() % 2 == 0 {
+                        query.answer(Ipv4Addr::new(198, 18, 0, 1), 60)
+                    } else {
+                        query.fail(hickory_proto::op::ResponseCode::Refused)
+                    };
+                    assert!(answer.as_ref().is_some_and(|a| a.len() <= dns::UDP_MAX));
+                    gateway.send_dns(from, &answer.unwrap());
+                }
+                dns::Incoming::Answer(answer) => gateway.send_dns(from, &answer),
+                dns::Incoming::Ignore => {}
+            }
+        }
+        open.retain(|key| {
+            let Some(socket) = gateway.tcp(key) else {
+                return false;
+            };
+            let mut echo = [0u8; 2048];
+            if let Ok(n) = socket.recv_slice(&mut echo) {
+                let _ = socket.send_slice(&echo[..n]);
+            }
+            let done = matches!(
+                socket.state(),
+                smoltcp::socket::tcp::State::Closed | smoltcp::socket::tcp::State::TimeWait
+            );
+            if done {
+                gateway.remove_tcp(key);
+            }
+            !done
+        });
+        gateway.poll(now);
         let out = std::mem::take(gateway.output());
         assert!(out.len() <= stack::OUTPUT_MAX);
         let mut sent = frame::FrameDecoder::new();

@@ -1,16 +1,30 @@
 //! The host end of the guest's network device: a tokio task that moves frames between the
-//! socket libkrun writes to and the [`Gateway`], and stops with its instance.
+//! socket libkrun writes to and the [`Gateway`], puts each new flow to the policy, and relays
+//! granted connections and DNS answers. It stops with its instance, and every task it started
+//! (decisions, lookups, dials, relays) stops with it.
 
+use std::collections::HashMap;
 use std::io::ErrorKind;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::os::fd::OwnedFd;
+use std::sync::Arc;
 
+use hickory_proto::op::ResponseCode;
+use smoltcp::socket::tcp::State;
+use smoltcp::wire::IpEndpoint;
 use tokio::io::Interest;
-use tokio::net::UnixStream;
+use tokio::net::{TcpStream, UnixStream};
+use tokio::sync::{mpsc, Notify};
+use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use super::dns::{self, GuestQuery, Incoming, Resolved};
 use super::frame::FrameDecoder;
-use super::stack::Gateway;
-use super::Addressing;
+use super::names::{self, Names};
+use super::policy::{self, Decision, Flow, Policy, Protocol, Resolver};
+use super::relay::{self, FromUpstream, Relay, Upstream, CHUNK};
+use super::stack::{FlowKey, Gateway};
+use super::{Addressing, Network};
 use crate::error::{Error, Result};
 
 /// Bytes read from the socket at once. Frames are decoded out of it only while the gateway's
@@ -19,6 +33,12 @@ const READ_BUFFER: usize = 64 * 1024;
 
 /// The longest the task sleeps when the stack has no timer pending.
 const IDLE: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// DNS queries waiting for the policy or a resolver. Past it, queries are refused at once.
+const MAX_PENDING_DNS: usize = 64;
+
+/// Messages from connection tasks waiting for the service.
+const EVENTS: usize = 1024;
 
 /// A running network service; dropping it stops the task (as does the VMM closing its end).
 #[derive(Debug)]
@@ -36,8 +56,8 @@ impl Drop for NetService {
 
 impl NetService {
     /// Serves the guest's link on `socket` (the library's end of the pair whose other end the
-    /// VMM helper gave libkrun).
-    pub(crate) fn start(addressing: Addressing, socket: OwnedFd) -> Result<Self> {
+    /// VMM helper gave libkrun), under `network`'s policy.
+    pub(crate) fn start(network: &Network, socket: OwnedFd) -> Result<Self> {
         let socket = std::os::unix::net::UnixStream::from(socket);
         socket
             .set_nonblocking(true)
@@ -45,7 +65,12 @@ impl NetService {
         let stream =
             UnixStream::from_std(socket).map_err(Error::io("registering the network socket"))?;
         let cancel = CancellationToken::new();
-        let task = tokio::spawn(run(stream, addressing, cancel.clone()));
+        let task = tokio::spawn(run(
+            stream,
+            network.addressing().clone(),
+            network.policy(),
+            cancel.clone(),
+        ));
         Ok(Self { cancel, task })
     }
 
@@ -56,20 +81,68 @@ impl NetService {
     }
 }
 
-async fn run(stream: UnixStream, addressing: Addressing, cancel: CancellationToken) {
+/// What the tasks a flow starts tell the service.
+enum Event {
+    /// A DNS query's outcome: no grant, or the grant's resolver and its answer.
+    Dns {
+        to: IpEndpoint,
+        query: Box<GuestQuery>,
+        outcome: Option<(Resolver, Resolved)>,
+    },
+    /// A connection is denied, or its upstream could not be reached.
+    Refused(FlowKey),
+    /// A connection's upstream is connected.
+    Connected(FlowKey, TcpStream),
+}
+
+/// The service's state, owned by its task.
+struct Service {
+    gateway: Gateway,
+    names: Names,
+    policy: Option<Arc<dyn Policy>>,
+    addressing: Addressing,
+    /// Every task started for a flow; dropping the set aborts them all.
+    tasks: JoinSet<()>,
+    events: (mpsc::Sender<Event>, mpsc::Receiver<Event>),
+    upstream: (mpsc::Sender<FromUpstream>, mpsc::Receiver<FromUpstream>),
+    /// Woken when a relay's channel to upstream has room again.
+    wake: Arc<Notify>,
+    relays: HashMap<FlowKey, Relay>,
+    next_relay: u64,
+    pending_dns: usize,
+}
+
+async fn run(
+    stream: UnixStream,
+    addressing: Addressing,
+    policy: Option<Arc<dyn Policy>>,
+    cancel: CancellationToken,
+) {
     let started = std::time::Instant::now();
     let now = || smoltcp::time::Instant::from_micros(started.elapsed().as_micros() as i64);
-    let mut gateway = Gateway::new(addressing, now());
+    let mut service = Service {
+        gateway: Gateway::new(addressing.clone(), now()),
+        names: Names::new(),
+        policy,
+        addressing,
+        tasks: JoinSet::new(),
+        events: mpsc::channel(EVENTS),
+        upstream: mpsc::channel(EVENTS),
+        wake: Arc::new(Notify::new()),
+        relays: HashMap::new(),
+        next_relay: 0,
+        pending_dns: 0,
+    };
     let mut decoder = FrameDecoder::new();
     let mut buf = vec![0u8; READ_BUFFER];
     // buf[start..end] was read and not yet decoded.
     let (mut start, mut end) = (0, 0);
     let outcome = loop {
         let mut input = &buf[start..end];
-        while gateway.has_room() {
+        while service.gateway.has_room() {
             match decoder.decode(&mut input) {
                 Some(Ok(frame)) => {
-                    let _ = gateway.receive(frame);
+                    let _ = service.gateway.receive(frame);
                 }
                 Some(Err(err)) => {
                     tracing::debug!(target: "krunbox::net", "refused a frame from the guest: {err}");
@@ -78,7 +151,13 @@ async fn run(stream: UnixStream, addressing: Addressing, cancel: CancellationTok
             }
         }
         start = end - input.len();
-        gateway.poll(now());
+        service.gateway.poll(now());
+        service.start_flows();
+        if service.pump() {
+            service.gateway.poll(now());
+        }
+        while service.tasks.try_join_next().is_some() {}
+        let gateway = &mut service.gateway;
         let mut interest = None;
         if start == end && gateway.has_room() {
             interest = Some(Interest::READABLE);
@@ -115,6 +194,7 @@ async fn run(stream: UnixStream, addressing: Addressing, cancel: CancellationTok
                         Err(_) => break "reading the socket failed",
                     }
                 }
+                let gateway = &mut service.gateway;
                 if ready.is_writable() && !gateway.output().is_empty() {
                     match stream.try_write(gateway.output()) {
                         Ok(n) => {
@@ -125,16 +205,339 @@ async fn run(stream: UnixStream, addressing: Addressing, cancel: CancellationTok
                     }
                 }
             }
+            Some(event) = service.events.1.recv() => service.handle(event),
+            Some(message) = service.upstream.1.recv() => {
+                service.on_upstream(message);
+                // Take what else is waiting, so one pass of the stack carries it all.
+                for _ in 0..64 {
+                    let Ok(message) = service.upstream.1.try_recv() else { break };
+                    service.on_upstream(message);
+                }
+            }
+            _ = service.wake.notified() => {}
             _ = tokio::time::sleep(delay) => {}
         }
     };
-    let counters = &gateway.counters;
+    let counters = &service.gateway.counters;
     tracing::debug!(
         target: "krunbox::net",
         admitted = counters.admitted,
         dropped = counters.dropped,
-        dns_refused = counters.dns_refused,
+        tcp_refused = counters.tcp_refused,
         "network service stopped: {outcome}"
+    );
+}
+
+impl Service {
+    /// Puts the flows the gateway held since the last pass to the policy.
+    fn start_flows(&mut self) {
+        for key in self.gateway.take_new_flows() {
+            self.start_connection(key);
+        }
+        for (bytes, from) in self.gateway.take_dns_queries() {
+            match dns::incoming(&bytes) {
+                Incoming::Ignore => {}
+                Incoming::Answer(answer) => self.gateway.send_dns(from, &answer),
+                Incoming::Query(query) => self.start_query(from, query),
+            }
+        }
+    }
+
+    fn start_connection(&mut self, key: FlowKey) {
+        let Some(policy) = self.policy.clone() else {
+            audit_denied_without_policy(Protocol::Tcp, key.destination.into());
+            self.gateway.refuse_tcp(key);
+            return;
+        };
+        let destination = *key.destination.ip();
+        let (hostname, upstream, stale) = if Names::is_pool_address(destination) {
+            match self.names.lookup(destination, std::time::Instant::now()) {
+                Some((name, record)) => {
+                    let fresh = record.fresh_upstream(std::time::Instant::now());
+                    let upstream = fresh.map(<[IpAddr]>::to_vec).unwrap_or_default();
+                    let stale = fresh.is_none().then_some(record.resolver);
+                    (Some(name), upstream, stale)
+                }
+                None => {
+                    // An address of the pool no name holds (forgotten, or never given out):
+                    // there is nothing to dial.
+                    tracing::info!(
+                        target: "krunbox::net",
+                        flow = %key.destination,
+                        verdict = "deny",
+                        "a connection to a sandbox address that stands for no name"
+                    );
+                    self.gateway.refuse_tcp(key);
+                    return;
+                }
+            }
+        } else {
+            (None, vec![IpAddr::V4(destination)], None)
+        };
+        let events = self.events.0.clone();
+        self.tasks.spawn(async move {
+            let mut flow = Flow {
+                protocol: Protocol::Tcp,
+                source: key.guest.into(),
+                destination: key.destination.into(),
+                hostname,
+                upstream,
+            };
+            // The record expired: ask its resolver again, so the policy sees (and the host
+            // dials) a current answer.
+            if let (Some(resolver), Some(name)) = (stale, flow.hostname.clone()) {
+                if let Resolved::Addresses(addresses, _) = dns::resolve(&resolver.0, &name).await {
+                    flow.upstream = addresses;
+                }
+            }
+            let described = flow.to_string();
+            let port = key.destination.port();
+            let verdict = policy::ask(&*policy, flow.clone()).await;
+            let targets: Vec<SocketAddr> = match verdict.0 {
+                Decision::Accept => flow
+                    .upstream
+                    .iter()
+                    .map(|ip| SocketAddr::new(*ip, port))
+                    .collect(),
+                Decision::ConnectTo(address) => vec![address],
+                ref other => {
+                    audit(&described, other, None);
+                    let _ = events.send(Event::Refused(key)).await;
+                    return;
+                }
+            };
+            match relay::dial(&targets).await {
+                Ok(stream) => {
+                    audit(&described, &verdict.0, stream.peer_addr().ok());
+                    let _ = events.send(Event::Connected(key, stream)).await;
+                }
+                Err(why) => {
+                    tracing::info!(
+                        target: "krunbox::net",
+                        flow = %described,
+                        verdict = "accept",
+                        "the upstream could not be reached: {why}"
+                    );
+                    let _ = events.send(Event::Refused(key)).await;
+                }
+            }
+        });
+    }
+
+    fn start_query(&mut self, from: IpEndpoint, query: GuestQuery) {
+        let Some(policy) = self.policy.clone() else {
+            if let Some(answer) = query.fail(ResponseCode::Refused) {
+                self.gateway.send_dns(from, &answer);
+            }
+            return;
+        };
+        if self.pending_dns >= MAX_PENDING_DNS {
+            tracing::debug!(target: "krunbox::net", "too many DNS queries pending: refused one");
+            if let Some(answer) = query.fail(ResponseCode::Refused) {
+                self.gateway.send_dns(from, &answer);
+            }
+            return;
+        }
+        self.pending_dns += 1;
+        let events = self.events.0.clone();
+        let flow = Flow {
+            protocol: Protocol::Dns,
+            source: endpoint_addr(from),
+            destination: SocketAddrV4::new(self.addressing.dns, 53).into(),
+            hostname: Some(query.name.as_str().into()),
+            upstream: Vec::new(),
+        };
+        self.tasks.spawn(async move {
+            let described = flow.to_string();
+            let verdict = policy::ask(&*policy, flow).await;
+            let outcome = match verdict.0 {
+                Decision::Resolve(resolver) => {
+                    audit(&described, &Decision::Resolve(resolver.clone()), None);
+                    // Only A queries are answered with an address: the rest of a granted
+                    // name's types get no records, with no lookup.
+                    let resolved = if query.record_type == hickory_proto::rr::RecordType::A {
+                        dns::resolve(&resolver.0, &query.name).await
+                    } else {
+                        Resolved::Addresses(Vec::new(), None)
+                    };
+                    Some((resolver, resolved))
+                }
+                other => {
+                    audit(&described, &other, None);
+                    None
+                }
+            };
+            let _ = events
+                .send(Event::Dns {
+                    to: from,
+                    query: Box::new(query),
+                    outcome,
+                })
+                .await;
+        });
+    }
+
+    fn handle(&mut self, event: Event) {
+        match event {
+            Event::Dns { to, query, outcome } => {
+                self.pending_dns -= 1;
+                let answer = match outcome {
+                    None => query.fail(ResponseCode::Refused),
+                    Some((_, Resolved::Addresses(addresses, _))) if addresses.is_empty() => {
+                        query.fail(ResponseCode::NoError)
+                    }
+                    Some((resolver, Resolved::Addresses(addresses, ttl))) => {
+                        let now = std::time::Instant::now();
+                        let address = self
+                            .names
+                            .record(&query.name, addresses, ttl, resolver, now);
+                        query.answer(address, names::guest_ttl(ttl))
+                    }
+                    Some((_, Resolved::NoSuchName)) => query.fail(ResponseCode::NXDomain),
+                    Some((_, Resolved::Failed(why))) => {
+                        tracing::info!(
+                            target: "krunbox::net",
+                            name = %query.name,
+                            "a granted name could not be resolved: {why}"
+                        );
+                        query.fail(ResponseCode::ServFail)
+                    }
+                };
+                if let Some(answer) = answer {
+                    self.gateway.send_dns(to, &answer);
+                }
+            }
+            Event::Refused(key) => self.gateway.refuse_tcp(key),
+            Event::Connected(key, stream) => {
+                if self.gateway.accept_tcp(key) {
+                    self.next_relay += 1;
+                    let relay = Relay::start(
+                        key,
+                        self.next_relay,
+                        stream,
+                        self.upstream.0.clone(),
+                        self.wake.clone(),
+                        &mut self.tasks,
+                    );
+                    self.relays.insert(key, relay);
+                }
+            }
+        }
+    }
+
+    fn on_upstream(&mut self, message: FromUpstream) {
+        let Some(relay) = self.relays.get_mut(&message.key) else {
+            return;
+        };
+        if relay.id != message.id {
+            return;
+        }
+        match message.what {
+            Upstream::Data(data) => relay.from_upstream.push_back(data),
+            Upstream::Finished => relay.upstream_finished = true,
+            Upstream::Failed => relay.upstream_failed = true,
+        }
+    }
+
+    /// Moves bytes between each relayed connection's socket and its task, passes on each
+    /// end's finish, and forgets connections that are over. Returns whether a socket changed
+    /// (so the stack has something to send).
+    fn pump(&mut self) -> bool {
+        let mut changed = false;
+        let mut over = Vec::new();
+        for (key, relay) in &mut self.relays {
+            let Some(socket) = self.gateway.tcp(key) else {
+                over.push(*key);
+                continue;
+            };
+            // Guest to upstream, while the task's channel has room.
+            if let Some(to_upstream) = &relay.to_upstream {
+                while socket.can_recv() {
+                    let Ok(permit) = to_upstream.try_reserve() else {
+                        break;
+                    };
+                    let Ok(chunk) = socket.recv(|buf| {
+                        let n = buf.len().min(CHUNK);
+                        (n, bytes::Bytes::copy_from_slice(&buf[..n]))
+                    }) else {
+                        break;
+                    };
+                    permit.send(chunk);
+                    changed = true;
+                }
+                let guest_finished = matches!(
+                    socket.state(),
+                    State::CloseWait | State::LastAck | State::Closing | State::TimeWait
+                ) && !socket.can_recv();
+                if guest_finished || to_upstream.is_closed() {
+                    relay.to_upstream = None;
+                }
+            }
+            // Upstream to guest, as far as the socket takes it.
+            while let Some(front) = relay.from_upstream.front() {
+                match socket.send_slice(front) {
+                    Ok(n) if n > 0 => {
+                        relay.took(n);
+                        changed = true;
+                    }
+                    _ => break,
+                }
+            }
+            if relay.upstream_failed {
+                socket.abort();
+                changed = true;
+            } else if relay.upstream_finished
+                && relay.from_upstream.is_empty()
+                && !relay.closed_to_guest
+                && socket.may_send()
+            {
+                socket.close();
+                relay.closed_to_guest = true;
+                changed = true;
+            }
+            if matches!(socket.state(), State::Closed | State::TimeWait) {
+                over.push(*key);
+            }
+        }
+        for key in over {
+            self.relays.remove(&key);
+            self.gateway.remove_tcp(&key);
+        }
+        changed
+    }
+}
+
+fn endpoint_addr(endpoint: IpEndpoint) -> SocketAddr {
+    match endpoint.addr {
+        smoltcp::wire::IpAddress::Ipv4(addr) => SocketAddrV4::new(addr, endpoint.port).into(),
+        #[allow(unreachable_patterns)]
+        _ => SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, endpoint.port).into(),
+    }
+}
+
+/// The audit record of a decision.
+fn audit(flow: &str, decision: &Decision, dialled: Option<SocketAddr>) {
+    let verdict = match decision {
+        Decision::Deny => "deny",
+        Decision::Accept => "accept",
+        Decision::ConnectTo(_) => "connect-to",
+        Decision::Resolve(_) => "resolve",
+    };
+    match dialled {
+        Some(upstream) => {
+            tracing::info!(target: "krunbox::net", %flow, verdict, %upstream, "network flow")
+        }
+        None => tracing::info!(target: "krunbox::net", %flow, verdict, "network flow"),
+    }
+}
+
+fn audit_denied_without_policy(protocol: Protocol, destination: SocketAddr) {
+    tracing::debug!(
+        target: "krunbox::net",
+        %protocol,
+        %destination,
+        verdict = "deny",
+        "network flow (no policy)"
     );
 }
 
@@ -149,7 +552,7 @@ mod tests {
     async fn the_service_answers_over_the_stream_and_stops_when_the_vmm_end_closes() {
         let (ours, mut vmm) = UnixStream::pair().unwrap();
         let ours = OwnedFd::from(ours.into_std().unwrap());
-        let service = NetService::start(Addressing::default(), ours).unwrap();
+        let service = NetService::start(&Network::deny_all(), ours).unwrap();
         // An ARP request for the gateway, framed as libkrun frames it; then garbage lengths.
         let addressing = Addressing::default();
         let mut arp = Vec::new();
@@ -188,7 +591,7 @@ mod tests {
     async fn dropping_the_service_stops_its_task_and_closes_the_link() {
         let (ours, mut vmm) = UnixStream::pair().unwrap();
         let service = NetService::start(
-            Addressing::default(),
+            &Network::deny_all(),
             OwnedFd::from(ours.into_std().unwrap()),
         )
         .unwrap();

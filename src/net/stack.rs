@@ -1,16 +1,20 @@
 //! The guest's gateway: a smoltcp interface on the guest's link, with a gate in front of it
-//! that decides which frames reach it at all, and the DNS server on the gateway's address.
+//! that decides which frames reach it at all, and the DNS socket on the gateway's address.
 //!
-//! No I/O here: frames go in with [`Gateway::receive`], [`Gateway::poll`] runs the stack at a
-//! given time, and what the gateway sends to the guest collects, already framed for the
-//! stream, in [`Gateway::output`]. The service (`service.rs`) moves the bytes.
+//! No I/O and no policy here: frames go in with [`Gateway::receive`], [`Gateway::poll`] runs
+//! the stack at a given time, and what the gateway sends to the guest collects, already framed
+//! for the stream, in [`Gateway::output`]. New flows come out as events for the service
+//! (`service.rs`), which asks the policy and answers with [`Gateway::accept_tcp`],
+//! [`Gateway::refuse_tcp`] and [`Gateway::send_dns`].
 //!
-//! Default deny, per protocol:
-//! - **TCP** reaches the stack whatever its destination (smoltcp's AnyIP): no socket listens,
-//!   so every SYN is answered with a reset from the address the guest dialled, and the guest's
-//!   `connect` fails at once with "connection refused".
-//! - **DNS** (UDP to the gateway, port 53) is parsed with hickory-proto and answered
-//!   `REFUSED`, so resolvers fail at once instead of timing out.
+//! Per protocol:
+//! - **TCP**: a SYN for a new connection (to any address: smoltcp's AnyIP) is *held* and
+//!   reported ([`Gateway::take_new_flows`]). Accepted, a socket listening on exactly the
+//!   address dialled is made and the SYN is replayed into the stack; refused, the gateway
+//!   answers a reset from the address dialled, so the guest's `connect` fails at once with
+//!   "connection refused". Segments of no connection reach the stack, which resets them.
+//! - **DNS** (UDP to the gateway, port 53) is handed to the service as datagrams
+//!   ([`Gateway::take_dns_queries`]).
 //! - **Other UDP and ICMP** (ping included) are dropped without an answer: a gateway that
 //!   answered pings for every address would tell the guest the world is up, and an ICMP error
 //!   for a datagram would be the host generating traffic on the guest's behalf with nothing to
@@ -18,16 +22,17 @@
 //! - **IPv6**, IPv4 fragments and other EtherTypes are dropped; ARP is answered for the
 //!   gateway's address only, so the guest's link holds the gateway and nothing else.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddrV4;
 
-use hickory_proto::op::{Message, MessageType, ResponseCode};
 use smoltcp::iface::{Config, Interface, SocketHandle, SocketSet};
-use smoltcp::phy::{Device, DeviceCapabilities, Medium, RxToken, TxToken};
-use smoltcp::socket::udp;
+use smoltcp::phy::{ChecksumCapabilities, Device, DeviceCapabilities, Medium, RxToken, TxToken};
+use smoltcp::socket::{tcp, udp};
 use smoltcp::time::{Duration, Instant};
 use smoltcp::wire::{
-    ArpPacket, ArpRepr, EthernetAddress, EthernetFrame, EthernetProtocol, HardwareAddress, IpCidr,
-    IpProtocol, Ipv4Packet, UdpPacket,
+    ArpPacket, ArpRepr, EthernetAddress, EthernetFrame, EthernetProtocol, EthernetRepr,
+    HardwareAddress, IpCidr, IpEndpoint, IpProtocol, Ipv4Packet, Ipv4Repr, TcpControl, TcpPacket,
+    TcpRepr, TcpSeqNumber, UdpPacket,
 };
 
 use super::frame::{self, MAX_FRAME};
@@ -45,9 +50,22 @@ pub(crate) const OUTPUT_MAX: usize = 256 * 1024;
 const DNS_PACKETS: usize = 16;
 const DNS_BYTES: usize = 16 * 1024;
 
-/// The largest DNS message answered over UDP (RFC 1035's limit without EDNS). A refusal
-/// repeats only the question, so it is never larger than the query.
-const DNS_UDP_MAX: usize = 512;
+/// New connections waiting for the policy. A SYN past it is refused at once.
+pub(crate) const MAX_HELD: usize = 256;
+
+/// Connections (held and open) per sandbox. A SYN past it is refused at once.
+pub(crate) const MAX_CONNECTIONS: usize = 512;
+
+/// Each connection's buffers in the stack, each way. With [`MAX_CONNECTIONS`] this bounds
+/// the stack's memory at 64 MiB; the window the guest sees is this size.
+pub(crate) const TCP_BUFFER: usize = 64 * 1024;
+
+/// A TCP connection: the guest's end and the address and port it dialled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct FlowKey {
+    pub guest: SocketAddrV4,
+    pub destination: SocketAddrV4,
+}
 
 /// Why a frame from the guest got nowhere.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,6 +76,11 @@ pub(crate) enum Dropped {
     ArpNotForGateway,
     /// UDP other than DNS to the gateway.
     Udp,
+    /// A SYN for a connection that is already held or open (a retransmission: the held one
+    /// is answered when the policy has decided, an open one by its socket).
+    RepeatedSyn,
+    /// A SYN past [`MAX_HELD`] or [`MAX_CONNECTIONS`]: answered with a reset.
+    TooManyConnections,
     /// ICMP, including pings.
     Icmp,
     /// IPv6.
@@ -75,7 +98,7 @@ pub(crate) enum Dropped {
 pub(crate) struct Counters {
     pub admitted: u64,
     pub dropped: u64,
-    pub dns_refused: u64,
+    pub tcp_refused: u64,
     pub last_drop: Option<Dropped>,
 }
 
@@ -147,7 +170,19 @@ pub(crate) struct Gateway {
     port: Port,
     sockets: SocketSet<'static>,
     dns: SocketHandle,
+    /// New connections' SYNs, waiting for a decision.
+    held: HashMap<FlowKey, Vec<u8>>,
+    /// Connections held since the last [`Gateway::take_new_flows`].
+    new_flows: Vec<FlowKey>,
+    /// Accepted connections and their sockets.
+    open: HashMap<FlowKey, SocketHandle>,
     pub(crate) counters: Counters,
+}
+
+/// What the gate makes of a frame it lets in.
+enum Admit {
+    Stack,
+    NewConnection(FlowKey),
 }
 
 impl Gateway {
@@ -189,6 +224,9 @@ impl Gateway {
             port,
             sockets,
             dns,
+            held: HashMap::new(),
+            new_flows: Vec::new(),
+            open: HashMap::new(),
             counters: Counters::default(),
         }
     }
@@ -205,21 +243,38 @@ impl Gateway {
         } else {
             Err(Dropped::QueueFull)
         };
+        let verdict = match verdict {
+            Ok(Admit::NewConnection(_))
+                if self.held.len() >= MAX_HELD
+                    || self.held.len() + self.open.len() >= MAX_CONNECTIONS =>
+            {
+                self.reset(&frame);
+                Err(Dropped::TooManyConnections)
+            }
+            other => other,
+        };
         match verdict {
-            Ok(()) => {
+            Ok(Admit::Stack) => {
                 self.counters.admitted += 1;
                 self.port.rx.push_back(frame);
+                Ok(())
+            }
+            Ok(Admit::NewConnection(key)) => {
+                self.counters.admitted += 1;
+                self.held.insert(key, frame);
+                self.new_flows.push(key);
+                Ok(())
             }
             Err(why) => {
                 self.counters.dropped += 1;
                 self.counters.last_drop = Some(why);
                 tracing::trace!(target: "krunbox::net", ?why, "dropped a frame from the guest");
+                Err(why)
             }
         }
-        verdict
     }
 
-    fn admit(&self, frame: &[u8]) -> Result<(), Dropped> {
+    fn admit(&self, frame: &[u8]) -> Result<Admit, Dropped> {
         let eth = EthernetFrame::new_checked(frame).map_err(|_| Dropped::Malformed)?;
         match eth.ethertype() {
             EthernetProtocol::Arp => {
@@ -228,7 +283,7 @@ impl Gateway {
                     ArpRepr::EthernetIpv4 {
                         target_protocol_addr,
                         ..
-                    } if target_protocol_addr == self.addressing.gateway => Ok(()),
+                    } if target_protocol_addr == self.addressing.gateway => Ok(Admit::Stack),
                     _ => Err(Dropped::ArpNotForGateway),
                 }
             }
@@ -238,12 +293,31 @@ impl Gateway {
                     return Err(Dropped::Fragment);
                 }
                 match ip.next_header() {
-                    IpProtocol::Tcp => Ok(()),
+                    IpProtocol::Tcp => {
+                        let tcp =
+                            TcpPacket::new_checked(ip.payload()).map_err(|_| Dropped::Malformed)?;
+                        if !tcp.syn() || tcp.ack() {
+                            return Ok(Admit::Stack);
+                        }
+                        let key = FlowKey {
+                            guest: SocketAddrV4::new(ip.src_addr(), tcp.src_port()),
+                            destination: SocketAddrV4::new(ip.dst_addr(), tcp.dst_port()),
+                        };
+                        if self.held.contains_key(&key) || self.open.contains_key(&key) {
+                            Err(Dropped::RepeatedSyn)
+                        } else if ip.src_addr() != self.addressing.guest {
+                            // Only the guest's own address starts connections: a reset to a
+                            // spoofed source would go nowhere anyway.
+                            Err(Dropped::Other)
+                        } else {
+                            Ok(Admit::NewConnection(key))
+                        }
+                    }
                     IpProtocol::Udp => {
                         let udp =
                             UdpPacket::new_checked(ip.payload()).map_err(|_| Dropped::Malformed)?;
                         if ip.dst_addr() == self.addressing.gateway && udp.dst_port() == 53 {
-                            Ok(())
+                            Ok(Admit::Stack)
                         } else {
                             Err(Dropped::Udp)
                         }
@@ -257,11 +331,128 @@ impl Gateway {
         }
     }
 
-    /// Runs the stack: takes the queued frames, answers DNS, produces output.
+    /// Runs the stack: takes the queued frames, moves data in and out of sockets, produces
+    /// output.
     pub(crate) fn poll(&mut self, now: Instant) {
         self.iface.poll(now, &mut self.port, &mut self.sockets);
-        if self.answer_dns() {
-            self.iface.poll(now, &mut self.port, &mut self.sockets);
+        self.match_listeners();
+    }
+
+    /// Connections held since the last call, for the policy.
+    pub(crate) fn take_new_flows(&mut self) -> Vec<FlowKey> {
+        std::mem::take(&mut self.new_flows)
+    }
+
+    /// Accepts a held connection: a socket listens on the address the guest dialled and its
+    /// SYN is replayed into the stack, which completes the handshake at the next poll. `false`
+    /// if `key` was not held.
+    pub(crate) fn accept_tcp(&mut self, key: FlowKey) -> bool {
+        let Some(syn) = self.held.remove(&key) else {
+            return false;
+        };
+        let buffer = || tcp::SocketBuffer::new(vec![0u8; TCP_BUFFER]);
+        let mut socket = tcp::Socket::new(buffer(), buffer());
+        // Data is relayed as it comes: coalescing is the upstream's and the guest's business.
+        socket.set_nagle_enabled(false);
+        if socket.listen(IpEndpoint::from(key.destination)).is_err() {
+            return false;
+        }
+        let handle = self.sockets.add(socket);
+        self.open.insert(key, handle);
+        // Ahead of anything queued: no other SYN for this address can reach the listener
+        // first (new ones are held, repeated ones dropped at the gate).
+        self.port.rx.push_front(syn);
+        true
+    }
+
+    /// Refuses a held connection: the guest gets a reset from the address it dialled.
+    pub(crate) fn refuse_tcp(&mut self, key: FlowKey) {
+        if let Some(syn) = self.held.remove(&key) {
+            self.reset(&syn);
+        }
+    }
+
+    /// The socket of an accepted connection.
+    pub(crate) fn tcp(&mut self, key: &FlowKey) -> Option<&mut tcp::Socket<'static>> {
+        let handle = *self.open.get(key)?;
+        Some(self.sockets.get_mut::<tcp::Socket>(handle))
+    }
+
+    /// Forgets a connection and its socket (its state is the caller's to judge: closed, or
+    /// given up).
+    pub(crate) fn remove_tcp(&mut self, key: &FlowKey) {
+        if let Some(handle) = self.open.remove(key) {
+            self.sockets.remove(handle);
+        }
+    }
+
+    /// Two connections accepted to the same address at once each got a listener, and either
+    /// listener may have taken either SYN: swap them to their connections.
+    fn match_listeners(&mut self) {
+        let mut misplaced: Vec<(FlowKey, SocketAddrV4)> = Vec::new();
+        for (key, handle) in &self.open {
+            let socket = self.sockets.get::<tcp::Socket>(*handle);
+            if let Some(IpEndpoint {
+                addr: smoltcp::wire::IpAddress::Ipv4(addr),
+                port,
+            }) = socket.remote_endpoint()
+            {
+                let remote = SocketAddrV4::new(addr, port);
+                if remote != key.guest {
+                    misplaced.push((*key, remote));
+                }
+            }
+        }
+        // Each misplaced socket goes to the connection it took; the one that connection had
+        // was misplaced too, and moves in its own turn. Sockets are read from the map as it
+        // was, so two that traded places are not swapped back.
+        let before: Vec<(FlowKey, SocketHandle)> = misplaced
+            .iter()
+            .filter_map(|(key, _)| Some((*key, *self.open.get(key)?)))
+            .collect();
+        for ((key, remote), (_, handle)) in misplaced.iter().zip(before) {
+            let owner = FlowKey {
+                guest: *remote,
+                destination: key.destination,
+            };
+            if self.open.contains_key(&owner) {
+                self.open.insert(owner, handle);
+            }
+        }
+    }
+
+    /// Sends the guest a reset for `syn` (a frame the gate parsed: well-formed TCP over IPv4),
+    /// from the address it was sent to.
+    fn reset(&mut self, syn: &[u8]) {
+        self.counters.tcp_refused += 1;
+        if self.port.output_full() {
+            // The guest will send its SYN again, and be refused then.
+            return;
+        }
+        let Some(frame) = reset_for(syn, &self.addressing) else {
+            return;
+        };
+        if let Err(err) = frame::encode(&frame, &mut self.port.out) {
+            tracing::error!(target: "krunbox::net", "not sending a reset to the guest: {err}");
+        }
+    }
+
+    /// Datagrams to the DNS server since the last call, with where they came from.
+    pub(crate) fn take_dns_queries(&mut self) -> Vec<(Vec<u8>, IpEndpoint)> {
+        let socket = self.sockets.get_mut::<udp::Socket>(self.dns);
+        let mut queries = Vec::new();
+        while let Ok((bytes, meta)) = socket.recv() {
+            queries.push((bytes.to_vec(), meta.endpoint));
+        }
+        queries
+    }
+
+    /// Sends a DNS answer to the guest (dropped if the socket's buffer is full: the guest's
+    /// resolver asks again).
+    pub(crate) fn send_dns(&mut self, to: IpEndpoint, answer: &[u8]) {
+        let socket = self.sockets.get_mut::<udp::Socket>(self.dns);
+        if socket.send_slice(answer, to).is_err() {
+            tracing::debug!(target: "krunbox::net", "a DNS answer to the guest was dropped");
         }
     }
 
@@ -284,43 +475,56 @@ impl Gateway {
     pub(crate) fn output(&mut self) -> &mut Vec<u8> {
         &mut self.port.out
     }
-
-    /// Answers every waiting DNS query with `REFUSED`. Returns whether it sent anything.
-    fn answer_dns(&mut self) -> bool {
-        let socket = self.sockets.get_mut::<udp::Socket>(self.dns);
-        let mut sent = false;
-        while socket.can_recv() && socket.can_send() {
-            let Ok((query, meta)) = socket.recv() else {
-                break;
-            };
-            let Some(answer) = refusal(query) else {
-                continue;
-            };
-            if socket.send_slice(&answer, meta.endpoint).is_ok() {
-                self.counters.dns_refused += 1;
-                sent = true;
-            }
-        }
-        sent
-    }
 }
 
-/// The `REFUSED` answer to a DNS query, or `None` for something that is not a query (a
-/// response, or bytes hickory-proto cannot parse: a resolver gets no answer to garbage).
-pub(crate) fn refusal(query: &[u8]) -> Option<Vec<u8>> {
-    let query = Message::from_vec(query).ok()?;
-    if query.metadata.message_type != MessageType::Query {
-        return None;
-    }
-    let mut answer = Message::error_msg(
-        query.metadata.id,
-        query.metadata.op_code,
-        ResponseCode::Refused,
+/// The reset answering `syn`: from its destination, acknowledging its sequence number.
+fn reset_for(syn: &[u8], addressing: &Addressing) -> Option<Vec<u8>> {
+    let checksums = ChecksumCapabilities::default();
+    let eth = EthernetFrame::new_checked(syn).ok()?;
+    let ip = Ipv4Packet::new_checked(eth.payload()).ok()?;
+    let tcp = TcpPacket::new_checked(ip.payload()).ok()?;
+    let payload_len = ip
+        .payload()
+        .len()
+        .saturating_sub(usize::from(tcp.header_len()));
+    let reset = TcpRepr {
+        src_port: tcp.dst_port(),
+        dst_port: tcp.src_port(),
+        control: TcpControl::Rst,
+        seq_number: TcpSeqNumber(0),
+        ack_number: Some(tcp.seq_number() + 1 + payload_len),
+        window_len: 0,
+        window_scale: None,
+        max_seg_size: None,
+        sack_permitted: false,
+        sack_ranges: [None; 3],
+        timestamp: None,
+        payload: &[],
+    };
+    let ip_repr = Ipv4Repr {
+        src_addr: ip.dst_addr(),
+        dst_addr: ip.src_addr(),
+        next_header: IpProtocol::Tcp,
+        payload_len: reset.buffer_len(),
+        hop_limit: 64,
+    };
+    let eth_repr = EthernetRepr {
+        src_addr: EthernetAddress(addressing.gateway_mac),
+        dst_addr: eth.src_addr(),
+        ethertype: EthernetProtocol::Ipv4,
+    };
+    let mut buf = vec![0u8; eth_repr.buffer_len() + ip_repr.buffer_len() + reset.buffer_len()];
+    let mut out = EthernetFrame::new_unchecked(&mut buf[..]);
+    eth_repr.emit(&mut out);
+    let mut out_ip = Ipv4Packet::new_unchecked(out.payload_mut());
+    ip_repr.emit(&mut out_ip, &checksums);
+    reset.emit(
+        &mut TcpPacket::new_unchecked(out_ip.payload_mut()),
+        &ip.dst_addr().into(),
+        &ip.src_addr().into(),
+        &checksums,
     );
-    answer.metadata.recursion_desired = query.metadata.recursion_desired;
-    answer.add_queries(query.queries);
-    let bytes = answer.to_vec().ok()?;
-    (bytes.len() <= DNS_UDP_MAX).then_some(bytes)
+    Some(buf)
 }
 
 /// smoltcp's seed (initial TCP sequence numbers, ephemeral ports): different per gateway.
@@ -346,7 +550,7 @@ impl Gateway {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use smoltcp::phy::ChecksumCapabilities;
+    use hickory_proto::op::Message;
     use smoltcp::wire::{
         ArpOperation, EthernetRepr, Icmpv4Packet, Icmpv4Repr, Ipv4Repr, TcpControl, TcpPacket,
         TcpRepr, TcpSeqNumber, UdpRepr,
@@ -406,12 +610,31 @@ mod tests {
     }
 
     fn syn(dst: Ipv4Addr, port: u16) -> Vec<u8> {
+        syn_from(40000, dst, port)
+    }
+
+    fn syn_from(src_port: u16, dst: Ipv4Addr, port: u16) -> Vec<u8> {
+        tcp_segment(src_port, dst, port, TcpControl::Syn, None)
+    }
+
+    /// A segment of no connection the gateway knows: the stack answers it with a reset.
+    fn stray_ack(dst: Ipv4Addr, port: u16) -> Vec<u8> {
+        tcp_segment(40000, dst, port, TcpControl::None, Some(TcpSeqNumber(77)))
+    }
+
+    fn tcp_segment(
+        src_port: u16,
+        dst: Ipv4Addr,
+        port: u16,
+        control: TcpControl,
+        ack_number: Option<TcpSeqNumber>,
+    ) -> Vec<u8> {
         let repr = TcpRepr {
-            src_port: 40000,
+            src_port,
             dst_port: port,
-            control: TcpControl::Syn,
+            control,
             seq_number: TcpSeqNumber(1000),
-            ack_number: None,
+            ack_number,
             window_len: 64240,
             window_scale: None,
             max_seg_size: Some(1460),
@@ -497,34 +720,108 @@ mod tests {
     }
 
     #[test]
-    fn a_syn_to_any_address_is_reset_by_that_address() {
+    fn a_new_connection_is_held_until_decided_then_reset_or_answered_by_the_address_dialled() {
         let mut gw = with_guest_known();
-        for dst in [
-            gw.gateway(),
-            Ipv4Addr::new(93, 184, 215, 14),
-            Ipv4Addr::new(10, 0, 2, 3),
-        ] {
-            gw.receive(syn(dst, 443)).unwrap();
-            gw.poll(Instant::from_millis(2));
-            let out = sent(&mut gw);
-            assert_eq!(out.len(), 1, "{dst}");
-            assert_eq!(tcp_reply(&out[0]), (dst, TcpControl::Rst), "{dst}");
+        let far = Ipv4Addr::new(93, 184, 215, 14);
+        let keys: Vec<FlowKey> = [gw.gateway(), far, Ipv4Addr::new(198, 18, 0, 1)]
+            .into_iter()
+            .map(|dst| {
+                gw.receive(syn(dst, 443)).unwrap();
+                FlowKey {
+                    guest: SocketAddrV4::new(GUEST, 40000),
+                    destination: SocketAddrV4::new(dst, 443),
+                }
+            })
+            .collect();
+        gw.poll(Instant::from_millis(2));
+        assert!(sent(&mut gw).is_empty(), "held: no answer yet");
+        assert_eq!(gw.take_new_flows(), keys);
+        assert!(gw.take_new_flows().is_empty());
+        // The guest sends its SYN again while the policy thinks: absorbed, not a new flow.
+        assert_eq!(gw.receive(syn(far, 443)), Err(Dropped::RepeatedSyn));
+        assert!(gw.take_new_flows().is_empty());
+        // Refused: a reset from the address dialled, acknowledging the SYN.
+        gw.refuse_tcp(keys[0]);
+        let out = sent(&mut gw);
+        assert_eq!(out.len(), 1);
+        assert_eq!(tcp_reply(&out[0]), (gw.gateway(), TcpControl::Rst));
+        // Addressed to the guest's port, acknowledging its SYN (else the guest ignores it).
+        let eth = EthernetFrame::new_checked(&out[0][..]).unwrap();
+        assert_eq!(eth.dst_addr(), guest_mac());
+        let ip = Ipv4Packet::new_checked(eth.payload()).unwrap();
+        assert_eq!(ip.dst_addr(), GUEST);
+        let tcp = TcpPacket::new_checked(ip.payload()).unwrap();
+        assert_eq!((tcp.src_port(), tcp.dst_port()), (443, 40000));
+        assert!(tcp.ack() && tcp.rst());
+        assert_eq!(tcp.ack_number(), TcpSeqNumber(1001));
+        // Accepted: the stack answers the replayed SYN from the address dialled.
+        assert!(gw.accept_tcp(keys[1]));
+        assert!(!gw.accept_tcp(keys[1]), "no longer held");
+        gw.poll(Instant::from_millis(3));
+        let out = sent(&mut gw);
+        assert_eq!(out.len(), 1);
+        assert_eq!(tcp_reply(&out[0]), (far, TcpControl::Syn), "a SYN-ACK");
+        let socket = gw.tcp(&keys[1]).unwrap();
+        assert_eq!(socket.state(), tcp::State::SynReceived);
+        // Now open: a repeated SYN is the socket's, not a new flow.
+        assert_eq!(gw.receive(syn(far, 443)), Err(Dropped::RepeatedSyn));
+        gw.remove_tcp(&keys[1]);
+        assert!(gw.tcp(&keys[1]).is_none());
+    }
+
+    #[test]
+    fn two_connections_accepted_to_one_address_each_get_their_own_socket() {
+        let mut gw = with_guest_known();
+        let far = Ipv4Addr::new(93, 184, 215, 14);
+        let key = |port| FlowKey {
+            guest: SocketAddrV4::new(GUEST, port),
+            destination: SocketAddrV4::new(far, 443),
+        };
+        gw.receive(syn_from(40000, far, 443)).unwrap();
+        gw.receive(syn_from(40001, far, 443)).unwrap();
+        // Accepted in the opposite order to their arrival, in one pass.
+        assert!(gw.accept_tcp(key(40001)));
+        assert!(gw.accept_tcp(key(40000)));
+        gw.poll(Instant::from_millis(2));
+        for port in [40000, 40001] {
+            let remote = gw.tcp(&key(port)).unwrap().remote_endpoint().unwrap();
+            assert_eq!(remote.port, port);
         }
     }
 
     #[test]
-    fn dns_to_the_gateway_is_refused_and_names_the_question() {
+    fn connections_past_the_bound_are_reset_without_being_held() {
         let mut gw = with_guest_known();
-        let mut query = Message::query();
-        query.metadata.recursion_desired = true;
-        query.add_query(hickory_proto::op::Query::query(
-            "example.com.".parse().unwrap(),
-            hickory_proto::rr::RecordType::A,
-        ));
-        let id = query.metadata.id;
+        let far = Ipv4Addr::new(93, 184, 215, 14);
+        for port in 0..MAX_HELD as u16 {
+            gw.receive(syn_from(1000 + port, far, 443)).unwrap();
+            if !gw.has_room() {
+                gw.poll(Instant::from_millis(2));
+            }
+        }
+        assert_eq!(gw.take_new_flows().len(), MAX_HELD);
+        sent(&mut gw);
+        assert_eq!(
+            gw.receive(syn_from(9999, far, 443)),
+            Err(Dropped::TooManyConnections)
+        );
+        let out = sent(&mut gw);
+        assert_eq!(tcp_reply(&out[0]), (far, TcpControl::Rst));
+    }
+
+    #[test]
+    fn dns_to_the_gateway_reaches_the_service_and_its_answer_the_guest() {
+        let mut gw = with_guest_known();
+        let query = crate::net::dns::tests::query("example.com.", hickory_proto::rr::RecordType::A);
         let dst = gw.gateway();
-        gw.receive(udp(dst, 53, &query.to_vec().unwrap())).unwrap();
+        gw.receive(udp(dst, 53, &query)).unwrap();
         gw.poll(Instant::from_millis(2));
+        let queries = gw.take_dns_queries();
+        assert_eq!(queries.len(), 1);
+        assert_eq!(queries[0].0, query);
+        assert_eq!(queries[0].1.port, 40001);
+        gw.send_dns(queries[0].1, b"answer");
+        gw.poll(Instant::from_millis(3));
         let out = sent(&mut gw);
         assert_eq!(out.len(), 1);
         let eth = EthernetFrame::new_checked(&out[0][..]).unwrap();
@@ -534,27 +831,7 @@ mod tests {
             (ip.src_addr(), udp.src_port(), udp.dst_port()),
             (dst, 53, 40001)
         );
-        let answer = Message::from_vec(udp.payload()).unwrap();
-        assert_eq!(answer.metadata.id, id);
-        assert_eq!(answer.metadata.message_type, MessageType::Response);
-        assert_eq!(answer.metadata.response_code, ResponseCode::Refused);
-        assert!(answer.answers.is_empty());
-        assert_eq!(answer.queries[0].name().to_ascii(), "example.com.");
-        assert_eq!(gw.counters.dns_refused, 1);
-    }
-
-    #[test]
-    fn garbage_and_responses_to_the_dns_port_get_no_answer() {
-        let mut gw = with_guest_known();
-        let dst = gw.gateway();
-        let response =
-            Message::error_msg(7, hickory_proto::op::OpCode::Query, ResponseCode::NoError);
-        for payload in [&b"\x00\x01garbage"[..], &[], &response.to_vec().unwrap()] {
-            gw.receive(udp(dst, 53, payload)).unwrap();
-            gw.poll(Instant::from_millis(2));
-            assert!(sent(&mut gw).is_empty());
-        }
-        assert_eq!(refusal(&[0xff; 600]), None);
+        assert_eq!(udp.payload(), b"answer");
     }
 
     /// An ICMP echo request (a ping), without its IP header.
@@ -664,7 +941,7 @@ mod tests {
         for seed in net_link_seeds() {
             crate::net::fuzz_link(&seed);
         }
-        // They are answered: an ARP reply, then a reset.
+        // They are answered: an ARP reply, and the SYN is held for the policy.
         let mut gw = gateway();
         let seed = &net_link_seeds()[0];
         let mut input = &seed[1..];
@@ -673,7 +950,8 @@ mod tests {
             gw.receive(f.unwrap()).unwrap();
         }
         gw.poll(Instant::from_millis(1));
-        assert_eq!(sent(&mut gw).len(), 2);
+        assert_eq!(sent(&mut gw).len(), 1);
+        assert_eq!(gw.take_new_flows().len(), 1);
     }
 
     /// The committed corpus, replayed on every test run.
@@ -704,9 +982,9 @@ mod tests {
         let far = Ipv4Addr::new(1, 1, 1, 1);
         // Fill the output as if the socket stopped taking bytes.
         gw.output().resize(OUTPUT_MAX - MAX_FRAME, 0);
-        gw.receive(syn(far, 80)).unwrap();
+        gw.receive(stray_ack(far, 80)).unwrap();
         gw.poll(Instant::from_millis(2));
-        assert_eq!(gw.port.rx.len(), 1, "the SYN waits");
+        assert_eq!(gw.port.rx.len(), 1, "the segment waits");
         assert_eq!(
             gw.output().len(),
             OUTPUT_MAX - MAX_FRAME,
@@ -717,7 +995,7 @@ mod tests {
             None,
             "no spinning while full"
         );
-        // The socket took the bytes: the SYN is answered.
+        // The socket took the bytes: the segment of no connection is answered.
         gw.output().clear();
         assert_eq!(gw.poll_delay(Instant::from_millis(3)), Some(Duration::ZERO));
         gw.poll(Instant::from_millis(3));
@@ -729,10 +1007,10 @@ mod tests {
         let mut gw = with_guest_known();
         let far = Ipv4Addr::new(1, 1, 1, 1);
         for _ in 0..RX_QUEUE_FRAMES {
-            gw.receive(syn(far, 80)).unwrap();
+            gw.receive(stray_ack(far, 80)).unwrap();
         }
         assert!(!gw.has_room());
-        assert_eq!(gw.receive(syn(far, 80)), Err(Dropped::QueueFull));
+        assert_eq!(gw.receive(stray_ack(far, 80)), Err(Dropped::QueueFull));
         gw.poll(Instant::from_millis(2));
         assert!(gw.has_room());
         assert!(gw.output().len() <= OUTPUT_MAX);

@@ -1,0 +1,421 @@
+//! DNS for the guest: its queries parsed and answered (sans-IO), and the host-side resolvers a
+//! granted query is resolved with. Messages are parsed and built with hickory-proto only.
+//!
+//! The guest is answered for `A` queries only: a granted name gets one address, the sandbox's
+//! own for it (see [`super::names`]). Other types of a granted name (`AAAA`: the guest has no
+//! IPv6; `MX`, `TXT`, ...) are answered with no records, so resolvers move on at once.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+use hickory_proto::op::{Message, MessageType, OpCode, Query as Question, ResponseCode};
+use hickory_proto::rr::rdata::A;
+use hickory_proto::rr::{DNSClass, Name, RData, Record, RecordType};
+
+use super::policy::{ResolverKind, SYSTEM_TTL};
+
+/// The largest DNS message answered over UDP (RFC 1035's limit without EDNS). The guest's
+/// answers hold its question and at most one address, far below it.
+pub(crate) const UDP_MAX: usize = 512;
+
+/// The longest name (RFC 1035: 255 bytes on the wire, so at most 253 as text).
+const NAME_MAX: usize = 253;
+
+/// How long each upstream server gets to answer, and how many times each is asked.
+const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(2);
+const UPSTREAM_TRIES: usize = 2;
+
+/// How long the system resolver gets.
+const SYSTEM_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The most addresses kept from one answer.
+const ANSWER_MAX: usize = 16;
+
+/// A guest query the gateway can put to the policy.
+#[derive(Debug, Clone)]
+pub(crate) struct GuestQuery {
+    message: Message,
+    /// Lower case, without the final dot.
+    pub name: String,
+    pub record_type: RecordType,
+}
+
+/// What to do with a datagram to the guest's DNS server.
+#[derive(Debug)]
+pub(crate) enum Incoming {
+    /// A well-formed query for one name: ask the policy.
+    Query(GuestQuery),
+    /// A query that is answered at once, without the policy (this answer).
+    Answer(Vec<u8>),
+    /// Not a query (a response, or bytes that do not parse): no answer, as a server would.
+    Ignore,
+}
+
+/// Reads a datagram from the guest.
+pub(crate) fn incoming(bytes: &[u8]) -> Incoming {
+    let Ok(message) = Message::from_vec(bytes) else {
+        return Incoming::Ignore;
+    };
+    if message.metadata.message_type != MessageType::Query {
+        return Incoming::Ignore;
+    }
+    let code = if message.metadata.op_code != OpCode::Query {
+        ResponseCode::NotImp
+    } else if message.queries.len() != 1 {
+        ResponseCode::FormErr
+    } else {
+        let question = &message.queries[0];
+        let name = question
+            .name()
+            .to_lowercase()
+            .to_ascii()
+            .trim_end_matches('.')
+            .to_string();
+        if question.query_class() != DNSClass::IN || name.is_empty() || name.len() > NAME_MAX {
+            ResponseCode::Refused
+        } else {
+            let record_type = question.query_type();
+            return Incoming::Query(GuestQuery {
+                message,
+                name,
+                record_type,
+            });
+        }
+    };
+    reply(&message, code, None).map_or(Incoming::Ignore, Incoming::Answer)
+}
+
+impl GuestQuery {
+    /// The answer: `address` for an `A` query, no records for any other type.
+    pub(crate) fn answer(&self, address: Ipv4Addr, ttl: u32) -> Option<Vec<u8>> {
+        let record = (self.record_type == RecordType::A).then(|| {
+            Record::from_rdata(
+                self.message.queries[0].name().clone(),
+                ttl,
+                RData::A(A(address)),
+            )
+        });
+        reply(&self.message, ResponseCode::NoError, record)
+    }
+
+    /// An answer with no records and `code` (`REFUSED`, `NXDOMAIN`, `SERVFAIL`, ...).
+    pub(crate) fn fail(&self, code: ResponseCode) -> Option<Vec<u8>> {
+        reply(&self.message, code, None)
+    }
+}
+
+/// The answer to `query` with `code` and at most one record; `None` if it would not fit a UDP
+/// answer (it always does for a parsed query of one name).
+fn reply(query: &Message, code: ResponseCode, record: Option<Record>) -> Option<Vec<u8>> {
+    let mut answer = Message::error_msg(query.metadata.id, query.metadata.op_code, code);
+    answer.metadata.recursion_desired = query.metadata.recursion_desired;
+    answer.metadata.recursion_available = true;
+    answer.add_queries(query.queries.iter().cloned());
+    if let Some(record) = record {
+        answer.add_answer(record);
+    }
+    let bytes = answer.to_vec().ok()?;
+    (bytes.len() <= UDP_MAX).then_some(bytes)
+}
+
+/// A resolver's answer for a name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Resolved {
+    /// These addresses (possibly none: the name has no address), kept for the TTL (`None`:
+    /// for good).
+    Addresses(Vec<IpAddr>, Option<Duration>),
+    /// The name does not exist.
+    NoSuchName,
+    /// No answer could be had; the reason, for the log.
+    Failed(String),
+}
+
+/// Resolves `name` as `resolver` says.
+pub(crate) async fn resolve(resolver: &ResolverKind, name: &str) -> Resolved {
+    match resolver {
+        ResolverKind::Fixed(addresses) if addresses.is_empty() => Resolved::NoSuchName,
+        ResolverKind::Fixed(addresses) => Resolved::Addresses(addresses.to_vec(), None),
+        ResolverKind::System => {
+            let lookup = tokio::net::lookup_host((name, 0));
+            match tokio::time::timeout(SYSTEM_TIMEOUT, lookup).await {
+                Ok(Ok(found)) => {
+                    let mut addresses: Vec<IpAddr> = Vec::new();
+                    for a in found.map(|a| a.ip()) {
+                        if !addresses.contains(&a) && addresses.len() < ANSWER_MAX {
+                            addresses.push(a);
+                        }
+                    }
+                    Resolved::Addresses(addresses, Some(SYSTEM_TTL))
+                }
+                // getaddrinfo does not say whether the name is missing or the lookup failed.
+                Ok(Err(err)) => Resolved::Failed(format!("the system resolver: {err}")),
+                Err(_) => Resolved::Failed("the system resolver timed out".into()),
+            }
+        }
+        ResolverKind::Upstream(servers) => {
+            let mut failures = Vec::new();
+            for server in servers.iter() {
+                for _ in 0..UPSTREAM_TRIES {
+                    match ask_upstream(*server, name).await {
+                        Ok(resolved) => return resolved,
+                        Err(err) => failures.push(format!("{server}: {err}")),
+                    }
+                }
+            }
+            if failures.is_empty() {
+                failures.push("no servers".into());
+            }
+            Resolved::Failed(failures.join("; "))
+        }
+    }
+}
+
+/// One `A` query to `server` over UDP.
+async fn ask_upstream(server: SocketAddr, name: &str) -> Result<Resolved, String> {
+    let fqdn = Name::from_ascii(format!("{name}.")).map_err(|e| format!("bad name: {e}"))?;
+    let id = random_id();
+    let mut query = Message::new(id, MessageType::Query, OpCode::Query);
+    query.metadata.recursion_desired = true;
+    query.add_query(Question::query(fqdn.clone(), RecordType::A));
+    let bytes = query.to_vec().map_err(|e| e.to_string())?;
+    let local: SocketAddr = match server {
+        SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
+        SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
+    };
+    let socket = tokio::net::UdpSocket::bind(local)
+        .await
+        .map_err(|e| e.to_string())?;
+    socket.connect(server).await.map_err(|e| e.to_string())?;
+    socket.send(&bytes).await.map_err(|e| e.to_string())?;
+    let mut buf = vec![0u8; 4096];
+    let deadline = tokio::time::Instant::now() + UPSTREAM_TIMEOUT;
+    loop {
+        let n = tokio::time::timeout_at(deadline, socket.recv(&mut buf))
+            .await
+            .map_err(|_| "no answer in time".to_string())?
+            .map_err(|e| e.to_string())?;
+        // Anything that is not the answer to this query (a stray or spoofed datagram) is
+        // skipped, not believed.
+        match Message::from_vec(&buf[..n]) {
+            Ok(answer) if is_answer_to(&answer, id, &fqdn) => return Ok(read_answer(&answer)),
+            _ => continue,
+        }
+    }
+}
+
+fn is_answer_to(answer: &Message, id: u16, name: &Name) -> bool {
+    answer.metadata.message_type == MessageType::Response
+        && answer.metadata.id == id
+        && answer.queries.len() == 1
+        && answer.queries[0].query_type() == RecordType::A
+        // Case-insensitive, as names compare in DNS.
+        && answer.queries[0].name() == name
+}
+
+/// The addresses and TTL of an upstream answer (the `A` records of the answer section, so a
+/// CNAME chain's final addresses; the TTL is the shortest of them).
+fn read_answer(answer: &Message) -> Resolved {
+    match answer.metadata.response_code {
+        ResponseCode::NoError => {
+            let mut addresses = Vec::new();
+            let mut ttl = u32::MAX;
+            for record in &answer.answers {
+                if let RData::A(A(address)) = record.data {
+                    if addresses.len() < ANSWER_MAX && !addresses.contains(&IpAddr::V4(address)) {
+                        addresses.push(IpAddr::V4(address));
+                        ttl = ttl.min(record.ttl);
+                    }
+                }
+            }
+            let ttl = Duration::from_secs(if addresses.is_empty() {
+                0
+            } else {
+                u64::from(ttl)
+            });
+            Resolved::Addresses(addresses, Some(ttl))
+        }
+        ResponseCode::NXDomain => Resolved::NoSuchName,
+        code => Resolved::Failed(format!("the server answered {code}")),
+    }
+}
+
+/// A query id nobody off the host can guess (RFC 5452): from the hasher's random keys.
+fn random_id() -> u16 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    hasher.finish() as u16
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    pub(crate) fn query(name: &str, record_type: RecordType) -> Vec<u8> {
+        let mut query = Message::new(0x1234, MessageType::Query, OpCode::Query);
+        query.metadata.recursion_desired = true;
+        query.add_query(Question::query(name.parse().unwrap(), record_type));
+        query.to_vec().unwrap()
+    }
+
+    fn parsed(bytes: &[u8]) -> Message {
+        Message::from_vec(bytes).unwrap()
+    }
+
+    #[test]
+    fn a_query_is_read_with_its_name_in_lower_case() {
+        let Incoming::Query(q) = incoming(&query("Origin.TEST.", RecordType::A)) else {
+            panic!()
+        };
+        assert_eq!(q.name, "origin.test");
+        assert_eq!(q.record_type, RecordType::A);
+        let answer = parsed(&q.answer(Ipv4Addr::new(198, 18, 0, 1), 60).unwrap());
+        assert_eq!(answer.metadata.id, 0x1234);
+        assert_eq!(answer.metadata.response_code, ResponseCode::NoError);
+        assert_eq!(answer.answers.len(), 1);
+        assert_eq!(answer.answers[0].ttl, 60);
+        assert_eq!(
+            answer.answers[0].data,
+            RData::A(A(Ipv4Addr::new(198, 18, 0, 1)))
+        );
+        // Any other type of a granted name: no records.
+        let Incoming::Query(q) = incoming(&query("origin.test.", RecordType::AAAA)) else {
+            panic!()
+        };
+        let answer = parsed(&q.answer(Ipv4Addr::new(198, 18, 0, 1), 60).unwrap());
+        assert_eq!(answer.metadata.response_code, ResponseCode::NoError);
+        assert!(answer.answers.is_empty());
+        let answer = parsed(&q.fail(ResponseCode::NXDomain).unwrap());
+        assert_eq!(answer.metadata.response_code, ResponseCode::NXDomain);
+    }
+
+    #[test]
+    fn odd_queries_are_answered_without_the_policy_and_garbage_is_ignored() {
+        let mut two = Message::new(7, MessageType::Query, OpCode::Query);
+        two.add_query(Question::query("a.test.".parse().unwrap(), RecordType::A));
+        two.add_query(Question::query("b.test.".parse().unwrap(), RecordType::A));
+        let mut update = Message::new(8, MessageType::Query, OpCode::Update);
+        update.add_query(Question::query("a.test.".parse().unwrap(), RecordType::A));
+        let mut chaos = Message::new(9, MessageType::Query, OpCode::Query);
+        let mut q = Question::query("version.bind.".parse().unwrap(), RecordType::TXT);
+        q.set_query_class(DNSClass::CH);
+        chaos.add_query(q);
+        let root = query(".", RecordType::NS);
+        for (bytes, code) in [
+            (two.to_vec().unwrap(), ResponseCode::FormErr),
+            (update.to_vec().unwrap(), ResponseCode::NotImp),
+            (chaos.to_vec().unwrap(), ResponseCode::Refused),
+            (root, ResponseCode::Refused),
+        ] {
+            let Incoming::Answer(answer) = incoming(&bytes) else {
+                panic!("{code}")
+            };
+            assert_eq!(parsed(&answer).metadata.response_code, code);
+        }
+        let response = Message::error_msg(7, OpCode::Query, ResponseCode::NoError);
+        for bytes in [&b"\x00\x01garbage"[..], &[], &response.to_vec().unwrap()] {
+            assert!(matches!(incoming(bytes), Incoming::Ignore));
+        }
+    }
+
+    #[test]
+    fn upstream_answers_give_their_a_records_and_shortest_ttl() {
+        let name: Name = "www.origin.test.".parse().unwrap();
+        let mut answer = Message::response(1, OpCode::Query);
+        answer.add_query(Question::query(name.clone(), RecordType::A));
+        answer.add_answer(Record::from_rdata(
+            name.clone(),
+            300,
+            RData::CNAME(hickory_proto::rr::rdata::CNAME(
+                "cdn.test.".parse().unwrap(),
+            )),
+        ));
+        for (ip, ttl) in [([192, 0, 2, 1], 120), ([192, 0, 2, 2], 60)] {
+            answer.add_answer(Record::from_rdata(
+                "cdn.test.".parse().unwrap(),
+                ttl,
+                RData::A(A(Ipv4Addr::from(ip))),
+            ));
+        }
+        assert_eq!(
+            read_answer(&answer),
+            Resolved::Addresses(
+                vec!["192.0.2.1".parse().unwrap(), "192.0.2.2".parse().unwrap()],
+                Some(Duration::from_secs(60))
+            )
+        );
+        assert!(is_answer_to(&answer, 1, &name));
+        assert!(!is_answer_to(&answer, 2, &name), "another id");
+        assert!(!is_answer_to(&answer, 1, &"other.test.".parse().unwrap()));
+        let missing = Message::error_msg(1, OpCode::Query, ResponseCode::NXDomain);
+        assert_eq!(read_answer(&missing), Resolved::NoSuchName);
+        let failed = Message::error_msg(1, OpCode::Query, ResponseCode::ServFail);
+        assert!(matches!(read_answer(&failed), Resolved::Failed(_)));
+    }
+
+    #[tokio::test]
+    async fn fixed_answers_need_no_server_and_none_means_no_such_name() {
+        let a: IpAddr = "127.0.0.1".parse().unwrap();
+        assert_eq!(
+            resolve(&ResolverKind::Fixed([a].into()), "x.test").await,
+            Resolved::Addresses(vec![a], None)
+        );
+        assert_eq!(
+            resolve(&ResolverKind::Fixed([].into()), "x.test").await,
+            Resolved::NoSuchName
+        );
+    }
+
+    /// A DNS server on loopback that answers every `A` query with 192.0.2.7 (TTL 42), after
+    /// first sending a datagram with the wrong id, which the client must skip.
+    #[tokio::test]
+    async fn an_upstream_server_on_loopback_is_asked_and_a_wrong_id_is_skipped() {
+        let server = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let addr = server.local_addr().unwrap();
+        let serve = tokio::spawn(async move {
+            let mut buf = [0u8; 512];
+            let (n, peer) = server.recv_from(&mut buf).await.unwrap();
+            let query = Message::from_vec(&buf[..n]).unwrap();
+            let mut answer = Message::response(query.metadata.id, OpCode::Query);
+            answer.add_queries(query.queries.clone());
+            answer.add_answer(Record::from_rdata(
+                query.queries[0].name().clone(),
+                42,
+                RData::A(A(Ipv4Addr::new(192, 0, 2, 7))),
+            ));
+            let mut spoof = answer.clone();
+            spoof.metadata.id = query.metadata.id.wrapping_add(1);
+            server
+                .send_to(&spoof.to_vec().unwrap(), peer)
+                .await
+                .unwrap();
+            server
+                .send_to(&answer.to_vec().unwrap(), peer)
+                .await
+                .unwrap();
+            query.queries[0].name().to_ascii()
+        });
+        let resolved = resolve(&ResolverKind::Upstream([addr].into()), "origin.test").await;
+        assert_eq!(
+            resolved,
+            Resolved::Addresses(
+                vec!["192.0.2.7".parse().unwrap()],
+                Some(Duration::from_secs(42))
+            )
+        );
+        assert_eq!(serve.await.unwrap(), "origin.test.");
+        // A server that does not answer: a failure naming it, after the retries.
+        let silent = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let silent_addr = silent.local_addr().unwrap();
+        tokio::time::pause();
+        let resolved = resolve(&ResolverKind::Upstream([silent_addr].into()), "x.test").await;
+        let Resolved::Failed(why) = resolved else {
+            panic!("{resolved:?}")
+        };
+        assert!(why.contains(&silent_addr.to_string()), "{why}");
+    }
+}

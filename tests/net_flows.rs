@@ -88,17 +88,27 @@ async fn http_origin() -> (u16, Arc<Mutex<Vec<String>>>) {
                 let head = String::from_utf8_lossy(&head).into_owned();
                 let path = head.split(' ').nth(1).unwrap_or("?").to_owned();
                 kept.lock().unwrap().push(head);
-                let body = format!("origin says {path}\n");
-                let reply = format!(
-                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                // `/big/N`: N bytes of a fixed pattern; anything else: a line naming the path.
+                let body = match path.strip_prefix("/big/").and_then(|n| n.parse().ok()) {
+                    Some(n) => pattern(n),
+                    None => format!("origin says {path}\n").into_bytes(),
+                };
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
                     body.len()
                 );
-                let _ = conn.write_all(reply.as_bytes()).await;
+                let _ = conn.write_all(head.as_bytes()).await;
+                let _ = conn.write_all(&body).await;
                 let _ = conn.shutdown().await;
             });
         }
     });
     (port, heads)
+}
+
+/// `n` bytes that are not all alike (so a lost, repeated or reordered chunk shows).
+fn pattern(n: usize) -> Vec<u8> {
+    (0..n).map(|i| (i * 7 % 251) as u8).collect()
 }
 
 #[test]
@@ -135,8 +145,18 @@ fn a_granted_name_reaches_its_loopback_origin_and_nothing_else_gets_through() {
         .await;
         assert!(text.contains("origin says /hello"), "{text}");
         assert!(text.contains("rc=0"), "{text}");
+        // 8 MiB down through the relay, byte for byte (the guest's window is far smaller,
+        // so this goes through back-pressure many times).
+        let (text, _) = sh(
+            &vm,
+            &format!("wget -q -O - http://origin.test:{port}/big/8388608 | sha256sum"),
+        )
+        .await;
+        use sha2::Digest;
+        let expected = hex::encode(sha2::Sha256::digest(pattern(8 << 20)));
+        assert!(text.starts_with(&expected), "{text}");
         let flows = seen.tcp();
-        assert_eq!(flows.len(), 1, "{flows:?}");
+        assert_eq!(flows.len(), 2, "{flows:?}");
         let flow = &flows[0];
         assert_eq!(flow.hostname(), Some("origin.test"));
         assert_eq!(flow.upstream(), &[LOOPBACK]);
@@ -176,12 +196,12 @@ fn a_granted_name_reaches_its_loopback_origin_and_nothing_else_gets_through() {
             );
         }
         let flows = seen.tcp();
-        assert_eq!(flows.len(), 3, "{flows:?}");
-        assert_eq!(flows[2].hostname(), None, "an address dialled directly");
+        assert_eq!(flows.len(), 4, "{flows:?}");
+        assert_eq!(flows[3].hostname(), None, "an address dialled directly");
         assert_eq!(
             heads.lock().unwrap().len(),
-            1,
-            "only the granted request reached the origin"
+            2,
+            "only the granted requests reached the origin"
         );
         assert!(vm.is_running());
         vm.shutdown().await.unwrap();

@@ -1,22 +1,27 @@
-//! One granted TCP connection's host side: the upstream socket, and the task that moves bytes
-//! between it and the gateway's socket for the guest.
+//! One granted TCP connection's host side: a task that gets the guest's end as a stream
+//! ([`GuestStream`]) and serves it, splicing it to an upstream socket ([`splice`]) or speaking
+//! HTTP on it; the service moves the bytes between that stream and the gateway's socket.
 //!
 //! Back-pressure both ways, so a connection holds a bounded amount whatever either end does:
 //! - guest to upstream: the service reads the guest's socket only while the channel to the
 //!   task has room ([`TO_UPSTREAM_CHUNKS`] chunks); otherwise the stack's receive buffer fills
 //!   and the guest's window closes.
-//! - upstream to guest: the task reads upstream only with credit ([`FROM_UPSTREAM_WINDOW`]
-//!   bytes), which the service gives back as the guest's socket takes the bytes.
+//! - to the guest: the task writes only with credit ([`FROM_UPSTREAM_WINDOW`] bytes), which
+//!   the service gives back as the guest's socket takes the bytes.
 
 use std::collections::VecDeque;
+use std::io::ErrorKind;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use bytes::{Buf, Bytes};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, Notify, Semaphore};
+use tokio_util::sync::{PollSemaphore, PollSender};
 
 use super::stack::FlowKey;
 
@@ -71,7 +76,7 @@ pub(crate) async fn dial(addresses: &[SocketAddr]) -> Result<TcpStream, String> 
     Err(failures.join("; "))
 }
 
-/// The service's side of a relayed connection.
+/// The service's side of a granted connection.
 #[derive(Debug)]
 pub(crate) struct Relay {
     pub id: u64,
@@ -88,27 +93,44 @@ pub(crate) struct Relay {
 }
 
 impl Relay {
-    /// Starts the task for `stream`, in `tasks`, reporting on `events` and waking the service
-    /// with `wake` when the channel to upstream has room again.
-    pub(crate) fn start(
+    /// Starts the connection's task in `tasks`: `serve` gets the guest's end as a stream (and
+    /// is what the connection does: splice it to an upstream socket, or speak HTTP on it).
+    /// The task reports on `events`, and wakes the service with `wake` when it took bytes
+    /// from the guest (so there is room for more).
+    pub(crate) fn start<F, Fut>(
         key: FlowKey,
         id: u64,
-        stream: TcpStream,
         events: mpsc::Sender<FromUpstream>,
         wake: Arc<Notify>,
         tasks: &mut tokio::task::JoinSet<()>,
-    ) -> Self {
+        serve: F,
+    ) -> Self
+    where
+        F: FnOnce(GuestStream) -> Fut,
+        Fut: std::future::Future<Output = std::io::Result<()>> + Send + 'static,
+    {
         let (to_upstream, from_guest) = mpsc::channel(TO_UPSTREAM_CHUNKS);
         let credit = Arc::new(Semaphore::new(FROM_UPSTREAM_WINDOW));
-        let task = tasks.spawn(run(
+        let guest = GuestStream {
             key,
             id,
-            stream,
             from_guest,
-            events,
-            credit.clone(),
+            leftover: Bytes::new(),
+            to_guest: PollSender::new(events.clone()),
+            credit: PollSemaphore::new(credit.clone()),
             wake,
-        ));
+            finished: false,
+        };
+        let served = serve(guest);
+        let task = tasks.spawn(async move {
+            // However the task ends, the guest's connection ends with it: finished (a FIN,
+            // after everything written), or reset. A second Finished is ignored.
+            let what = match served.await {
+                Ok(()) => Upstream::Finished,
+                Err(_) => Upstream::Failed,
+            };
+            let _ = events.send(FromUpstream { key, id, what }).await;
+        });
         Self {
             id,
             to_upstream: Some(to_upstream),
@@ -121,7 +143,8 @@ impl Relay {
         }
     }
 
-    /// Gives the task credit for `n` more bytes (the guest's socket took them).
+    /// The guest's socket took `n` bytes from the front of the queue: the task gets credit
+    /// for as many more.
     pub(crate) fn took(&mut self, n: usize) {
         self.credit.add_permits(n);
         let mut n = n;
@@ -145,55 +168,94 @@ impl Drop for Relay {
     }
 }
 
-async fn run(
+/// Splices the guest's end to an upstream socket until both directions have finished. Each
+/// end's finish is passed on to the other (a half-close stays a half-close).
+pub(crate) async fn splice(mut guest: GuestStream, mut upstream: TcpStream) -> std::io::Result<()> {
+    tokio::io::copy_bidirectional_with_sizes(&mut guest, &mut upstream, CHUNK, CHUNK).await?;
+    Ok(())
+}
+
+/// The guest's end of a granted connection, as its task sees it: what the guest sent (read),
+/// and what goes to the guest (write), with the back-pressure described at the top. Shutting
+/// it down finishes the guest's connection (a FIN); an error from the task resets it.
+#[derive(Debug)]
+pub(crate) struct GuestStream {
     key: FlowKey,
     id: u64,
-    stream: TcpStream,
-    mut from_guest: mpsc::Receiver<Bytes>,
-    events: mpsc::Sender<FromUpstream>,
-    credit: Arc<Semaphore>,
+    from_guest: mpsc::Receiver<Bytes>,
+    leftover: Bytes,
+    to_guest: PollSender<FromUpstream>,
+    credit: PollSemaphore,
     wake: Arc<Notify>,
-) {
-    let (mut reader, mut writer) = stream.into_split();
-    let report = |what| FromUpstream { key, id, what };
-    let write = async {
-        while let Some(chunk) = from_guest.recv().await {
-            writer.write_all(&chunk).await?;
-            wake.notify_one();
-        }
-        // The guest finished sending: so does the host, upstream.
-        writer.shutdown().await
-    };
-    let read = async {
-        let mut buf = vec![0u8; CHUNK];
-        loop {
-            let Ok(permit) = credit.acquire_many(CHUNK as u32).await else {
-                return Ok(());
-            };
-            permit.forget();
-            let n = reader.read(&mut buf).await?;
-            credit.add_permits(CHUNK - n);
-            if n == 0 {
-                return Ok(());
-            }
-            let data = Bytes::copy_from_slice(&buf[..n]);
-            if events.send(report(Upstream::Data(data))).await.is_err() {
-                return Ok(());
+    finished: bool,
+}
+
+fn gone() -> std::io::Error {
+    std::io::Error::new(ErrorKind::BrokenPipe, "the network service stopped")
+}
+
+impl AsyncRead for GuestStream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        if self.leftover.is_empty() {
+            match ready!(self.from_guest.poll_recv(cx)) {
+                Some(chunk) => {
+                    self.leftover = chunk;
+                    // The service holds back the guest's bytes while the channel is full.
+                    self.wake.notify_one();
+                }
+                None => return Poll::Ready(Ok(())),
             }
         }
-    };
-    let read = async {
-        let outcome: std::io::Result<()> = read.await;
-        let what = match outcome {
-            Ok(()) => Upstream::Finished,
-            Err(_) => Upstream::Failed,
+        let n = buf.remaining().min(self.leftover.len());
+        buf.put_slice(&self.leftover[..n]);
+        self.leftover.advance(n);
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl AsyncWrite for GuestStream {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        if data.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        let n = data.len().min(CHUNK);
+        ready!(self.to_guest.poll_reserve(cx)).map_err(|_| gone())?;
+        let Some(permit) = ready!(self.credit.poll_acquire_many(cx, n as u32)) else {
+            return Poll::Ready(Err(gone()));
         };
-        let _ = events.send(report(what)).await;
-    };
-    let write = async {
-        if write.await.is_err() {
-            let _ = events.send(report(Upstream::Failed)).await;
+        permit.forget();
+        let message = FromUpstream {
+            key: self.key,
+            id: self.id,
+            what: Upstream::Data(Bytes::copy_from_slice(&data[..n])),
+        };
+        self.to_guest.send_item(message).map_err(|_| gone())?;
+        Poll::Ready(Ok(n))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        if !self.finished {
+            ready!(self.to_guest.poll_reserve(cx)).map_err(|_| gone())?;
+            let message = FromUpstream {
+                key: self.key,
+                id: self.id,
+                what: Upstream::Finished,
+            };
+            self.to_guest.send_item(message).map_err(|_| gone())?;
+            self.finished = true;
         }
-    };
-    tokio::join!(read, write);
+        Poll::Ready(Ok(()))
+    }
 }

@@ -414,10 +414,10 @@ impl Service {
                     let relay = Relay::start(
                         key,
                         self.next_relay,
-                        stream,
                         self.upstream.0.clone(),
                         self.wake.clone(),
                         &mut self.tasks,
+                        |guest| relay::splice(guest, stream),
                     );
                     self.relays.insert(key, relay);
                 }

@@ -85,6 +85,10 @@ pub enum Error {
         /// Everything the helper reported.
         isolation: crate::Isolation,
     },
+    /// The sandbox's network could not be set up on the host (its certificate authority, or
+    /// the trust roots for upstream TLS). The VM was not started.
+    #[error("setting up the sandbox's network failed: {0}")]
+    NetworkSetup(String),
     /// guest-init could not finish setting up the guest.
     #[error("guest setup failed: {message}")]
     GuestSetup {

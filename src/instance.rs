@@ -183,6 +183,11 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     // deadline passes first.
     let deadline = tokio::time::sleep(config.boot_timeout);
     tokio::pin!(deadline);
+    // The sandbox CA of this boot, for intercepted HTTPS: the guest is told to trust it.
+    let certificate_authority = match &config.network {
+        Some(network) => network.certificate_authority(&config.hostname)?,
+        None => None,
+    };
     let setup = Setup {
         hostname: config.hostname.clone(),
         root: RootMount {
@@ -190,7 +195,10 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             fstype: vmm_config.root_fstype.clone(),
             read_only: true,
         },
-        network: config.network.as_ref().map(|n| n.guest_config()),
+        network: config
+            .network
+            .as_ref()
+            .map(|n| n.guest_config(certificate_authority.as_deref())),
     };
     let console = dir.path().join("console.log");
     let mut attempt = 1;
@@ -353,7 +361,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     let console_log = Arc::new(console_log);
     let network = match (&config.network, net_socket) {
         (Some(network), Some(socket)) => {
-            match crate::net::service::NetService::start(network, socket) {
+            match crate::net::service::NetService::start(network, socket, certificate_authority) {
                 Ok(service) => Some(service),
                 Err(err) => {
                     let _ = child.start_kill();

@@ -462,6 +462,11 @@ pub fn start(exec: Exec, reaper: &Arc<Reaper>, table: &Table, outbox: &Outbox) {
     if !exec.env.iter().any(|(k, _)| &k[..] == b"PATH") {
         cmd.env("PATH", DEFAULT_PATH);
     }
+    for (name, value) in crate::net::ca_environment() {
+        if !exec.env.iter().any(|(k, _)| &k[..] == name.as_bytes()) {
+            cmd.env(name, value);
+        }
+    }
     for (key, value) in &exec.env {
         cmd.env(OsStr::from_bytes(key), OsStr::from_bytes(value));
     }

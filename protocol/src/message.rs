@@ -127,7 +127,13 @@ pub struct GuestNetwork {
     pub gateway: [u8; 4],
     /// Resolvers for `/etc/resolv.conf` (1-3, as glibc and musl read at most three).
     pub nameservers: Vec<[u8; 4]>,
+    /// The sandbox CA's certificate (PEM, at most [`CA_CERTIFICATE_MAX`] bytes), for the
+    /// guest's trust store: the host presents certificates it issued on intercepted HTTPS.
+    pub ca_certificate: Option<String>,
 }
+
+/// The largest CA certificate [`GuestNetwork`] carries.
+pub const CA_CERTIFICATE_MAX: usize = 8 * 1024;
 
 impl GuestNetwork {
     fn validate(&self) -> Result<(), ProtocolError> {
@@ -140,6 +146,14 @@ impl GuestNetwork {
         }
         if self.nameservers.is_empty() || self.nameservers.len() > 3 {
             return Err(bad(format!("{} nameservers", self.nameservers.len())));
+        }
+        if let Some(pem) = &self.ca_certificate {
+            if pem.len() > CA_CERTIFICATE_MAX || !pem.starts_with("-----BEGIN CERTIFICATE-----") {
+                return Err(bad(format!(
+                    "a CA certificate of {} bytes that is not one PEM certificate",
+                    pem.len()
+                )));
+            }
         }
         let mask = u32::MAX << (32 - u32::from(self.prefix_len));
         let (address, gateway) = (
@@ -722,6 +736,9 @@ mod tests {
             prefix_len: 24,
             gateway: [10, 0, 2, 2],
             nameservers: vec![[10, 0, 2, 2]],
+            ca_certificate: Some(
+                "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n".into(),
+            ),
         };
         let setup = |network: GuestNetwork| {
             HostMessage::Setup(Setup {
@@ -760,6 +777,17 @@ mod tests {
                 nameservers: vec![[1, 1, 1, 1]; 4],
                 ..good.clone()
             },
+            GuestNetwork {
+                ca_certificate: Some("not a certificate".into()),
+                ..good.clone()
+            },
+            GuestNetwork {
+                ca_certificate: Some(format!(
+                    "-----BEGIN CERTIFICATE-----\n{}",
+                    "A".repeat(CA_CERTIFICATE_MAX)
+                )),
+                ..good.clone()
+            },
         ] {
             assert!(
                 matches!(
@@ -791,6 +819,7 @@ mod tests {
                     prefix_len: 24,
                     gateway: [10, 0, 2, 2],
                     nameservers: vec![[10, 0, 2, 2]],
+                    ca_certificate: None,
                 }),
             }),
             HostMessage::Exec(exec()),

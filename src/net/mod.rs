@@ -38,19 +38,24 @@
 //! ```
 
 pub mod address;
-mod dns;
+pub(crate) mod dns;
 pub(crate) mod frame;
+mod intercept;
 mod names;
 mod policy;
 mod relay;
+mod rules;
 pub(crate) mod service;
 pub(crate) mod stack;
 
 use std::net::Ipv4Addr;
 use std::sync::Arc;
 
+pub use ::http::{HeaderName, HeaderValue, Method};
 pub use address::{classify, AddressClass};
+pub use intercept::{Intercept, Middleware, RequestHead, UpstreamTrust};
 pub use policy::{Decide, Flow, Policy, Protocol, Resolver, Verdict};
+pub use rules::{Action, Cidr, DomainPattern, Ports, Rule, RuleError, Rules, Target};
 
 /// A sandbox's network: the guest gets a network device (`eth0`) with an address, a default
 /// route and a resolver, all pointing at a gateway the library serves, and the gateway decides
@@ -79,6 +84,7 @@ pub struct Network {
     addressing: Addressing,
     /// `None`: deny all.
     policy: Option<Arc<dyn Policy>>,
+    upstream_trust: UpstreamTrust,
 }
 
 impl std::fmt::Debug for Network {
@@ -86,6 +92,7 @@ impl std::fmt::Debug for Network {
         f.debug_struct("Network")
             .field("addressing", &self.addressing)
             .field("policy", &self.policy.as_ref().map(|_| "callback"))
+            .field("upstream_trust", &self.upstream_trust)
             .finish()
     }
 }
@@ -95,6 +102,7 @@ impl std::fmt::Debug for Network {
 impl PartialEq for Network {
     fn eq(&self, other: &Self) -> bool {
         self.addressing == other.addressing
+            && self.upstream_trust == other.upstream_trust
             && match (&self.policy, &other.policy) {
                 (None, None) => true,
                 (Some(a), Some(b)) => std::ptr::addr_eq(Arc::as_ptr(a), Arc::as_ptr(b)),
@@ -115,6 +123,7 @@ impl Network {
         Self {
             addressing: Addressing::default(),
             policy: None,
+            upstream_trust: UpstreamTrust::system(),
         }
     }
 
@@ -132,7 +141,27 @@ impl Network {
         Self {
             addressing: Addressing::default(),
             policy: Some(Arc::new(policy)),
+            upstream_trust: UpstreamTrust::system(),
         }
+    }
+
+    /// The roots that upstream certificates of intercepted HTTPS flows are verified against
+    /// (see [`Verdict::intercept`]). The default is the host's trust store.
+    ///
+    /// ```
+    /// # fn f(private_ca_pem: &[u8]) -> krunbox::Result<()> {
+    /// use krunbox::net::{Network, UpstreamTrust, Verdict};
+    /// let network = Network::with_policy(|_| async { Verdict::deny() })
+    ///     .upstream_trust(UpstreamTrust::pem(private_ca_pem)?);
+    /// # Ok(()) }
+    /// ```
+    pub fn upstream_trust(mut self, trust: UpstreamTrust) -> Self {
+        self.upstream_trust = trust;
+        self
+    }
+
+    pub(crate) fn upstream_trust_roots(&self) -> &UpstreamTrust {
+        &self.upstream_trust
     }
 
     pub(crate) fn policy(&self) -> Option<Arc<dyn Policy>> {
@@ -153,8 +182,13 @@ impl Network {
         &self.addressing
     }
 
-    /// What guest-init needs to configure the interface.
-    pub(crate) fn guest_config(&self) -> crate::protocol::GuestNetwork {
+    /// What guest-init needs to configure the interface, and the sandbox CA it installs in
+    /// the guest's trust store (if this network has one: a deny-all network intercepts
+    /// nothing).
+    pub(crate) fn guest_config(
+        &self,
+        authority: Option<&intercept::ca::CertificateAuthority>,
+    ) -> crate::protocol::GuestNetwork {
         let a = &self.addressing;
         crate::protocol::GuestNetwork {
             mac: a.guest_mac,
@@ -162,7 +196,19 @@ impl Network {
             prefix_len: a.prefix_len,
             gateway: a.gateway.octets(),
             nameservers: vec![a.dns.octets()],
+            ca_certificate: authority.map(|ca| ca.certificate_pem().to_owned()),
         }
+    }
+
+    /// The sandbox CA for one boot of this network: `None` for a deny-all network.
+    pub(crate) fn certificate_authority(
+        &self,
+        sandbox: &str,
+    ) -> crate::Result<Option<Arc<intercept::ca::CertificateAuthority>>> {
+        if self.is_deny_all() {
+            return Ok(None);
+        }
+        intercept::ca::CertificateAuthority::generate(sandbox).map(|ca| Some(Arc::new(ca)))
     }
 
     /// Whether this network has no policy, so lets nothing through.

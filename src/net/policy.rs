@@ -178,6 +178,7 @@ pub(crate) enum Decision {
     Accept,
     ConnectTo(SocketAddr),
     Resolve(Resolver),
+    Intercept(super::Intercept),
 }
 
 impl Verdict {
@@ -225,6 +226,27 @@ impl Verdict {
     /// ```
     pub fn resolve(resolver: Resolver) -> Self {
         Self(Decision::Resolve(resolver))
+    }
+
+    /// Grants a connection to a named host as HTTP(S) the host answers itself: TLS is
+    /// terminated with a certificate for the flow's trusted hostname from the sandbox's own CA
+    /// (which the guest trusts), each request goes through `intercept`'s middleware, and is
+    /// sent on to the name's recorded addresses, over TLS verified against the network's
+    /// [`UpstreamTrust`](crate::net::UpstreamTrust) if the guest spoke TLS. A request for any
+    /// other authority is answered `421` and goes nowhere; bytes that are not HTTP end the
+    /// connection. A connection without a trusted hostname (an address the guest dialled
+    /// directly) is refused.
+    ///
+    /// ```
+    /// use krunbox::net::{HeaderName, HeaderValue, Intercept, Verdict};
+    /// let verdict = Verdict::intercept(Intercept::new().set_header(
+    ///     HeaderName::from_static("authorization"),
+    ///     HeaderValue::from_static("Bearer real-token"),
+    /// ));
+    /// assert!(verdict.is_grant());
+    /// ```
+    pub fn intercept(intercept: super::Intercept) -> Self {
+        Self(Decision::Intercept(intercept))
     }
 
     /// Whether this lets the flow through (if its protocol fits the grant).

@@ -190,6 +190,22 @@ pub(crate) struct GuestStream {
     finished: bool,
 }
 
+impl GuestStream {
+    /// The first byte the guest sends, left to be read (`None`: it finished without one).
+    pub(crate) async fn peek(&mut self) -> std::io::Result<Option<u8>> {
+        if self.leftover.is_empty() {
+            match self.from_guest.recv().await {
+                Some(chunk) => {
+                    self.leftover = chunk;
+                    self.wake.notify_one();
+                }
+                None => return Ok(None),
+            }
+        }
+        Ok(self.leftover.first().copied())
+    }
+}
+
 fn gone() -> std::io::Error {
     std::io::Error::new(ErrorKind::BrokenPipe, "the network service stopped")
 }

@@ -20,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::dns::{self, GuestQuery, Incoming, Resolved};
 use super::frame::FrameDecoder;
+use super::intercept::{self, ca::CertificateAuthority, InterceptJob};
 use super::names::{self, Names};
 use super::policy::{self, Decision, Flow, Policy, Protocol, Resolver};
 use super::relay::{self, FromUpstream, Relay, Upstream, CHUNK};
@@ -56,8 +57,17 @@ impl Drop for NetService {
 
 impl NetService {
     /// Serves the guest's link on `socket` (the library's end of the pair whose other end the
-    /// VMM helper gave libkrun), under `network`'s policy.
-    pub(crate) fn start(network: &Network, socket: OwnedFd) -> Result<Self> {
+    /// VMM helper gave libkrun), under `network`'s policy; `authority` is the sandbox CA the
+    /// guest was told to trust, for intercepted flows.
+    pub(crate) fn start(
+        network: &Network,
+        socket: OwnedFd,
+        authority: Option<Arc<CertificateAuthority>>,
+    ) -> Result<Self> {
+        let client_tls = match authority {
+            Some(_) => Some(network.upstream_trust_roots().client_config()?),
+            None => None,
+        };
         let socket = std::os::unix::net::UnixStream::from(socket);
         socket
             .set_nonblocking(true)
@@ -65,10 +75,12 @@ impl NetService {
         let stream =
             UnixStream::from_std(socket).map_err(Error::io("registering the network socket"))?;
         let cancel = CancellationToken::new();
+        let interception = authority.zip(client_tls);
         let task = tokio::spawn(run(
             stream,
             network.addressing().clone(),
             network.policy(),
+            interception,
             cancel.clone(),
         ));
         Ok(Self { cancel, task })
@@ -93,6 +105,8 @@ enum Event {
     Refused(FlowKey),
     /// A connection's upstream is connected.
     Connected(FlowKey, TcpStream),
+    /// A connection is granted for interception.
+    Intercept(FlowKey, Box<InterceptJob>),
 }
 
 /// The service's state, owned by its task.
@@ -100,6 +114,10 @@ struct Service {
     gateway: Gateway,
     names: Names,
     policy: Option<Arc<dyn Policy>>,
+    /// The sandbox CA and the upstream TLS configuration, for intercepted flows.
+    interception: Option<(Arc<CertificateAuthority>, Arc<rustls::ClientConfig>)>,
+    /// Cancelled when the service stops: ends the tasks hyper starts outside `tasks`.
+    stop: CancellationToken,
     addressing: Addressing,
     /// Every task started for a flow; dropping the set aborts them all.
     tasks: JoinSet<()>,
@@ -116,6 +134,7 @@ async fn run(
     stream: UnixStream,
     addressing: Addressing,
     policy: Option<Arc<dyn Policy>>,
+    interception: Option<(Arc<CertificateAuthority>, Arc<rustls::ClientConfig>)>,
     cancel: CancellationToken,
 ) {
     let started = std::time::Instant::now();
@@ -124,6 +143,8 @@ async fn run(
         gateway: Gateway::new(addressing.clone(), now()),
         names: Names::new(),
         policy,
+        interception,
+        stop: cancel.child_token(),
         addressing,
         tasks: JoinSet::new(),
         events: mpsc::channel(EVENTS),
@@ -275,6 +296,8 @@ impl Service {
             (None, vec![IpAddr::V4(destination)], None)
         };
         let events = self.events.0.clone();
+        let interception = self.interception.clone();
+        let stop = self.stop.clone();
         self.tasks.spawn(async move {
             let mut flow = Flow {
                 protocol: Protocol::Tcp,
@@ -300,6 +323,40 @@ impl Service {
                     .map(|ip| SocketAddr::new(*ip, port))
                     .collect(),
                 Decision::ConnectTo(address) => vec![address],
+                Decision::Intercept(ref intercept) => {
+                    let event = match (&flow.hostname, interception) {
+                        (Some(hostname), Some((authority, client_tls)))
+                            if !flow.upstream.is_empty() =>
+                        {
+                            audit(&described, &verdict.0, None);
+                            let job = InterceptJob {
+                                hostname: hostname.clone(),
+                                port,
+                                upstream: flow
+                                    .upstream
+                                    .iter()
+                                    .map(|ip| SocketAddr::new(*ip, port))
+                                    .collect(),
+                                intercept: intercept.clone(),
+                                authority,
+                                client_tls,
+                                stop,
+                            };
+                            Event::Intercept(key, Box::new(job))
+                        }
+                        _ => {
+                            tracing::info!(
+                                target: "krunbox::net",
+                                flow = %described,
+                                verdict = "deny",
+                                "interception needs a trusted hostname with an answer: refused"
+                            );
+                            Event::Refused(key)
+                        }
+                    };
+                    let _ = events.send(event).await;
+                    return;
+                }
                 ref other => {
                     audit(&described, other, None);
                     let _ = events.send(Event::Refused(key)).await;
@@ -408,6 +465,20 @@ impl Service {
                 }
             }
             Event::Refused(key) => self.gateway.refuse_tcp(key),
+            Event::Intercept(key, job) => {
+                if self.gateway.accept_tcp(key) {
+                    self.next_relay += 1;
+                    let relay = Relay::start(
+                        key,
+                        self.next_relay,
+                        self.upstream.0.clone(),
+                        self.wake.clone(),
+                        &mut self.tasks,
+                        |guest| intercept::serve(guest, *job),
+                    );
+                    self.relays.insert(key, relay);
+                }
+            }
             Event::Connected(key, stream) => {
                 if self.gateway.accept_tcp(key) {
                     self.next_relay += 1;
@@ -522,6 +593,7 @@ fn audit(flow: &str, decision: &Decision, dialled: Option<SocketAddr>) {
         Decision::Accept => "accept",
         Decision::ConnectTo(_) => "connect-to",
         Decision::Resolve(_) => "resolve",
+        Decision::Intercept(_) => "intercept",
     };
     match dialled {
         Some(upstream) => {
@@ -552,7 +624,7 @@ mod tests {
     async fn the_service_answers_over_the_stream_and_stops_when_the_vmm_end_closes() {
         let (ours, mut vmm) = UnixStream::pair().unwrap();
         let ours = OwnedFd::from(ours.into_std().unwrap());
-        let service = NetService::start(&Network::deny_all(), ours).unwrap();
+        let service = NetService::start(&Network::deny_all(), ours, None).unwrap();
         // An ARP request for the gateway, framed as libkrun frames it; then garbage lengths.
         let addressing = Addressing::default();
         let mut arp = Vec::new();
@@ -593,6 +665,7 @@ mod tests {
         let service = NetService::start(
             &Network::deny_all(),
             OwnedFd::from(ours.into_std().unwrap()),
+            None,
         )
         .unwrap();
         drop(service);

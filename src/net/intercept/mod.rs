@@ -1,0 +1,499 @@
+//! HTTP(S) interception: a granted connection the host answers itself, as the origin would,
+//! so middleware can change each request (add a credential the guest never sees) before the
+//! host sends it on upstream.
+//!
+//! The guest's connection is TLS if its first byte is a TLS handshake record, plain HTTP
+//! otherwise. TLS is terminated with a certificate for the flow's *trusted* hostname, issued
+//! by the sandbox's own CA ([`ca`]); the guest's server name (SNI) chooses nothing. Each
+//! request's authority (`Host`, or HTTP/2's `:authority`) must be that hostname and port, or it
+//! is answered `421 Misdirected Request` and never leaves the host. Requests go upstream to the
+//! addresses the hostname's accepted DNS answer gave, over verified TLS when the guest spoke
+//! TLS ([`upstream`]). Bytes that are not HTTP end the connection: nothing is forwarded.
+
+pub(crate) mod ca;
+mod upstream;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use ::http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use ::http::{Method, Request, Response, StatusCode, Uri};
+use bytes::Bytes;
+use http_body_util::{combinators::BoxBody, BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use tokio_util::sync::CancellationToken;
+
+use super::relay::GuestStream;
+use ca::CertificateAuthority;
+pub use upstream::UpstreamTrust;
+
+/// How a granted connection is intercepted: the middleware each request goes through, in
+/// order. Given to [`Verdict::intercept`](crate::net::Verdict::intercept).
+///
+/// ```
+/// use krunbox::net::{HeaderName, HeaderValue, Intercept};
+///
+/// let intercept = Intercept::new()
+///     .set_header(
+///         HeaderName::from_static("authorization"),
+///         HeaderValue::from_static("Bearer sk-real-token"),
+///     )
+///     .remove_header(HeaderName::from_static("x-debug"));
+/// ```
+#[derive(Clone, Default)]
+pub struct Intercept {
+    middleware: Vec<Arc<dyn Middleware>>,
+}
+
+impl std::fmt::Debug for Intercept {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Intercept")
+            .field("middleware", &self.middleware.len())
+            .finish()
+    }
+}
+
+/// Interceptions are equal when they run the same middleware objects, in the same order.
+impl PartialEq for Intercept {
+    fn eq(&self, other: &Self) -> bool {
+        self.middleware.len() == other.middleware.len()
+            && self
+                .middleware
+                .iter()
+                .zip(&other.middleware)
+                .all(|(a, b)| std::ptr::addr_eq(Arc::as_ptr(a), Arc::as_ptr(b)))
+    }
+}
+
+impl Eq for Intercept {}
+
+impl Intercept {
+    /// No middleware: requests go upstream as the guest sent them (still checked against the
+    /// trusted hostname, still over verified TLS).
+    ///
+    /// ```
+    /// let intercept = krunbox::net::Intercept::new();
+    /// ```
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds `middleware`, run after those added before it.
+    ///
+    /// ```
+    /// use krunbox::net::{Intercept, RequestHead};
+    /// let intercept = Intercept::new().middleware(|request: &mut RequestHead| {
+    ///     if request.path().starts_with("/v1/") {
+    ///         request.headers_mut().insert("x-team", "agents".parse().unwrap());
+    ///     }
+    /// });
+    /// ```
+    pub fn middleware(mut self, middleware: impl Middleware) -> Self {
+        self.middleware.push(Arc::new(middleware));
+        self
+    }
+
+    /// Sets header `name` to `value` on every request (replacing what the guest sent).
+    ///
+    /// ```
+    /// use krunbox::net::{HeaderName, HeaderValue, Intercept};
+    /// let intercept = Intercept::new().set_header(
+    ///     HeaderName::from_static("x-api-key"),
+    ///     HeaderValue::from_static("real-key"),
+    /// );
+    /// ```
+    pub fn set_header(self, name: HeaderName, value: HeaderValue) -> Self {
+        self.middleware(move |request: &mut RequestHead| {
+            request.headers_mut().insert(name.clone(), value.clone());
+        })
+    }
+
+    /// Removes header `name` from every request.
+    ///
+    /// ```
+    /// use krunbox::net::{HeaderName, Intercept};
+    /// let intercept = Intercept::new().remove_header(HeaderName::from_static("cookie"));
+    /// ```
+    pub fn remove_header(self, name: HeaderName) -> Self {
+        self.middleware(move |request: &mut RequestHead| {
+            request.headers_mut().remove(&name);
+        })
+    }
+}
+
+/// Changes a request on its way upstream. Any `Fn(&mut RequestHead)` that is `Send + Sync` is
+/// one.
+///
+/// ```
+/// use krunbox::net::{Middleware, RequestHead};
+///
+/// struct Bearer(String);
+///
+/// impl Middleware for Bearer {
+///     fn on_request(&self, request: &mut RequestHead) {
+///         let value = format!("Bearer {}", self.0).parse().unwrap();
+///         request.headers_mut().insert("authorization", value);
+///     }
+/// }
+/// ```
+pub trait Middleware: Send + Sync + 'static {
+    /// Called once per request, before it is sent upstream.
+    fn on_request(&self, request: &mut RequestHead);
+}
+
+impl<F> Middleware for F
+where
+    F: Fn(&mut RequestHead) + Send + Sync + 'static,
+{
+    fn on_request(&self, request: &mut RequestHead) {
+        self(request)
+    }
+}
+
+/// A request's head as middleware sees it: its method, path and headers, and the trusted
+/// hostname it goes to. Hop-by-hop headers are already gone and `Host` is set by the host
+/// from the hostname, so neither can be changed here.
+#[derive(Debug)]
+pub struct RequestHead {
+    hostname: Arc<str>,
+    method: Method,
+    path_and_query: String,
+    headers: HeaderMap,
+}
+
+impl RequestHead {
+    /// The trusted hostname the request goes to (never taken from the request itself).
+    ///
+    /// ```
+    /// # fn f(request: &krunbox::net::RequestHead) -> bool {
+    /// request.hostname() == "api.example.com"
+    /// # }
+    /// ```
+    pub fn hostname(&self) -> &str {
+        &self.hostname
+    }
+
+    /// The request's method.
+    ///
+    /// ```
+    /// # fn f(request: &krunbox::net::RequestHead) -> bool {
+    /// request.method() == krunbox::net::Method::GET
+    /// # }
+    /// ```
+    pub fn method(&self) -> &Method {
+        &self.method
+    }
+
+    /// The path, with the query if there is one (`/v1/models?limit=1`).
+    ///
+    /// ```
+    /// # fn f(request: &krunbox::net::RequestHead) -> bool {
+    /// request.path().starts_with("/v1/")
+    /// # }
+    /// ```
+    pub fn path(&self) -> &str {
+        &self.path_and_query
+    }
+
+    /// The request's headers.
+    ///
+    /// ```
+    /// # fn f(request: &krunbox::net::RequestHead) -> bool {
+    /// request.headers().contains_key("authorization")
+    /// # }
+    /// ```
+    pub fn headers(&self) -> &HeaderMap {
+        &self.headers
+    }
+
+    /// The request's headers, to change.
+    ///
+    /// ```
+    /// # fn f(request: &mut krunbox::net::RequestHead) {
+    /// request.headers_mut().remove("cookie");
+    /// # }
+    /// ```
+    pub fn headers_mut(&mut self) -> &mut HeaderMap {
+        &mut self.headers
+    }
+}
+
+/// Everything one intercepted connection needs.
+pub(crate) struct InterceptJob {
+    pub hostname: Arc<str>,
+    pub port: u16,
+    pub upstream: Vec<SocketAddr>,
+    pub intercept: Intercept,
+    pub authority: Arc<CertificateAuthority>,
+    pub client_tls: Arc<rustls::ClientConfig>,
+    /// Ends every task hyper starts for this connection when the sandbox's network stops.
+    pub stop: CancellationToken,
+}
+
+type Body = BoxBody<Bytes, hyper::Error>;
+
+/// Serves one intercepted connection until the guest or the upstream ends it.
+pub(crate) async fn serve(mut guest: GuestStream, job: InterceptJob) -> std::io::Result<()> {
+    let Some(first) = guest.peek().await? else {
+        return Ok(());
+    };
+    let tls = first == 0x16;
+    let context = Arc::new(Context {
+        client: upstream::client(&job, tls),
+        scheme: if tls { "https" } else { "http" },
+        hostname: job.hostname.clone(),
+        port: job.port,
+        intercept: job.intercept.clone(),
+    });
+    let service = hyper::service::service_fn(move |request| handle(request, context.clone()));
+    let server = hyper_util::server::conn::auto::Builder::new(upstream::Scoped(job.stop.clone()));
+    let served = if tls {
+        let key = job
+            .authority
+            .certified_key(&job.hostname)
+            .map_err(std::io::Error::other)?;
+        let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .map_err(std::io::Error::other)?
+        .with_no_client_auth()
+        .with_cert_resolver(Arc::new(OneCertificate(key)));
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        let stream = tokio_rustls::TlsAcceptor::from(Arc::new(config))
+            .accept(guest)
+            .await?;
+        server.serve_connection(TokioIo::new(stream), service).await
+    } else {
+        server.serve_connection(TokioIo::new(guest), service).await
+    };
+    served.map_err(std::io::Error::other)
+}
+
+/// The certificate for the flow's trusted hostname, whatever name the guest asked for.
+#[derive(Debug)]
+struct OneCertificate(Arc<rustls::sign::CertifiedKey>);
+
+impl rustls::server::ResolvesServerCert for OneCertificate {
+    fn resolve(
+        &self,
+        _: rustls::server::ClientHello<'_>,
+    ) -> Option<Arc<rustls::sign::CertifiedKey>> {
+        Some(self.0.clone())
+    }
+}
+
+struct Context {
+    client: upstream::Client,
+    scheme: &'static str,
+    hostname: Arc<str>,
+    port: u16,
+    intercept: Intercept,
+}
+
+/// Headers that belong to one connection, not to the request (RFC 9110 7.6.1).
+const HOP_BY_HOP: [HeaderName; 7] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::UPGRADE,
+];
+
+fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Headers the Connection header names are hop-by-hop too.
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in named.iter().chain(&HOP_BY_HOP) {
+        headers.remove(name);
+    }
+    headers.remove(header::TRANSFER_ENCODING);
+}
+
+fn answer(status: StatusCode, text: String) -> Response<Body> {
+    let body = Full::new(Bytes::from(text))
+        .map_err(|never| match never {})
+        .boxed();
+    let mut response = Response::new(body);
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    response
+}
+
+/// Whether `authority` (`host` or `host:port`) names `hostname` on `port` (`default_port` if
+/// it names none).
+fn authority_matches(authority: &str, hostname: &str, port: u16, default_port: u16) -> bool {
+    // A Host header has no user part; an authority with one is not taken apart here.
+    if authority.contains('@') {
+        return false;
+    }
+    let Ok(parsed) = authority.parse::<::http::uri::Authority>() else {
+        return false;
+    };
+    parsed
+        .host()
+        .trim_end_matches('.')
+        .eq_ignore_ascii_case(hostname)
+        && parsed.port_u16().unwrap_or(default_port) == port
+}
+
+async fn handle(
+    request: Request<Incoming>,
+    context: Arc<Context>,
+) -> Result<Response<Body>, Infallible> {
+    let default_port = if context.scheme == "https" { 443 } else { 80 };
+    let authority = request
+        .uri()
+        .authority()
+        .map(|a| a.as_str().to_owned())
+        .or_else(|| {
+            request
+                .headers()
+                .get(header::HOST)
+                .and_then(|h| h.to_str().ok())
+                .map(str::to_owned)
+        });
+    let matches = authority
+        .as_deref()
+        .is_some_and(|a| authority_matches(a, &context.hostname, context.port, default_port));
+    if !matches {
+        tracing::info!(
+            target: "krunbox::net",
+            hostname = %context.hostname,
+            authority = authority.as_deref().unwrap_or("(none)"),
+            "an intercepted request named another authority: answered 421"
+        );
+        return Ok(answer(
+            StatusCode::MISDIRECTED_REQUEST,
+            format!(
+                "krunbox: this connection is for {}:{}, not {}\n",
+                context.hostname,
+                context.port,
+                authority.as_deref().unwrap_or("(no authority)")
+            ),
+        ));
+    }
+    let (mut parts, body) = request.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    // The client sets Host from the URI it is given, which names the trusted hostname.
+    parts.headers.remove(header::HOST);
+    let mut head = RequestHead {
+        hostname: context.hostname.clone(),
+        method: parts.method.clone(),
+        path_and_query: parts
+            .uri
+            .path_and_query()
+            .map_or_else(|| "/".to_owned(), |p| p.as_str().to_owned()),
+        headers: std::mem::take(&mut parts.headers),
+    };
+    for middleware in &context.intercept.middleware {
+        middleware.on_request(&mut head);
+    }
+    strip_hop_by_hop(&mut head.headers);
+    head.headers.remove(header::HOST);
+    let uri = format!(
+        "{}://{}:{}{}",
+        context.scheme, context.hostname, context.port, head.path_and_query
+    );
+    let Ok(uri) = uri.parse::<Uri>() else {
+        return Ok(answer(
+            StatusCode::BAD_REQUEST,
+            "krunbox: the request's path is not valid\n".into(),
+        ));
+    };
+    parts.uri = uri;
+    parts.headers = head.headers;
+    parts.version = ::http::Version::HTTP_11;
+    match context
+        .client
+        .request(Request::from_parts(parts, body))
+        .await
+    {
+        Ok(response) => {
+            let (mut parts, body) = response.into_parts();
+            strip_hop_by_hop(&mut parts.headers);
+            Ok(Response::from_parts(parts, body.boxed()))
+        }
+        Err(err) => {
+            tracing::info!(
+                target: "krunbox::net",
+                hostname = %context.hostname,
+                "an intercepted request could not be sent upstream: {err:?}"
+            );
+            Ok(answer(
+                StatusCode::BAD_GATEWAY,
+                format!(
+                    "krunbox: the upstream {} could not be reached\n",
+                    context.hostname
+                ),
+            ))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_authority_must_name_the_trusted_hostname_and_port() {
+        assert!(authority_matches(
+            "origin.test:8443",
+            "origin.test",
+            8443,
+            443
+        ));
+        assert!(authority_matches(
+            "ORIGIN.test.:8443",
+            "origin.test",
+            8443,
+            443
+        ));
+        assert!(authority_matches("origin.test", "origin.test", 443, 443));
+        assert!(!authority_matches("origin.test", "origin.test", 8443, 443));
+        assert!(!authority_matches(
+            "other.test:8443",
+            "origin.test",
+            8443,
+            443
+        ));
+        assert!(!authority_matches(
+            "origin.test.evil:8443",
+            "origin.test",
+            8443,
+            443
+        ));
+        assert!(!authority_matches(
+            "user@origin.test:8443",
+            "origin.test",
+            8443,
+            443
+        ));
+        assert!(!authority_matches("", "origin.test", 443, 443));
+    }
+
+    #[test]
+    fn hop_by_hop_headers_and_those_connection_names_are_removed() {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONNECTION, "keep-alive, x-secret".parse().unwrap());
+        headers.insert("x-secret", "1".parse().unwrap());
+        headers.insert(header::PROXY_AUTHORIZATION, "basic x".parse().unwrap());
+        headers.insert(header::TRANSFER_ENCODING, "chunked".parse().unwrap());
+        headers.insert(header::AUTHORIZATION, "kept".parse().unwrap());
+        strip_hop_by_hop(&mut headers);
+        assert_eq!(headers.len(), 1, "{headers:?}");
+        assert!(headers.contains_key(header::AUTHORIZATION));
+    }
+}

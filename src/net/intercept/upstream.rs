@@ -1,0 +1,176 @@
+//! The upstream side of interception: an HTTP client per intercepted connection that sends
+//! every request to the addresses of the flow's accepted DNS answer (never resolving the name
+//! again, never to an address the guest named), over TLS verified against the configured
+//! roots with the trusted hostname as the server name.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, OnceLock};
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body_util::combinators::BoxBody;
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::CertificateDer;
+use tokio_util::sync::CancellationToken;
+
+use super::InterceptJob;
+use crate::error::{Error, Result};
+
+/// The client of one intercepted connection.
+pub(crate) type Client =
+    hyper_util::client::legacy::Client<hyper_rustls::HttpsConnector<Dialer>, Incoming>;
+
+#[allow(dead_code)]
+type Body = BoxBody<Bytes, hyper::Error>;
+
+/// The roots upstream TLS certificates are verified against.
+///
+/// ```
+/// use krunbox::net::UpstreamTrust;
+/// // The host's own trust store (the default).
+/// let trust = UpstreamTrust::system();
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct UpstreamTrust {
+    /// `None`: the host's trust store.
+    roots: Option<Vec<CertificateDer<'static>>>,
+}
+
+impl UpstreamTrust {
+    /// The host's trust store, as the platform's TLS libraries see it (read once per
+    /// process).
+    ///
+    /// ```
+    /// let trust = krunbox::net::UpstreamTrust::system();
+    /// ```
+    pub fn system() -> Self {
+        Self { roots: None }
+    }
+
+    /// Exactly the certificates in `pem` (one or more `CERTIFICATE` blocks), e.g. a private
+    /// CA's. An empty or unreadable bundle is an error: it would trust nothing.
+    ///
+    /// ```
+    /// # fn f(pem: &[u8]) -> krunbox::Result<()> {
+    /// let trust = krunbox::net::UpstreamTrust::pem(pem)?;
+    /// # Ok(()) }
+    /// ```
+    pub fn pem(pem: &[u8]) -> Result<Self> {
+        let roots = CertificateDer::pem_slice_iter(pem)
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| Error::InvalidConfig(format!("the upstream trust bundle: {e}")))?;
+        if roots.is_empty() {
+            return Err(Error::InvalidConfig(
+                "the upstream trust bundle holds no certificate".into(),
+            ));
+        }
+        Ok(Self { roots: Some(roots) })
+    }
+
+    /// The client TLS configuration for these roots.
+    pub(crate) fn client_config(&self) -> Result<Arc<rustls::ClientConfig>> {
+        let mut store = rustls::RootCertStore::empty();
+        match &self.roots {
+            Some(roots) => {
+                for root in roots {
+                    store.add(root.clone()).map_err(|e| {
+                        Error::InvalidConfig(format!("an upstream trust root: {e}"))
+                    })?;
+                }
+            }
+            None => {
+                for root in system_roots() {
+                    // One unusable root in the host's store is not a reason to trust none.
+                    let _ = store.add(root.clone());
+                }
+            }
+        }
+        let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| Error::NetworkSetup(format!("upstream TLS: {e}")))?
+        .with_root_certificates(store)
+        .with_no_client_auth();
+        Ok(Arc::new(config))
+    }
+}
+
+fn system_roots() -> &'static [CertificateDer<'static>] {
+    static ROOTS: OnceLock<Vec<CertificateDer<'static>>> = OnceLock::new();
+    ROOTS.get_or_init(|| {
+        let found = rustls_native_certs::load_native_certs();
+        for err in &found.errors {
+            tracing::debug!(target: "krunbox::net", "reading the host's trust store: {err}");
+        }
+        found.certs
+    })
+}
+
+/// A client for `job`'s upstream: HTTPS when the guest spoke TLS, plain HTTP otherwise.
+pub(crate) fn client(job: &InterceptJob, tls: bool) -> Client {
+    let builder =
+        hyper_rustls::HttpsConnectorBuilder::new().with_tls_config((*job.client_tls).clone());
+    let builder = if tls {
+        builder.https_only()
+    } else {
+        builder.https_or_http()
+    };
+    let connector = builder.enable_http1().wrap_connector(Dialer {
+        addresses: job.upstream.clone().into(),
+    });
+    hyper_util::client::legacy::Client::builder(Scoped(job.stop.clone()))
+        .pool_max_idle_per_host(4)
+        .build(connector)
+}
+
+/// Dials the flow's recorded addresses in turn, whatever the URI names.
+#[derive(Clone, Debug)]
+pub(crate) struct Dialer {
+    addresses: Arc<[SocketAddr]>,
+}
+
+impl tower_service::Service<hyper::Uri> for Dialer {
+    type Response = TokioIo<tokio::net::TcpStream>;
+    type Error = std::io::Error;
+    type Future = Pin<Box<dyn Future<Output = std::io::Result<Self::Response>> + Send + 'static>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: hyper::Uri) -> Self::Future {
+        let addresses = self.addresses.clone();
+        Box::pin(async move {
+            crate::net::relay::dial(&addresses)
+                .await
+                .map(TokioIo::new)
+                .map_err(std::io::Error::other)
+        })
+    }
+}
+
+/// Runs hyper's background tasks (connection drivers, HTTP/2 streams) until the sandbox's
+/// network stops, so none outlives it.
+#[derive(Clone, Debug)]
+pub(crate) struct Scoped(pub CancellationToken);
+
+impl<F> hyper::rt::Executor<F> for Scoped
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    fn execute(&self, future: F) {
+        let stop = self.0.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = future => {}
+                _ = stop.cancelled() => {}
+            }
+        });
+    }
+}

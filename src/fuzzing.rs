@@ -1,5 +1,5 @@
-//! Fuzzing entry points (not API): the `host_dispatch` and `net_link` targets in `fuzz/` and
-//! their replays in this crate's tests.
+//! Fuzzing entry points (not API): the `host_dispatch`, `net_link` and `dns_query` targets in
+//! `fuzz/` and their replays in this crate's tests.
 //!
 //! [`host_dispatch`] plays a hostile guest against the host's real control channel
 //! ([`Control`]: its reader, dispatch, flow control, liveness check and `fail_all`, and
@@ -1469,6 +1469,15 @@ pub fn host_dispatch_seeds() -> Vec<Vec<u8>> {
 /// gateway's output passes its bound or holds a frame libkrun could not take.
 pub fn net_link(data: &[u8]) {
     crate::net::fuzz_link(data)
+}
+
+/// A hostile guest's DNS datagram to the gateway: `data` is parsed as the service parses it,
+/// and a query it would put to the policy is answered every way the service answers one (an
+/// address, no records, each failure code). Panics if an answer is larger than a UDP answer may
+/// be, does not parse back as a response with the query's id and questions, or (for an `A`
+/// query) holds anything but the one address given.
+pub fn dns_query(data: &[u8]) {
+    crate::net::dns::fuzz_query(data)
 }
 
 /// Asserts that `fuzz/corpus/TARGET/seed-NN` hold exactly `seeds` (rewriting them first when

@@ -251,6 +251,101 @@ fn random_id() -> u16 {
     hasher.finish() as u16
 }
 
+/// The fuzz entry point over what the guest controls in DNS (see
+/// [`crate::fuzzing::dns_query`]): `data` is one datagram to the gateway's port 53, read by
+/// [`incoming`]; a [`GuestQuery`] is then answered every way the service answers one
+/// ([`GuestQuery::answer`] with a few addresses and TTLs, [`GuestQuery::fail`] with each code
+/// it uses). Checks that nothing panics and that every answer is at most [`UDP_MAX`] bytes and
+/// parses back (hickory-proto) as a response to this query: its id, its opcode and its
+/// questions, exactly (names compared case-sensitively). An `A` answer holds exactly one
+/// record, `A` with the given address and TTL for the question's name; every other answer
+/// holds none. A datagram that parses as a query of at most one question is always answered.
+pub(crate) fn fuzz_query(data: &[u8]) {
+    let sent = Message::from_vec(data).ok();
+    let incoming = incoming(data);
+    if let Some(sent) = &sent {
+        if sent.metadata.message_type == MessageType::Query && sent.queries.len() <= 1 {
+            assert!(
+                !matches!(incoming, Incoming::Ignore),
+                "a query of one question got no answer"
+            );
+        }
+    }
+    match incoming {
+        Incoming::Ignore => {}
+        Incoming::Answer(answer) => {
+            let sent = sent.expect("only a message that parses is answered");
+            let answer = check_reply(&answer, &sent);
+            assert!(answer.answers.is_empty());
+            assert!(matches!(
+                answer.metadata.response_code,
+                ResponseCode::NotImp | ResponseCode::FormErr | ResponseCode::Refused
+            ));
+        }
+        Incoming::Query(query) => {
+            let sent = sent.expect("only a message that parses is a query");
+            assert_eq!(sent.queries.len(), 1);
+            let question = &sent.queries[0];
+            assert_eq!(question.query_class(), DNSClass::IN);
+            assert_eq!(query.record_type, question.query_type());
+            assert!(!query.name.is_empty() && query.name.len() <= NAME_MAX);
+            assert!(!query.name.ends_with('.'));
+            assert_eq!(query.name, query.name.to_ascii_lowercase());
+            let id = sent.metadata.id;
+            let address = Ipv4Addr::new(198, 18 | (id >> 15) as u8, (id >> 8) as u8, id as u8);
+            for (address, ttl) in [
+                (address, 0),
+                (address, 300),
+                (Ipv4Addr::BROADCAST, u32::MAX),
+            ] {
+                let answer = query.answer(address, ttl).expect("an answer always fits");
+                let answer = check_reply(&answer, &sent);
+                assert_eq!(answer.metadata.response_code, ResponseCode::NoError);
+                if query.record_type == RecordType::A {
+                    assert_eq!(answer.answers.len(), 1, "one record");
+                    let record = &answer.answers[0];
+                    assert!(record.name.eq_case(question.name()));
+                    assert_eq!(record.dns_class, DNSClass::IN);
+                    assert_eq!(record.ttl, ttl);
+                    assert_eq!(record.data, RData::A(A(address)));
+                } else {
+                    assert!(answer.answers.is_empty(), "no records for another type");
+                }
+            }
+            for code in [
+                ResponseCode::Refused,
+                ResponseCode::NoError,
+                ResponseCode::NXDomain,
+                ResponseCode::ServFail,
+            ] {
+                let answer = query.fail(code).expect("a failure always fits");
+                let answer = check_reply(&answer, &sent);
+                assert_eq!(answer.metadata.response_code, code);
+                assert!(answer.answers.is_empty());
+            }
+        }
+    }
+}
+
+/// Checks that `bytes` is an answer to `query` (size, response, id, opcode, the same questions
+/// and nothing but answers), and returns it parsed.
+fn check_reply(bytes: &[u8], query: &Message) -> Message {
+    assert!(bytes.len() <= UDP_MAX, "{} bytes", bytes.len());
+    let answer = Message::from_vec(bytes).expect("an answer parses");
+    assert_eq!(answer.metadata.message_type, MessageType::Response);
+    assert_eq!(answer.metadata.id, query.metadata.id);
+    assert_eq!(answer.metadata.op_code, query.metadata.op_code);
+    assert_eq!(answer.queries.len(), query.queries.len());
+    for (ours, theirs) in answer.queries.iter().zip(&query.queries) {
+        assert!(ours.name().eq_case(theirs.name()), "{ours} for {theirs}");
+        assert_eq!(ours.query_type(), theirs.query_type());
+        assert_eq!(ours.query_class(), theirs.query_class());
+    }
+    assert!(answer.authorities.is_empty() && answer.additionals.is_empty());
+    assert!(answer.edns.is_none() && answer.signature.is_none());
+    answer
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -417,5 +512,161 @@ pub(crate) mod tests {
             panic!("{resolved:?}")
         };
         assert!(why.contains(&silent_addr.to_string()), "{why}");
+    }
+
+    /// Datagrams a guest's resolver sends, and a few it should not: each is a `dns_query`
+    /// input. Fixed ids: the seeds are committed and must come out the same every time.
+    pub(crate) fn dns_query_seeds() -> Vec<Vec<u8>> {
+        let message = |id: u16, op_code: OpCode, questions: &[(&str, RecordType, DNSClass)]| {
+            let mut message = Message::new(id, MessageType::Query, op_code);
+            message.metadata.recursion_desired = true;
+            for (name, record_type, class) in questions {
+                let mut q = Question::query(name.parse().unwrap(), *record_type);
+                q.set_query_class(*class);
+                message.add_query(q);
+            }
+            message
+        };
+        let one = |id, name: &str, record_type| {
+            message(id, OpCode::Query, &[(name, record_type, DNSClass::IN)])
+        };
+        let bytes = |m: &Message| m.to_vec().unwrap();
+        let a = bytes(&one(0x5e00, "Origin.TEST.", RecordType::A));
+        let mut response = Message::response(0x5e06, OpCode::Query);
+        response.add_query(Question::query(
+            "origin.test.".parse().unwrap(),
+            RecordType::A,
+        ));
+        response.add_answer(Record::from_rdata(
+            "origin.test.".parse().unwrap(),
+            60,
+            RData::A(A(Ipv4Addr::new(192, 0, 2, 1))),
+        ));
+        let mut edns = one(0x5e07, "origin.test.", RecordType::A);
+        let mut opt = hickory_proto::op::Edns::new();
+        opt.set_max_payload(4096).set_dnssec_ok(true);
+        edns.set_edns(opt);
+        // The additional record's owner is written as a pointer to the question's name.
+        let mut compressed = one(0x5e08, "www.origin.test.", RecordType::A);
+        compressed.add_additional(Record::from_rdata(
+            "www.origin.test.".parse().unwrap(),
+            60,
+            RData::A(A(Ipv4Addr::new(192, 0, 2, 1))),
+        ));
+        // The longest name: four labels, 253 characters as text.
+        let longest = format!("{0}.{0}.{0}.{1}.", "a".repeat(63), "b".repeat(61));
+        // A question whose name is a label and then a pointer back to its own start.
+        let mut looped = a[..12].to_vec();
+        looped.extend_from_slice(&[3, b'w', b'w', b'w', 0xc0, 12, 0, 1, 0, 1]);
+        vec![
+            a.clone(),
+            bytes(&one(0x5e01, "origin.test.", RecordType::AAAA)),
+            bytes(&one(0x5e02, "origin.test.", RecordType::TXT)),
+            bytes(&message(
+                0x5e03,
+                OpCode::Query,
+                &[
+                    ("a.origin.test.", RecordType::A, DNSClass::IN),
+                    ("b.origin.test.", RecordType::A, DNSClass::IN),
+                ],
+            )),
+            bytes(&message(
+                0x5e04,
+                OpCode::Update,
+                &[("origin.test.", RecordType::SOA, DNSClass::IN)],
+            )),
+            bytes(&message(
+                0x5e05,
+                OpCode::Query,
+                &[("version.bind.", RecordType::TXT, DNSClass::CH)],
+            )),
+            bytes(&response),
+            bytes(&edns),
+            bytes(&compressed),
+            a[..a.len() - 3].to_vec(),
+            bytes(&one(0x5e0a, &longest, RecordType::A)),
+            looped,
+        ]
+    }
+
+    #[test]
+    fn the_query_seeds_hold_the_fuzz_property_and_take_each_path() {
+        let seeds = dns_query_seeds();
+        for seed in &seeds {
+            fuzz_query(seed);
+        }
+        let path = |seed: &[u8]| match incoming(seed) {
+            Incoming::Query(_) => "query",
+            Incoming::Answer(_) => "answer",
+            Incoming::Ignore => "ignore",
+        };
+        let paths: Vec<&str> = seeds.iter().map(|s| path(s)).collect();
+        assert_eq!(
+            paths,
+            [
+                "query", "query", "query", "answer", "answer", "answer", "ignore", "query",
+                "query", "ignore", "query", "ignore"
+            ]
+        );
+        // The two-question and additional-record seeds hold compressed names (a pointer's
+        // first byte: no byte of their ASCII names is 0xc0).
+        for i in [3, 8] {
+            assert!(seeds[i][12..].contains(&0xc0), "seed {i}");
+        }
+        let Incoming::Query(longest) = incoming(&seeds[10]) else {
+            panic!()
+        };
+        assert_eq!(longest.name.len(), NAME_MAX);
+    }
+
+    /// The fuzz property on a replayable sample: the seeds with bytes overwritten, cut short
+    /// and repeated.
+    #[test]
+    fn the_query_fuzz_property_holds_on_mutated_seeds() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let seeds = dns_query_seeds();
+        for _ in 0..20_000 {
+            let mut bytes = seeds[next() as usize % seeds.len()].clone();
+            for _ in 0..1 + next() % 4 {
+                let i = next() as usize % bytes.len();
+                match next() % 3 {
+                    0 => bytes[i] = next() as u8,
+                    1 => bytes.truncate(i),
+                    _ => bytes.extend_from_within(i..),
+                }
+                if bytes.is_empty() {
+                    break;
+                }
+            }
+            fuzz_query(&bytes);
+        }
+    }
+
+    /// The committed corpus, replayed on every test run.
+    #[test]
+    fn the_dns_fuzz_corpus_holds_the_property() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/dns_query");
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return;
+        };
+        for entry in entries {
+            let path = entry.unwrap().path();
+            let data = std::fs::read(&path).unwrap();
+            let result = std::panic::catch_unwind(|| fuzz_query(&data));
+            assert!(result.is_ok(), "{} fails the property", path.display());
+        }
+    }
+
+    /// The corpus holds the seeds as they are generated now (`seed-NN`). After changing them,
+    /// write them with `KRUNBOX_WRITE_FUZZ_SEEDS=1 cargo test --lib committed_dns_query_seeds`.
+    #[test]
+    fn committed_dns_query_seeds_are_the_generated_ones() {
+        crate::fuzzing::assert_committed_seeds("dns_query", &dns_query_seeds());
     }
 }

@@ -1,8 +1,9 @@
 //! Intercepted HTTPS with real microVMs and real clients (curl, Python's urllib) in the agent
 //! image: the guest trusts the sandbox CA, the host terminates its TLS, middleware adds a
 //! credential the guest never sees, and the request goes on to an HTTPS origin this test runs
-//! on 127.0.0.1 with a CA of its own (given to the network as its upstream trust). Spoofed
-//! server names and Host headers reach nothing.
+//! on 127.0.0.1 with a CA of its own (given to the network as its upstream trust). A secret's
+//! placeholder becomes its value only on the way to the host it is bound to. Spoofed server
+//! names and Host headers reach nothing.
 
 mod common;
 
@@ -11,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use krunbox::net::{
-    Flow, HeaderName, HeaderValue, Intercept, Network, Protocol, RequestHead, Resolver,
+    Flow, HeaderName, HeaderValue, Intercept, Network, Protocol, RequestHead, Resolver, Secret,
     UpstreamTrust, Verdict,
 };
 use krunbox::{BuiltinImage, Instance, Rootfs, Sandbox};
@@ -31,7 +32,7 @@ async fn sh(vm: &Instance, script: &str) -> String {
     format!("{}{}", out.stdout_text(), out.stderr_text())
 }
 
-/// An HTTPS origin on loopback for `origin.test`, with a CA of its own: answers every
+/// An HTTPS origin on loopback for `origin.test` and `elsewhere.test`, with a CA of its own: answers every
 /// request with `origin says <path>` and keeps each request's head. Returns its port, its CA
 /// (PEM) and the heads.
 async fn https_origin() -> (u16, String, Arc<Mutex<Vec<String>>>) {
@@ -44,10 +45,11 @@ async fn https_origin() -> (u16, String, Arc<Mutex<Vec<String>>>) {
     let ca_cert = ca_params.self_signed(&ca_key).unwrap();
     let issuer = rcgen::Issuer::new(ca_params, ca_key);
     let key = rcgen::KeyPair::generate().unwrap();
-    let cert = rcgen::CertificateParams::new(vec!["origin.test".to_owned()])
-        .unwrap()
-        .signed_by(&key, &issuer)
-        .unwrap();
+    let cert =
+        rcgen::CertificateParams::new(vec!["origin.test".to_owned(), "elsewhere.test".to_owned()])
+            .unwrap()
+            .signed_by(&key, &issuer)
+            .unwrap();
     let config = rustls::ServerConfig::builder_with_provider(Arc::new(
         rustls::crypto::ring::default_provider(),
     ))
@@ -129,19 +131,25 @@ fn intercepted_https_carries_an_injected_credential_the_guest_never_held() {
                 HeaderName::from_static("authorization"),
                 HeaderValue::from_static("Bearer real-credential"),
             );
+        let secret = Secret::new("API_KEY", "real-api-key")
+            .unwrap()
+            .bind_to("origin.test");
+        let placeholder = secret.placeholder().to_owned();
         let network = Network::with_policy(move |flow: Flow| {
             let intercept = intercept.clone();
             async move {
                 match (flow.protocol(), flow.hostname()) {
-                    (Protocol::Dns, Some("origin.test" | "other.test")) => {
+                    (Protocol::Dns, Some("origin.test" | "other.test" | "elsewhere.test")) => {
                         Verdict::resolve(Resolver::fixed([LOOPBACK]))
                     }
                     (Protocol::Tcp, Some("origin.test")) => Verdict::intercept(intercept),
+                    (Protocol::Tcp, Some("elsewhere.test")) => Verdict::intercept(Intercept::new()),
                     _ => Verdict::deny(),
                 }
             }
         })
-        .upstream_trust(UpstreamTrust::pem(origin_ca.as_bytes()).unwrap());
+        .upstream_trust(UpstreamTrust::pem(origin_ca.as_bytes()).unwrap())
+        .secret(secret);
         let vm = Sandbox::builder()
             .rootfs(Rootfs::builtin(BuiltinImage::Agent))
             .memory_mib(512)
@@ -189,13 +197,43 @@ fn intercepted_https_carries_an_injected_credential_the_guest_never_held() {
                 );
             }
         }
-        // Nowhere in the guest is the credential, nor the sandbox CA's key.
+        // The secret: the guest has its placeholder; the bound host gets the real value, any
+        // other host the placeholder.
+        let text = sh(
+            &vm,
+            &format!(
+                "echo key=$API_KEY; \
+                 curl -sS -H \"X-Api-Key: $API_KEY\" https://origin.test:{port}/bound; \
+                 curl -sS -H \"X-Api-Key: $API_KEY\" https://elsewhere.test:{port}/elsewhere"
+            ),
+        )
+        .await;
+        assert!(text.contains(&format!("key={placeholder}")), "{text}");
+        assert!(text.contains("origin says /bound") && text.contains("origin says /elsewhere"));
+        {
+            let heads = heads.lock().unwrap();
+            assert_eq!(heads.len(), 4, "{heads:?}");
+            assert_eq!(
+                header(&heads[2], "x-api-key"),
+                Some("real-api-key"),
+                "{}",
+                heads[2]
+            );
+            assert_eq!(
+                header(&heads[3], "x-api-key"),
+                Some(placeholder.as_str()),
+                "unbound host: the placeholder, unreplaced: {}",
+                heads[3]
+            );
+        }
+        // Nowhere in the guest is a credential, nor the sandbox CA's key.
         let text = sh(
             &vm,
             "env; cat /etc/ssl/certs/ca-certificates.crt | tail -c 2000",
         )
         .await;
         assert!(!text.contains("real-credential"), "{text}");
+        assert!(!text.contains("real-api-key"), "{text}");
         assert!(text.contains("SSL_CERT_FILE="), "{text}");
         assert!(!text.contains("PRIVATE KEY"), "{text}");
 
@@ -227,7 +265,7 @@ fn intercepted_https_carries_an_injected_credential_the_guest_never_held() {
         assert_eq!(text.lines().collect::<Vec<_>>(), ["421", "421"], "{text}");
         assert_eq!(
             heads.lock().unwrap().len(),
-            2,
+            4,
             "nothing more reached the origin"
         );
         vm.shutdown().await.unwrap();

@@ -43,8 +43,12 @@ pub fn configure(network: &GuestNetwork) -> io::Result<String> {
     if let Some(pem) = &network.ca_certificate {
         install_ca(pem)?;
     }
+    let _ = ENVIRONMENT.set(network.environment.clone());
     Ok(name)
 }
+
+/// Variables every command gets unless it sets them (the host's secret placeholders).
+static ENVIRONMENT: std::sync::OnceLock<Vec<(String, String)>> = std::sync::OnceLock::new();
 
 /// The system's CA bundle in Debian-family images (what OpenSSL, curl and git read by
 /// default).
@@ -56,29 +60,36 @@ const OWN_BUNDLE: &str = "/tmp/.krunbox-ca-bundle.pem";
 /// The bundle holding the sandbox CA, once installed.
 static CA_BUNDLE: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
 
-/// Environment variables that point TLS clients at the bundle, for the commands that do not
-/// set them themselves: OpenSSL (Python's `ssl`, ...), curl, git, requests and pip, Node.
-pub fn ca_environment() -> Vec<(&'static str, &'static str)> {
+/// Environment variables for the commands that do not set them themselves: the host's
+/// (secret placeholders), and those that point TLS clients at the CA bundle: OpenSSL
+/// (Python's `ssl`, ...), curl, git, requests and pip, Node.
+pub fn environment() -> Vec<(&'static str, &'static str)> {
+    let mut variables: Vec<(&'static str, &'static str)> = ENVIRONMENT
+        .get()
+        .map(|vars| vars.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect())
+        .unwrap_or_default();
     let Some(bundle) = CA_BUNDLE.get() else {
-        return Vec::new();
+        return variables;
     };
-    [
-        "SSL_CERT_FILE",
-        "CURL_CA_BUNDLE",
-        "GIT_SSL_CAINFO",
-        "REQUESTS_CA_BUNDLE",
-        "PIP_CERT",
-        "NODE_EXTRA_CA_CERTS",
-    ]
-    .into_iter()
-    .map(|name| (name, *bundle))
-    .collect()
+    variables.extend(
+        [
+            "SSL_CERT_FILE",
+            "CURL_CA_BUNDLE",
+            "GIT_SSL_CAINFO",
+            "REQUESTS_CA_BUNDLE",
+            "PIP_CERT",
+            "NODE_EXTRA_CA_CERTS",
+        ]
+        .into_iter()
+        .map(|name| (name, *bundle)),
+    );
+    variables
 }
 
 /// Adds the sandbox CA to the guest's trust: the system bundle plus the CA, bind-mounted
 /// (read-only) over the system bundle where the image has one, so programs that read it by
 /// default trust the CA too; else a bundle of its own on the scratch tmpfs. Either way the
-/// commands' environment names it (see [`ca_environment`]).
+/// commands' environment names it (see [`environment`]).
 fn install_ca(pem: &str) -> io::Result<()> {
     let system = std::fs::read_to_string(SYSTEM_BUNDLE).ok();
     let mut bundle = system.clone().unwrap_or_default();

@@ -462,7 +462,7 @@ pub fn start(exec: Exec, reaper: &Arc<Reaper>, table: &Table, outbox: &Outbox) {
     if !exec.env.iter().any(|(k, _)| &k[..] == b"PATH") {
         cmd.env("PATH", DEFAULT_PATH);
     }
-    for (name, value) in crate::net::ca_environment() {
+    for (name, value) in crate::net::environment() {
         if !exec.env.iter().any(|(k, _)| &k[..] == name.as_bytes()) {
             cmd.env(name, value);
         }

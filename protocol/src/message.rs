@@ -130,10 +130,20 @@ pub struct GuestNetwork {
     /// The sandbox CA's certificate (PEM, at most [`CA_CERTIFICATE_MAX`] bytes), for the
     /// guest's trust store: the host presents certificates it issued on intercepted HTTPS.
     pub ca_certificate: Option<String>,
+    /// Variables every command gets unless it sets them itself (the secrets' placeholders):
+    /// at most [`ENVIRONMENT_MAX`], names of letters, digits and `_`, values of at most
+    /// [`ENVIRONMENT_VALUE_MAX`] bytes.
+    pub environment: Vec<(String, String)>,
 }
 
 /// The largest CA certificate [`GuestNetwork`] carries.
 pub const CA_CERTIFICATE_MAX: usize = 8 * 1024;
+
+/// The most variables [`GuestNetwork::environment`] holds.
+pub const ENVIRONMENT_MAX: usize = 64;
+
+/// The longest name or value in [`GuestNetwork::environment`].
+pub const ENVIRONMENT_VALUE_MAX: usize = 4096;
 
 impl GuestNetwork {
     fn validate(&self) -> Result<(), ProtocolError> {
@@ -146,6 +156,21 @@ impl GuestNetwork {
         }
         if self.nameservers.is_empty() || self.nameservers.len() > 3 {
             return Err(bad(format!("{} nameservers", self.nameservers.len())));
+        }
+        if self.environment.len() > ENVIRONMENT_MAX {
+            return Err(bad(format!("{} variables", self.environment.len())));
+        }
+        for (name, value) in &self.environment {
+            let portable = !name.is_empty()
+                && !name.starts_with(|c: char| c.is_ascii_digit())
+                && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            if !portable
+                || name.len() > ENVIRONMENT_VALUE_MAX
+                || value.len() > ENVIRONMENT_VALUE_MAX
+                || value.contains('\0')
+            {
+                return Err(bad(format!("the variable {name:?}")));
+            }
         }
         if let Some(pem) = &self.ca_certificate {
             if pem.len() > CA_CERTIFICATE_MAX || !pem.starts_with("-----BEGIN CERTIFICATE-----") {
@@ -739,6 +764,7 @@ mod tests {
             ca_certificate: Some(
                 "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n".into(),
             ),
+            environment: vec![("OPENAI_API_KEY".into(), "krunbox-secret-00".into())],
         };
         let setup = |network: GuestNetwork| {
             HostMessage::Setup(Setup {
@@ -782,6 +808,18 @@ mod tests {
                 ..good.clone()
             },
             GuestNetwork {
+                environment: vec![("BAD=NAME".into(), "x".into())],
+                ..good.clone()
+            },
+            GuestNetwork {
+                environment: vec![("K".into(), "nul\0".into())],
+                ..good.clone()
+            },
+            GuestNetwork {
+                environment: vec![("K".into(), "x".into()); ENVIRONMENT_MAX + 1],
+                ..good.clone()
+            },
+            GuestNetwork {
                 ca_certificate: Some(format!(
                     "-----BEGIN CERTIFICATE-----\n{}",
                     "A".repeat(CA_CERTIFICATE_MAX)
@@ -820,6 +858,7 @@ mod tests {
                     gateway: [10, 0, 2, 2],
                     nameservers: vec![[10, 0, 2, 2]],
                     ca_certificate: None,
+                    environment: Vec::new(),
                 }),
             }),
             HostMessage::Exec(exec()),

@@ -45,6 +45,7 @@ mod names;
 mod policy;
 mod relay;
 mod rules;
+mod secrets;
 pub(crate) mod service;
 pub(crate) mod stack;
 
@@ -56,6 +57,7 @@ pub use address::{classify, AddressClass};
 pub use intercept::{Intercept, Middleware, RequestHead, UpstreamTrust};
 pub use policy::{Decide, Flow, Policy, Protocol, Resolver, Verdict};
 pub use rules::{Action, Cidr, DomainPattern, Ports, Rule, RuleError, Rules, Target};
+pub use secrets::Secret;
 
 /// A sandbox's network: the guest gets a network device (`eth0`) with an address, a default
 /// route and a resolver, all pointing at a gateway the library serves, and the gateway decides
@@ -85,6 +87,7 @@ pub struct Network {
     /// `None`: deny all.
     policy: Option<Arc<dyn Policy>>,
     upstream_trust: UpstreamTrust,
+    secrets: Vec<Secret>,
 }
 
 impl std::fmt::Debug for Network {
@@ -93,6 +96,7 @@ impl std::fmt::Debug for Network {
             .field("addressing", &self.addressing)
             .field("policy", &self.policy.as_ref().map(|_| "callback"))
             .field("upstream_trust", &self.upstream_trust)
+            .field("secrets", &self.secrets)
             .finish()
     }
 }
@@ -103,6 +107,7 @@ impl PartialEq for Network {
     fn eq(&self, other: &Self) -> bool {
         self.addressing == other.addressing
             && self.upstream_trust == other.upstream_trust
+            && self.secrets == other.secrets
             && match (&self.policy, &other.policy) {
                 (None, None) => true,
                 (Some(a), Some(b)) => std::ptr::addr_eq(Arc::as_ptr(a), Arc::as_ptr(b)),
@@ -124,6 +129,7 @@ impl Network {
             addressing: Addressing::default(),
             policy: None,
             upstream_trust: UpstreamTrust::system(),
+            secrets: Vec::new(),
         }
     }
 
@@ -142,6 +148,7 @@ impl Network {
             addressing: Addressing::default(),
             policy: Some(Arc::new(policy)),
             upstream_trust: UpstreamTrust::system(),
+            secrets: Vec::new(),
         }
     }
 
@@ -158,6 +165,26 @@ impl Network {
     pub fn upstream_trust(mut self, trust: UpstreamTrust) -> Self {
         self.upstream_trust = trust;
         self
+    }
+
+    /// Adds a secret: the guest's commands see its placeholder in the secret's variable, and
+    /// intercepted requests to the hosts it is bound to carry the real value instead (see
+    /// [`Secret`]). A secret with the same variable as an earlier one replaces it.
+    ///
+    /// ```
+    /// use krunbox::net::{Network, Secret, Verdict};
+    /// let network = Network::with_policy(|_| async { Verdict::deny() })
+    ///     .secret(Secret::new("GITHUB_TOKEN", "ghp_real")?.bind_to("api.github.com"));
+    /// # Ok::<(), krunbox::Error>(())
+    /// ```
+    pub fn secret(mut self, secret: Secret) -> Self {
+        self.secrets.retain(|s| s.env_var() != secret.env_var());
+        self.secrets.push(secret);
+        self
+    }
+
+    pub(crate) fn secrets(&self) -> &[Secret] {
+        &self.secrets
     }
 
     pub(crate) fn upstream_trust_roots(&self) -> &UpstreamTrust {
@@ -197,6 +224,11 @@ impl Network {
             gateway: a.gateway.octets(),
             nameservers: vec![a.dns.octets()],
             ca_certificate: authority.map(|ca| ca.certificate_pem().to_owned()),
+            environment: self
+                .secrets
+                .iter()
+                .map(|s| (s.env_var().to_owned(), s.placeholder().to_owned()))
+                .collect(),
         }
     }
 

@@ -25,7 +25,7 @@ use super::names::{self, Names};
 use super::policy::{self, Decision, Flow, Policy, Protocol, Resolver};
 use super::relay::{self, FromUpstream, Relay, Upstream, CHUNK};
 use super::stack::{FlowKey, Gateway};
-use super::{Addressing, Network};
+use super::{Addressing, Network, Secret};
 use crate::error::{Error, Result};
 
 /// Bytes read from the socket at once. Frames are decoded out of it only while the gateway's
@@ -81,6 +81,7 @@ impl NetService {
             network.addressing().clone(),
             network.policy(),
             interception,
+            network.secrets().into(),
             cancel.clone(),
         ));
         Ok(Self { cancel, task })
@@ -116,6 +117,8 @@ struct Service {
     policy: Option<Arc<dyn Policy>>,
     /// The sandbox CA and the upstream TLS configuration, for intercepted flows.
     interception: Option<(Arc<CertificateAuthority>, Arc<rustls::ClientConfig>)>,
+    /// The network's secrets, swapped in on intercepted requests.
+    secrets: Arc<[Secret]>,
     /// Cancelled when the service stops: ends the tasks hyper starts outside `tasks`.
     stop: CancellationToken,
     addressing: Addressing,
@@ -135,6 +138,7 @@ async fn run(
     addressing: Addressing,
     policy: Option<Arc<dyn Policy>>,
     interception: Option<(Arc<CertificateAuthority>, Arc<rustls::ClientConfig>)>,
+    secrets: Arc<[Secret]>,
     cancel: CancellationToken,
 ) {
     let started = std::time::Instant::now();
@@ -144,6 +148,7 @@ async fn run(
         names: Names::new(),
         policy,
         interception,
+        secrets,
         stop: cancel.child_token(),
         addressing,
         tasks: JoinSet::new(),
@@ -297,6 +302,7 @@ impl Service {
         };
         let events = self.events.0.clone();
         let interception = self.interception.clone();
+        let secrets = self.secrets.clone();
         let stop = self.stop.clone();
         self.tasks.spawn(async move {
             let mut flow = Flow {
@@ -315,7 +321,16 @@ impl Service {
             }
             let described = flow.to_string();
             let port = key.destination.port();
-            let verdict = policy::ask(&*policy, flow.clone()).await;
+            let mut verdict = policy::ask(&*policy, flow.clone()).await;
+            // An accepted connection to a host a secret is bound to is intercepted, so the
+            // secret's placeholder can be swapped for its value.
+            let bound = flow
+                .hostname
+                .as_deref()
+                .is_some_and(|name| secrets.iter().any(|s| s.is_bound_to(name)));
+            if bound && verdict.0 == Decision::Accept {
+                verdict = policy::Verdict::intercept(intercept::Intercept::new());
+            }
             let targets: Vec<SocketAddr> = match verdict.0 {
                 Decision::Accept => flow
                     .upstream
@@ -338,6 +353,7 @@ impl Service {
                                     .map(|ip| SocketAddr::new(*ip, port))
                                     .collect(),
                                 intercept: intercept.clone(),
+                                secrets,
                                 authority,
                                 client_tls,
                                 stop,

@@ -8,7 +8,8 @@
 //! request's authority (`Host`, or HTTP/2's `:authority`) must be that hostname and port, or it
 //! is answered `421 Misdirected Request` and never leaves the host. Requests go upstream to the
 //! addresses the hostname's accepted DNS answer gave, over verified TLS when the guest spoke
-//! TLS ([`upstream`]). Bytes that are not HTTP end the connection: nothing is forwarded.
+//! TLS ([`upstream`]), after the middleware and the secrets' swap (`secrets.rs`). Bytes that
+//! are not HTTP end the connection: nothing is forwarded.
 
 pub(crate) mod ca;
 mod upstream;
@@ -226,6 +227,7 @@ pub(crate) struct InterceptJob {
     pub port: u16,
     pub upstream: Vec<SocketAddr>,
     pub intercept: Intercept,
+    pub secrets: Arc<[super::Secret]>,
     pub authority: Arc<CertificateAuthority>,
     pub client_tls: Arc<rustls::ClientConfig>,
     /// Ends every task hyper starts for this connection when the sandbox's network stops.
@@ -246,6 +248,7 @@ pub(crate) async fn serve(mut guest: GuestStream, job: InterceptJob) -> std::io:
         hostname: job.hostname.clone(),
         port: job.port,
         intercept: job.intercept.clone(),
+        secrets: job.secrets.clone(),
     });
     let service = hyper::service::service_fn(move |request| handle(request, context.clone()));
     let server = hyper_util::server::conn::auto::Builder::new(upstream::Scoped(job.stop.clone()));
@@ -291,6 +294,7 @@ struct Context {
     hostname: Arc<str>,
     port: u16,
     intercept: Intercept,
+    secrets: Arc<[super::Secret]>,
 }
 
 /// Headers that belong to one connection, not to the request (RFC 9110 7.6.1).
@@ -403,6 +407,28 @@ async fn handle(
     }
     strip_hop_by_hop(&mut head.headers);
     head.headers.remove(header::HOST);
+    let swapped = super::secrets::swap(
+        &context.secrets,
+        &context.hostname,
+        &mut head.headers,
+        &mut head.path_and_query,
+    );
+    if !swapped.replaced.is_empty() {
+        tracing::info!(
+            target: "krunbox::net",
+            hostname = %context.hostname,
+            secrets = ?swapped.replaced,
+            "secrets swapped in for their placeholders"
+        );
+    }
+    if !swapped.left.is_empty() {
+        tracing::warn!(
+            target: "krunbox::net",
+            hostname = %context.hostname,
+            secrets = ?swapped.left,
+            "placeholders of secrets not bound to this host went out as they were"
+        );
+    }
     let uri = format!(
         "{}://{}:{}{}",
         context.scheme, context.hostname, context.port, head.path_and_query

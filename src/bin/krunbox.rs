@@ -1,10 +1,12 @@
 //! The `krunbox` command line: run an isolated command in a microVM, or check the host.
 
+use std::net::IpAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use krunbox::net::{DomainPattern, Network, Ports, Rule, RuleError, Rules};
 use krunbox::{BuiltinImage, HostCapabilities, Rootfs, Sandbox, Stdio};
 use tokio::io::AsyncWriteExt;
 
@@ -26,7 +28,19 @@ struct Cli {
 enum Cmd {
     /// Boot a microVM, run one command in it, and exit with the command's exit code
     /// (124 on timeout, 128+N when killed by signal N, 125 when krunbox itself failed).
-    Run(RunArgs),
+    ///
+    /// Network: without --dns-static, --allow-domain, --allow-tcp or --rules the guest has no
+    /// network device at all. With any of them it gets one on which every DNS query and TCP
+    /// connection is denied unless a rule allows it (other UDP, ICMP and IPv6 are always
+    /// dropped). The first rule that matches a flow decides it; the rules are read in this
+    /// order: --dns-static, --rules files, --allow-domain, --allow-tcp. A connection to a name
+    /// is matched by the name whose DNS answer the guest dialled, a connection to an address
+    /// the guest had otherwise by --allow-tcp's address. Every decision is logged on stderr
+    /// (RUST_LOG=krunbox=warn silences it).
+    ///
+    /// Example: krunbox run --dns-static api.test=127.0.0.1 --allow-domain api.test:8080
+    /// --allow-domain '*.pythonhosted.org:443' -- curl http://api.test:8080/
+    Run(Box<RunArgs>),
     /// Report what this host can do: KVM (by a real probe), run-time files, images.
     Doctor {
         /// Exit 0 only if microVMs boot natively on this host (3 otherwise).
@@ -68,6 +82,35 @@ struct RunArgs {
     /// shell; window resizes follow).
     #[arg(short = 't', long)]
     tty: bool,
+    /// Allow DNS for, and connections to, the names PATTERN matches, on PORT (or a range
+    /// FIRST-LAST; without it, any port).
+    ///
+    /// PATTERN is a name (`example.com`: that name only) or a wildcard (`*.example.com`: the
+    /// names under example.com, not example.com itself). Their DNS queries are answered by the
+    /// host's resolver, unless --dns-static names them. Repeatable.
+    #[arg(long, value_name = "PATTERN[:PORT]", value_parser = parse_allow_domain)]
+    allow_domain: Vec<Rule>,
+    /// Allow connections to an IP address or CIDR block, on PORT (or a range FIRST-LAST).
+    ///
+    /// For a guest that dials the address itself rather than a name: 192.0.2.7:22,
+    /// 10.0.0.0/8:8000-8100, IPv6 in brackets ([2001:db8::/32]:443). Repeatable.
+    #[arg(long, value_name = "HOST:PORT", value_parser = parse_allow_tcp)]
+    allow_tcp: Vec<Rule>,
+    /// Answer DNS for NAME with IP (connections to it still need --allow-domain).
+    ///
+    /// Like a hosts file: no DNS server is asked. Repeatable; a NAME given twice gets both
+    /// addresses.
+    #[arg(long, value_name = "NAME=IP", value_parser = parse_dns_static)]
+    dns_static: Vec<(DomainPattern, IpAddr)>,
+    /// Network rules from a JSON file.
+    ///
+    /// The file holds {"rules": [RULE, ...]}; each RULE is {"action": "allow" or "deny",
+    /// "domain": PATTERN or "address": IP-or-CIDR, and optionally "ports": 443 or
+    /// "8000-8100", "protocol": "dns" or "tcp", and on an allow rule for names "resolver":
+    /// "system", {"static": ["IP", ...]} or {"upstream": ["IP:PORT", ...]}}. Unknown fields
+    /// are refused. Repeatable.
+    #[arg(long, value_name = "FILE", value_parser = parse_rules_file)]
+    rules: Vec<Rules>,
     /// The command and its arguments.
     #[arg(last = true, required = true)]
     command: Vec<String>,
@@ -80,6 +123,9 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| "krunbox=info".into()),
         )
         .with_writer(std::io::stderr)
+        // Colours only on a terminal: the network's decisions are logged here, and a log file
+        // or a pipe to grep should get plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .without_time()
         .with_target(false)
         .init();
@@ -93,7 +139,7 @@ fn main() -> ExitCode {
     };
     let code = runtime.block_on(async {
         match cli.command {
-            Cmd::Run(args) => match run(args).await {
+            Cmd::Run(args) => match run(*args).await {
                 Ok(code) => code,
                 Err(e) => {
                     eprintln!("krunbox: {e}");
@@ -174,12 +220,91 @@ fn rootfs(args: &RunArgs) -> Result<Rootfs, String> {
     Ok(Rootfs::image(&args.image, &args.image_fstype, sha))
 }
 
+/// `--allow-domain PATTERN[:PORT]`.
+fn parse_allow_domain(value: &str) -> Result<Rule, String> {
+    let (pattern, ports) = match value.split_once(':') {
+        Some((pattern, ports)) => (pattern, Ports::parse(ports).map_err(|e| e.to_string())?),
+        None => (value, Ports::any()),
+    };
+    Ok(Rule::allow_domain(pattern)
+        .map_err(|e| e.to_string())?
+        .ports(ports))
+}
+
+/// `--allow-tcp HOST:PORT`, HOST an address or CIDR block, IPv6 in brackets.
+fn parse_allow_tcp(value: &str) -> Result<Rule, String> {
+    let split = match value.strip_prefix('[') {
+        Some(rest) => rest.split_once("]:"),
+        None => value
+            .rsplit_once(':')
+            .filter(|(host, _)| !host.contains(':')),
+    };
+    let Some((host, ports)) = split else {
+        return Err(
+            "expected HOST:PORT, such as 192.0.2.7:22 or 10.0.0.0/8:80-89 \
+                    (IPv6 in brackets: [2001:db8::/32]:443)"
+                .into(),
+        );
+    };
+    let ports = Ports::parse(ports).map_err(|e| e.to_string())?;
+    Ok(Rule::allow_address(host)
+        .map_err(|e| e.to_string())?
+        .ports(ports))
+}
+
+/// `--dns-static NAME=IP`.
+fn parse_dns_static(value: &str) -> Result<(DomainPattern, IpAddr), String> {
+    let (name, address) = value
+        .split_once('=')
+        .ok_or("expected NAME=IP, such as api.test=127.0.0.1")?;
+    let name = DomainPattern::parse(name).map_err(|e| e.to_string())?;
+    let address = address
+        .parse()
+        .map_err(|_| format!("`{address}` is not an IP address"))?;
+    Ok((name, address))
+}
+
+/// `--rules FILE`.
+fn parse_rules_file(path: &str) -> Result<Rules, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {path}: {e}"))?;
+    Rules::from_json(&text).map_err(|e| match e {
+        RuleError::Json { .. } => format!("{path} is not a list of rules: {e}"),
+        e => format!("{path}: {e}"),
+    })
+}
+
+/// The rules the network flags give, in the documented order: `None` without any (then the
+/// guest has no network).
+fn network_rules(args: &RunArgs) -> Result<Option<Rules>, RuleError> {
+    if args.dns_static.is_empty()
+        && args.rules.is_empty()
+        && args.allow_domain.is_empty()
+        && args.allow_tcp.is_empty()
+    {
+        return Ok(None);
+    }
+    let mut rules = Rules::new();
+    for (name, address) in &args.dns_static {
+        rules = rules.dns_static(&name.to_string(), *address)?;
+    }
+    for file in &args.rules {
+        rules = rules.extend(file.clone());
+    }
+    for rule in args.allow_domain.iter().chain(&args.allow_tcp) {
+        rules = rules.rule(rule.clone())?;
+    }
+    Ok(Some(rules))
+}
+
 async fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
-    let sandbox = Sandbox::builder()
+    let mut sandbox = Sandbox::builder()
         .rootfs(rootfs(&args)?)
         .cpus(args.cpus)
-        .memory_mib(args.memory)
-        .build()?;
+        .memory_mib(args.memory);
+    if let Some(rules) = network_rules(&args)? {
+        sandbox = sandbox.network(Network::with_policy(rules));
+    }
+    let sandbox = sandbox.build()?;
     let vm = sandbox.boot().await?;
 
     let mut cmd = vm.command(&args.command[0]);
@@ -280,7 +405,7 @@ fn exit_code(code: Option<i32>, signal: Option<i32>) -> u8 {
 
 #[cfg(test)]
 mod tests {
-    use super::exit_code;
+    use super::*;
 
     #[test]
     fn exit_codes_follow_the_shell_and_forged_numbers_are_failures() {
@@ -297,5 +422,146 @@ mod tests {
         for signal in [0, -9, 128, i32::MAX, i32::MIN] {
             assert_eq!(exit_code(None, Some(signal)), 255, "signal {signal}");
         }
+    }
+
+    fn args(flags: &[&str]) -> Result<RunArgs, clap::Error> {
+        let argv = ["krunbox", "run"]
+            .iter()
+            .chain(flags)
+            .chain(&["--", "true"])
+            .copied();
+        match Cli::try_parse_from(argv)?.command {
+            Cmd::Run(args) => Ok(*args),
+            Cmd::Doctor { .. } => unreachable!(),
+        }
+    }
+
+    fn refused(flags: &[&str]) -> String {
+        match args(flags) {
+            Ok(_) => panic!("accepted {flags:?}"),
+            Err(e) => {
+                assert_eq!(e.exit_code(), 2, "a usage error: {e}");
+                e.to_string()
+            }
+        }
+    }
+
+    #[test]
+    fn no_network_flag_means_no_network() {
+        assert!(network_rules(&args(&[]).unwrap()).unwrap().is_none());
+    }
+
+    #[test]
+    fn network_flags_parse_into_rules_in_their_order() {
+        let args = args(&[
+            "--allow-domain",
+            "api.test:8080",
+            "--allow-domain",
+            "*.Example.com",
+            "--allow-domain",
+            "ports.test:8000-8100",
+            "--allow-tcp",
+            "10.0.0.0/8:80",
+            "--allow-tcp",
+            "[2001:db8::/32]:443",
+            "--allow-tcp",
+            "192.0.2.7:22",
+            "--dns-static",
+            "api.test=127.0.0.1",
+            "--dns-static",
+            "api.test=::1",
+        ])
+        .unwrap();
+        let domains: Vec<String> = args.allow_domain.iter().map(|r| r.to_string()).collect();
+        assert_eq!(
+            domains,
+            [
+                "allow domain api.test port 8080",
+                "allow domain *.example.com",
+                "allow domain ports.test port 8000-8100",
+            ]
+        );
+        let tcp: Vec<String> = args.allow_tcp.iter().map(|r| r.to_string()).collect();
+        assert_eq!(
+            tcp,
+            [
+                "allow address 10.0.0.0/8 port 80",
+                "allow address 2001:db8::/32 port 443",
+                "allow address 192.0.2.7/32 port 22",
+            ]
+        );
+        assert_eq!(network_rules(&args).unwrap().unwrap().len(), 7);
+    }
+
+    #[test]
+    fn the_rules_come_in_the_documented_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("rules.json");
+        std::fs::write(
+            &file,
+            r#"{"rules": [{"action": "deny", "domain": "no.test"}]}"#,
+        )
+        .unwrap();
+        let args = args(&[
+            "--allow-tcp",
+            "10.0.0.0/8:80",
+            "--allow-domain",
+            "*.test",
+            "--rules",
+            file.to_str().unwrap(),
+            "--dns-static",
+            "a.test=127.0.0.1",
+        ])
+        .unwrap();
+        let rules = network_rules(&args).unwrap().unwrap();
+        let order: Vec<String> = rules.rules().iter().map(|r| r.to_string()).collect();
+        assert_eq!(
+            order,
+            [
+                "allow domain a.test (dns only) resolved as [127.0.0.1]",
+                "deny domain no.test",
+                "allow domain *.test",
+                "allow address 10.0.0.0/8 port 80",
+            ]
+        );
+    }
+
+    #[test]
+    fn bad_network_values_are_usage_errors_that_say_what_is_wrong() {
+        let cases: [(&[&str], &str); 12] = [
+            (&["--allow-domain", "a.*.com"], "first label"),
+            (&["--allow-domain", "*."], "needs a domain after it"),
+            (&["--allow-domain", "a..com"], "empty label"),
+            (&["--allow-domain", "a.com:http"], "not a port"),
+            (&["--allow-domain", "a.com:"], "not a port"),
+            (&["--allow-domain", "a.com:90-80"], "empty"),
+            (&["--allow-tcp", "10.0.0.1"], "HOST:PORT"),
+            (&["--allow-tcp", "10.0.0.1/8:80"], "10.0.0.0/8"),
+            (&["--allow-tcp", "example.com:80"], "not an IP address"),
+            (&["--allow-tcp", "2001:db8::1:443"], "in brackets"),
+            (&["--dns-static", "a.test"], "NAME=IP"),
+            (&["--dns-static", "a.test=localhost"], "not an IP address"),
+        ];
+        for (flags, says) in cases {
+            let message = refused(flags);
+            assert!(message.contains(says), "{flags:?}: {message}");
+        }
+        let message = refused(&["--rules", "/no/such/rules.json"]);
+        assert!(
+            message.contains("cannot read /no/such/rules.json"),
+            "{message}"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("rules.json");
+        std::fs::write(&file, r#"{"rules": [{"action": "allow", "domain": "*"}]}"#).unwrap();
+        let message = refused(&["--rules", file.to_str().unwrap()]);
+        assert!(message.contains("rules[0]"), "{message}");
+        std::fs::write(
+            &file,
+            r#"{"rules": [{"action": "allow", "domian": "a.test"}]}"#,
+        )
+        .unwrap();
+        let message = refused(&["--rules", file.to_str().unwrap()]);
+        assert!(message.contains("unknown field `domian`"), "{message}");
     }
 }

@@ -1,5 +1,5 @@
-//! The `agent` image: Debian bookworm minbase with python3, curl, git,
-//! ca-certificates and procps, made by `mmdebstrap`.
+//! The `agent` image: Debian bookworm minbase with python3 (and pip), curl,
+//! git, ca-certificates and procps, made by `mmdebstrap`.
 //!
 //! Why mmdebstrap: it is Debian's own tool for making a Debian root tree, it
 //! resolves and installs packages with apt and dpkg exactly as a Debian system
@@ -28,8 +28,16 @@ use std::process::Command;
 /// The Debian release the agent image is made from.
 const SUITE: &str = "bookworm";
 
-/// Packages on top of minbase (Essential and Priority: required).
-const INCLUDE: &str = "python3,curl,git,ca-certificates,procps";
+/// Packages on top of minbase (Essential and Priority: required). pip is what
+/// agents install Python packages with (into a venv, or with
+/// `--break-system-packages`: Debian marks its Python externally managed).
+const INCLUDE: &str = "python3,python3-pip,curl,git,ca-certificates,procps";
+
+/// The packages the image is asked for: a cached image whose manifest lacks
+/// one was made from an older recipe and is rebuilt.
+pub(crate) fn requested_packages() -> impl Iterator<Item = &'static str> {
+    INCLUDE.split(',')
+}
 
 /// Paths dpkg does not install (later path-include wins): documentation except
 /// the copyright files, manual and info pages, translations except English,

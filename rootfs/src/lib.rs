@@ -11,7 +11,7 @@
 //! * [`BuiltinImage::Busybox`]: Debian's `busybox-static` binary plus one symlink
 //!   per applet, about 2 MB.
 //! * [`BuiltinImage::Agent`]: a minimal Debian bookworm (`mmdebstrap
-//!   --variant=minbase`) with python3, curl, git, ca-certificates and procps.
+//!   --variant=minbase`) with python3, pip, curl, git, ca-certificates and procps.
 //!
 //! Images are built into a cache directory ([`default_cache_dir`]) as
 //! `images/<name>.erofs`, next to a JSON [`ImageManifest`] recording the image's
@@ -79,7 +79,7 @@ pub const FORMAT_EROFS: &str = "erofs";
 pub enum BuiltinImage {
     /// `busybox-static` and its applet symlinks: a tiny shell environment.
     Busybox,
-    /// Debian bookworm minbase with python3, curl, git, ca-certificates, procps.
+    /// Debian bookworm minbase with python3, pip, curl, git, ca-certificates, procps.
     Agent,
 }
 
@@ -528,6 +528,16 @@ pub fn check_tools(image: BuiltinImage) -> Result<(), BuildError> {
     Ok(())
 }
 
+/// Whether `manifest` lists every package `image`'s recipe asks for (an image
+/// built before a package was added to the recipe does not).
+fn has_requested_packages(image: BuiltinImage, manifest: &ImageManifest) -> bool {
+    let has = |name: &str| manifest.inputs.iter().any(|p| p.name == name);
+    match image {
+        BuiltinImage::Busybox => true,
+        BuiltinImage::Agent => agent::requested_packages().all(has),
+    }
+}
+
 fn build_impl(
     cache_dir: &Path,
     image: BuiltinImage,
@@ -544,6 +554,11 @@ fn build_impl(
 
     if !force {
         match load(cache_dir, image) {
+            Ok(Some(manifest)) if !has_requested_packages(image, &manifest) => {
+                progress(&format!(
+                    "{image}: the cached image lacks packages the recipe now asks for: rebuilding"
+                ));
+            }
             Ok(Some(manifest)) => {
                 progress(&format!(
                     "{image}: already built ({}, sha256 {})",
@@ -793,6 +808,41 @@ mod tests {
             assert_eq!(image.name().parse::<BuiltinImage>(), Ok(image));
             assert_eq!(image.to_string(), image.name());
         }
+    }
+
+    #[test]
+    fn an_agent_image_from_an_older_recipe_is_not_taken_as_built() {
+        let manifest = |names: &[&str]| ImageManifest {
+            name: "agent".into(),
+            format: FORMAT_EROFS.into(),
+            sha256: "00".repeat(32),
+            size: 4096,
+            inputs: names
+                .iter()
+                .map(|n| PackageInput {
+                    name: (*n).into(),
+                    version: "1".into(),
+                })
+                .collect(),
+            builder: BUILDER_VERSION.into(),
+            tools: Vec::new(),
+        };
+        let all: Vec<&str> = agent::requested_packages().collect();
+        assert!(all.contains(&"python3-pip"));
+        assert!(has_requested_packages(BuiltinImage::Agent, &manifest(&all)));
+        let older: Vec<&str> = all
+            .iter()
+            .copied()
+            .filter(|p| *p != "python3-pip")
+            .collect();
+        assert!(!has_requested_packages(
+            BuiltinImage::Agent,
+            &manifest(&older)
+        ));
+        assert!(has_requested_packages(
+            BuiltinImage::Busybox,
+            &manifest(&[])
+        ));
     }
 
     #[test]

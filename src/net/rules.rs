@@ -874,7 +874,10 @@ impl fmt::Display for Rule {
 ///   for DNS (it does not hide the name from the allow rules after it).
 /// - **A TCP connection** is accepted ([`Verdict::accept`]: the host dials the recorded answer)
 ///   when the first rule that matches its hostname (or, without one, its destination address)
-///   *and* its destination port allows it.
+///   *and* its destination port allows it. A name resolved by a DNS server (not a
+///   `dns_static` answer) reaches only public addresses: if its answer is loopback, private,
+///   link-local or the cloud metadata address, the connection is denied (DNS rebinding gets
+///   nothing).
 ///
 /// ```
 /// use krunbox::net::{Network, Rules};
@@ -1099,9 +1102,34 @@ impl Rules {
                 let resolver = rule.and_then(|r| r.resolver.clone());
                 Verdict::resolve(resolver.unwrap_or_else(Resolver::system))
             }
-            (Some(Action::Allow), Protocol::Tcp) => Verdict::accept(),
+            (Some(Action::Allow), Protocol::Tcp) => match flow.hostname() {
+                // DNS rebinding: a name the rules resolve with a resolver (not a fixed answer)
+                // reaches only public addresses, so an allowed domain whose DNS answers with
+                // loopback, a private range or the cloud metadata address reaches nothing.
+                Some(name)
+                    if !self.has_fixed_answer(name) && !flow.upstream_class().is_public() =>
+                {
+                    tracing::info!(
+                        target: "krunbox::net",
+                        flow = %flow,
+                        class = %flow.upstream_class(),
+                        "an allowed name resolved to a non-public address: denied"
+                    );
+                    Verdict::deny()
+                }
+                _ => Verdict::accept(),
+            },
             _ => Verdict::deny(),
         }
+    }
+
+    /// Whether the rule that answers `name`'s DNS gives a fixed answer (`dns_static`).
+    fn has_fixed_answer(&self, name: &str) -> bool {
+        self.rules
+            .iter()
+            .find(|r| r.matches_dns(name))
+            .and_then(|r| r.resolver.as_ref())
+            .is_some_and(|r| matches!(r.0, ResolverKind::Fixed(_)))
     }
 
     /// Reads rules from JSON (`{"rules": [...]}`, see [`Rules`]). Refused
@@ -1335,8 +1363,39 @@ mod tests {
             source: "10.0.2.15:40000".parse().unwrap(),
             destination: SocketAddr::new("198.18.0.1".parse().unwrap(), port),
             hostname: Some(Arc::from(name)),
-            upstream: vec!["192.0.2.1".parse().unwrap()],
+            upstream: vec!["93.184.215.14".parse().unwrap()],
         }
+    }
+
+    #[test]
+    fn a_resolved_name_reaches_only_public_addresses_and_a_static_one_its_answer() {
+        let rules = Rules::new()
+            .dns_static("local.test", ip("127.0.0.1"))
+            .unwrap()
+            .allow_domain("local.test")
+            .unwrap()
+            .allow_domain("*.example.com")
+            .unwrap();
+        let with_upstream = |name: &str, upstream: &str| Flow {
+            upstream: vec![ip(upstream)],
+            ..tcp_name(name, 443)
+        };
+        assert_eq!(
+            rules.verdict(&with_upstream("local.test", "127.0.0.1")),
+            Verdict::accept(),
+            "a fixed answer is what the rules said"
+        );
+        for internal in ["127.0.0.1", "10.0.0.1", "169.254.169.254", "192.168.1.1"] {
+            assert_eq!(
+                rules.verdict(&with_upstream("api.example.com", internal)),
+                Verdict::deny(),
+                "{internal}"
+            );
+        }
+        assert_eq!(
+            rules.verdict(&with_upstream("api.example.com", "93.184.215.14")),
+            Verdict::accept()
+        );
     }
 
     /// A connection to an address dialled directly.

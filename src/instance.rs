@@ -71,7 +71,7 @@ struct Inner {
     /// Drains the guest console into the bounded log while the instance lives.
     _console: Arc<crate::console::ConsoleLog>,
     /// Serves the guest's network link while the instance lives (dropping it stops the task).
-    _network: Option<crate::net::service::NetService>,
+    network: Option<crate::net::service::NetService>,
     dir: tempfile::TempDir,
 }
 
@@ -459,7 +459,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             _lifeline: lifeline_write,
             isolation,
             _console: console_log,
-            _network: network,
+            network,
             dir,
         }),
     })
@@ -482,6 +482,20 @@ impl Instance {
     /// ```
     pub fn isolation(&self) -> &crate::Isolation {
         &self.inner.isolation
+    }
+
+    /// The host address (on `127.0.0.1`) where the guest's TCP `guest_port` is published
+    /// ([`Network::publish`](crate::Network::publish)); `None` if it is not.
+    ///
+    /// ```no_run
+    /// # async fn demo(vm: &krunbox::Instance) {
+    /// if let Some(address) = vm.published_address(8000) {
+    ///     println!("the guest's server: http://{address}/");
+    /// }
+    /// # }
+    /// ```
+    pub fn published_address(&self, guest_port: u16) -> Option<std::net::SocketAddr> {
+        self.inner.network.as_ref()?.published_address(guest_port)
     }
 
     /// Builds a command to run `program` in this VM.

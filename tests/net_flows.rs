@@ -413,3 +413,58 @@ fn a_hundred_concurrent_connections_through_an_upstream_resolver_all_close_at_sh
         );
     });
 }
+
+#[test]
+fn a_published_guest_port_is_reached_from_host_loopback_while_the_instance_lives() {
+    common::run(async {
+        let vm = busybox(Network::deny_all().publish(8080, 0))
+            .boot()
+            .await
+            .expect("boot");
+        let address = vm.published_address(8080).expect("published");
+        assert!(address.ip().is_loopback(), "{address}");
+        assert_eq!(vm.published_address(9090), None);
+        // Nothing listens in the guest yet: the guest resets, and the host's connection ends
+        // without a byte.
+        let mut conn = tokio::net::TcpStream::connect(address).await.unwrap();
+        let mut byte = [0u8; 1];
+        let read = tokio::time::timeout(Duration::from_secs(20), conn.read(&mut byte)).await;
+        assert!(matches!(read, Ok(Ok(0)) | Ok(Err(_))), "{read:?}");
+        // A server in the guest, reached through the published address.
+        sh(
+            &vm,
+            "mkdir -p /tmp/www && echo hello-from-the-guest > /tmp/www/index.html",
+        )
+        .await;
+        let _server = vm
+            .command("httpd")
+            .args(["-f", "-p", "8080", "-h", "/tmp/www"])
+            .spawn()
+            .await
+            .expect("busybox httpd");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let page = loop {
+            let mut conn = tokio::net::TcpStream::connect(address).await.unwrap();
+            conn.write_all(b"GET /index.html HTTP/1.0\r\n\r\n")
+                .await
+                .unwrap();
+            let mut page = Vec::new();
+            let _ =
+                tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut page)).await;
+            let page = String::from_utf8_lossy(&page).into_owned();
+            if page.contains("hello-from-the-guest") || Instant::now() > deadline {
+                break page;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        assert!(page.contains("hello-from-the-guest"), "{page}");
+        assert!(page.starts_with("HTTP/1.1 200 OK"), "{page}");
+        // The listener goes with the instance.
+        vm.shutdown().await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while tokio::net::TcpStream::connect(address).await.is_ok() {
+            assert!(Instant::now() < deadline, "{address} still listens");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+}

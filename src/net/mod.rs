@@ -88,6 +88,15 @@ pub struct Network {
     policy: Option<Arc<dyn Policy>>,
     upstream_trust: UpstreamTrust,
     secrets: Vec<Secret>,
+    published: Vec<Published>,
+}
+
+/// A guest TCP port made reachable on the host's loopback.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Published {
+    pub guest_port: u16,
+    /// `0`: any free port.
+    pub host_port: u16,
 }
 
 impl std::fmt::Debug for Network {
@@ -97,6 +106,7 @@ impl std::fmt::Debug for Network {
             .field("policy", &self.policy.as_ref().map(|_| "callback"))
             .field("upstream_trust", &self.upstream_trust)
             .field("secrets", &self.secrets)
+            .field("published", &self.published)
             .finish()
     }
 }
@@ -108,6 +118,7 @@ impl PartialEq for Network {
         self.addressing == other.addressing
             && self.upstream_trust == other.upstream_trust
             && self.secrets == other.secrets
+            && self.published == other.published
             && match (&self.policy, &other.policy) {
                 (None, None) => true,
                 (Some(a), Some(b)) => std::ptr::addr_eq(Arc::as_ptr(a), Arc::as_ptr(b)),
@@ -130,6 +141,7 @@ impl Network {
             policy: None,
             upstream_trust: UpstreamTrust::system(),
             secrets: Vec::new(),
+            published: Vec::new(),
         }
     }
 
@@ -149,6 +161,7 @@ impl Network {
             policy: Some(Arc::new(policy)),
             upstream_trust: UpstreamTrust::system(),
             secrets: Vec::new(),
+            published: Vec::new(),
         }
     }
 
@@ -181,6 +194,41 @@ impl Network {
         self.secrets.retain(|s| s.env_var() != secret.env_var());
         self.secrets.push(secret);
         self
+    }
+
+    /// Makes the guest's TCP `guest_port` reachable from the host at `127.0.0.1:host_port`
+    /// (`0`: a free port, see [`Instance::published_address`](crate::Instance::published_address)).
+    /// Each connection to it becomes a connection from the gateway to the guest's port; the
+    /// policy is not asked (this grant is the caller's own). Only the host's loopback listens:
+    /// nothing off the host reaches the guest. Publishing the same guest port again replaces
+    /// the earlier entry; a host port that is taken fails the boot with
+    /// [`Error::NetworkSetup`](crate::Error::NetworkSetup).
+    ///
+    /// ```no_run
+    /// # async fn demo() -> krunbox::Result<()> {
+    /// use krunbox::{BuiltinImage, Network, Rootfs, Sandbox};
+    ///
+    /// let vm = Sandbox::builder()
+    ///     .rootfs(Rootfs::builtin(BuiltinImage::Agent))
+    ///     .network(Network::deny_all().publish(8000, 0))
+    ///     .build()?
+    ///     .boot()
+    ///     .await?;
+    /// let _server = vm.command("python3").args(["-m", "http.server", "8000"]).spawn().await?;
+    /// let address = vm.published_address(8000).unwrap(); // 127.0.0.1:<a free port>
+    /// # Ok(()) }
+    /// ```
+    pub fn publish(mut self, guest_port: u16, host_port: u16) -> Self {
+        self.published.retain(|p| p.guest_port != guest_port);
+        self.published.push(Published {
+            guest_port,
+            host_port,
+        });
+        self
+    }
+
+    pub(crate) fn published(&self) -> &[Published] {
+        &self.published
     }
 
     pub(crate) fn secrets(&self) -> &[Secret] {

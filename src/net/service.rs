@@ -45,6 +45,8 @@ const EVENTS: usize = 1024;
 #[derive(Debug)]
 pub(crate) struct NetService {
     cancel: CancellationToken,
+    /// Each published guest port and the host address it listens on.
+    published: Vec<(u16, SocketAddr)>,
     #[cfg_attr(not(test), allow(dead_code))]
     task: tokio::task::JoinHandle<()>,
 }
@@ -74,6 +76,26 @@ impl NetService {
             .map_err(Error::io("making the network socket non-blocking"))?;
         let stream =
             UnixStream::from_std(socket).map_err(Error::io("registering the network socket"))?;
+        // Published ports listen before the guest runs, so a taken port fails the boot.
+        let mut listeners = Vec::new();
+        let mut published = Vec::new();
+        for p in network.published() {
+            let address = SocketAddr::from((Ipv4Addr::LOCALHOST, p.host_port));
+            let listener = std::net::TcpListener::bind(address)
+                .and_then(|l| l.set_nonblocking(true).map(|()| l))
+                .and_then(tokio::net::TcpListener::from_std)
+                .map_err(|e| {
+                    Error::NetworkSetup(format!(
+                        "publishing guest port {} on {address}: {e}",
+                        p.guest_port
+                    ))
+                })?;
+            let bound = listener
+                .local_addr()
+                .map_err(Error::io("reading a published port's address"))?;
+            published.push((p.guest_port, bound));
+            listeners.push((p.guest_port, listener));
+        }
         let cancel = CancellationToken::new();
         let interception = authority.zip(client_tls);
         let task = tokio::spawn(run(
@@ -82,9 +104,22 @@ impl NetService {
             network.policy(),
             interception,
             network.secrets().into(),
+            listeners,
             cancel.clone(),
         ));
-        Ok(Self { cancel, task })
+        Ok(Self {
+            cancel,
+            published,
+            task,
+        })
+    }
+
+    /// The host address a published guest port listens on.
+    pub(crate) fn published_address(&self, guest_port: u16) -> Option<SocketAddr> {
+        self.published
+            .iter()
+            .find(|(port, _)| *port == guest_port)
+            .map(|(_, address)| *address)
     }
 
     /// Whether the task has ended (the VMM closed its end, or the instance went).
@@ -108,6 +143,8 @@ enum Event {
     Connected(FlowKey, TcpStream),
     /// A connection is granted for interception.
     Intercept(FlowKey, Box<InterceptJob>),
+    /// A connection to a published port, from the host.
+    Published(u16, TcpStream),
 }
 
 /// The service's state, owned by its task.
@@ -139,6 +176,7 @@ async fn run(
     policy: Option<Arc<dyn Policy>>,
     interception: Option<(Arc<CertificateAuthority>, Arc<rustls::ClientConfig>)>,
     secrets: Arc<[Secret]>,
+    listeners: Vec<(u16, tokio::net::TcpListener)>,
     cancel: CancellationToken,
 ) {
     let started = std::time::Instant::now();
@@ -159,6 +197,32 @@ async fn run(
         next_relay: 0,
         pending_dns: 0,
     };
+    for (guest_port, listener) in listeners {
+        let events = service.events.0.clone();
+        service.tasks.spawn(async move {
+            loop {
+                let Ok((stream, peer)) = listener.accept().await else {
+                    // Out of descriptors, most likely: try again shortly rather than spin.
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    continue;
+                };
+                let _ = stream.set_nodelay(true);
+                tracing::info!(
+                    target: "krunbox::net",
+                    %peer,
+                    guest_port,
+                    "a connection to a published port"
+                );
+                if events
+                    .send(Event::Published(guest_port, stream))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        });
+    }
     let mut decoder = FrameDecoder::new();
     let mut buf = vec![0u8; READ_BUFFER];
     // buf[start..end] was read and not yet decoded.
@@ -481,6 +545,21 @@ impl Service {
                 }
             }
             Event::Refused(key) => self.gateway.refuse_tcp(key),
+            Event::Published(guest_port, stream) => {
+                // Past the bound, the host's connection is closed at once (dropped).
+                if let Some(key) = self.gateway.connect_tcp(guest_port) {
+                    self.next_relay += 1;
+                    let relay = Relay::start(
+                        key,
+                        self.next_relay,
+                        self.upstream.0.clone(),
+                        self.wake.clone(),
+                        &mut self.tasks,
+                        |guest| relay::splice(guest, stream),
+                    );
+                    self.relays.insert(key, relay);
+                }
+            }
             Event::Intercept(key, job) => {
                 if self.gateway.accept_tcp(key) {
                     self.next_relay += 1;

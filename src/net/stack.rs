@@ -60,7 +60,11 @@ pub(crate) const MAX_CONNECTIONS: usize = 512;
 /// the stack's memory at 64 MiB; the window the guest sees is this size.
 pub(crate) const TCP_BUFFER: usize = 64 * 1024;
 
-/// A TCP connection: the guest's end and the address and port it dialled.
+/// The ports the gateway's own connections into the guest (to published ports) come from.
+const GATEWAY_PORTS: std::ops::Range<u16> = 49152..65535;
+
+/// A TCP connection: the guest's end and the address and port it dialled (for a connection
+/// the gateway makes to a published port: the guest's port, and the gateway's end).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct FlowKey {
     pub guest: SocketAddrV4,
@@ -176,6 +180,8 @@ pub(crate) struct Gateway {
     new_flows: Vec<FlowKey>,
     /// Accepted connections and their sockets.
     open: HashMap<FlowKey, SocketHandle>,
+    /// The next port to try in [`GATEWAY_PORTS`].
+    next_gateway_port: u16,
     pub(crate) counters: Counters,
 }
 
@@ -227,6 +233,7 @@ impl Gateway {
             held: HashMap::new(),
             new_flows: Vec::new(),
             open: HashMap::new(),
+            next_gateway_port: GATEWAY_PORTS.start,
             counters: Counters::default(),
         }
     }
@@ -363,6 +370,42 @@ impl Gateway {
         // first (new ones are held, repeated ones dropped at the gate).
         self.port.rx.push_front(syn);
         true
+    }
+
+    /// Opens a connection from the gateway to the guest's `guest_port` (a published port):
+    /// the stack sends the SYN at the next poll. `None` when the connections are at their
+    /// bound or no gateway port is free.
+    pub(crate) fn connect_tcp(&mut self, guest_port: u16) -> Option<FlowKey> {
+        if self.held.len() + self.open.len() >= MAX_CONNECTIONS {
+            return None;
+        }
+        let span = GATEWAY_PORTS.end - GATEWAY_PORTS.start;
+        let key = (0..span).find_map(|_| {
+            let port = self.next_gateway_port;
+            self.next_gateway_port = if port >= GATEWAY_PORTS.end - 1 {
+                GATEWAY_PORTS.start
+            } else {
+                port + 1
+            };
+            let key = FlowKey {
+                guest: SocketAddrV4::new(self.addressing.guest, guest_port),
+                destination: SocketAddrV4::new(self.addressing.gateway, port),
+            };
+            (!self.open.contains_key(&key)).then_some(key)
+        })?;
+        let buffer = || tcp::SocketBuffer::new(vec![0u8; TCP_BUFFER]);
+        let mut socket = tcp::Socket::new(buffer(), buffer());
+        socket.set_nagle_enabled(false);
+        socket
+            .connect(
+                self.iface.context(),
+                IpEndpoint::from(key.guest),
+                IpEndpoint::from(key.destination),
+            )
+            .ok()?;
+        let handle = self.sockets.add(socket);
+        self.open.insert(key, handle);
+        Some(key)
     }
 
     /// Refuses a held connection: the guest gets a reset from the address it dialled.
@@ -787,6 +830,27 @@ mod tests {
             let remote = gw.tcp(&key(port)).unwrap().remote_endpoint().unwrap();
             assert_eq!(remote.port, port);
         }
+    }
+
+    #[test]
+    fn the_gateway_connects_to_a_published_port_from_a_port_of_its_own() {
+        let mut gw = with_guest_known();
+        let key = gw.connect_tcp(8080).unwrap();
+        assert_eq!(key.guest, SocketAddrV4::new(GUEST, 8080));
+        assert_eq!(*key.destination.ip(), gw.gateway());
+        assert!(GATEWAY_PORTS.contains(&key.destination.port()));
+        gw.poll(Instant::from_millis(2));
+        let out = sent(&mut gw);
+        assert_eq!(out.len(), 1);
+        let eth = EthernetFrame::new_checked(&out[0][..]).unwrap();
+        let ip = Ipv4Packet::new_checked(eth.payload()).unwrap();
+        let tcp = TcpPacket::new_checked(ip.payload()).unwrap();
+        assert_eq!((ip.src_addr(), ip.dst_addr()), (gw.gateway(), GUEST));
+        assert!(tcp.syn() && !tcp.ack());
+        assert_eq!(tcp.dst_port(), 8080);
+        // A second connection gets another port.
+        let second = gw.connect_tcp(8080).unwrap();
+        assert_ne!(second.destination, key.destination);
     }
 
     #[test]

@@ -14,13 +14,13 @@ use tokio::net::TcpListener;
 
 const LOOPBACK: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
 
-/// An HTTP origin on loopback: reads each request's head, keeps its path, answers
+/// An HTTP origin on loopback: reads each request's head, keeps it, answers
 /// `origin says <path>` and closes.
 async fn http_origin() -> (u16, Arc<Mutex<Vec<String>>>) {
     let listener = TcpListener::bind((LOOPBACK, 0)).await.unwrap();
     let port = listener.local_addr().unwrap().port();
-    let paths = Arc::new(Mutex::new(Vec::new()));
-    let kept = paths.clone();
+    let heads = Arc::new(Mutex::new(Vec::new()));
+    let kept = heads.clone();
     tokio::spawn(async move {
         loop {
             let Ok((mut conn, _)) = listener.accept().await else {
@@ -38,7 +38,7 @@ async fn http_origin() -> (u16, Arc<Mutex<Vec<String>>>) {
                 }
                 let head = String::from_utf8_lossy(&head).into_owned();
                 let path = head.split(' ').nth(1).unwrap_or("?").to_owned();
-                kept.lock().unwrap().push(path.clone());
+                kept.lock().unwrap().push(head.clone());
                 let body = format!("origin says {path}\n");
                 let reply = format!(
                     "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
@@ -49,11 +49,21 @@ async fn http_origin() -> (u16, Arc<Mutex<Vec<String>>>) {
             });
         }
     });
-    (port, paths)
+    (port, heads)
+}
+
+/// The paths of the kept request heads.
+fn paths(heads: &Mutex<Vec<String>>) -> Vec<String> {
+    let heads = heads.lock().unwrap();
+    heads
+        .iter()
+        .map(|h| h.split(' ').nth(1).unwrap_or("?").to_owned())
+        .collect()
 }
 
 async fn krunbox(args: &[&str]) -> Output {
     tokio::process::Command::new(env!("CARGO_BIN_EXE_krunbox"))
+        .env("KRUNBOX_TEST_INJECTED", "value-from-the-host")
         .args(args)
         .kill_on_drop(true)
         .output()
@@ -65,15 +75,15 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
-/// One microVM: an allowed name reaches its origin; a name with a static answer but no allow,
-/// the allowed name on another port, and a name no rule mentions do not; a rule from a
-/// `--rules` file lets its name through too.
+/// One microVM: an allowed name reaches its origin, with the header `--inject-header` adds; a
+/// name with a static answer but no allow, the allowed name on another port, and a name no
+/// rule mentions do not; a rule from a `--rules` file lets its name through too.
 #[test]
 fn cli_rules_let_the_allowed_name_and_port_through_and_nothing_else() {
     common::run(async {
-        let (port, paths) = http_origin().await;
+        let (port, heads) = http_origin().await;
         // The same name on a port no rule allows: must never see a request.
-        let (other_port, other_paths) = http_origin().await;
+        let (other_port, other_heads) = http_origin().await;
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("rules.json");
         std::fs::write(
@@ -108,6 +118,8 @@ fn cli_rules_let_the_allowed_name_and_port_through_and_nothing_else() {
             &allow,
             "--rules",
             file.to_str().unwrap(),
+            "--inject-header",
+            "origin.test:X-Injected=KRUNBOX_TEST_INJECTED",
             "--",
             "sh",
             "-c",
@@ -134,8 +146,17 @@ fn cli_rules_let_the_allowed_name_and_port_through_and_nothing_else() {
         assert!(stdout.contains("REFUSED"), "{context}");
         assert!(!stdout.contains("rc-unlisted=0"), "{context}");
 
-        assert_eq!(*paths.lock().unwrap(), ["/allowed", "/file"], "{context}");
-        assert!(other_paths.lock().unwrap().is_empty(), "{context}");
+        assert_eq!(paths(&heads), ["/allowed", "/file"], "{context}");
+        assert!(other_heads.lock().unwrap().is_empty(), "{context}");
+        // --inject-header: the origin.test request carried the host's value (the guest never
+        // had it: it is not in the script), file.test's did not.
+        let injected = |head: &str| {
+            head.to_ascii_lowercase()
+                .contains("x-injected: value-from-the-host")
+        };
+        let kept = heads.lock().unwrap().clone();
+        assert!(injected(&kept[0]), "{}", kept[0]);
+        assert!(!injected(&kept[1]), "{}", kept[1]);
         // Each decision is logged where the user sees it, as plain text.
         assert!(
             stderr.contains("(other.test) verdict=\"deny\""),

@@ -6,7 +6,10 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use krunbox::net::{DomainPattern, Network, Ports, Rule, RuleError, Rules};
+use krunbox::net::{
+    DomainPattern, Flow, HeaderName, HeaderValue, Intercept, Network, Ports, Protocol, Rule,
+    RuleError, Rules, Verdict,
+};
 use krunbox::{BuiltinImage, HostCapabilities, Rootfs, Sandbox, Stdio};
 use tokio::io::AsyncWriteExt;
 
@@ -29,8 +32,8 @@ enum Cmd {
     /// Boot a microVM, run one command in it, and exit with the command's exit code
     /// (124 on timeout, 128+N when killed by signal N, 125 when krunbox itself failed).
     ///
-    /// Network: without --dns-static, --allow-domain, --allow-tcp or --rules the guest has no
-    /// network device at all. With any of them it gets one on which every DNS query and TCP
+    /// Network: without --dns-static, --allow-domain, --allow-tcp, --rules, --inject-header or
+    /// --publish the guest has no network device at all. With any of them it gets one on which every DNS query and TCP
     /// connection is denied unless a rule allows it (other UDP, ICMP and IPv6 are always
     /// dropped). The first rule that matches a flow decides it; the rules are read in this
     /// order: --dns-static, --rules files, --allow-domain, --allow-tcp. A connection to a name
@@ -111,6 +114,19 @@ struct RunArgs {
     /// are refused. Repeatable.
     #[arg(long, value_name = "FILE", value_parser = parse_rules_file)]
     rules: Vec<Rules>,
+    /// Set HEADER to the value of the host's environment variable ENVVAR on every HTTP(S)
+    /// request to DOMAIN (a name or *.wildcard).
+    ///
+    /// The connection must still be allowed (--allow-domain); it is then intercepted: the host
+    /// terminates the guest's TLS with the sandbox's own CA (which the guest trusts), adds the
+    /// header, and sends the request on over verified TLS. The value never enters the guest.
+    /// Example: --inject-header 'api.github.com:Authorization=GITHUB_AUTH'. Repeatable.
+    #[arg(long, value_name = "DOMAIN:HEADER=ENVVAR", value_parser = parse_inject_header)]
+    inject_header: Vec<HeaderInjection>,
+    /// Make the guest's TCP port GUEST reachable on the host at 127.0.0.1:HOST (a free port
+    /// if HOST is left out; the address is printed on stderr). Repeatable.
+    #[arg(long, value_name = "GUEST[:HOST]", value_parser = parse_publish)]
+    publish: Vec<(u16, u16)>,
     /// The command and its arguments.
     #[arg(last = true, required = true)]
     command: Vec<String>,
@@ -264,6 +280,82 @@ fn parse_dns_static(value: &str) -> Result<(DomainPattern, IpAddr), String> {
     Ok((name, address))
 }
 
+/// `--inject-header DOMAIN:HEADER=ENVVAR`: the header's value is read from the host's
+/// environment now, so a missing variable is a usage error before anything boots.
+#[derive(Debug, Clone)]
+struct HeaderInjection {
+    domain: DomainPattern,
+    header: HeaderName,
+    value: HeaderValue,
+}
+
+fn parse_inject_header(value: &str) -> Result<HeaderInjection, String> {
+    let usage = || format!("{value:?} must look like DOMAIN:HEADER=ENVVAR");
+    let (domain, rest) = value.split_once(':').ok_or_else(usage)?;
+    let (header, variable) = rest.split_once('=').ok_or_else(usage)?;
+    let domain = DomainPattern::parse(domain).map_err(|e| e.to_string())?;
+    let header = HeaderName::from_bytes(header.trim().as_bytes())
+        .map_err(|_| format!("{header:?} is not a header name"))?;
+    let secret = std::env::var(variable)
+        .map_err(|_| format!("the host has no environment variable {variable}"))?;
+    let mut value = HeaderValue::from_str(&secret)
+        .map_err(|_| format!("the value of {variable} is not a valid header value"))?;
+    value.set_sensitive(true);
+    Ok(HeaderInjection {
+        domain,
+        header,
+        value,
+    })
+}
+
+/// `--publish GUEST[:HOST]`.
+fn parse_publish(value: &str) -> Result<(u16, u16), String> {
+    let port = |p: &str| {
+        p.parse::<u16>()
+            .ok()
+            .filter(|p| *p > 0)
+            .ok_or_else(|| format!("{p:?} is not a port (1-65535)"))
+    };
+    match value.split_once(':') {
+        Some((guest, host)) => Ok((port(guest)?, port(host)?)),
+        None => Ok((port(value)?, 0)),
+    }
+}
+
+/// The network the flags describe: the rules, with connections to a domain of an
+/// --inject-header intercepted to add its headers; published ports. `None`: no network.
+fn network(args: &RunArgs) -> Result<Option<Network>, RuleError> {
+    let rules = network_rules(args)?;
+    if rules.is_none() && args.publish.is_empty() && args.inject_header.is_empty() {
+        return Ok(None);
+    }
+    let rules = rules.unwrap_or_default();
+    let injections = args.inject_header.clone();
+    let mut network = Network::with_policy(move |flow: Flow| {
+        let verdict = rules.verdict(&flow);
+        let name = flow.hostname().unwrap_or_default().to_owned();
+        let injections: Vec<HeaderInjection> = injections
+            .iter()
+            .filter(|i| i.domain.matches(&name))
+            .cloned()
+            .collect();
+        async move {
+            if flow.protocol() != Protocol::Tcp || !verdict.is_grant() || injections.is_empty() {
+                return verdict;
+            }
+            let mut intercept = Intercept::new();
+            for i in injections {
+                intercept = intercept.set_header(i.header, i.value);
+            }
+            Verdict::intercept(intercept)
+        }
+    });
+    for (guest, host) in &args.publish {
+        network = network.publish(*guest, *host);
+    }
+    Ok(Some(network))
+}
+
 /// `--rules FILE`.
 fn parse_rules_file(path: &str) -> Result<Rules, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {path}: {e}"))?;
@@ -301,11 +393,16 @@ async fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         .rootfs(rootfs(&args)?)
         .cpus(args.cpus)
         .memory_mib(args.memory);
-    if let Some(rules) = network_rules(&args)? {
-        sandbox = sandbox.network(Network::with_policy(rules));
+    if let Some(network) = network(&args)? {
+        sandbox = sandbox.network(network);
     }
     let sandbox = sandbox.build()?;
     let vm = sandbox.boot().await?;
+    for (guest, _) in &args.publish {
+        if let Some(address) = vm.published_address(*guest) {
+            eprintln!("krunbox: the guest's port {guest} is published at {address}");
+        }
+    }
 
     let mut cmd = vm.command(&args.command[0]);
     cmd.args(&args.command[1..]);
@@ -524,6 +621,52 @@ mod tests {
                 "allow address 10.0.0.0/8 port 80",
             ]
         );
+    }
+
+    #[test]
+    fn inject_header_and_publish_parse_and_give_a_network() {
+        // Only this test reads or writes this variable.
+        std::env::set_var("KRUNBOX_TEST_INJECTED", "Bearer from-the-host");
+        let parsed = args(&[
+            "--inject-header",
+            "*.example.com:Authorization=KRUNBOX_TEST_INJECTED",
+            "--publish",
+            "8000",
+            "--publish",
+            "8001:18001",
+        ])
+        .unwrap();
+        assert_eq!(parsed.inject_header.len(), 1);
+        let injection = &parsed.inject_header[0];
+        assert_eq!(injection.header, "authorization");
+        assert_eq!(injection.value, "Bearer from-the-host");
+        assert!(injection.value.is_sensitive());
+        assert!(injection.domain.matches("api.example.com"));
+        assert_eq!(parsed.publish, [(8000, 0), (8001, 18001)]);
+        // Either flag alone gives a network (deny-all rules otherwise).
+        assert!(network(&parsed).unwrap().is_some());
+        assert!(network(&args(&[]).unwrap()).unwrap().is_none());
+        let cases: [(&[&str], &str); 6] = [
+            (&["--inject-header", "api.test"], "DOMAIN:HEADER=ENVVAR"),
+            (
+                &["--inject-header", "api.test:X-Key"],
+                "DOMAIN:HEADER=ENVVAR",
+            ),
+            (
+                &["--inject-header", "api.test:X-Key=KRUNBOX_NO_SUCH_VARIABLE"],
+                "no environment variable KRUNBOX_NO_SUCH_VARIABLE",
+            ),
+            (
+                &["--inject-header", "api.test:Bad Header=PATH"],
+                "not a header name",
+            ),
+            (&["--publish", "0"], "not a port"),
+            (&["--publish", "80:http"], "not a port"),
+        ];
+        for (flags, says) in cases {
+            let message = refused(flags);
+            assert!(message.contains(says), "{flags:?}: {message}");
+        }
     }
 
     #[test]

@@ -498,6 +498,25 @@ impl Instance {
         self.inner.network.as_ref()?.published_address(guest_port)
     }
 
+    /// The network's audit events from now on: every decision on a flow, every upstream that
+    /// could not be reached, every connection to a published port (see
+    /// [`NetworkEvent`](crate::net::NetworkEvent)). `None` without a network. A consumer that
+    /// falls more than 4096 events behind is told how many it missed.
+    ///
+    /// ```no_run
+    /// # async fn demo(vm: &krunbox::Instance) {
+    /// let mut events = vm.network_events().expect("a network");
+    /// while let Ok(event) = events.recv().await {
+    ///     println!("{event:?}");
+    /// }
+    /// # }
+    /// ```
+    pub fn network_events(
+        &self,
+    ) -> Option<tokio::sync::broadcast::Receiver<crate::net::NetworkEvent>> {
+        Some(self.inner.network.as_ref()?.events())
+    }
+
     /// Builds a command to run `program` in this VM.
     ///
     /// ```no_run

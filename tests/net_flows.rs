@@ -10,7 +10,9 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use krunbox::net::{AddressClass, Flow, Network, Protocol, Resolver, Verdict};
+use krunbox::net::{
+    AddressClass, Flow, Network, NetworkEvent, Outcome, Protocol, Resolver, Verdict,
+};
 use krunbox::{BuiltinImage, Instance, Rootfs, Sandbox};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -133,6 +135,7 @@ fn a_granted_name_reaches_its_loopback_origin_and_nothing_else_gets_through() {
             }
         });
         let vm = busybox(network).boot().await.expect("boot");
+        let mut events = vm.network_events().expect("a network");
 
         // The granted name resolves to an address of the sandbox's own (198.18.0.0/15), and
         // the origin is reached through it.
@@ -204,6 +207,52 @@ fn a_granted_name_reaches_its_loopback_origin_and_nothing_else_gets_through() {
             "only the granted requests reached the origin"
         );
         assert!(vm.is_running());
+        // The audit saw it all: the resolution, the accepted connection and where it went,
+        // the denials.
+        let mut audit = Vec::new();
+        while let Ok(event) = events.try_recv() {
+            if let NetworkEvent::Decided {
+                flow,
+                outcome,
+                upstream,
+                ..
+            } = event
+            {
+                audit.push((
+                    flow.protocol(),
+                    flow.hostname().map(str::to_owned),
+                    outcome,
+                    upstream,
+                ));
+            }
+        }
+        let origin = Some("origin.test".to_owned());
+        assert!(
+            audit.contains(&(Protocol::Dns, origin.clone(), Outcome::Resolved, None)),
+            "{audit:?}"
+        );
+        assert!(
+            audit.contains(&(
+                Protocol::Tcp,
+                origin.clone(),
+                Outcome::Accepted,
+                Some(SocketAddr::new(LOOPBACK, port))
+            )),
+            "{audit:?}"
+        );
+        assert!(
+            audit.contains(&(
+                Protocol::Dns,
+                Some("other.test".to_owned()),
+                Outcome::Denied,
+                None
+            )),
+            "{audit:?}"
+        );
+        assert!(
+            audit.contains(&(Protocol::Tcp, None, Outcome::Denied, None)),
+            "the gateway's address, dialled directly: {audit:?}"
+        );
         vm.shutdown().await.unwrap();
     });
 }

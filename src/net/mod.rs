@@ -38,6 +38,7 @@
 //! ```
 
 pub mod address;
+mod audit;
 pub(crate) mod dns;
 pub(crate) mod frame;
 mod intercept;
@@ -54,6 +55,7 @@ use std::sync::Arc;
 
 pub use ::http::{HeaderName, HeaderValue, Method};
 pub use address::{classify, AddressClass};
+pub use audit::{NetworkEvent, Outcome};
 pub use intercept::{Intercept, Middleware, RequestHead, UpstreamTrust};
 pub use policy::{Decide, Flow, Policy, Protocol, Resolver, Verdict};
 pub use rules::{Action, Cidr, DomainPattern, Ports, Rule, RuleError, Rules, Target};

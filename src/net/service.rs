@@ -18,6 +18,7 @@ use tokio::sync::{mpsc, Notify};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use super::audit::{Audit, NetworkEvent, Outcome};
 use super::dns::{self, GuestQuery, Incoming, Resolved};
 use super::frame::FrameDecoder;
 use super::intercept::{self, ca::CertificateAuthority, InterceptJob};
@@ -47,6 +48,7 @@ pub(crate) struct NetService {
     cancel: CancellationToken,
     /// Each published guest port and the host address it listens on.
     published: Vec<(u16, SocketAddr)>,
+    audit: Audit,
     #[cfg_attr(not(test), allow(dead_code))]
     task: tokio::task::JoinHandle<()>,
 }
@@ -98,20 +100,27 @@ impl NetService {
         }
         let cancel = CancellationToken::new();
         let interception = authority.zip(client_tls);
-        let task = tokio::spawn(run(
-            stream,
-            network.addressing().clone(),
-            network.policy(),
+        let audit = Audit::new();
+        let prepared = Prepared {
+            addressing: network.addressing().clone(),
+            policy: network.policy(),
             interception,
-            network.secrets().into(),
+            secrets: network.secrets().into(),
             listeners,
-            cancel.clone(),
-        ));
+            audit: audit.clone(),
+        };
+        let task = tokio::spawn(run(stream, prepared, cancel.clone()));
         Ok(Self {
             cancel,
             published,
+            audit,
             task,
         })
+    }
+
+    /// A new consumer of the audit events (from now on).
+    pub(crate) fn events(&self) -> tokio::sync::broadcast::Receiver<NetworkEvent> {
+        self.audit.subscribe()
     }
 
     /// The host address a published guest port listens on.
@@ -156,6 +165,7 @@ struct Service {
     interception: Option<(Arc<CertificateAuthority>, Arc<rustls::ClientConfig>)>,
     /// The network's secrets, swapped in on intercepted requests.
     secrets: Arc<[Secret]>,
+    audit: Audit,
     /// Cancelled when the service stops: ends the tasks hyper starts outside `tasks`.
     stop: CancellationToken,
     addressing: Addressing,
@@ -170,15 +180,25 @@ struct Service {
     pending_dns: usize,
 }
 
-async fn run(
-    stream: UnixStream,
+/// What [`NetService::start`] prepared for the task.
+struct Prepared {
     addressing: Addressing,
     policy: Option<Arc<dyn Policy>>,
     interception: Option<(Arc<CertificateAuthority>, Arc<rustls::ClientConfig>)>,
     secrets: Arc<[Secret]>,
     listeners: Vec<(u16, tokio::net::TcpListener)>,
-    cancel: CancellationToken,
-) {
+    audit: Audit,
+}
+
+async fn run(stream: UnixStream, prepared: Prepared, cancel: CancellationToken) {
+    let Prepared {
+        addressing,
+        policy,
+        interception,
+        secrets,
+        listeners,
+        audit,
+    } = prepared;
     let started = std::time::Instant::now();
     let now = || smoltcp::time::Instant::from_micros(started.elapsed().as_micros() as i64);
     let mut service = Service {
@@ -187,6 +207,7 @@ async fn run(
         policy,
         interception,
         secrets,
+        audit,
         stop: cancel.child_token(),
         addressing,
         tasks: JoinSet::new(),
@@ -199,6 +220,7 @@ async fn run(
     };
     for (guest_port, listener) in listeners {
         let events = service.events.0.clone();
+        let audit = service.audit.clone();
         service.tasks.spawn(async move {
             loop {
                 let Ok((stream, peer)) = listener.accept().await else {
@@ -207,12 +229,7 @@ async fn run(
                     continue;
                 };
                 let _ = stream.set_nodelay(true);
-                tracing::info!(
-                    target: "krunbox::net",
-                    %peer,
-                    guest_port,
-                    "a connection to a published port"
-                );
+                audit.published(guest_port, peer);
                 if events
                     .send(Event::Published(guest_port, stream))
                     .await
@@ -334,8 +351,15 @@ impl Service {
     }
 
     fn start_connection(&mut self, key: FlowKey) {
+        let unnamed = Flow {
+            protocol: Protocol::Tcp,
+            source: key.guest.into(),
+            destination: key.destination.into(),
+            hostname: None,
+            upstream: Vec::new(),
+        };
         let Some(policy) = self.policy.clone() else {
-            audit_denied_without_policy(Protocol::Tcp, key.destination.into());
+            self.audit.decided(&unnamed, Outcome::Denied, None);
             self.gateway.refuse_tcp(key);
             return;
         };
@@ -351,12 +375,7 @@ impl Service {
                 None => {
                     // An address of the pool no name holds (forgotten, or never given out):
                     // there is nothing to dial.
-                    tracing::info!(
-                        target: "krunbox::net",
-                        flow = %key.destination,
-                        verdict = "deny",
-                        "a connection to a sandbox address that stands for no name"
-                    );
+                    self.audit.decided(&unnamed, Outcome::Denied, None);
                     self.gateway.refuse_tcp(key);
                     return;
                 }
@@ -367,6 +386,7 @@ impl Service {
         let events = self.events.0.clone();
         let interception = self.interception.clone();
         let secrets = self.secrets.clone();
+        let audit = self.audit.clone();
         let stop = self.stop.clone();
         self.tasks.spawn(async move {
             let mut flow = Flow {
@@ -383,7 +403,6 @@ impl Service {
                     flow.upstream = addresses;
                 }
             }
-            let described = flow.to_string();
             let port = key.destination.port();
             let mut verdict = policy::ask(&*policy, flow.clone()).await;
             // An accepted connection to a host a secret is bound to is intercepted, so the
@@ -407,7 +426,7 @@ impl Service {
                         (Some(hostname), Some((authority, client_tls)))
                             if !flow.upstream.is_empty() =>
                         {
-                            audit(&described, &verdict.0, None);
+                            audit.decided(&flow, Outcome::Intercepted, None);
                             let job = InterceptJob {
                                 hostname: hostname.clone(),
                                 port,
@@ -425,36 +444,28 @@ impl Service {
                             Event::Intercept(key, Box::new(job))
                         }
                         _ => {
-                            tracing::info!(
-                                target: "krunbox::net",
-                                flow = %described,
-                                verdict = "deny",
-                                "interception needs a trusted hostname with an answer: refused"
-                            );
+                            // Interception needs a trusted hostname with an answer.
+                            audit.decided(&flow, Outcome::Denied, None);
                             Event::Refused(key)
                         }
                     };
                     let _ = events.send(event).await;
                     return;
                 }
-                ref other => {
-                    audit(&described, other, None);
+                // Deny, or a grant that does not fit a connection (resolve).
+                _ => {
+                    audit.decided(&flow, Outcome::Denied, None);
                     let _ = events.send(Event::Refused(key)).await;
                     return;
                 }
             };
             match relay::dial(&targets).await {
                 Ok(stream) => {
-                    audit(&described, &verdict.0, stream.peer_addr().ok());
+                    audit.decided(&flow, Outcome::from(&verdict.0), stream.peer_addr().ok());
                     let _ = events.send(Event::Connected(key, stream)).await;
                 }
                 Err(why) => {
-                    tracing::info!(
-                        target: "krunbox::net",
-                        flow = %described,
-                        verdict = "accept",
-                        "the upstream could not be reached: {why}"
-                    );
+                    audit.unreachable(&flow, why);
                     let _ = events.send(Event::Refused(key)).await;
                 }
             }
@@ -477,6 +488,7 @@ impl Service {
         }
         self.pending_dns += 1;
         let events = self.events.0.clone();
+        let audit = self.audit.clone();
         let flow = Flow {
             protocol: Protocol::Dns,
             source: endpoint_addr(from),
@@ -485,11 +497,10 @@ impl Service {
             upstream: Vec::new(),
         };
         self.tasks.spawn(async move {
-            let described = flow.to_string();
-            let verdict = policy::ask(&*policy, flow).await;
+            let verdict = policy::ask(&*policy, flow.clone()).await;
             let outcome = match verdict.0 {
                 Decision::Resolve(resolver) => {
-                    audit(&described, &Decision::Resolve(resolver.clone()), None);
+                    audit.decided(&flow, Outcome::Resolved, None);
                     // Only A queries are answered with an address: the rest of a granted
                     // name's types get no records, with no lookup.
                     let resolved = if query.record_type == hickory_proto::rr::RecordType::A {
@@ -499,8 +510,9 @@ impl Service {
                     };
                     Some((resolver, resolved))
                 }
-                other => {
-                    audit(&described, &other, None);
+                // Deny, or a grant that does not fit a query.
+                _ => {
+                    audit.decided(&flow, Outcome::Denied, None);
                     None
                 }
             };
@@ -679,33 +691,6 @@ fn endpoint_addr(endpoint: IpEndpoint) -> SocketAddr {
         #[allow(unreachable_patterns)]
         _ => SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, endpoint.port).into(),
     }
-}
-
-/// The audit record of a decision.
-fn audit(flow: &str, decision: &Decision, dialled: Option<SocketAddr>) {
-    let verdict = match decision {
-        Decision::Deny => "deny",
-        Decision::Accept => "accept",
-        Decision::ConnectTo(_) => "connect-to",
-        Decision::Resolve(_) => "resolve",
-        Decision::Intercept(_) => "intercept",
-    };
-    match dialled {
-        Some(upstream) => {
-            tracing::info!(target: "krunbox::net", %flow, verdict, %upstream, "network flow")
-        }
-        None => tracing::info!(target: "krunbox::net", %flow, verdict, "network flow"),
-    }
-}
-
-fn audit_denied_without_policy(protocol: Protocol, destination: SocketAddr) {
-    tracing::debug!(
-        target: "krunbox::net",
-        %protocol,
-        %destination,
-        verdict = "deny",
-        "network flow (no policy)"
-    );
 }
 
 #[cfg(test)]

@@ -395,7 +395,7 @@ async fn echo_origin() -> (u16, Arc<std::sync::atomic::AtomicUsize>) {
 }
 
 #[test]
-fn a_hundred_concurrent_connections_through_an_upstream_resolver_all_close_at_shutdown() {
+fn a_hundred_concurrent_connections_through_an_upstream_resolver_leave_nothing_after_shutdown() {
     use std::sync::atomic::Ordering;
     common::run(async {
         let (resolver, asked) = dns_server().await;
@@ -407,6 +407,15 @@ fn a_hundred_concurrent_connections_through_an_upstream_resolver_all_close_at_sh
                 _ => Verdict::deny(),
             }
         });
+        // What this process holds before the instance: every task and descriptor the network
+        // makes must be gone after shutdown.
+        let fds = || std::fs::read_dir("/proc/self/fd").unwrap().count();
+        let tasks = || {
+            tokio::runtime::Handle::current()
+                .metrics()
+                .num_alive_tasks()
+        };
+        let (fds_before, tasks_before) = (fds(), tasks());
         let vm = busybox(network).boot().await.expect("boot");
         // A name the upstream server does not know: NXDOMAIN from it, passed on.
         let (text, _) = sh(&vm, "nslookup nowhere.test 2>&1").await;
@@ -459,6 +468,34 @@ fn a_hundred_concurrent_connections_through_an_upstream_resolver_all_close_at_sh
             open.load(Ordering::SeqCst),
             0,
             "upstream connections left open after shutdown"
+        );
+        // The instance itself holds its directory and console drain until it is dropped.
+        drop(child);
+        drop(stdout);
+        drop(vm);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while (fds() > fds_before || tasks() > tasks_before) && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let open_fds = || -> Vec<String> {
+            std::fs::read_dir("/proc/self/fd")
+                .unwrap()
+                .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+                .map(|p| p.display().to_string())
+                .collect()
+        };
+        assert!(
+            fds() <= fds_before,
+            "descriptors: {} before, {} after: {:?}",
+            fds_before,
+            fds(),
+            open_fds()
+        );
+        assert!(
+            tasks() <= tasks_before,
+            "tasks: {} before, {} after",
+            tasks_before,
+            tasks()
         );
     });
 }

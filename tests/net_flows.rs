@@ -404,6 +404,11 @@ fn a_hundred_concurrent_connections_through_an_upstream_resolver_leave_nothing_a
             match (flow.protocol(), flow.hostname()) {
                 (Protocol::Dns, Some(_)) => Verdict::resolve(Resolver::upstream([resolver])),
                 (Protocol::Tcp, Some("origin.test")) => Verdict::accept(),
+                // Plain UDP: the guest's own DNS query to a server of its choosing, granted
+                // to one address only and sent to the test's server instead.
+                (Protocol::Udp, None) if flow.destination() == "10.9.9.9:53".parse().unwrap() => {
+                    Verdict::connect_to(resolver)
+                }
                 _ => Verdict::deny(),
             }
         });
@@ -421,6 +426,25 @@ fn a_hundred_concurrent_connections_through_an_upstream_resolver_leave_nothing_a
         let (text, _) = sh(&vm, "nslookup nowhere.test 2>&1").await;
         assert!(text.contains("NXDOMAIN"), "{text}");
         assert!(asked.lock().unwrap().iter().any(|n| n == "nowhere.test."));
+        // A UDP flow: nslookup asks 10.9.9.9 itself (not the gateway), and the test's server
+        // answers it through the flow; the same to an address not granted gets nothing.
+        let asked_before = asked.lock().unwrap().len();
+        let (text, _) = sh(&vm, "nslookup origin.test 10.9.9.9 2>&1").await;
+        assert!(text.contains("127.0.0.1"), "{text}");
+        let new_queries: Vec<String> = asked.lock().unwrap()[asked_before..].to_vec();
+        assert!(
+            !new_queries.is_empty() && new_queries.iter().all(|n| n == "origin.test."),
+            "the guest's own queries reached the server: {new_queries:?}"
+        );
+        let (text, _) = sh(
+            &vm,
+            "timeout 3 nslookup origin.test 192.0.2.1 2>&1; echo rc=$?",
+        )
+        .await;
+        assert!(
+            !text.contains("127.0.0.1") && !text.contains("rc=0"),
+            "{text}"
+        );
         // 100 connections at once, each held open with a line echoed through it. The script
         // stays up (so do its connections) and says when every line is back.
         let mut child = vm

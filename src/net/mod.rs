@@ -147,8 +147,8 @@ impl Network {
         }
     }
 
-    /// A network on which `policy` decides each new flow: every DNS query and every TCP
-    /// connection the guest starts (see [`Policy`]). Other UDP, ICMP and IPv6 stay blocked.
+    /// A network on which `policy` decides each new flow: every DNS query, every TCP
+    /// connection and UDP flow the guest starts (see [`Policy`]). ICMP and IPv6 stay blocked.
     ///
     /// ```
     /// use krunbox::net::{Flow, Network, Verdict};
@@ -332,15 +332,16 @@ impl Default for Addressing {
 /// The fuzz entry point over what the guest controls on its link (see
 /// [`crate::fuzzing::net_link`]): `data` is the byte stream libkrun would write, cut into reads
 /// at lengths taken from its own bytes, fed through the frame decoder into the gateway with time
-/// advancing. The service's part is played without I/O: new connections are accepted or
-/// refused by their port's parity, accepted ones echo what the guest sends, DNS datagrams are
-/// parsed and answered. Checks that nothing panics, that the gateway's output stays within its
+/// advancing. The service's part is played without I/O: new connections and UDP flows are
+/// accepted or refused by their port's parity, accepted ones echo what the guest sends (UDP
+/// flows are forgotten in batches), DNS datagrams are parsed and answered. Checks that nothing panics, that the gateway's output stays within its
 /// bound and decodes into frames of at most [`frame::MAX_FRAME`] bytes, and that its
 /// connections stay within theirs.
 pub(crate) fn fuzz_link(data: &[u8]) {
     let mut gateway = stack::Gateway::new(Addressing::default(), smoltcp::time::Instant::ZERO);
     let mut decoder = frame::FrameDecoder::new();
     let mut open: Vec<stack::FlowKey> = Vec::new();
+    let mut udp_open: Vec<stack::FlowKey> = Vec::new();
     let mut rest = data;
     let mut millis = 0;
     while let Some((&cut, tail)) = rest.split_first() {
@@ -367,6 +368,22 @@ pub(crate) fn fuzz_link(data: &[u8]) {
             }
         }
         assert!(open.len() <= stack::MAX_CONNECTIONS);
+        for key in gateway.take_new_udp_flows() {
+            if key.destination.port() % 2 == 0 && gateway.accept_udp(key) {
+                udp_open.push(key);
+            } else {
+                gateway.refuse_udp(key);
+            }
+        }
+        assert!(udp_open.len() <= stack::MAX_UDP_FLOWS);
+        for (key, datagram) in gateway.take_udp_datagrams() {
+            gateway.send_udp(&key, &datagram);
+        }
+        if udp_open.len() > 8 {
+            for key in udp_open.drain(..4) {
+                gateway.remove_udp(&key);
+            }
+        }
         for (bytes, from) in gateway.take_dns_queries() {
             match dns::incoming(&bytes) {
                 dns::Incoming::Query(query) => {

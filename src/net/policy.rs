@@ -23,6 +23,10 @@ pub enum Protocol {
     /// A TCP connection. A [`Verdict::accept`] makes the host dial the upstream and splice it
     /// to the guest.
     Tcp,
+    /// A UDP flow: datagrams between one guest port and one destination (anything but DNS to
+    /// the gateway). A [`Verdict::accept`] makes the host send them on from a UDP socket of
+    /// its own, and the answers back; the flow ends after a minute without a datagram.
+    Udp,
 }
 
 impl fmt::Display for Protocol {
@@ -30,6 +34,7 @@ impl fmt::Display for Protocol {
         f.write_str(match self {
             Protocol::Dns => "dns",
             Protocol::Tcp => "tcp",
+            Protocol::Udp => "udp",
         })
     }
 }
@@ -67,7 +72,7 @@ pub struct Flow {
 }
 
 impl Flow {
-    /// Whether this is a DNS query or a TCP connection.
+    /// Whether this is a DNS query, a TCP connection or a UDP flow.
     ///
     /// ```
     /// # fn f(flow: krunbox::net::Flow) -> bool {
@@ -195,7 +200,9 @@ impl Verdict {
     /// Grants a connection as the guest asked: the host dials [`Flow::upstream`] on the
     /// destination port (each address in turn until one answers) and splices the two. The
     /// guest's connection is completed only once the upstream one is, so an upstream that
-    /// refuses looks refused to the guest too.
+    /// refuses looks refused to the guest too. For a UDP flow, the host sends the guest's
+    /// datagrams to the first of [`Flow::upstream`] from a socket of its own, and the
+    /// answers back.
     ///
     /// ```
     /// assert!(krunbox::net::Verdict::accept().is_grant());
@@ -204,8 +211,8 @@ impl Verdict {
         Self(Decision::Accept)
     }
 
-    /// Grants a connection, dialling `upstream` instead of what the guest asked for, e.g. a
-    /// server on the host's loopback standing in for a name.
+    /// Grants a connection (or a UDP flow), dialling `upstream` instead of what the guest
+    /// asked for, e.g. a server on the host's loopback standing in for a name.
     ///
     /// ```
     /// let verdict = krunbox::net::Verdict::connect_to("127.0.0.1:8080".parse().unwrap());

@@ -697,7 +697,8 @@ impl Rule {
 
     /// Limits the rule to one protocol: a domain rule for [`Protocol::Dns`] only answers the
     /// name (connections need another rule), one for [`Protocol::Tcp`] only decides
-    /// connections. (An address rule is for TCP already.)
+    /// connections. UDP flows are decided only by rules for [`Protocol::Udp`]: a rule without
+    /// a protocol is for DNS and TCP.
     ///
     /// ```
     /// use krunbox::net::{Protocol, Rule};
@@ -796,8 +797,8 @@ impl Rule {
             if !is_domain {
                 return inconsistent("only a domain rule answers DNS, so has a resolver");
             }
-            if self.protocol == Some(Protocol::Tcp) {
-                return inconsistent("a TCP-only rule answers no DNS, so has no resolver");
+            if matches!(self.protocol, Some(Protocol::Tcp | Protocol::Udp)) {
+                return inconsistent("a TCP- or UDP-only rule answers no DNS, so has no resolver");
             }
         }
         Ok(())
@@ -805,7 +806,7 @@ impl Rule {
 
     /// Whether this rule decides a DNS query for `name`.
     fn matches_dns(&self, name: &str) -> bool {
-        if self.protocol == Some(Protocol::Tcp) {
+        if matches!(self.protocol, Some(Protocol::Tcp | Protocol::Udp)) {
             return false;
         }
         // A deny rule with ports restricts connections, not the name.
@@ -817,7 +818,19 @@ impl Rule {
 
     /// Whether this rule decides a connection with `hostname` to `destination`.
     fn matches_tcp(&self, hostname: Option<&str>, destination: SocketAddr) -> bool {
-        if self.protocol == Some(Protocol::Dns) || !self.ports.contains(destination.port()) {
+        if matches!(self.protocol, Some(Protocol::Dns | Protocol::Udp)) {
+            return false;
+        }
+        self.matches_target(hostname, destination)
+    }
+
+    /// Whether this rule (one for UDP) decides a UDP flow with `hostname` to `destination`.
+    fn matches_udp(&self, hostname: Option<&str>, destination: SocketAddr) -> bool {
+        self.protocol == Some(Protocol::Udp) && self.matches_target(hostname, destination)
+    }
+
+    fn matches_target(&self, hostname: Option<&str>, destination: SocketAddr) -> bool {
+        if !self.ports.contains(destination.port()) {
             return false;
         }
         match (&self.target, hostname) {
@@ -1096,13 +1109,17 @@ impl Rules {
                 .rules
                 .iter()
                 .find(|r| r.matches_tcp(flow.hostname(), flow.destination())),
+            Protocol::Udp => self
+                .rules
+                .iter()
+                .find(|r| r.matches_udp(flow.hostname(), flow.destination())),
         };
         match (rule.map(|r| r.action), flow.protocol()) {
             (Some(Action::Allow), Protocol::Dns) => {
                 let resolver = rule.and_then(|r| r.resolver.clone());
                 Verdict::resolve(resolver.unwrap_or_else(Resolver::system))
             }
-            (Some(Action::Allow), Protocol::Tcp) => match flow.hostname() {
+            (Some(Action::Allow), Protocol::Tcp | Protocol::Udp) => match flow.hostname() {
                 // DNS rebinding: a name the rules resolve with a resolver (not a fixed answer)
                 // reaches only public addresses, so an allowed domain whose DNS answers with
                 // loopback, a private range or the cloud metadata address reaches nothing.
@@ -1214,6 +1231,7 @@ enum RawPorts {
 enum RawProtocol {
     Dns,
     Tcp,
+    Udp,
 }
 
 /// `"system"`, `{"static": ["127.0.0.1"]}` or `{"upstream": ["192.0.2.53:53"]}`.
@@ -1249,6 +1267,7 @@ impl TryFrom<RawRule> for Rule {
         rule.protocol = raw.protocol.map(|p| match p {
             RawProtocol::Dns => Protocol::Dns,
             RawProtocol::Tcp => Protocol::Tcp,
+            RawProtocol::Udp => Protocol::Udp,
         });
         rule.resolver = match raw.resolver {
             None => None,
@@ -1293,6 +1312,7 @@ impl From<Rule> for RawRule {
         let protocol = rule.protocol.map(|p| match p {
             Protocol::Dns => RawProtocol::Dns,
             Protocol::Tcp => RawProtocol::Tcp,
+            Protocol::Udp => RawProtocol::Udp,
         });
         let resolver = rule.resolver.map(|r| match r.0 {
             ResolverKind::System => RawResolver::System,
@@ -1365,6 +1385,36 @@ mod tests {
             hostname: Some(Arc::from(name)),
             upstream: vec!["93.184.215.14".parse().unwrap()],
         }
+    }
+
+    #[test]
+    fn udp_flows_are_decided_only_by_rules_for_udp() {
+        let rules = Rules::new()
+            .allow_domain("a.test")
+            .unwrap()
+            .rule(
+                Rule::allow_domain("udp.test")
+                    .unwrap()
+                    .protocol(Protocol::Udp)
+                    .ports(3478),
+            )
+            .unwrap();
+        let udp = |name: &str, port: u16| Flow {
+            protocol: Protocol::Udp,
+            ..tcp_name(name, port)
+        };
+        assert_eq!(rules.verdict(&udp("udp.test", 3478)), Verdict::accept());
+        assert_eq!(rules.verdict(&udp("udp.test", 3479)), Verdict::deny());
+        assert_eq!(
+            rules.verdict(&udp("a.test", 3478)),
+            Verdict::deny(),
+            "a rule without a protocol is for DNS and TCP"
+        );
+        assert_eq!(rules.verdict(&tcp_name("udp.test", 3478)), Verdict::deny());
+        assert_eq!(rules.verdict(&dns("udp.test")), Verdict::deny());
+        let json = rules.to_json();
+        assert!(json.contains("\"udp\""), "{json}");
+        assert_eq!(Rules::from_json(&json).unwrap(), rules);
     }
 
     #[test]
@@ -1951,7 +2001,7 @@ mod tests {
             r#"{"rules": [{"action": "permit", "domain": "a.test"}]}"#,
             r#"{"rules": [{"action": "allow", "domain": 7}]}"#,
             r#"{"rules": [], "default": "allow"}"#,
-            r#"{"rules": [{"action": "allow", "domain": "a.test", "protocol": "udp"}]}"#,
+            r#"{"rules": [{"action": "allow", "domain": "a.test", "protocol": "sctp"}]}"#,
         ] {
             assert!(
                 matches!(Rules::from_json(json), Err(RuleError::Json { .. })),

@@ -42,6 +42,13 @@ const MAX_PENDING_DNS: usize = 64;
 /// Messages from connection tasks waiting for the service.
 const EVENTS: usize = 1024;
 
+/// Datagrams from the guest waiting for a UDP flow's task (more are dropped, as a full
+/// network queue drops).
+const UDP_QUEUE: usize = 64;
+
+/// A UDP flow with no datagram either way for this long ends.
+const UDP_IDLE: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// A running network service; dropping it stops the task (as does the VMM closing its end).
 #[derive(Debug)]
 pub(crate) struct NetService {
@@ -154,6 +161,31 @@ enum Event {
     Intercept(FlowKey, Box<InterceptJob>),
     /// A connection to a published port, from the host.
     Published(u16, TcpStream),
+    /// A UDP flow is granted; its socket is connected to the upstream.
+    UdpConnected(FlowKey, tokio::net::UdpSocket),
+    /// A UDP flow is denied, or its upstream could not be reached.
+    UdpRefused(FlowKey),
+}
+
+/// What a UDP flow's task tells the service.
+struct FromUdp {
+    key: FlowKey,
+    id: u64,
+    /// A datagram for the guest; `None`: the flow ended (idle).
+    datagram: Option<bytes::Bytes>,
+}
+
+/// The service's side of a granted UDP flow.
+struct UdpRelay {
+    id: u64,
+    to_upstream: mpsc::Sender<bytes::Bytes>,
+    task: tokio::task::AbortHandle,
+}
+
+impl Drop for UdpRelay {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
 
 /// The service's state, owned by its task.
@@ -176,6 +208,8 @@ struct Service {
     /// Woken when a relay's channel to upstream has room again.
     wake: Arc<Notify>,
     relays: HashMap<FlowKey, Relay>,
+    udp: (mpsc::Sender<FromUdp>, mpsc::Receiver<FromUdp>),
+    udp_relays: HashMap<FlowKey, UdpRelay>,
     next_relay: u64,
     pending_dns: usize,
 }
@@ -215,6 +249,8 @@ async fn run(stream: UnixStream, prepared: Prepared, cancel: CancellationToken) 
         upstream: mpsc::channel(EVENTS),
         wake: Arc::new(Notify::new()),
         relays: HashMap::new(),
+        udp: mpsc::channel(EVENTS),
+        udp_relays: HashMap::new(),
         next_relay: 0,
         pending_dns: 0,
     };
@@ -321,6 +357,7 @@ async fn run(stream: UnixStream, prepared: Prepared, cancel: CancellationToken) 
                     service.on_upstream(message);
                 }
             }
+            Some(message) = service.udp.1.recv() => service.on_udp(message),
             _ = service.wake.notified() => {}
             _ = tokio::time::sleep(delay) => {}
         }
@@ -341,6 +378,9 @@ impl Service {
         for key in self.gateway.take_new_flows() {
             self.start_connection(key);
         }
+        for key in self.gateway.take_new_udp_flows() {
+            self.start_udp(key);
+        }
         for (bytes, from) in self.gateway.take_dns_queries() {
             match dns::incoming(&bytes) {
                 Incoming::Ignore => {}
@@ -350,38 +390,107 @@ impl Service {
         }
     }
 
-    fn start_connection(&mut self, key: FlowKey) {
-        let unnamed = Flow {
-            protocol: Protocol::Tcp,
+    /// The flow `key` is as the policy sees it, and the resolver to ask again if its name's
+    /// answer has expired; `None` (audited as denied) when there is no policy, or the guest
+    /// sent to an address of the sandbox's pool that stands for no name (forgotten, or never
+    /// given out: there is nothing to dial).
+    fn flow_for(
+        &mut self,
+        key: FlowKey,
+        protocol: Protocol,
+    ) -> Option<(Arc<dyn Policy>, Flow, Option<Resolver>)> {
+        let mut flow = Flow {
+            protocol,
             source: key.guest.into(),
             destination: key.destination.into(),
             hostname: None,
             upstream: Vec::new(),
         };
         let Some(policy) = self.policy.clone() else {
-            self.audit.decided(&unnamed, Outcome::Denied, None);
-            self.gateway.refuse_tcp(key);
-            return;
+            self.audit.decided(&flow, Outcome::Denied, None);
+            return None;
         };
         let destination = *key.destination.ip();
-        let (hostname, upstream, stale) = if Names::is_pool_address(destination) {
-            match self.names.lookup(destination, std::time::Instant::now()) {
-                Some((name, record)) => {
-                    let fresh = record.fresh_upstream(std::time::Instant::now());
-                    let upstream = fresh.map(<[IpAddr]>::to_vec).unwrap_or_default();
-                    let stale = fresh.is_none().then_some(record.resolver);
-                    (Some(name), upstream, stale)
-                }
-                None => {
-                    // An address of the pool no name holds (forgotten, or never given out):
-                    // there is nothing to dial.
-                    self.audit.decided(&unnamed, Outcome::Denied, None);
-                    self.gateway.refuse_tcp(key);
-                    return;
+        if !Names::is_pool_address(destination) {
+            flow.upstream = vec![IpAddr::V4(destination)];
+            return Some((policy, flow, None));
+        }
+        let now = std::time::Instant::now();
+        let Some((name, record)) = self.names.lookup(destination, now) else {
+            self.audit.decided(&flow, Outcome::Denied, None);
+            return None;
+        };
+        let fresh = record.fresh_upstream(now);
+        flow.upstream = fresh.map(<[IpAddr]>::to_vec).unwrap_or_default();
+        flow.hostname = Some(name);
+        let stale = fresh.is_none().then_some(record.resolver);
+        Some((policy, flow, stale))
+    }
+
+    fn start_udp(&mut self, key: FlowKey) {
+        let Some((policy, mut flow, stale)) = self.flow_for(key, Protocol::Udp) else {
+            self.gateway.refuse_udp(key);
+            return;
+        };
+        let events = self.events.0.clone();
+        let audit = self.audit.clone();
+        self.tasks.spawn(async move {
+            if let (Some(resolver), Some(name)) = (stale, flow.hostname.clone()) {
+                if let Resolved::Addresses(addresses, _) = dns::resolve(&resolver.0, &name).await {
+                    flow.upstream = addresses;
                 }
             }
-        } else {
-            (None, vec![IpAddr::V4(destination)], None)
+            let port = key.destination.port();
+            let verdict = policy::ask(&*policy, flow.clone()).await;
+            let target = match verdict.0 {
+                Decision::Accept => flow.upstream.first().map(|ip| SocketAddr::new(*ip, port)),
+                Decision::ConnectTo(address) => Some(address),
+                _ => None,
+            };
+            let Some(target) = target else {
+                audit.decided(&flow, Outcome::Denied, None);
+                let _ = events.send(Event::UdpRefused(key)).await;
+                return;
+            };
+            let local: SocketAddr = match target {
+                SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
+                SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
+            };
+            let connected = async {
+                let socket = tokio::net::UdpSocket::bind(local).await?;
+                socket.connect(target).await?;
+                Ok::<_, std::io::Error>(socket)
+            };
+            match connected.await {
+                Ok(socket) => {
+                    audit.decided(&flow, Outcome::from(&verdict.0), Some(target));
+                    let _ = events.send(Event::UdpConnected(key, socket)).await;
+                }
+                Err(err) => {
+                    audit.unreachable(&flow, format!("{target}: {err}"));
+                    let _ = events.send(Event::UdpRefused(key)).await;
+                }
+            }
+        });
+    }
+
+    fn on_udp(&mut self, message: FromUdp) {
+        if self.udp_relays.get(&message.key).map(|r| r.id) != Some(message.id) {
+            return;
+        }
+        match message.datagram {
+            Some(datagram) => self.gateway.send_udp(&message.key, &datagram),
+            None => {
+                self.udp_relays.remove(&message.key);
+                self.gateway.remove_udp(&message.key);
+            }
+        }
+    }
+
+    fn start_connection(&mut self, key: FlowKey) {
+        let Some((policy, flow, stale)) = self.flow_for(key, Protocol::Tcp) else {
+            self.gateway.refuse_tcp(key);
+            return;
         };
         let events = self.events.0.clone();
         let interception = self.interception.clone();
@@ -389,13 +498,7 @@ impl Service {
         let audit = self.audit.clone();
         let stop = self.stop.clone();
         self.tasks.spawn(async move {
-            let mut flow = Flow {
-                protocol: Protocol::Tcp,
-                source: key.guest.into(),
-                destination: key.destination.into(),
-                hostname,
-                upstream,
-            };
+            let mut flow = flow;
             // The record expired: ask its resolver again, so the policy sees (and the host
             // dials) a current answer.
             if let (Some(resolver), Some(name)) = (stale, flow.hostname.clone()) {
@@ -557,6 +660,29 @@ impl Service {
                 }
             }
             Event::Refused(key) => self.gateway.refuse_tcp(key),
+            Event::UdpRefused(key) => self.gateway.refuse_udp(key),
+            Event::UdpConnected(key, socket) => {
+                if self.gateway.accept_udp(key) {
+                    self.next_relay += 1;
+                    let id = self.next_relay;
+                    let (to_upstream, from_guest) = mpsc::channel(UDP_QUEUE);
+                    let task = self.tasks.spawn(relay_udp(
+                        key,
+                        id,
+                        socket,
+                        from_guest,
+                        self.udp.0.clone(),
+                    ));
+                    self.udp_relays.insert(
+                        key,
+                        UdpRelay {
+                            id,
+                            to_upstream,
+                            task,
+                        },
+                    );
+                }
+            }
             Event::Published(guest_port, stream) => {
                 // Past the bound, the host's connection is closed at once (dropped).
                 if let Some(key) = self.gateway.connect_tcp(guest_port) {
@@ -622,6 +748,12 @@ impl Service {
     /// (so the stack has something to send).
     fn pump(&mut self) -> bool {
         let mut changed = false;
+        for (key, datagram) in self.gateway.take_udp_datagrams() {
+            if let Some(relay) = self.udp_relays.get(&key) {
+                // A full queue drops the datagram, as a congested network would.
+                let _ = relay.to_upstream.try_send(datagram.into());
+            }
+        }
         let mut over = Vec::new();
         for (key, relay) in &mut self.relays {
             let Some(socket) = self.gateway.tcp(key) else {
@@ -683,6 +815,50 @@ impl Service {
         }
         changed
     }
+}
+
+/// One granted UDP flow's task: datagrams from the guest go out on `socket` (connected to the
+/// upstream), datagrams from the upstream back to the service; it ends after [`UDP_IDLE`]
+/// without either.
+async fn relay_udp(
+    key: FlowKey,
+    id: u64,
+    socket: tokio::net::UdpSocket,
+    mut from_guest: mpsc::Receiver<bytes::Bytes>,
+    to_service: mpsc::Sender<FromUdp>,
+) {
+    // The largest datagram the guest's link can carry back (an IPv4 MTU of 1500).
+    let mut buf = vec![0u8; 1472];
+    loop {
+        tokio::select! {
+            datagram = from_guest.recv() => match datagram {
+                Some(datagram) => {
+                    let _ = socket.send(&datagram).await;
+                }
+                None => break,
+            },
+            received = socket.recv(&mut buf) => {
+                // Errors (an ICMP unreachable for an earlier datagram) lose nothing: go on.
+                if let Ok(n) = received {
+                    let message = FromUdp {
+                        key,
+                        id,
+                        datagram: Some(bytes::Bytes::copy_from_slice(&buf[..n])),
+                    };
+                    // A busy service drops the datagram rather than hold the socket.
+                    let _ = to_service.try_send(message);
+                }
+            }
+            _ = tokio::time::sleep(UDP_IDLE) => break,
+        }
+    }
+    let _ = to_service
+        .send(FromUdp {
+            key,
+            id,
+            datagram: None,
+        })
+        .await;
 }
 
 fn endpoint_addr(endpoint: IpEndpoint) -> SocketAddr {

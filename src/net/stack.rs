@@ -15,10 +15,13 @@
 //!   "connection refused". Segments of no connection reach the stack, which resets them.
 //! - **DNS** (UDP to the gateway, port 53) is handed to the service as datagrams
 //!   ([`Gateway::take_dns_queries`]).
-//! - **Other UDP and ICMP** (ping included) are dropped without an answer: a gateway that
-//!   answered pings for every address would tell the guest the world is up, and an ICMP error
-//!   for a datagram would be the host generating traffic on the guest's behalf with nothing to
-//!   decide yet. Later slices hand such flows to the policy.
+//! - **Other UDP**: a datagram of a new flow (guest port to destination) is *held* and
+//!   reported ([`Gateway::take_new_udp_flows`]). Granted, it goes into the stack to a socket
+//!   bound to the destination (one per destination, shared by its flows), and so do the
+//!   flow's later datagrams; denied, it is dropped without an answer. Datagrams of a flow
+//!   still waiting are dropped, as a network loses them.
+//! - **ICMP** (ping included) is dropped without an answer: a gateway that answered pings for
+//!   every address would tell the guest the world is up.
 //! - **IPv6**, IPv4 fragments and other EtherTypes are dropped; ARP is answered for the
 //!   gateway's address only, so the guest's link holds the gateway and nothing else.
 
@@ -56,6 +59,13 @@ pub(crate) const MAX_HELD: usize = 256;
 /// Connections (held and open) per sandbox. A SYN past it is refused at once.
 pub(crate) const MAX_CONNECTIONS: usize = 512;
 
+/// UDP flows (held and open) per sandbox. A datagram of a new flow past it is dropped.
+pub(crate) const MAX_UDP_FLOWS: usize = 256;
+
+/// Each UDP destination socket's buffers in the stack, each way: datagrams and bytes.
+const UDP_PACKETS: usize = 32;
+const UDP_BYTES: usize = 64 * 1024;
+
 /// Each connection's buffers in the stack, each way. With [`MAX_CONNECTIONS`] this bounds
 /// the stack's memory at 64 MiB; the window the guest sees is this size.
 pub(crate) const TCP_BUFFER: usize = 64 * 1024;
@@ -78,7 +88,8 @@ pub(crate) enum Dropped {
     Malformed,
     /// ARP for an address other than the gateway's.
     ArpNotForGateway,
-    /// UDP other than DNS to the gateway.
+    /// A datagram of a UDP flow past [`MAX_UDP_FLOWS`], or of one waiting for the policy
+    /// (the first datagram is held; UDP loses the rest as a network would).
     Udp,
     /// A SYN for a connection that is already held or open (a retransmission: the held one
     /// is answered when the policy has decided, an open one by its socket).
@@ -180,6 +191,15 @@ pub(crate) struct Gateway {
     new_flows: Vec<FlowKey>,
     /// Accepted connections and their sockets.
     open: HashMap<FlowKey, SocketHandle>,
+    /// New UDP flows' first datagrams, waiting for a decision.
+    udp_held: HashMap<FlowKey, Vec<u8>>,
+    /// UDP flows held since the last [`Gateway::take_new_udp_flows`].
+    new_udp_flows: Vec<FlowKey>,
+    /// Granted UDP flows.
+    udp_open: std::collections::HashSet<FlowKey>,
+    /// One socket per UDP destination the guest sends to, shared by the flows to it (a
+    /// datagram's source says whose it is), with the number of flows using it.
+    udp_sockets: HashMap<SocketAddrV4, (SocketHandle, usize)>,
     /// The next port to try in [`GATEWAY_PORTS`].
     next_gateway_port: u16,
     pub(crate) counters: Counters,
@@ -189,6 +209,7 @@ pub(crate) struct Gateway {
 enum Admit {
     Stack,
     NewConnection(FlowKey),
+    NewUdpFlow(FlowKey),
 }
 
 impl Gateway {
@@ -233,6 +254,10 @@ impl Gateway {
             held: HashMap::new(),
             new_flows: Vec::new(),
             open: HashMap::new(),
+            udp_held: HashMap::new(),
+            new_udp_flows: Vec::new(),
+            udp_open: std::collections::HashSet::new(),
+            udp_sockets: HashMap::new(),
             next_gateway_port: GATEWAY_PORTS.start,
             counters: Counters::default(),
         }
@@ -270,6 +295,12 @@ impl Gateway {
                 self.counters.admitted += 1;
                 self.held.insert(key, frame);
                 self.new_flows.push(key);
+                Ok(())
+            }
+            Ok(Admit::NewUdpFlow(key)) => {
+                self.counters.admitted += 1;
+                self.udp_held.insert(key, frame);
+                self.new_udp_flows.push(key);
                 Ok(())
             }
             Err(why) => {
@@ -324,9 +355,22 @@ impl Gateway {
                         let udp =
                             UdpPacket::new_checked(ip.payload()).map_err(|_| Dropped::Malformed)?;
                         if ip.dst_addr() == self.addressing.gateway && udp.dst_port() == 53 {
+                            return Ok(Admit::Stack);
+                        }
+                        let key = FlowKey {
+                            guest: SocketAddrV4::new(ip.src_addr(), udp.src_port()),
+                            destination: SocketAddrV4::new(ip.dst_addr(), udp.dst_port()),
+                        };
+                        if self.udp_open.contains(&key) {
                             Ok(Admit::Stack)
-                        } else {
+                        } else if ip.src_addr() != self.addressing.guest || udp.dst_port() == 0 {
+                            Err(Dropped::Other)
+                        } else if self.udp_held.contains_key(&key)
+                            || self.udp_held.len() + self.udp_open.len() >= MAX_UDP_FLOWS
+                        {
                             Err(Dropped::Udp)
+                        } else {
+                            Ok(Admit::NewUdpFlow(key))
                         }
                     }
                     IpProtocol::Icmp => Err(Dropped::Icmp),
@@ -477,6 +521,94 @@ impl Gateway {
         };
         if let Err(err) = frame::encode(&frame, &mut self.port.out) {
             tracing::error!(target: "krunbox::net", "not sending a reset to the guest: {err}");
+        }
+    }
+
+    /// UDP flows held since the last call, for the policy.
+    pub(crate) fn take_new_udp_flows(&mut self) -> Vec<FlowKey> {
+        std::mem::take(&mut self.new_udp_flows)
+    }
+
+    /// Grants a held UDP flow: its first datagram goes into the stack, to the destination's
+    /// socket (made for the first flow to it), and later ones follow. `false` if `key` was
+    /// not held.
+    pub(crate) fn accept_udp(&mut self, key: FlowKey) -> bool {
+        let Some(datagram) = self.udp_held.remove(&key) else {
+            return false;
+        };
+        let entry = match self.udp_sockets.get_mut(&key.destination) {
+            Some(entry) => entry,
+            None => {
+                let buffer = || {
+                    udp::PacketBuffer::new(
+                        vec![udp::PacketMetadata::EMPTY; UDP_PACKETS],
+                        vec![0u8; UDP_BYTES],
+                    )
+                };
+                let mut socket = udp::Socket::new(buffer(), buffer());
+                if socket.bind(IpEndpoint::from(key.destination)).is_err() {
+                    return false;
+                }
+                let handle = self.sockets.add(socket);
+                self.udp_sockets
+                    .entry(key.destination)
+                    .or_insert((handle, 0))
+            }
+        };
+        entry.1 += 1;
+        self.udp_open.insert(key);
+        self.port.rx.push_front(datagram);
+        true
+    }
+
+    /// Drops a held UDP flow's datagram (no answer: a network that drops says nothing).
+    pub(crate) fn refuse_udp(&mut self, key: FlowKey) {
+        self.udp_held.remove(&key);
+    }
+
+    /// Forgets a UDP flow (its destination's socket goes with its last flow).
+    pub(crate) fn remove_udp(&mut self, key: &FlowKey) {
+        if !self.udp_open.remove(key) {
+            return;
+        }
+        if let Some(entry) = self.udp_sockets.get_mut(&key.destination) {
+            entry.1 -= 1;
+            if entry.1 == 0 {
+                let (handle, _) = entry.to_owned();
+                self.udp_sockets.remove(&key.destination);
+                self.sockets.remove(handle);
+            }
+        }
+    }
+
+    /// Datagrams the guest sent on granted UDP flows since the last call.
+    pub(crate) fn take_udp_datagrams(&mut self) -> Vec<(FlowKey, Vec<u8>)> {
+        let mut datagrams = Vec::new();
+        for (destination, (handle, _)) in &self.udp_sockets {
+            let socket = self.sockets.get_mut::<udp::Socket>(*handle);
+            while let Ok((bytes, meta)) = socket.recv() {
+                let smoltcp::wire::IpAddress::Ipv4(addr) = meta.endpoint.addr;
+                let key = FlowKey {
+                    guest: SocketAddrV4::new(addr, meta.endpoint.port),
+                    destination: *destination,
+                };
+                if self.udp_open.contains(&key) {
+                    datagrams.push((key, bytes.to_vec()));
+                }
+            }
+        }
+        datagrams
+    }
+
+    /// Sends the guest a datagram on a granted UDP flow, from the address it sent to. Dropped
+    /// if it does not fit the link or the socket's buffer (UDP loses, as a network would).
+    pub(crate) fn send_udp(&mut self, key: &FlowKey, datagram: &[u8]) {
+        if !self.udp_open.contains(key) {
+            return;
+        }
+        if let Some((handle, _)) = self.udp_sockets.get(&key.destination) {
+            let socket = self.sockets.get_mut::<udp::Socket>(*handle);
+            let _ = socket.send_slice(datagram, IpEndpoint::from(key.guest));
         }
     }
 
@@ -854,6 +986,50 @@ mod tests {
     }
 
     #[test]
+    fn a_udp_flow_is_held_then_carried_both_ways_from_the_address_sent_to() {
+        let mut gw = with_guest_known();
+        let far = Ipv4Addr::new(93, 184, 215, 14);
+        gw.receive(udp(far, 3478, b"first")).unwrap();
+        assert_eq!(
+            gw.receive(udp(far, 3478, b"second")),
+            Err(Dropped::Udp),
+            "pending"
+        );
+        let keys = gw.take_new_udp_flows();
+        assert_eq!(keys.len(), 1);
+        let key = keys[0];
+        assert_eq!(key.guest, SocketAddrV4::new(GUEST, 40001));
+        assert_eq!(key.destination, SocketAddrV4::new(far, 3478));
+        assert!(gw.accept_udp(key));
+        gw.poll(Instant::from_millis(2));
+        assert_eq!(gw.take_udp_datagrams(), [(key, b"first".to_vec())]);
+        // Granted: later datagrams reach the socket directly.
+        gw.receive(udp(far, 3478, b"third")).unwrap();
+        gw.poll(Instant::from_millis(3));
+        assert_eq!(gw.take_udp_datagrams(), [(key, b"third".to_vec())]);
+        // An answer goes to the guest from the address it sent to.
+        gw.send_udp(&key, b"answer");
+        gw.poll(Instant::from_millis(4));
+        let out = sent(&mut gw);
+        assert_eq!(out.len(), 1);
+        let eth = EthernetFrame::new_checked(&out[0][..]).unwrap();
+        let ip = Ipv4Packet::new_checked(eth.payload()).unwrap();
+        let packet = UdpPacket::new_checked(ip.payload()).unwrap();
+        assert_eq!((ip.src_addr(), packet.src_port()), (far, 3478));
+        assert_eq!((ip.dst_addr(), packet.dst_port()), (GUEST, 40001));
+        assert_eq!(packet.payload(), b"answer");
+        // Refused and removed flows carry nothing.
+        gw.remove_udp(&key);
+        gw.receive(udp(far, 3478, b"again")).unwrap();
+        let again = gw.take_new_udp_flows();
+        assert_eq!(again, [key], "a new flow after removal");
+        gw.refuse_udp(key);
+        gw.poll(Instant::from_millis(5));
+        assert!(sent(&mut gw).is_empty());
+        assert!(gw.take_udp_datagrams().is_empty());
+    }
+
+    #[test]
     fn connections_past_the_bound_are_reset_without_being_held() {
         let mut gw = with_guest_known();
         let far = Ipv4Addr::new(93, 184, 215, 14);
@@ -914,15 +1090,13 @@ mod tests {
     }
 
     #[test]
-    fn other_udp_icmp_ipv6_and_foreign_arp_get_nothing() {
+    fn icmp_ipv6_and_foreign_arp_get_nothing() {
         let mut gw = with_guest_known();
         let far = Ipv4Addr::new(1, 1, 1, 1);
         let echo = echo_request();
         let gw_addr = gw.gateway();
         let gw_mac = EthernetAddress(Addressing::default().gateway_mac);
         let cases = [
-            (udp(far, 53, b"x"), Dropped::Udp),
-            (udp(gw_addr, 123, b"x"), Dropped::Udp),
             (ipv4(gw_addr, IpProtocol::Icmp, &echo), Dropped::Icmp),
             (ipv4(far, IpProtocol::Icmp, &echo), Dropped::Icmp),
             (

@@ -505,9 +505,15 @@ impl Instance {
     ///
     /// ```no_run
     /// # async fn demo(vm: &krunbox::Instance) {
+    /// use tokio::sync::broadcast::error::RecvError;
+    ///
     /// let mut events = vm.network_events().expect("a network");
-    /// while let Ok(event) = events.recv().await {
-    ///     println!("{event:?}");
+    /// loop {
+    ///     match events.recv().await {
+    ///         Ok(event) => println!("{event:?}"),
+    ///         Err(RecvError::Lagged(missed)) => eprintln!("missed {missed} events"),
+    ///         Err(RecvError::Closed) => break,
+    ///     }
     /// }
     /// # }
     /// ```

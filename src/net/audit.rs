@@ -19,10 +19,15 @@ const EVENTS: usize = 4096;
 /// # async fn demo(vm: &krunbox::Instance) {
 /// use krunbox::net::NetworkEvent;
 ///
+/// use tokio::sync::broadcast::error::RecvError;
+///
 /// let mut events = vm.network_events().expect("the instance has a network");
-/// while let Ok(event) = events.recv().await {
-///     if let NetworkEvent::Decided { flow, outcome, .. } = &event {
-///         println!("{flow}: {outcome}");
+/// loop {
+///     match events.recv().await {
+///         Ok(NetworkEvent::Decided { flow, outcome, .. }) => println!("{flow}: {outcome}"),
+///         Ok(_) => {}
+///         Err(RecvError::Lagged(missed)) => eprintln!("missed {missed} events"),
+///         Err(RecvError::Closed) => break, // the instance's network stopped
 ///     }
 /// }
 /// # }

@@ -282,11 +282,20 @@ impl Network {
         }
     }
 
-    /// The sandbox CA for one boot of this network: `None` for a deny-all network.
+    /// The sandbox CA for one boot of this network: `None` for a deny-all network. Checks
+    /// first that the network can be given to a guest (its secrets fit what guest-init
+    /// takes), so a bad definition fails before any VM starts.
     pub(crate) fn certificate_authority(
         &self,
         sandbox: &str,
     ) -> crate::Result<Option<Arc<intercept::ca::CertificateAuthority>>> {
+        if self.secrets.len() > crate::protocol::ENVIRONMENT_MAX {
+            return Err(crate::Error::InvalidConfig(format!(
+                "{} secrets; a network takes at most {}",
+                self.secrets.len(),
+                crate::protocol::ENVIRONMENT_MAX
+            )));
+        }
         if self.is_deny_all() {
             return Ok(None);
         }
@@ -334,7 +343,8 @@ impl Default for Addressing {
 /// at lengths taken from its own bytes, fed through the frame decoder into the gateway with time
 /// advancing. The service's part is played without I/O: new connections and UDP flows are
 /// accepted or refused by their port's parity, accepted ones echo what the guest sends (UDP
-/// flows are forgotten in batches), DNS datagrams are parsed and answered. Checks that nothing panics, that the gateway's output stays within its
+/// flows are forgotten in batches), DNS datagrams are parsed and answered. Checks that nothing
+/// panics, that the gateway's output stays within its
 /// bound and decodes into frames of at most [`frame::MAX_FRAME`] bytes, and that its
 /// connections stay within theirs.
 pub(crate) fn fuzz_link(data: &[u8]) {

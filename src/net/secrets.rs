@@ -15,8 +15,11 @@ use crate::error::{Error, Result};
 /// replaces it with the real value on the way upstream. The real value never enters the guest.
 ///
 /// A placeholder sent anywhere else goes out as it is (it is worth nothing) and the attempt is
-/// reported (`tracing`, target `krunbox::net`). A connection to a bound host that the policy
-/// [accepts](crate::net::Verdict::accept) is intercepted, so the swap can happen.
+/// reported (`tracing`, target `krunbox::net`). The swap happens only on requests that go
+/// upstream over TLS: on plain HTTP the placeholder stays, even to a bound host. A connection
+/// to a bound host on port 443 that the policy [accepts](crate::net::Verdict::accept) is
+/// intercepted, so the swap can happen; on other ports, grant
+/// [`Verdict::intercept`](crate::net::Verdict::intercept) yourself.
 ///
 /// ```
 /// use krunbox::net::{Network, Secret, Verdict};
@@ -77,13 +80,15 @@ impl Secret {
         let env_var = env_var.into();
         let value = value.into();
         let portable = !env_var.is_empty()
+            && env_var.len() <= 256
             && !env_var.starts_with(|c: char| c.is_ascii_digit())
             && env_var
                 .chars()
                 .all(|c| c.is_ascii_alphanumeric() || c == '_');
         if !portable {
             return Err(Error::InvalidConfig(format!(
-                "a secret's variable must be letters, digits and _, not starting with a digit: {env_var:?}"
+                "a secret's variable must be at most 256 letters, digits and _, not starting \
+                 with a digit: {env_var:?}"
             )));
         }
         if value.len() > VALUE_MAX || HeaderValue::from_str(&value).is_err() {
@@ -127,6 +132,13 @@ impl Secret {
     /// ```
     pub fn in_query_string(mut self) -> Self {
         self.in_query = true;
+        self
+    }
+
+    /// The same secret with `placeholder` in place of its random one: for the fuzz harness,
+    /// whose inputs (and committed seeds) must be able to name it.
+    pub(crate) fn with_placeholder(mut self, placeholder: &str) -> Self {
+        self.placeholder = placeholder.to_owned();
         self
     }
 

@@ -85,7 +85,8 @@ impl NetService {
             .map_err(Error::io("making the network socket non-blocking"))?;
         let stream =
             UnixStream::from_std(socket).map_err(Error::io("registering the network socket"))?;
-        // Published ports listen before the guest runs, so a taken port fails the boot.
+        // Published ports listen before `boot()` returns, so a taken port fails the boot
+        // (with the VM stopped) rather than a later connection.
         let mut listeners = Vec::new();
         let mut published = Vec::new();
         for p in network.published() {
@@ -256,16 +257,14 @@ async fn run(stream: UnixStream, prepared: Prepared, cancel: CancellationToken) 
     };
     for (guest_port, listener) in listeners {
         let events = service.events.0.clone();
-        let audit = service.audit.clone();
         service.tasks.spawn(async move {
             loop {
-                let Ok((stream, peer)) = listener.accept().await else {
+                let Ok((stream, _)) = listener.accept().await else {
                     // Out of descriptors, most likely: try again shortly rather than spin.
                     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
                     continue;
                 };
                 let _ = stream.set_nodelay(true);
-                audit.published(guest_port, peer);
                 if events
                     .send(Event::Published(guest_port, stream))
                     .await
@@ -514,7 +513,9 @@ impl Service {
                 .hostname
                 .as_deref()
                 .is_some_and(|name| secrets.iter().any(|s| s.is_bound_to(name)));
-            if bound && verdict.0 == Decision::Accept {
+            // Only on 443: the swap needs TLS (see intercept), and anything else to that host
+            // (SSH, a plain port) must not be broken by an HTTP server in its way.
+            if bound && verdict.0 == Decision::Accept && port == 443 {
                 verdict = policy::Verdict::intercept(intercept::Intercept::new());
             }
             let targets: Vec<SocketAddr> = match verdict.0 {
@@ -684,8 +685,12 @@ impl Service {
                 }
             }
             Event::Published(guest_port, stream) => {
-                // Past the bound, the host's connection is closed at once (dropped).
+                // Past the bound, the host's connection is closed at once (dropped), and is
+                // not in the audit.
                 if let Some(key) = self.gateway.connect_tcp(guest_port) {
+                    if let Ok(peer) = stream.peer_addr() {
+                        self.audit.published(guest_port, peer);
+                    }
                     self.next_relay += 1;
                     let relay = Relay::start(
                         key,

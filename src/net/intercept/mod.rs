@@ -407,9 +407,16 @@ async fn handle(
     }
     strip_hop_by_hop(&mut head.headers);
     head.headers.remove(header::HOST);
+    // Secrets go upstream only over TLS: on plain HTTP every placeholder is left as it is
+    // (and reported), as for a host no secret is bound to.
+    let swap_for = if context.scheme == "https" {
+        &*context.hostname
+    } else {
+        ""
+    };
     let swapped = super::secrets::swap(
         &context.secrets,
-        &context.hostname,
+        swap_for,
         &mut head.headers,
         &mut head.path_and_query,
     );

@@ -263,6 +263,34 @@ fn intercepted_https_carries_an_injected_credential_the_guest_never_held() {
         )
         .await;
         assert_eq!(text.lines().collect::<Vec<_>>(), ["421", "421"], "{text}");
+        // Bytes that are neither TLS nor HTTP on the intercepted connection end it: whatever
+        // comes back, nothing goes upstream.
+        let text = sh(
+            &vm,
+            &format!(
+                "python3 -c \"
+import socket
+s = socket.create_connection(('origin.test', {port}), timeout=20)
+s.sendall(b'SSH-2.0-not-http\\r\\n\\r\\n' + bytes(range(256)))
+data = b''
+try:
+    while True:
+        chunk = s.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    print('closed after', len(data), 'bytes:', data[:12])
+except ConnectionResetError:
+    print('closed by a reset after', len(data), 'bytes')
+\""
+            ),
+        )
+        .await;
+        assert!(
+            text.contains("closed after") || text.contains("closed by a reset"),
+            "{text}"
+        );
+        assert!(!text.contains("origin says"), "{text}");
         assert_eq!(
             heads.lock().unwrap().len(),
             4,

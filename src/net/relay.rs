@@ -87,7 +87,8 @@ pub(crate) struct Relay {
     pub credit: Arc<Semaphore>,
     pub upstream_finished: bool,
     pub upstream_failed: bool,
-    /// Whether the guest's socket was told to finish (after the last upstream byte).
+    /// Whether the guest's socket was told to finish: a FIN after the last upstream byte, or a
+    /// reset when the upstream failed.
     pub closed_to_guest: bool,
     pub task: tokio::task::AbortHandle,
 }

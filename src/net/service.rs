@@ -798,9 +798,13 @@ impl Service {
                     _ => break,
                 }
             }
-            if relay.upstream_failed {
+            if relay.upstream_failed && !relay.closed_to_guest {
+                // The reset goes out at the next poll: the socket must outlive this pass, or
+                // the guest never hears of it and waits on a connection that is gone.
                 socket.abort();
+                relay.closed_to_guest = true;
                 changed = true;
+                continue;
             } else if relay.upstream_finished
                 && relay.from_upstream.is_empty()
                 && !relay.closed_to_guest

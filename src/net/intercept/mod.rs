@@ -353,6 +353,26 @@ fn authority_matches(authority: &str, hostname: &str, port: u16, default_port: u
         && parsed.port_u16().unwrap_or(default_port) == port
 }
 
+/// The URI a request goes upstream with: the trusted hostname and port, and the request's path
+/// and query. Built from its parts, so nothing the guest wrote can become part of the authority
+/// (in `scheme://hostname:port` + path, parsed again, a path `*` made the port `80*`, and an
+/// HTTP/2 `:path` `@other.example/` named another host, which `http` before 1.4.1 let through).
+/// `None`: the path is neither origin-form (`/…`, or a bare query) nor `*`.
+fn upstream_uri(scheme: &str, hostname: &str, port: u16, path_and_query: &str) -> Option<Uri> {
+    let path_and_query = match path_and_query.as_bytes().first() {
+        None | Some(b'?') => format!("/{path_and_query}"),
+        Some(b'/') => path_and_query.to_owned(),
+        Some(b'*') if path_and_query == "*" => path_and_query.to_owned(),
+        Some(_) => return None,
+    };
+    Uri::builder()
+        .scheme(scheme)
+        .authority(format!("{hostname}:{port}"))
+        .path_and_query(path_and_query)
+        .build()
+        .ok()
+}
+
 async fn handle(
     request: Request<Incoming>,
     context: Arc<Context>,
@@ -436,11 +456,12 @@ async fn handle(
             "placeholders of secrets not bound to this host went out as they were"
         );
     }
-    let uri = format!(
-        "{}://{}:{}{}",
-        context.scheme, context.hostname, context.port, head.path_and_query
-    );
-    let Ok(uri) = uri.parse::<Uri>() else {
+    let Some(uri) = upstream_uri(
+        context.scheme,
+        &context.hostname,
+        context.port,
+        &head.path_and_query,
+    ) else {
         return Ok(answer(
             StatusCode::BAD_REQUEST,
             "krunbox: the request's path is not valid\n".into(),
@@ -515,6 +536,27 @@ mod tests {
             443
         ));
         assert!(!authority_matches("", "origin.test", 443, 443));
+    }
+
+    #[test]
+    fn the_upstream_uri_names_the_trusted_hostname_whatever_the_path() {
+        let uri = |path| upstream_uri("https", "origin.test", 8443, path);
+        for (path, sent) in [
+            ("/v1/models?limit=1", "/v1/models?limit=1"),
+            ("/x@other.test/", "/x@other.test/"),
+            ("?q=1", "/?q=1"),
+            ("", "/"),
+            ("*", "*"),
+        ] {
+            let uri = uri(path).unwrap();
+            assert_eq!(uri.scheme_str(), Some("https"));
+            assert_eq!(uri.host(), Some("origin.test"), "{path}");
+            assert_eq!(uri.port_u16(), Some(8443), "{path}");
+            assert_eq!(uri.path_and_query().unwrap().as_str(), sent);
+        }
+        for path in ["@other.test/x", "0/x", ".other.test/", ":1/", "**"] {
+            assert_eq!(uri(path), None, "{path}");
+        }
     }
 
     #[test]

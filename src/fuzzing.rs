@@ -1,5 +1,5 @@
-//! Fuzzing entry points (not API): the `host_dispatch`, `net_link` and `dns_query` targets in
-//! `fuzz/` and their replays in this crate's tests.
+//! Fuzzing entry points (not API): the `host_dispatch`, `net_link`, `dns_query` and
+//! `http_request` targets in `fuzz/` and their replays in this crate's tests.
 //!
 //! [`host_dispatch`] plays a hostile guest against the host's real control channel
 //! ([`Control`]: its reader, dispatch, flow control, liveness check and `fail_all`, and
@@ -1478,6 +1478,18 @@ pub fn net_link(data: &[u8]) {
 /// query) holds anything but the one address given.
 pub fn dns_query(data: &[u8]) {
     crate::net::dns::fuzz_query(data)
+}
+
+/// A hostile guest's bytes on an intercepted connection (`src/net/intercept/`), as plain HTTP
+/// and as what is inside its TLS: `data` is served as production serves it (HTTP/1.1 or HTTP/2
+/// with prior knowledge, each request checked, stripped, put through middleware and, over TLS,
+/// its secrets swapped) on in-memory pipes, with a fake origin upstream; no network. Panics if
+/// anything panics, if the connection does not end once the guest finishes sending, or if a
+/// request reached the origin with another Host, a hop-by-hop header, changes beyond the swap
+/// of bound secrets' placeholders in its headers (and, for the secret that opted in, its
+/// query), or a secret's value anywhere else (see `src/net/intercept/fuzz.rs`).
+pub fn http_request(data: &[u8]) {
+    crate::net::Intercept::fuzz_http(data)
 }
 
 /// Asserts that `fuzz/corpus/TARGET/seed-NN` hold exactly `seeds` (rewriting them first when

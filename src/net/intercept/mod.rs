@@ -12,6 +12,7 @@
 //! are not HTTP end the connection: nothing is forwarded.
 
 pub(crate) mod ca;
+mod fuzz;
 mod upstream;
 
 use std::convert::Infallible;
@@ -24,6 +25,7 @@ use bytes::Bytes;
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_util::sync::CancellationToken;
 
 use super::relay::GuestStream;
@@ -242,17 +244,8 @@ pub(crate) async fn serve(mut guest: GuestStream, job: InterceptJob) -> std::io:
         return Ok(());
     };
     let tls = first == 0x16;
-    let context = Arc::new(Context {
-        client: upstream::client(&job, tls),
-        scheme: if tls { "https" } else { "http" },
-        hostname: job.hostname.clone(),
-        port: job.port,
-        intercept: job.intercept.clone(),
-        secrets: job.secrets.clone(),
-    });
-    let service = hyper::service::service_fn(move |request| handle(request, context.clone()));
-    let server = hyper_util::server::conn::auto::Builder::new(upstream::Scoped(job.stop.clone()));
-    let served = if tls {
+    let dialer = upstream::Dialer::addresses(&job.upstream);
+    if tls {
         let key = job
             .authority
             .certified_key(&job.hostname)
@@ -268,11 +261,38 @@ pub(crate) async fn serve(mut guest: GuestStream, job: InterceptJob) -> std::io:
         let stream = tokio_rustls::TlsAcceptor::from(Arc::new(config))
             .accept(guest)
             .await?;
-        server.serve_connection(TokioIo::new(stream), service).await
+        serve_http(stream, tls, dialer, job).await
     } else {
-        server.serve_connection(TokioIo::new(guest), service).await
-    };
-    served.map_err(std::io::Error::other)
+        serve_http(guest, tls, dialer, job).await
+    }
+}
+
+/// Serves HTTP on `guest`, the guest's end of an intercepted connection (the bytes inside its
+/// TLS connection if `tls`, and then requests go upstream over TLS too), sending requests
+/// upstream over `dialer`'s connections: for [`serve`], and for the fuzz harness ([`fuzz`]) on
+/// in-memory streams.
+async fn serve_http<S>(
+    guest: S,
+    tls: bool,
+    dialer: upstream::Dialer,
+    job: InterceptJob,
+) -> std::io::Result<()>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let context = Arc::new(Context {
+        client: upstream::client(&job, tls, dialer),
+        scheme: if tls { "https" } else { "http" },
+        hostname: job.hostname.clone(),
+        port: job.port,
+        intercept: job.intercept.clone(),
+        secrets: job.secrets.clone(),
+    });
+    let service = hyper::service::service_fn(move |request| handle(request, context.clone()));
+    hyper_util::server::conn::auto::Builder::new(upstream::Scoped(job.stop.clone()))
+        .serve_connection(TokioIo::new(guest), service)
+        .await
+        .map_err(std::io::Error::other)
 }
 
 /// The certificate for the flow's trusted hostname, whatever name the guest asked for.

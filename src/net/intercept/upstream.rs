@@ -4,6 +4,7 @@
 //! roots with the trusted hostname as the server name.
 
 use std::future::Future;
+use std::io::IoSlice;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, OnceLock};
@@ -12,9 +13,13 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use http_body_util::combinators::BoxBody;
 use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::{Connected, Connection};
 use hyper_util::rt::TokioIo;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::CertificateDer;
+use tokio::io::{AsyncRead, AsyncWrite, DuplexStream, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::InterceptJob;
@@ -111,8 +116,9 @@ fn system_roots() -> &'static [CertificateDer<'static>] {
     })
 }
 
-/// A client for `job`'s upstream: HTTPS when the guest spoke TLS, plain HTTP otherwise.
-pub(crate) fn client(job: &InterceptJob, tls: bool) -> Client {
+/// A client for `job`'s upstream: HTTPS when the guest spoke TLS, plain HTTP otherwise; its
+/// connections are `dialer`'s.
+pub(crate) fn client(job: &InterceptJob, tls: bool, dialer: Dialer) -> Client {
     let builder =
         hyper_rustls::HttpsConnectorBuilder::new().with_tls_config((*job.client_tls).clone());
     let builder = if tls {
@@ -120,22 +126,34 @@ pub(crate) fn client(job: &InterceptJob, tls: bool) -> Client {
     } else {
         builder.https_or_http()
     };
-    let connector = builder.enable_http1().wrap_connector(Dialer {
-        addresses: job.upstream.clone().into(),
-    });
+    let connector = builder.enable_http1().wrap_connector(dialer);
     hyper_util::client::legacy::Client::builder(Scoped(job.stop.clone()))
         .pool_max_idle_per_host(4)
         .build(connector)
 }
 
-/// Dials the flow's recorded addresses in turn, whatever the URI names.
+/// Makes the client's connections, whatever the URI names.
 #[derive(Clone, Debug)]
-pub(crate) struct Dialer {
-    addresses: Arc<[SocketAddr]>,
+pub(crate) enum Dialer {
+    /// Dials the flow's recorded addresses in turn.
+    Addresses(Arc<[SocketAddr]>),
+    /// An in-memory pipe per connection (of `buffer` bytes each way), whose other end goes to
+    /// `to`: the fuzz harness's upstream. A dial fails once the receiver is gone.
+    Memory {
+        buffer: usize,
+        to: mpsc::UnboundedSender<DuplexStream>,
+    },
+}
+
+impl Dialer {
+    /// Dials `addresses`, as production does.
+    pub(crate) fn addresses(addresses: &[SocketAddr]) -> Self {
+        Self::Addresses(addresses.into())
+    }
 }
 
 impl tower_service::Service<hyper::Uri> for Dialer {
-    type Response = TokioIo<tokio::net::TcpStream>;
+    type Response = TokioIo<UpstreamStream>;
     type Error = std::io::Error;
     type Future = Pin<Box<dyn Future<Output = std::io::Result<Self::Response>> + Send + 'static>>;
 
@@ -144,13 +162,100 @@ impl tower_service::Service<hyper::Uri> for Dialer {
     }
 
     fn call(&mut self, _: hyper::Uri) -> Self::Future {
-        let addresses = self.addresses.clone();
-        Box::pin(async move {
-            crate::net::relay::dial(&addresses)
-                .await
-                .map(TokioIo::new)
-                .map_err(std::io::Error::other)
-        })
+        match self {
+            Self::Addresses(addresses) => {
+                let addresses = addresses.clone();
+                Box::pin(async move {
+                    crate::net::relay::dial(&addresses)
+                        .await
+                        .map(|stream| TokioIo::new(UpstreamStream::Tcp(stream)))
+                        .map_err(std::io::Error::other)
+                })
+            }
+            Self::Memory { buffer, to } => {
+                let (ours, theirs) = tokio::io::duplex(*buffer);
+                let sent = to.send(theirs);
+                Box::pin(async move {
+                    sent.map_err(|_| std::io::Error::other("the in-memory upstream is gone"))?;
+                    Ok(TokioIo::new(UpstreamStream::Memory(ours)))
+                })
+            }
+        }
+    }
+}
+
+/// One upstream connection: a TCP socket, or the fuzz harness's in-memory pipe. Reads, writes
+/// and what hyper learns about the connection are the socket's own.
+#[derive(Debug)]
+pub(crate) enum UpstreamStream {
+    Tcp(TcpStream),
+    Memory(DuplexStream),
+}
+
+impl AsyncRead for UpstreamStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Self::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+            Self::Memory(s) => Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for UpstreamStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            Self::Tcp(s) => Pin::new(s).poll_write(cx, data),
+            Self::Memory(s) => Pin::new(s).poll_write(cx, data),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            Self::Tcp(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Self::Memory(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Self::Tcp(s) => s.is_write_vectored(),
+            Self::Memory(s) => s.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Self::Tcp(s) => Pin::new(s).poll_flush(cx),
+            Self::Memory(s) => Pin::new(s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Self::Tcp(s) => Pin::new(s).poll_shutdown(cx),
+            Self::Memory(s) => Pin::new(s).poll_shutdown(cx),
+        }
+    }
+}
+
+impl Connection for UpstreamStream {
+    fn connected(&self) -> Connected {
+        match self {
+            Self::Tcp(s) => s.connected(),
+            Self::Memory(_) => Connected::new(),
+        }
     }
 }
 

@@ -691,47 +691,38 @@ impl Service {
                     if let Ok(peer) = stream.peer_addr() {
                         self.audit.published(guest_port, peer);
                     }
-                    self.next_relay += 1;
-                    let relay = Relay::start(
-                        key,
-                        self.next_relay,
-                        self.upstream.0.clone(),
-                        self.wake.clone(),
-                        &mut self.tasks,
-                        |guest| relay::splice(guest, stream),
-                    );
-                    self.relays.insert(key, relay);
+                    self.start_relay(key, |guest| relay::splice(guest, stream));
                 }
             }
             Event::Intercept(key, job) => {
                 if self.gateway.accept_tcp(key) {
-                    self.next_relay += 1;
-                    let relay = Relay::start(
-                        key,
-                        self.next_relay,
-                        self.upstream.0.clone(),
-                        self.wake.clone(),
-                        &mut self.tasks,
-                        |guest| intercept::serve(guest, *job),
-                    );
-                    self.relays.insert(key, relay);
+                    self.start_relay(key, |guest| intercept::serve(guest, *job));
                 }
             }
             Event::Connected(key, stream) => {
                 if self.gateway.accept_tcp(key) {
-                    self.next_relay += 1;
-                    let relay = Relay::start(
-                        key,
-                        self.next_relay,
-                        self.upstream.0.clone(),
-                        self.wake.clone(),
-                        &mut self.tasks,
-                        |guest| relay::splice(guest, stream),
-                    );
-                    self.relays.insert(key, relay);
+                    self.start_relay(key, |guest| relay::splice(guest, stream));
                 }
             }
         }
+    }
+
+    /// Starts the task that serves connection `key`'s guest end with `serve`.
+    fn start_relay<F, Fut>(&mut self, key: FlowKey, serve: F)
+    where
+        F: FnOnce(relay::GuestStream) -> Fut,
+        Fut: std::future::Future<Output = std::io::Result<()>> + Send + 'static,
+    {
+        self.next_relay += 1;
+        let relay = Relay::start(
+            key,
+            self.next_relay,
+            self.upstream.0.clone(),
+            self.wake.clone(),
+            &mut self.tasks,
+            serve,
+        );
+        self.relays.insert(key, relay);
     }
 
     fn on_upstream(&mut self, message: FromUpstream) {

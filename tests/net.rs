@@ -5,45 +5,30 @@
 //! TEST-NET-1, which no network routes either).
 
 mod common;
+#[path = "common/guest.rs"]
+mod guest;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use krunbox::{BuiltinImage, Instance, Network, Rootfs, Sandbox};
+use guest::sh;
+use krunbox::{BuiltinImage, Network};
 
-fn busybox(network: Option<Network>) -> Sandbox {
-    let mut builder = Sandbox::builder()
-        .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
-        .memory_mib(256);
-    if let Some(network) = network {
-        builder = builder.network(network);
-    }
-    builder
-        .build()
-        .expect("sandbox definition (run scripts/setup.sh)")
-}
-
-async fn sh(vm: &Instance, script: &str) -> (String, Duration) {
-    let started = Instant::now();
-    let out = vm
-        .command("sh")
-        .args(["-c", script])
-        .timeout(Duration::from_secs(60))
-        .output()
-        .await
-        .expect("running sh in the guest");
-    let text = format!("{}{}", out.stdout_text(), out.stderr_text());
-    (text, started.elapsed())
-}
+/// How long one guest shell script may take.
+const SH_TIMEOUT: Duration = Duration::from_secs(60);
 
 #[test]
 fn the_guest_gets_eth0_with_its_address_route_and_resolver() {
     common::run(async {
         let network = Network::deny_all();
-        let vm = busybox(Some(network.clone())).boot().await.expect("boot");
+        let vm = guest::sandbox(BuiltinImage::Busybox, Some(network.clone()))
+            .boot()
+            .await
+            .expect("boot");
         let (text, _) = sh(
             &vm,
             "ip -4 addr show dev eth0; echo ---; ip route; echo ---; cat /etc/resolv.conf; \
              echo ---; cat /sys/class/net/eth0/operstate",
+            SH_TIMEOUT,
         )
         .await;
         let parts: Vec<&str> = text.split("---\n").collect();
@@ -62,6 +47,7 @@ fn the_guest_gets_eth0_with_its_address_route_and_resolver() {
         let (text, _) = sh(
             &vm,
             "echo nameserver 1.1.1.1 > /etc/resolv.conf; echo rc=$?",
+            SH_TIMEOUT,
         )
         .await;
         assert!(!text.contains("rc=0"), "{text}");
@@ -72,13 +58,18 @@ fn the_guest_gets_eth0_with_its_address_route_and_resolver() {
 #[test]
 fn default_deny_refuses_tcp_and_dns_fast_and_answers_nothing_else() {
     common::run(async {
-        let vm = busybox(Some(Network::deny_all()))
+        let vm = guest::sandbox(BuiltinImage::Busybox, Some(Network::deny_all()))
             .boot()
             .await
             .expect("boot");
         // TCP to the gateway and to an address beyond it: a reset, at once.
         for target in ["10.0.2.2 80", "192.0.2.1 443"] {
-            let (text, took) = sh(&vm, &format!("nc -w 10 {target} </dev/null; echo rc=$?")).await;
+            let (text, took) = sh(
+                &vm,
+                &format!("nc -w 10 {target} </dev/null; echo rc=$?"),
+                SH_TIMEOUT,
+            )
+            .await;
             assert!(text.contains("Connection refused"), "{target}: {text}");
             assert!(!text.contains("rc=0"), "{target}: {text}");
             assert!(
@@ -87,18 +78,28 @@ fn default_deny_refuses_tcp_and_dns_fast_and_answers_nothing_else() {
             );
         }
         // DNS through the configured resolver: REFUSED, at once.
-        let (text, took) = sh(&vm, "nslookup example.com; echo rc=$?").await;
+        let (text, took) = sh(&vm, "nslookup example.com; echo rc=$?", SH_TIMEOUT).await;
         assert!(text.contains("REFUSED"), "{text}");
         assert!(!text.contains("rc=0"), "{text}");
         assert!(took < Duration::from_secs(8), "DNS refused after {took:?}");
         // DNS to another server (plain UDP elsewhere) and pings get no answer at all.
-        let (text, _) = sh(&vm, "timeout 3 nslookup example.com 192.0.2.1; echo rc=$?").await;
+        let (text, _) = sh(
+            &vm,
+            "timeout 3 nslookup example.com 192.0.2.1; echo rc=$?",
+            SH_TIMEOUT,
+        )
+        .await;
         assert!(
             !text.contains("REFUSED") && !text.contains("rc=0"),
             "{text}"
         );
         for target in ["10.0.2.2", "192.0.2.1"] {
-            let (text, _) = sh(&vm, &format!("ping -c 1 -W 2 {target}; echo rc=$?")).await;
+            let (text, _) = sh(
+                &vm,
+                &format!("ping -c 1 -W 2 {target}; echo rc=$?"),
+                SH_TIMEOUT,
+            )
+            .await;
             assert!(text.contains("0 packets received"), "{target}: {text}");
             assert!(text.contains("rc=1"), "{target}: {text}");
         }
@@ -113,12 +114,16 @@ fn default_deny_refuses_tcp_and_dns_fast_and_answers_nothing_else() {
 #[test]
 fn a_vm_without_a_network_has_no_network_device() {
     common::run(async {
-        let vm = busybox(None).boot().await.expect("boot");
+        let vm = guest::sandbox(BuiltinImage::Busybox, None)
+            .boot()
+            .await
+            .expect("boot");
         // libkrunfw's kernel has its own virtual interfaces (lo, dummy0); none has a device.
         let (text, _) = sh(
             &vm,
             "for i in /sys/class/net/*; do [ -e $i/device ] && echo device: $i; done; \
              ls /sys/class/net",
+            SH_TIMEOUT,
         )
         .await;
         assert!(!text.contains("device:"), "{text}");

@@ -5,41 +5,28 @@
 //! grant; nothing else is ever dialled.
 
 mod common;
+#[path = "common/guest.rs"]
+mod guest;
+#[path = "common/http_origin.rs"]
+mod http_origin;
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use guest::sh;
+
 use krunbox::net::{
     AddressClass, Flow, Network, NetworkEvent, Outcome, Protocol, Resolver, Verdict,
 };
-use krunbox::{BuiltinImage, Instance, Rootfs, Sandbox};
+use krunbox::BuiltinImage;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
 const LOOPBACK: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
 
-fn busybox(network: Network) -> Sandbox {
-    Sandbox::builder()
-        .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
-        .memory_mib(256)
-        .network(network)
-        .build()
-        .expect("sandbox definition (run scripts/setup.sh)")
-}
-
-async fn sh(vm: &Instance, script: &str) -> (String, Duration) {
-    let started = Instant::now();
-    let out = vm
-        .command("sh")
-        .args(["-c", script])
-        .timeout(Duration::from_secs(90))
-        .output()
-        .await
-        .expect("running sh in the guest");
-    let text = format!("{}{}", out.stdout_text(), out.stderr_text());
-    (text, started.elapsed())
-}
+/// How long one guest shell script may take.
+const SH_TIMEOUT: Duration = Duration::from_secs(90);
 
 /// Every flow the policy was asked about, in order.
 #[derive(Clone, Default)]
@@ -65,58 +52,10 @@ impl Seen {
     }
 }
 
-/// An HTTP/1.0-style origin on loopback: reads each request's head, keeps it, answers
-/// `origin says <path>` and closes.
-async fn http_origin() -> (u16, Arc<Mutex<Vec<String>>>) {
-    let listener = TcpListener::bind((LOOPBACK, 0)).await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let heads = Arc::new(Mutex::new(Vec::new()));
-    let kept = heads.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut conn, _)) = listener.accept().await else {
-                return;
-            };
-            let kept = kept.clone();
-            tokio::spawn(async move {
-                let mut head = Vec::new();
-                let mut byte = [0u8; 1];
-                while !head.ends_with(b"\r\n\r\n") && head.len() < 16 * 1024 {
-                    if conn.read(&mut byte).await.unwrap_or(0) == 0 {
-                        return;
-                    }
-                    head.push(byte[0]);
-                }
-                let head = String::from_utf8_lossy(&head).into_owned();
-                let path = head.split(' ').nth(1).unwrap_or("?").to_owned();
-                kept.lock().unwrap().push(head);
-                // `/big/N`: N bytes of a fixed pattern; anything else: a line naming the path.
-                let body = match path.strip_prefix("/big/").and_then(|n| n.parse().ok()) {
-                    Some(n) => pattern(n),
-                    None => format!("origin says {path}\n").into_bytes(),
-                };
-                let head = format!(
-                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                    body.len()
-                );
-                let _ = conn.write_all(head.as_bytes()).await;
-                let _ = conn.write_all(&body).await;
-                let _ = conn.shutdown().await;
-            });
-        }
-    });
-    (port, heads)
-}
-
-/// `n` bytes that are not all alike (so a lost, repeated or reordered chunk shows).
-fn pattern(n: usize) -> Vec<u8> {
-    (0..n).map(|i| (i * 7 % 251) as u8).collect()
-}
-
 #[test]
 fn a_granted_name_reaches_its_loopback_origin_and_nothing_else_gets_through() {
     common::run(async {
-        let (port, heads) = http_origin().await;
+        let (port, heads) = http_origin::start().await;
         let seen = Seen::default();
         let recorder = seen.clone();
         let network = Network::with_policy(move |flow: Flow| {
@@ -134,16 +73,20 @@ fn a_granted_name_reaches_its_loopback_origin_and_nothing_else_gets_through() {
                 }
             }
         });
-        let vm = busybox(network).boot().await.expect("boot");
+        let vm = guest::sandbox(BuiltinImage::Busybox, Some(network))
+            .boot()
+            .await
+            .expect("boot");
         let mut events = vm.network_events().expect("a network");
 
         // The granted name resolves to an address of the sandbox's own (198.18.0.0/15), and
         // the origin is reached through it.
-        let (text, _) = sh(&vm, "nslookup origin.test 2>&1").await;
+        let (text, _) = sh(&vm, "nslookup origin.test 2>&1", SH_TIMEOUT).await;
         assert!(text.contains("198.18."), "{text}");
         let (text, _) = sh(
             &vm,
             &format!("wget -q -O - http://origin.test:{port}/hello; echo rc=$?"),
+            SH_TIMEOUT,
         )
         .await;
         assert!(text.contains("origin says /hello"), "{text}");
@@ -153,10 +96,11 @@ fn a_granted_name_reaches_its_loopback_origin_and_nothing_else_gets_through() {
         let (text, _) = sh(
             &vm,
             &format!("wget -q -O - http://origin.test:{port}/big/8388608 | sha256sum"),
+            SH_TIMEOUT,
         )
         .await;
         use sha2::Digest;
-        let expected = hex::encode(sha2::Sha256::digest(pattern(8 << 20)));
+        let expected = hex::encode(sha2::Sha256::digest(http_origin::pattern(8 << 20)));
         assert!(text.starts_with(&expected), "{text}");
         let flows = seen.tcp();
         assert_eq!(flows.len(), 2, "{flows:?}");
@@ -172,10 +116,10 @@ fn a_granted_name_reaches_its_loopback_origin_and_nothing_else_gets_through() {
 
         // A name the policy does not grant is refused at once; one it grants with no
         // address does not exist.
-        let (text, took) = sh(&vm, "nslookup other.test 2>&1; echo rc=$?").await;
+        let (text, took) = sh(&vm, "nslookup other.test 2>&1; echo rc=$?", SH_TIMEOUT).await;
         assert!(text.contains("REFUSED"), "{text}");
         assert!(took < Duration::from_secs(8), "refused after {took:?}");
-        let (text, _) = sh(&vm, "nslookup missing.test 2>&1; echo rc=$?").await;
+        let (text, _) = sh(&vm, "nslookup missing.test 2>&1; echo rc=$?", SH_TIMEOUT).await;
         assert!(text.contains("NXDOMAIN"), "{text}");
         assert!(seen.dns_names().iter().any(|n| n == "other.test"));
 
@@ -189,6 +133,7 @@ fn a_granted_name_reaches_its_loopback_origin_and_nothing_else_gets_through() {
             let (text, took) = sh(
                 &vm,
                 &format!("wget -q -O - --header 'Host: origin.test' {url}; echo rc=$?"),
+                SH_TIMEOUT,
             )
             .await;
             assert!(!text.contains("origin says"), "{url}: {text}");
@@ -260,7 +205,7 @@ fn a_granted_name_reaches_its_loopback_origin_and_nothing_else_gets_through() {
 #[test]
 fn internal_addresses_are_classified_and_a_panicking_policy_denies_only_its_flow() {
     common::run(async {
-        let (port, heads) = http_origin().await;
+        let (port, heads) = http_origin::start().await;
         let seen = Seen::default();
         let recorder = seen.clone();
         // Grants connections to public addresses (none is ever dialled here: every one the
@@ -280,7 +225,10 @@ fn internal_addresses_are_classified_and_a_panicking_policy_denies_only_its_flow
                 }
             }
         });
-        let vm = busybox(network).boot().await.expect("boot");
+        let vm = guest::sandbox(BuiltinImage::Busybox, Some(network))
+            .boot()
+            .await
+            .expect("boot");
         for target in [
             "169.254.169.254 80",
             "10.1.2.3 443",
@@ -288,7 +236,12 @@ fn internal_addresses_are_classified_and_a_panicking_policy_denies_only_its_flow
             "100.100.100.200 80",
             "192.0.2.1 666",
         ] {
-            let (text, took) = sh(&vm, &format!("nc -w 30 {target} </dev/null; echo rc=$?")).await;
+            let (text, took) = sh(
+                &vm,
+                &format!("nc -w 30 {target} </dev/null; echo rc=$?"),
+                SH_TIMEOUT,
+            )
+            .await;
             assert!(text.contains("Connection refused"), "{target}: {text}");
             // A panic's report (a backtrace, symbolised) can take seconds under emulation, and
             // the guest's SYN waits for the decision meanwhile: only the others are timed.
@@ -312,7 +265,12 @@ fn internal_addresses_are_classified_and_a_panicking_policy_denies_only_its_flow
             ]
         );
         // After the panic the service still decides: the explicit grant goes through.
-        let (text, _) = sh(&vm, "wget -q -O - http://10.9.9.9/granted; echo rc=$?").await;
+        let (text, _) = sh(
+            &vm,
+            "wget -q -O - http://10.9.9.9/granted; echo rc=$?",
+            SH_TIMEOUT,
+        )
+        .await;
         assert!(text.contains("origin says /granted"), "{text}");
         assert_eq!(heads.lock().unwrap().len(), 1);
         vm.shutdown().await.unwrap();
@@ -421,15 +379,18 @@ fn a_hundred_concurrent_connections_through_an_upstream_resolver_leave_nothing_a
                 .num_alive_tasks()
         };
         let (fds_before, tasks_before) = (fds(), tasks());
-        let vm = busybox(network).boot().await.expect("boot");
+        let vm = guest::sandbox(BuiltinImage::Busybox, Some(network))
+            .boot()
+            .await
+            .expect("boot");
         // A name the upstream server does not know: NXDOMAIN from it, passed on.
-        let (text, _) = sh(&vm, "nslookup nowhere.test 2>&1").await;
+        let (text, _) = sh(&vm, "nslookup nowhere.test 2>&1", SH_TIMEOUT).await;
         assert!(text.contains("NXDOMAIN"), "{text}");
         assert!(asked.lock().unwrap().iter().any(|n| n == "nowhere.test."));
         // A UDP flow: nslookup asks 10.9.9.9 itself (not the gateway), and the test's server
         // answers it through the flow; the same to an address not granted gets nothing.
         let asked_before = asked.lock().unwrap().len();
-        let (text, _) = sh(&vm, "nslookup origin.test 10.9.9.9 2>&1").await;
+        let (text, _) = sh(&vm, "nslookup origin.test 10.9.9.9 2>&1", SH_TIMEOUT).await;
         assert!(text.contains("127.0.0.1"), "{text}");
         let new_queries: Vec<String> = asked.lock().unwrap()[asked_before..].to_vec();
         assert!(
@@ -439,6 +400,7 @@ fn a_hundred_concurrent_connections_through_an_upstream_resolver_leave_nothing_a
         let (text, _) = sh(
             &vm,
             "timeout 3 nslookup origin.test 192.0.2.1 2>&1; echo rc=$?",
+            SH_TIMEOUT,
         )
         .await;
         assert!(
@@ -527,10 +489,13 @@ fn a_hundred_concurrent_connections_through_an_upstream_resolver_leave_nothing_a
 #[test]
 fn a_published_guest_port_is_reached_from_host_loopback_while_the_instance_lives() {
     common::run(async {
-        let vm = busybox(Network::deny_all().publish(8080, 0))
-            .boot()
-            .await
-            .expect("boot");
+        let vm = guest::sandbox(
+            BuiltinImage::Busybox,
+            Some(Network::deny_all().publish(8080, 0)),
+        )
+        .boot()
+        .await
+        .expect("boot");
         let address = vm.published_address(8080).expect("published");
         assert!(address.ip().is_loopback(), "{address}");
         assert_eq!(vm.published_address(9090), None);
@@ -544,6 +509,7 @@ fn a_published_guest_port_is_reached_from_host_loopback_while_the_instance_lives
         sh(
             &vm,
             "mkdir -p /tmp/www && echo hello-from-the-guest > /tmp/www/index.html",
+            SH_TIMEOUT,
         )
         .await;
         let _server = vm

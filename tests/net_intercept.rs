@@ -6,116 +6,64 @@
 //! names and Host headers reach nothing.
 
 mod common;
+#[path = "common/guest.rs"]
+mod guest;
+#[path = "common/https_origin.rs"]
+mod https_origin;
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use bytes::Bytes;
+use guest::sh;
+use https_origin::HttpsOrigin;
+use hyper::Request;
 use krunbox::net::{
     Flow, HeaderName, HeaderValue, Intercept, Network, Protocol, RequestHead, Resolver, Secret,
     UpstreamTrust, Verdict,
 };
-use krunbox::{BuiltinImage, Instance, Rootfs, Sandbox};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
+use krunbox::BuiltinImage;
 
 const LOOPBACK: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
 
-async fn sh(vm: &Instance, script: &str) -> String {
-    let out = vm
-        .command("sh")
-        .args(["-c", script])
-        .timeout(Duration::from_secs(120))
-        .output()
-        .await
-        .expect("running sh in the guest");
-    format!("{}{}", out.stdout_text(), out.stderr_text())
-}
+/// How long one guest shell script may take.
+const SH_TIMEOUT: Duration = Duration::from_secs(120);
 
-/// An HTTPS origin on loopback for `origin.test` and `elsewhere.test`, with a CA of its own: answers every
-/// request with `origin says <path>` and keeps each request's head. Returns its port, its CA
-/// (PEM) and the heads.
-async fn https_origin() -> (u16, String, Arc<Mutex<Vec<String>>>) {
-    let ca_key = rcgen::KeyPair::generate().unwrap();
-    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    ca_params
-        .distinguished_name
-        .push(rcgen::DnType::CommonName, "the test origin's CA");
-    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
-    let issuer = rcgen::Issuer::new(ca_params, ca_key);
-    let key = rcgen::KeyPair::generate().unwrap();
-    let cert =
-        rcgen::CertificateParams::new(vec!["origin.test".to_owned(), "elsewhere.test".to_owned()])
-            .unwrap()
-            .signed_by(&key, &issuer)
-            .unwrap();
-    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_no_client_auth()
-    .with_single_cert(
-        vec![cert.der().clone()],
-        rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
-    )
-    .unwrap();
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
-    let listener = TcpListener::bind((LOOPBACK, 0)).await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let heads = Arc::new(Mutex::new(Vec::new()));
+/// Each request the origin got, its head only (method, path and headers), in arrival order.
+type Heads = Arc<Mutex<Vec<Request<()>>>>;
+
+/// An HTTPS origin on loopback for `origin.test` and `elsewhere.test`, with a CA of its own:
+/// answers every request with `origin says <path>` and keeps each request's head.
+async fn origin() -> (HttpsOrigin, Heads) {
+    let heads = Heads::default();
     let kept = heads.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((conn, _)) = listener.accept().await else {
-                return;
-            };
-            let (acceptor, kept) = (acceptor.clone(), kept.clone());
-            tokio::spawn(async move {
-                let Ok(mut conn) = acceptor.accept(conn).await else {
-                    return;
-                };
-                // Requests one after another on the connection (keep-alive), each answered.
-                loop {
-                    let mut head = Vec::new();
-                    let mut byte = [0u8; 1];
-                    while !head.ends_with(b"\r\n\r\n") && head.len() < 16 * 1024 {
-                        if conn.read(&mut byte).await.unwrap_or(0) == 0 {
-                            return;
-                        }
-                        head.push(byte[0]);
-                    }
-                    let head = String::from_utf8_lossy(&head).into_owned();
-                    let path = head.split(' ').nth(1).unwrap_or("?").to_owned();
-                    kept.lock().unwrap().push(head);
-                    let body = format!("origin says {path}\n");
-                    let reply = format!(
-                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
-                        body.len()
-                    );
-                    if conn.write_all(reply.as_bytes()).await.is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    (port, ca_cert.pem(), heads)
+    let handler = move |request: Request<Bytes>| {
+        let mut head = Request::new(());
+        *head.method_mut() = request.method().clone();
+        *head.uri_mut() = request.uri().clone();
+        *head.headers_mut() = request.headers().clone();
+        kept.lock().unwrap().push(head);
+        https_origin::respond(
+            200,
+            "text/plain",
+            format!("origin says {}\n", request.uri()),
+        )
+    };
+    let origin = https_origin::start(&["origin.test", "elsewhere.test"], Arc::new(handler)).await;
+    (origin, heads)
 }
 
-/// The header named `name` in an HTTP/1 request head, lower-cased names compared.
-fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
-    head.lines().find_map(|line| {
-        let (n, v) = line.split_once(':')?;
-        n.trim().eq_ignore_ascii_case(name).then(|| v.trim())
-    })
+/// The first header named `name` in a request's head.
+fn header<'a>(head: &'a Request<()>, name: &str) -> Option<&'a str> {
+    head.headers().get(name).and_then(|v| v.to_str().ok())
 }
 
 #[test]
 fn intercepted_https_carries_an_injected_credential_the_guest_never_held() {
     common::run(async {
-        let (port, origin_ca, heads) = https_origin().await;
+        let (origin, heads) = origin().await;
+        let port = origin.port;
         // What the guest sent, as the first middleware saw it (before the credential).
         let sent_by_guest: Arc<Mutex<Vec<String>>> = Arc::default();
         let recorder = sent_by_guest.clone();
@@ -148,32 +96,29 @@ fn intercepted_https_carries_an_injected_credential_the_guest_never_held() {
                 }
             }
         })
-        .upstream_trust(UpstreamTrust::pem(origin_ca.as_bytes()).unwrap())
+        .upstream_trust(UpstreamTrust::pem(origin.ca_pem.as_bytes()).unwrap())
         .secret(secret);
-        let vm = Sandbox::builder()
-            .rootfs(Rootfs::builtin(BuiltinImage::Agent))
-            .memory_mib(512)
-            .network(network)
-            .build()
-            .expect("sandbox definition (run scripts/setup.sh)")
+        let vm = guest::sandbox(BuiltinImage::Agent, Some(network))
             .boot()
             .await
             .expect("boot");
 
         // curl, trusting the system bundle (which now holds the sandbox CA).
-        let text = sh(
+        let (text, _) = sh(
             &vm,
             &format!("curl -sS https://origin.test:{port}/curl; echo rc=$?"),
+            SH_TIMEOUT,
         )
         .await;
         assert!(text.contains("origin says /curl"), "{text}");
         // Python's urllib, trusting what SSL_CERT_FILE names.
-        let text = sh(
+        let (text, _) = sh(
             &vm,
             &format!(
                 "python3 -c \"import urllib.request; \
                  print(urllib.request.urlopen('https://origin.test:{port}/python').read().decode())\""
             ),
+            SH_TIMEOUT,
         )
         .await;
         assert!(text.contains("origin says /python"), "{text}");
@@ -184,7 +129,7 @@ fn intercepted_https_carries_an_injected_credential_the_guest_never_held() {
                 assert_eq!(
                     header(head, "authorization"),
                     Some("Bearer real-credential"),
-                    "the origin got the credential: {head}"
+                    "the origin got the credential: {head:?}"
                 );
                 assert_eq!(header(head, "host"), Some(&*format!("origin.test:{port}")));
             }
@@ -199,13 +144,14 @@ fn intercepted_https_carries_an_injected_credential_the_guest_never_held() {
         }
         // The secret: the guest has its placeholder; the bound host gets the real value, any
         // other host the placeholder.
-        let text = sh(
+        let (text, _) = sh(
             &vm,
             &format!(
                 "echo key=$API_KEY; \
                  curl -sS -H \"X-Api-Key: $API_KEY\" https://origin.test:{port}/bound; \
                  curl -sS -H \"X-Api-Key: $API_KEY\" https://elsewhere.test:{port}/elsewhere"
             ),
+            SH_TIMEOUT,
         )
         .await;
         assert!(text.contains(&format!("key={placeholder}")), "{text}");
@@ -216,20 +162,21 @@ fn intercepted_https_carries_an_injected_credential_the_guest_never_held() {
             assert_eq!(
                 header(&heads[2], "x-api-key"),
                 Some("real-api-key"),
-                "{}",
+                "{:?}",
                 heads[2]
             );
             assert_eq!(
                 header(&heads[3], "x-api-key"),
                 Some(placeholder.as_str()),
-                "unbound host: the placeholder, unreplaced: {}",
+                "unbound host: the placeholder, unreplaced: {:?}",
                 heads[3]
             );
         }
         // Nowhere in the guest is a credential, nor the sandbox CA's key.
-        let text = sh(
+        let (text, _) = sh(
             &vm,
             "env; cat /etc/ssl/certs/ca-certificates.crt | tail -c 2000",
+            SH_TIMEOUT,
         )
         .await;
         assert!(!text.contains("real-credential"), "{text}");
@@ -239,19 +186,20 @@ fn intercepted_https_carries_an_injected_credential_the_guest_never_held() {
 
         // A server name for another host on the intercepted address: the certificate is the
         // trusted hostname's, so verification fails, and nothing reaches the origin.
-        let text = sh(
+        let (text, _) = sh(
             &vm,
             &format!(
                 "addr=$(getent hosts origin.test | cut -d' ' -f1); \
                  curl -sS --resolve other.test:{port}:$addr https://other.test:{port}/sni; \
                  echo rc=$?"
             ),
+            SH_TIMEOUT,
         )
         .await;
         assert!(!text.contains("origin says"), "{text}");
         assert!(!text.contains("rc=0"), "{text}");
         // The same, not verifying (-k), and a Host header naming the other host: 421.
-        let text = sh(
+        let (text, _) = sh(
             &vm,
             &format!(
                 "addr=$(getent hosts origin.test | cut -d' ' -f1); \
@@ -260,12 +208,13 @@ fn intercepted_https_carries_an_injected_credential_the_guest_never_held() {
                  curl -sS -o /dev/null -w '%{{http_code}}' -H 'Host: other.test' \
                    https://origin.test:{port}/host2"
             ),
+            SH_TIMEOUT,
         )
         .await;
         assert_eq!(text.lines().collect::<Vec<_>>(), ["421", "421"], "{text}");
         // Bytes that are neither TLS nor HTTP on the intercepted connection end it: whatever
         // comes back, nothing goes upstream.
-        let text = sh(
+        let (text, _) = sh(
             &vm,
             &format!(
                 "python3 -c \"
@@ -284,6 +233,7 @@ except ConnectionResetError:
     print('closed by a reset after', len(data), 'bytes')
 \""
             ),
+            SH_TIMEOUT,
         )
         .await;
         assert!(

@@ -4,53 +4,11 @@
 //! nothing else is ever dialled.
 
 mod common;
+#[path = "common/http_origin.rs"]
+mod http_origin;
 
-use std::net::{IpAddr, Ipv4Addr};
 use std::process::Output;
-use std::sync::{Arc, Mutex};
-
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
-
-const LOOPBACK: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
-
-/// An HTTP origin on loopback: reads each request's head, keeps it, answers
-/// `origin says <path>` and closes.
-async fn http_origin() -> (u16, Arc<Mutex<Vec<String>>>) {
-    let listener = TcpListener::bind((LOOPBACK, 0)).await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let heads = Arc::new(Mutex::new(Vec::new()));
-    let kept = heads.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut conn, _)) = listener.accept().await else {
-                return;
-            };
-            let kept = kept.clone();
-            tokio::spawn(async move {
-                let mut head = Vec::new();
-                let mut byte = [0u8; 1];
-                while !head.ends_with(b"\r\n\r\n") && head.len() < 16 * 1024 {
-                    if conn.read(&mut byte).await.unwrap_or(0) == 0 {
-                        return;
-                    }
-                    head.push(byte[0]);
-                }
-                let head = String::from_utf8_lossy(&head).into_owned();
-                let path = head.split(' ').nth(1).unwrap_or("?").to_owned();
-                kept.lock().unwrap().push(head.clone());
-                let body = format!("origin says {path}\n");
-                let reply = format!(
-                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                    body.len()
-                );
-                let _ = conn.write_all(reply.as_bytes()).await;
-                let _ = conn.shutdown().await;
-            });
-        }
-    });
-    (port, heads)
-}
+use std::sync::Mutex;
 
 /// The paths of the kept request heads.
 fn paths(heads: &Mutex<Vec<String>>) -> Vec<String> {
@@ -81,9 +39,9 @@ fn text(bytes: &[u8]) -> String {
 #[test]
 fn cli_rules_let_the_allowed_name_and_port_through_and_nothing_else() {
     common::run(async {
-        let (port, heads) = http_origin().await;
+        let (port, heads) = http_origin::start().await;
         // The same name on a port no rule allows: must never see a request.
-        let (other_port, other_heads) = http_origin().await;
+        let (other_port, other_heads) = http_origin::start().await;
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("rules.json");
         std::fs::write(

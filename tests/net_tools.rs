@@ -4,6 +4,8 @@
 //! 127.0.0.1 with a CA of its own; the guest reaches it only as `git.test` and `pypi.test`.
 
 mod common;
+#[path = "common/guest.rs"]
+mod guest;
 #[path = "common/https_origin.rs"]
 mod https_origin;
 
@@ -15,20 +17,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use guest::sh;
 use hyper::{Request, Response};
 use krunbox::net::{Flow, Intercept, Network, Protocol, Resolver, UpstreamTrust, Verdict};
-use krunbox::{BuiltinImage, Instance, Rootfs, Sandbox};
+use krunbox::BuiltinImage;
 
-async fn sh(vm: &Instance, script: &str) -> String {
-    let out = vm
-        .command("sh")
-        .args(["-c", script])
-        .timeout(Duration::from_secs(180))
-        .output()
-        .await
-        .expect("running sh in the guest");
-    format!("{}{}", out.stdout_text(), out.stderr_text())
-}
+/// How long one guest shell script may take (a clone, an install).
+const SH_TIMEOUT: Duration = Duration::from_secs(180);
 
 fn run(cmd: &mut Command) {
     let out = cmd.output().expect("running a host tool");
@@ -201,35 +196,32 @@ fn git_clone_and_pip_install_work_over_intercepted_https() {
             }
         })
         .upstream_trust(UpstreamTrust::pem(origin.ca_pem.as_bytes()).unwrap());
-        let vm = Sandbox::builder()
-            .rootfs(Rootfs::builtin(BuiltinImage::Agent))
-            .memory_mib(512)
-            .network(network)
-            .build()
-            .expect("sandbox definition (run scripts/setup.sh)")
+        let vm = guest::sandbox(BuiltinImage::Agent, Some(network))
             .boot()
             .await
             .expect("boot");
         let port = origin.port;
 
-        let text = sh(
+        let (text, _) = sh(
             &vm,
             &format!(
                 "cd /tmp && git clone -q https://git.test:{port}/repo.git && cat repo/hello.txt \
                  && git -C repo log --format=%s"
             ),
+            SH_TIMEOUT,
         )
         .await;
         assert!(text.contains("cloned through the sandbox"), "{text}");
         assert!(text.contains("first"), "{text}");
 
-        let text = sh(
+        let (text, _) = sh(
             &vm,
             &format!(
                 "pip install --quiet --no-cache-dir --disable-pip-version-check \
                    --break-system-packages --index-url https://pypi.test:{port}/simple/ demo-pkg \
                  && python3 -c 'import demo_pkg; print(\"value\", demo_pkg.VALUE)'"
             ),
+            SH_TIMEOUT,
         )
         .await;
         assert!(text.contains("value 42"), "{text}");

@@ -103,6 +103,16 @@ fn default_deny_refuses_tcp_and_dns_fast_and_answers_nothing_else() {
             assert!(text.contains("0 packets received"), "{target}: {text}");
             assert!(text.contains("rc=1"), "{target}: {text}");
         }
+        // IPv6: nothing answers, not even neighbour discovery for a link-local address (the
+        // gateway drops every IPv6 frame). With no IPv6 in the guest at all, ping fails too.
+        let (text, _) = sh(
+            &vm,
+            "ping -6 -c 1 -W 2 fe80::2%eth0; echo rc=$?",
+            SH_TIMEOUT,
+        )
+        .await;
+        assert!(!text.contains("rc=0"), "{text}");
+        assert!(!text.contains(" 1 packets received"), "{text}");
         // The instance is healthy after all of it.
         assert!(vm.is_running());
         let status = vm.command("true").status().await.unwrap();

@@ -2,7 +2,7 @@
 //! `http_request` targets in `fuzz/` and their replays in this crate's tests.
 //!
 //! [`host_dispatch`] plays a hostile guest against the host's real control channel
-//! ([`Control`]: its reader, dispatch, flow control, liveness check and `fail_all`, and
+//! (`Control`: its reader, dispatch, flow control, liveness check and `fail_all`, and
 //! optionally the handshake before it). The fuzz input is a script of operations: the guest
 //! writes raw bytes or well-formed messages (encoded with the protocol crate), and the host side
 //! spawns processes, requests files, reads, drops readers, writes stdin, lets time pass, and so

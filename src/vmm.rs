@@ -27,7 +27,7 @@ pub const LIFELINE_FD: i32 = 4;
 
 /// The file descriptor guest-init's binary is passed on. The helper reads it into memory and
 /// serves it as the guest's `/init.krun` from a virtio-fs device that has no host directory
-/// behind it (see [`configure`]).
+/// behind it (see `configure`).
 pub const GUEST_INIT_FD: i32 = 5;
 
 /// The largest guest-init binary the helper accepts (it is about 1 MiB).

@@ -2,8 +2,9 @@
 //! process, by a userspace TCP/IP stack acting as the guest's gateway.
 //!
 //! The VMM helper gets one end of a unix socket pair and hands it to libkrun as the device's
-//! backend; the library keeps the other end and runs [`service`] on it, a tokio task per
-//! instance (the frame codec is [`frame`], the gateway [`stack`]). Nothing crosses the helper's
+//! backend; the library keeps the other end and runs the network service on it, a tokio task
+//! per instance (`service.rs`; the frame codec is `frame.rs`, the gateway `stack.rs`). Nothing
+//! crosses the helper's
 //! jail but that socket. A definition without a [`Network`] has no device at all.
 //!
 //! Default deny: the guest gets an address, a route and a resolver, and every flow is refused

@@ -30,4 +30,8 @@ pub(crate) struct SandboxConfig {
     pub required_isolation: Vec<crate::Layer>,
     pub console_log_max: u64,
     pub network: Option<crate::Network>,
+    /// Benchmarks only: a unix socket whose listener serves the guest's link instead of the
+    /// library (`SandboxBuilder::network_backend_for_benchmarks`); `network` is then deny-all
+    /// and only addresses the guest.
+    pub network_backend: Option<PathBuf>,
 }

@@ -212,15 +212,23 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         let (report_read, report_write) =
             pipe().map_err(|e| Error::io("creating the isolation report pipe")(e.into()))?;
         // The guest's network link: the helper gets one end for libkrun, the library serves
-        // the other. A fresh pair per attempt, so a retried boot never sees old frames.
-        let net_pair = config
-            .network
-            .as_ref()
-            .map(|_| {
-                std::os::unix::net::UnixStream::pair()
-                    .map_err(Error::io("creating the network socket pair"))
-            })
-            .transpose()?;
+        // the other. A fresh pair per attempt, so a retried boot never sees old frames. A
+        // benchmark's backend (passt) gets a fresh connection instead, and we serve nothing.
+        let net_pair = match (&config.network, &config.network_backend) {
+            (None, _) => None,
+            (Some(_), None) => {
+                let (ours, helper_end) = std::os::unix::net::UnixStream::pair()
+                    .map_err(Error::io("creating the network socket pair"))?;
+                Some((Some(ours), helper_end))
+            }
+            (Some(_), Some(backend)) => Some((
+                None,
+                std::os::unix::net::UnixStream::connect(backend).map_err(Error::io(format!(
+                    "connecting to the network backend {}",
+                    backend.display()
+                )))?,
+            )),
+        };
         let mut child = {
             use std::os::fd::AsRawFd;
             let mut inherited = vec![
@@ -243,7 +251,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         drop(lifeline_read);
         drop(report_write);
         // Only the helper holds its end now: when it exits, the service reads EOF.
-        let net_socket = net_pair.map(|(ours, _helper_end)| OwnedFd::from(ours));
+        let net_socket = net_pair.and_then(|(ours, _helper_end)| ours.map(OwnedFd::from));
         let report = tokio::spawn(crate::jail::host::read_report(report_read));
 
         let handshake = async {

@@ -92,6 +92,7 @@ pub struct SandboxBuilder {
     required_isolation: Vec<crate::Layer>,
     console_log_max: u64,
     network: Option<crate::Network>,
+    network_backend: Option<PathBuf>,
 }
 
 impl Default for SandboxBuilder {
@@ -116,6 +117,7 @@ impl Default for SandboxBuilder {
             required_isolation: Vec::new(),
             console_log_max: crate::console::DEFAULT_CONSOLE_LOG_MAX,
             network: None,
+            network_backend: None,
         }
     }
 }
@@ -246,6 +248,23 @@ impl SandboxBuilder {
         self
     }
 
+    /// **Benchmarks only** (`benches/net.rs`), not a supported way to give a guest a network:
+    /// the guest's network device is served by another program listening on the unix stream
+    /// socket `socket` (the length-prefixed frames of libkrun's `krun_add_net_unixstream`, as
+    /// passt speaks them) instead of by the library. At each boot the library connects to
+    /// `socket` and hands that connection to the VMM helper as the device's backend; no
+    /// [`Network`](crate::Network) service runs, so no policy decides anything and whatever
+    /// the program lets through is reached. The guest is addressed as under
+    /// [`Network::deny_all`](crate::Network::deny_all) (`10.0.2.15/24`, gateway and resolver
+    /// `10.0.2.2`); a [`network`](Self::network) with a policy is refused. Kept so that our
+    /// stack can be measured against passt serving the same guest, like krun-sys's
+    /// `add_virtiofs` kept as a baseline.
+    #[doc(hidden)]
+    pub fn network_backend_for_benchmarks(mut self, socket: impl Into<PathBuf>) -> Self {
+        self.network_backend = Some(socket.into());
+        self
+    }
+
     /// Bounds on what the guest can make the host hold or wait for (request deadlines,
     /// `read_file` size, process and request counts). See [`Limits`].
     pub fn limits(mut self, limits: Limits) -> Self {
@@ -349,6 +368,17 @@ impl SandboxBuilder {
                 )));
             }
         }
+        let network = match (&self.network_backend, self.network) {
+            (Some(_), Some(network)) if !network.is_deny_all() => {
+                return Err(Error::InvalidConfig(
+                    "a network backend for benchmarks serves the link itself: a network \
+                     policy would never be asked"
+                        .into(),
+                ))
+            }
+            (Some(_), network) => Some(network.unwrap_or_else(crate::Network::deny_all)),
+            (None, network) => network,
+        };
         let kernel = self.kernel.map(Kernel::into_config).transpose()?;
         let artifacts = Artifacts::locate_with(&self.overrides)?;
         Ok(Sandbox {
@@ -366,7 +396,8 @@ impl SandboxBuilder {
                 vmm_log_level: self.vmm_log_level,
                 required_isolation: self.required_isolation,
                 console_log_max: self.console_log_max,
-                network: self.network,
+                network,
+                network_backend: self.network_backend,
             }),
         })
     }
@@ -605,6 +636,22 @@ fn check_kernel_arg(arg: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_benchmark_network_backend_takes_no_policy() {
+        let policy = crate::Network::with_policy(|_: crate::net::Flow| async {
+            crate::net::Verdict::deny()
+        });
+        let err = Sandbox::builder()
+            .network(policy)
+            .network_backend_for_benchmarks("/nonexistent/passt.sock")
+            .build()
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("policy would never be asked"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn a_custom_kernel_is_checked_when_the_definition_is_built() {

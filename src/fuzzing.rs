@@ -1492,6 +1492,59 @@ pub fn http_request(data: &[u8]) {
     crate::net::Intercept::fuzz_http(data)
 }
 
+/// Replays every file of the committed corpus `fuzz/corpus/TARGET` through `property`, for
+/// the fuzz targets' corpus tests: a file that fails it fails the test, naming the file.
+#[cfg(test)]
+pub(crate) fn replay_corpus(target: &str, property: impl Fn(&[u8]) + std::panic::RefUnwindSafe) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fuzz/corpus")
+        .join(target);
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return;
+    };
+    for entry in entries {
+        let path = entry.unwrap().path();
+        let data = std::fs::read(&path).unwrap();
+        let result = std::panic::catch_unwind(|| property(&data));
+        assert!(result.is_ok(), "{} fails the property", path.display());
+    }
+}
+
+/// A small deterministic generator (xorshift64) for the fuzz properties' replayable samples:
+/// no dependency, the same numbers every run for the same `seed`.
+#[cfg(test)]
+pub(crate) fn xorshift(seed: u64) -> impl FnMut() -> u64 {
+    let mut state = seed;
+    move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    }
+}
+
+/// Runs `property` on `rounds` mutations of `seeds` (bytes overwritten, cut short and
+/// repeated), drawn from [`xorshift`]`(seed)`.
+#[cfg(test)]
+pub(crate) fn mutate_seeds(seeds: &[Vec<u8>], rounds: usize, seed: u64, property: impl Fn(&[u8])) {
+    let mut next = xorshift(seed);
+    for _ in 0..rounds {
+        let mut bytes = seeds[next() as usize % seeds.len()].clone();
+        for _ in 0..1 + next() % 4 {
+            let i = next() as usize % bytes.len();
+            match next() % 3 {
+                0 => bytes[i] = next() as u8,
+                1 => bytes.truncate(i),
+                _ => bytes.extend_from_within(i..),
+            }
+            if bytes.is_empty() {
+                break;
+            }
+        }
+        property(&bytes);
+    }
+}
+
 /// Asserts that `fuzz/corpus/TARGET/seed-NN` hold exactly `seeds` (rewriting them first when
 /// `KRUNBOX_WRITE_FUZZ_SEEDS` is set), for the fuzz targets' seed tests.
 #[cfg(test)]

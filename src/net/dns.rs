@@ -623,44 +623,18 @@ pub(crate) mod tests {
     /// and repeated.
     #[test]
     fn the_query_fuzz_property_holds_on_mutated_seeds() {
-        let mut state = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
-        let seeds = dns_query_seeds();
-        for _ in 0..20_000 {
-            let mut bytes = seeds[next() as usize % seeds.len()].clone();
-            for _ in 0..1 + next() % 4 {
-                let i = next() as usize % bytes.len();
-                match next() % 3 {
-                    0 => bytes[i] = next() as u8,
-                    1 => bytes.truncate(i),
-                    _ => bytes.extend_from_within(i..),
-                }
-                if bytes.is_empty() {
-                    break;
-                }
-            }
-            fuzz_query(&bytes);
-        }
+        crate::fuzzing::mutate_seeds(
+            &dns_query_seeds(),
+            20_000,
+            0x9e37_79b9_7f4a_7c15,
+            fuzz_query,
+        );
     }
 
     /// The committed corpus, replayed on every test run.
     #[test]
     fn the_dns_fuzz_corpus_holds_the_property() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/dns_query");
-        let Ok(entries) = std::fs::read_dir(&dir) else {
-            return;
-        };
-        for entry in entries {
-            let path = entry.unwrap().path();
-            let data = std::fs::read(&path).unwrap();
-            let result = std::panic::catch_unwind(|| fuzz_query(&data));
-            assert!(result.is_ok(), "{} fails the property", path.display());
-        }
+        crate::fuzzing::replay_corpus("dns_query", fuzz_query);
     }
 
     /// The corpus holds the seeds as they are generated now (`seed-NN`). After changing them,

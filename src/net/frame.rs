@@ -285,20 +285,13 @@ mod tests {
 
     #[test]
     fn garbage_never_panics_and_never_yields_an_out_of_bounds_frame() {
-        // A small deterministic generator: no dependency, same bytes every run.
-        let mut state = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut next = crate::fuzzing::xorshift(0x9e37_79b9_7f4a_7c15);
         for _ in 0..200 {
             let len = (next() % 8192) as usize;
             let mut bytes: Vec<u8> = (0..len).map(|_| next() as u8).collect();
             // Plausible lengths now and then, so bodies are decoded too.
             for i in (0..bytes.len().saturating_sub(4)).step_by(97) {
-                if next() % 2 == 0 {
+                if next().is_multiple_of(2) {
                     let l = (next() % 1600) as u32;
                     bytes[i..i + 4].copy_from_slice(&l.to_be_bytes());
                 }

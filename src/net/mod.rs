@@ -448,13 +448,7 @@ mod tests {
     /// stream of well-formed frames (ARP for the gateway, then SYNs to every port) cut finely.
     #[test]
     fn the_link_fuzz_property_holds_on_random_and_well_formed_streams() {
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut next = crate::fuzzing::xorshift(0x2545_f491_4f6c_dd1d);
         for _ in 0..100 {
             let mut bytes: Vec<u8> = (0..(next() % 20_000)).map(|_| next() as u8).collect();
             for i in (0..bytes.len().saturating_sub(6)).step_by(211) {

@@ -1195,16 +1195,7 @@ mod tests {
     /// The committed corpus, replayed on every test run.
     #[test]
     fn the_link_fuzz_corpus_holds_the_property() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/net_link");
-        let Ok(entries) = std::fs::read_dir(&dir) else {
-            return;
-        };
-        for entry in entries {
-            let path = entry.unwrap().path();
-            let data = std::fs::read(&path).unwrap();
-            let result = std::panic::catch_unwind(|| crate::net::fuzz_link(&data));
-            assert!(result.is_ok(), "{} fails the property", path.display());
-        }
+        crate::fuzzing::replay_corpus("net_link", crate::net::fuzz_link);
     }
 
     /// The corpus holds the seeds as they are generated now (`seed-NN`). After changing them,

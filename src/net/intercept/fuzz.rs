@@ -926,44 +926,13 @@ mod tests {
     /// and repeated.
     #[test]
     fn the_http_fuzz_property_holds_on_mutated_seeds() {
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
-        let seeds = http_request_seeds();
-        for _ in 0..300 {
-            let mut bytes = seeds[next() as usize % seeds.len()].clone();
-            for _ in 0..1 + next() % 4 {
-                let i = next() as usize % bytes.len();
-                match next() % 3 {
-                    0 => bytes[i] = next() as u8,
-                    1 => bytes.truncate(i),
-                    _ => bytes.extend_from_within(i..),
-                }
-                if bytes.is_empty() {
-                    break;
-                }
-            }
-            fuzz_http(&bytes);
-        }
+        crate::fuzzing::mutate_seeds(&http_request_seeds(), 300, 0x2545_f491_4f6c_dd1d, fuzz_http);
     }
 
     /// The committed corpus, replayed on every test run.
     #[test]
     fn the_http_fuzz_corpus_holds_the_property() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/http_request");
-        let Ok(entries) = std::fs::read_dir(&dir) else {
-            return;
-        };
-        for entry in entries {
-            let path = entry.unwrap().path();
-            let data = std::fs::read(&path).unwrap();
-            let result = std::panic::catch_unwind(|| fuzz_http(&data));
-            assert!(result.is_ok(), "{} fails the property", path.display());
-        }
+        crate::fuzzing::replay_corpus("http_request", fuzz_http);
     }
 
     /// The corpus holds the seeds as they are generated now (`seed-NN`). After changing them,

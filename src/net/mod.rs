@@ -54,10 +54,10 @@ pub(crate) mod stack;
 use std::net::Ipv4Addr;
 use std::sync::Arc;
 
-pub use ::http::{HeaderName, HeaderValue, Method};
+pub use ::http::{HeaderName, HeaderValue, Method, StatusCode};
 pub use address::{classify, AddressClass};
 pub use audit::{NetworkEvent, Outcome};
-pub use intercept::{Intercept, Middleware, RequestHead, UpstreamTrust};
+pub use intercept::{Answer, Intercept, Middleware, RequestHead, UpstreamTrust};
 pub use policy::{Decide, Flow, Policy, Protocol, Resolver, Verdict};
 pub use rules::{Action, Cidr, DomainPattern, Ports, Rule, RuleError, Rules, Target};
 pub use secrets::Secret;

@@ -12,9 +12,10 @@
 //! The flow's trusted hostname is [`HOSTNAME`], with three secrets whose placeholders are fixed
 //! so inputs can name them: [`BOUND_PLACEHOLDER`] (bound to the hostname),
 //! [`QUERY_PLACEHOLDER`] (bound to `*.test`, swapped in the query string too) and
-//! [`OTHER_PLACEHOLDER`] (bound to another host). Two middleware run: the first tags each
-//! request and records the head it sees; the second tries to add every hop-by-hop header and a
-//! Host of its own.
+//! [`OTHER_PLACEHOLDER`] (bound to another host). Three middleware run: the first tags each
+//! request and records the head it sees; the second answers requests whose path starts with
+//! [`REFUSED_PATH`] itself (`403`); the third tries to add every hop-by-hop header and a Host of
+//! its own.
 //!
 //! One input runs on a current-thread tokio runtime, counted in scheduler turns (no clock):
 //! the guest writes the input, the connection runs until it is idle, the guest finishes sending
@@ -24,7 +25,8 @@
 //! - has no hop-by-hop header (`Connection`, `Keep-Alive`, `Proxy-Authenticate`,
 //!   `Proxy-Authorization`, `TE`, `Trailer`, `Upgrade`), and a `Transfer-Encoding` only as the
 //!   client's own framing (`chunked`, and then no `Content-Length`);
-//! - is one the middleware saw (by its tag), and the only one for it;
+//! - is one the middleware saw (by its tag), and the only one for it, and not one the second
+//!   middleware answered;
 //! - has the method, the target and the headers that request had and nothing else, but for
 //!   the swap: over TLS, the bound secrets' placeholders are swapped for their values (in the
 //!   query string only for the secret that opted in); on plain HTTP, none is. (What the
@@ -78,6 +80,9 @@ const QUERY_VALUE: &str = "REAL-query-5eed";
 /// A secret bound to another host only.
 pub(crate) const OTHER_PLACEHOLDER: &str = "krunbox-secret-00000000000000000000000000000003";
 const OTHER_VALUE: &str = "REAL-other-bad";
+
+/// Requests whose path starts with this are answered `403` by middleware: never sent upstream.
+pub(crate) const REFUSED_PATH: &str = "/krunbox-refused";
 
 /// Each way of each in-memory pipe.
 const PIPE: usize = 64 * 1024;
@@ -243,6 +248,11 @@ fn intercept(log: &Shared) -> Intercept {
                 path: head.path().to_owned(),
                 headers: head.headers().clone(),
             });
+        })
+        .answer_with(|head: &RequestHead| {
+            head.path()
+                .starts_with(REFUSED_PATH)
+                .then(|| super::Answer::forbidden("refused by the fuzz harness\n"))
         })
         .middleware(|head: &mut RequestHead| {
             let headers = head.headers_mut();
@@ -573,6 +583,10 @@ fn check(log: &Log, data: &[u8], tls: bool) {
             "{at}: a second upstream request for one the guest sent"
         );
         assert_eq!(received.method, seen.method, "{at}: its method");
+        assert!(
+            !seen.path.starts_with(REFUSED_PATH),
+            "{at}: a request middleware answered went upstream"
+        );
         if received.method == Method::CONNECT {
             assert_eq!(received.target, format!("{HOSTNAME}:{}", port(tls)), "{at}");
         } else {
@@ -814,6 +828,14 @@ mod tests {
                 .to_vec(),
             // 12: asterisk-form, which goes upstream as it came.
             b"OPTIONS * HTTP/1.1\r\nHost: origin.test\r\n\r\n".to_vec(),
+            // 13: a POST middleware answers (its body is read and dropped), then a request on
+            // the same connection that goes upstream.
+            format!(
+                "POST {REFUSED_PATH}/x HTTP/1.1\r\nHost: origin.test\r\nContent-Length: 5\r\n\r\n\
+                 hello\
+                 GET /after HTTP/1.1\r\nHost: origin.test\r\n\r\n"
+            )
+            .into_bytes(),
         ]
     }
 
@@ -886,6 +908,8 @@ mod tests {
             targets[11]
         );
         assert_eq!(targets[12], ["OPTIONS *"]);
+        assert_eq!(targets[13], ["GET /after"]);
+        assert_eq!(statuses(&logs[13]), ["403", "200"]);
         // Not served as plain HTTP: nothing, and a TLS handshake.
         assert!(run(b"", false).is_none() && run(b"\x16\x03\x01", false).is_none());
 
@@ -894,7 +918,7 @@ mod tests {
             .iter()
             .map(|s| run(s, true).expect("served"))
             .collect();
-        for i in [0, 2, 3, 5, 7, 8, 9, 11, 12] {
+        for i in [0, 2, 3, 5, 7, 8, 9, 11, 12, 13] {
             let swapped: Vec<String> = targets[i]
                 .iter()
                 .map(|t| t.replace(QUERY_PLACEHOLDER, QUERY_VALUE))

@@ -13,6 +13,8 @@
 
 pub(crate) mod ca;
 mod fuzz;
+#[cfg(test)]
+mod tests;
 mod upstream;
 
 use std::convert::Infallible;
@@ -98,6 +100,22 @@ impl Intercept {
         self
     }
 
+    /// Adds middleware that answers the requests `answer` returns an [`Answer`] for itself (they
+    /// never go upstream) and lets the others go on; run after the middleware added before it.
+    ///
+    /// ```
+    /// use krunbox::net::{Answer, Intercept, Method, RequestHead};
+    /// let intercept = Intercept::new().answer_with(|request: &RequestHead| {
+    ///     (request.method() == Method::DELETE).then(|| Answer::forbidden("no deleting\n"))
+    /// });
+    /// ```
+    pub fn answer_with(
+        self,
+        answer: impl Fn(&RequestHead) -> Option<Answer> + Send + Sync + 'static,
+    ) -> Self {
+        self.middleware(AnswerWith(answer))
+    }
+
     /// Sets header `name` to `value` on every request (replacing what the guest sent).
     ///
     /// ```
@@ -126,8 +144,9 @@ impl Intercept {
     }
 }
 
-/// Changes a request on its way upstream. Any `Fn(&mut RequestHead)` that is `Send + Sync` is
-/// one.
+/// Changes a request on its way upstream, or answers it itself so it never goes upstream. Any
+/// `Fn(&mut RequestHead)` that is `Send + Sync` is one (it changes requests); to answer, use
+/// [`Intercept::answer_with`] or implement [`Middleware::handle`].
 ///
 /// ```
 /// use krunbox::net::{Middleware, RequestHead};
@@ -141,9 +160,110 @@ impl Intercept {
 ///     }
 /// }
 /// ```
+///
+/// Middleware that refuses some requests with a status of its own (`handle` in place of
+/// `on_request`):
+///
+/// ```
+/// use krunbox::net::{Answer, Method, Middleware, RequestHead};
+///
+/// /// Read-only access: anything but GET and HEAD is answered 403 and goes nowhere.
+/// struct ReadOnly;
+///
+/// impl Middleware for ReadOnly {
+///     fn handle(&self, request: &mut RequestHead) -> Option<Answer> {
+///         match *request.method() {
+///             Method::GET | Method::HEAD => None,
+///             _ => Some(Answer::forbidden("read-only access\n")),
+///         }
+///     }
+/// }
+/// ```
 pub trait Middleware: Send + Sync + 'static {
-    /// Called once per request, before it is sent upstream.
-    fn on_request(&self, request: &mut RequestHead);
+    /// Called once per request, before it is sent upstream, by the default
+    /// [`handle`](Middleware::handle). Does nothing unless implemented.
+    fn on_request(&self, _request: &mut RequestHead) {}
+
+    /// Called once per request, in the middleware's turn: `None` lets the request go on (to
+    /// the next middleware, then upstream), an [`Answer`] is sent to the guest in place of
+    /// the upstream's response, and then no later middleware runs, no secret is swapped in and
+    /// nothing goes upstream; the connection stays open for the guest's next request. The
+    /// default calls [`on_request`](Middleware::on_request) and lets the request go on, so
+    /// middleware written before this method existed behaves as it did.
+    fn handle(&self, request: &mut RequestHead) -> Option<Answer> {
+        self.on_request(request);
+        None
+    }
+}
+
+/// What middleware answers a request with instead of sending it upstream
+/// ([`Middleware::handle`]): a status and a short plain-text body for the guest.
+///
+/// ```
+/// use krunbox::net::{Answer, StatusCode};
+///
+/// let answer = Answer::new(StatusCode::TOO_MANY_REQUESTS, "slow down\n");
+/// assert_eq!(answer.status(), StatusCode::TOO_MANY_REQUESTS);
+/// assert_eq!(Answer::forbidden("no").status(), StatusCode::FORBIDDEN);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answer {
+    status: StatusCode,
+    text: String,
+}
+
+impl Answer {
+    /// An answer with `status` and `text` as its body (`text/plain; charset=utf-8`).
+    ///
+    /// ```
+    /// let answer = krunbox::net::Answer::new(krunbox::net::StatusCode::NOT_FOUND, "none here\n");
+    /// ```
+    pub fn new(status: StatusCode, text: impl Into<String>) -> Self {
+        Self {
+            status,
+            text: text.into(),
+        }
+    }
+
+    /// `403 Forbidden` with `text`.
+    ///
+    /// ```
+    /// let answer = krunbox::net::Answer::forbidden("POST is not allowed here\n");
+    /// assert_eq!(answer.text(), "POST is not allowed here\n");
+    /// ```
+    pub fn forbidden(text: impl Into<String>) -> Self {
+        Self::new(StatusCode::FORBIDDEN, text)
+    }
+
+    /// The status the guest gets.
+    ///
+    /// ```
+    /// assert_eq!(krunbox::net::Answer::forbidden("").status().as_u16(), 403);
+    /// ```
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The body the guest gets.
+    ///
+    /// ```
+    /// assert_eq!(krunbox::net::Answer::forbidden("no").text(), "no");
+    /// ```
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+}
+
+/// [`Intercept::answer_with`]'s middleware.
+struct AnswerWith<F>(F);
+
+impl<F> Middleware for AnswerWith<F>
+where
+    F: Fn(&RequestHead) -> Option<Answer> + Send + Sync + 'static,
+{
+    fn handle(&self, request: &mut RequestHead) -> Option<Answer> {
+        (self.0)(request)
+    }
 }
 
 impl<F> Middleware for F
@@ -393,6 +513,54 @@ fn upstream_uri(scheme: &str, hostname: &str, port: u16, path_and_query: &str) -
         .ok()
 }
 
+/// The most of a request's body the host reads and drops after answering the request itself,
+/// so the guest's HTTP/1.1 connection can carry its next request.
+const UNSENT_BODY_MAX: usize = 64 * 1024;
+
+/// How long the host waits for that body.
+const UNSENT_BODY_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Reads and drops the body of a request answered without going upstream (at most
+/// [`UNSENT_BODY_MAX`] bytes within [`UNSENT_BODY_WAIT`]), so that on HTTP/1 the connection
+/// is in step for the next request. `false`: the connection cannot go on (a larger, slower or
+/// broken body, or one the guest sends only after a `100 Continue` it will not get), and is to
+/// be closed after the answer. HTTP/2 ends the one stream and needs none of it.
+async fn drain_unsent(version: ::http::Version, expects_continue: bool, body: Incoming) -> bool {
+    use hyper::body::Body as _;
+    if version >= ::http::Version::HTTP_2 || body.is_end_stream() {
+        return true;
+    }
+    if expects_continue {
+        return false;
+    }
+    let read = async move {
+        let mut body = body;
+        let mut left = UNSENT_BODY_MAX;
+        while let Some(frame) = body.frame().await {
+            let Ok(frame) = frame else {
+                return false;
+            };
+            if let Some(data) = frame.data_ref() {
+                let Some(rest) = left.checked_sub(data.len()) else {
+                    return false;
+                };
+                left = rest;
+            }
+        }
+        true
+    };
+    tokio::time::timeout(UNSENT_BODY_WAIT, read)
+        .await
+        .unwrap_or(false)
+}
+
+/// A path without its query string (which may hold credentials), for logs and the audit.
+fn without_query(path_and_query: &str) -> &str {
+    path_and_query
+        .split_once('?')
+        .map_or(path_and_query, |(path, _)| path)
+}
+
 async fn handle(
     request: Request<Incoming>,
     context: Arc<Context>,
@@ -430,6 +598,11 @@ async fn handle(
         ));
     }
     let (mut parts, body) = request.into_parts();
+    // What the guest sent, kept for a request middleware answers (the head's copy is gone).
+    let expects_continue = parts
+        .headers
+        .get(header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
     strip_hop_by_hop(&mut parts.headers);
     // The client sets Host from the URI it is given, which names the trusted hostname.
     parts.headers.remove(header::HOST);
@@ -442,8 +615,29 @@ async fn handle(
             .map_or_else(|| "/".to_owned(), |p| p.as_str().to_owned()),
         headers: std::mem::take(&mut parts.headers),
     };
-    for middleware in &context.intercept.middleware {
-        middleware.on_request(&mut head);
+    let answered = context
+        .intercept
+        .middleware
+        .iter()
+        .find_map(|middleware| middleware.handle(&mut head));
+    if let Some(answered) = answered {
+        tracing::info!(
+            target: "krunbox::net",
+            hostname = %context.hostname,
+            method = %head.method,
+            path = without_query(&head.path_and_query),
+            status = answered.status.as_u16(),
+            "an intercepted request was answered by middleware: {}",
+            answered.text.trim_end()
+        );
+        let reusable = drain_unsent(parts.version, expects_continue, body).await;
+        let mut response = answer(answered.status, answered.text);
+        if !reusable {
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
+        return Ok(response);
     }
     strip_hop_by_hop(&mut head.headers);
     head.headers.remove(header::HOST);
@@ -518,7 +712,7 @@ async fn handle(
 }
 
 #[cfg(test)]
-mod tests {
+mod unit {
     use super::*;
 
     #[test]

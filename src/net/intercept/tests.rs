@@ -1,0 +1,261 @@
+//! Interception served on the host alone: the guest's end is an in-memory pipe with hyper's
+//! HTTP/1.1 client on it, and the origin a hyper server on in-memory pipes (or on loopback)
+//! that records what reaches it. Over "TLS" the guest's bytes are what would be inside its TLS
+//! connection (the host's TLS termination is not run), and the upstream side is real TLS to an
+//! origin with a certificate from the sandbox CA.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use ::http::Request;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http1::SendRequest;
+use tokio::io::DuplexStream;
+use tokio::sync::mpsc;
+
+use super::*;
+use crate::net::Secret;
+
+pub(super) const HOSTNAME: &str = "origin.test";
+
+/// A request as the origin got it.
+#[derive(Debug, Clone)]
+pub(super) struct Received {
+    pub method: Method,
+    pub target: String,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+/// What the origin saw, and how many requests it had at once.
+#[derive(Debug, Default)]
+pub(super) struct OriginLog {
+    pub received: Mutex<Vec<Received>>,
+    pub in_flight: AtomicUsize,
+    pub most_in_flight: AtomicUsize,
+}
+
+/// How long the origin holds each request before answering.
+pub(super) type Hold = std::time::Duration;
+
+/// Serves one upstream connection: records each request, holds it for `hold`, answers 200
+/// with `origin says <target>`.
+pub(super) async fn origin_connection<S>(stream: S, log: Arc<OriginLog>, hold: Hold)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let service = hyper::service::service_fn(move |request: Request<Incoming>| {
+        let log = log.clone();
+        async move {
+            let now = log.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+            log.most_in_flight.fetch_max(now, Ordering::SeqCst);
+            let (parts, body) = request.into_parts();
+            let body = body
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default();
+            let target = parts.uri.to_string();
+            log.received.lock().unwrap().push(Received {
+                method: parts.method,
+                target: target.clone(),
+                headers: parts.headers,
+                body,
+            });
+            tokio::time::sleep(hold).await;
+            log.in_flight.fetch_sub(1, Ordering::SeqCst);
+            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(format!(
+                "origin says {target}"
+            )))))
+        }
+    });
+    let _ = hyper::server::conn::http1::Builder::new()
+        .serve_connection(TokioIo::new(stream), service)
+        .await;
+}
+
+/// The sandbox CA, the origin's TLS configuration (a certificate for [`HOSTNAME`] from it)
+/// and the upstream client's (trusting it).
+pub(super) struct Tls {
+    pub authority: Arc<CertificateAuthority>,
+    pub origin: Arc<rustls::ServerConfig>,
+    pub client: Arc<rustls::ClientConfig>,
+}
+
+pub(super) fn tls() -> Tls {
+    let authority = CertificateAuthority::generate("tests").unwrap();
+    let client = UpstreamTrust::pem(authority.certificate_pem().as_bytes())
+        .unwrap()
+        .client_config()
+        .unwrap();
+    let key = authority.certified_key(HOSTNAME).unwrap();
+    let origin = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_cert_resolver(Arc::new(OneCertificate(key)));
+    Tls {
+        authority: Arc::new(authority),
+        origin: Arc::new(origin),
+        client,
+    }
+}
+
+/// The origin behind in-memory upstream connections (over TLS if `tls`).
+async fn memory_origin(
+    mut connections: mpsc::UnboundedReceiver<DuplexStream>,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    log: Arc<OriginLog>,
+) {
+    while let Some(stream) = connections.recv().await {
+        let (log, tls) = (log.clone(), tls.clone());
+        tokio::spawn(async move {
+            match tls {
+                None => origin_connection(stream, log, Hold::ZERO).await,
+                Some(config) => {
+                    let acceptor = tokio_rustls::TlsAcceptor::from(config);
+                    if let Ok(stream) = acceptor.accept(stream).await {
+                        origin_connection(stream, log, Hold::ZERO).await;
+                    }
+                }
+            }
+        });
+    }
+}
+
+/// One intercepted connection for [`HOSTNAME`] on port 443 (the guest spoke TLS) or 80.
+pub(super) struct Harness {
+    pub guest: SendRequest<Full<Bytes>>,
+    pub origin: Arc<OriginLog>,
+    pub stop: CancellationToken,
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// The job for one intercepted connection to [`HOSTNAME`].
+pub(super) fn job(
+    tls: &Tls,
+    port: u16,
+    intercept: Intercept,
+    secrets: Vec<Secret>,
+) -> InterceptJob {
+    InterceptJob {
+        hostname: HOSTNAME.into(),
+        port,
+        upstream: Vec::new(),
+        intercept,
+        secrets: secrets.into(),
+        authority: tls.authority.clone(),
+        client_tls: tls.client.clone(),
+        stop: CancellationToken::new(),
+    }
+}
+
+/// Serves `job` on an in-memory connection whose guest end is hyper's HTTP/1.1 client, the
+/// upstream an in-memory origin (over TLS when `job.port` is 443).
+pub(super) async fn serve_in_memory(tls: &Tls, job: InterceptJob) -> Harness {
+    let over_tls = job.port == 443;
+    let origin = Arc::new(OriginLog::default());
+    let (to_origin, connections) = mpsc::unbounded_channel();
+    tokio::spawn(memory_origin(
+        connections,
+        over_tls.then(|| tls.origin.clone()),
+        origin.clone(),
+    ));
+    let dialer = upstream::Dialer::Memory {
+        buffer: 64 * 1024,
+        to: to_origin,
+    };
+    let stop = job.stop.clone();
+    let (guest, ours) = tokio::io::duplex(64 * 1024);
+    tokio::spawn(serve_http(ours, over_tls, dialer, job));
+    let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(guest))
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    Harness {
+        guest: sender,
+        origin,
+        stop,
+    }
+}
+
+/// A request for [`HOSTNAME`].
+pub(super) fn request(method: Method, path: &str, body: &[u8]) -> Request<Full<Bytes>> {
+    Request::builder()
+        .method(method)
+        .uri(path)
+        .header(header::HOST, HOSTNAME)
+        .body(Full::new(Bytes::copy_from_slice(body)))
+        .unwrap()
+}
+
+/// Sends `request` on the harness's connection: the status, the `Connection` header and the
+/// body the guest got.
+pub(super) async fn send(
+    harness: &mut Harness,
+    request: Request<Full<Bytes>>,
+) -> (StatusCode, Option<HeaderValue>, String) {
+    harness.guest.ready().await.unwrap();
+    let response = harness.guest.send_request(request).await.unwrap();
+    let status = response.status();
+    let connection = response.headers().get(header::CONNECTION).cloned();
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    (
+        status,
+        connection,
+        String::from_utf8_lossy(&body).into_owned(),
+    )
+}
+
+fn refuse_posts() -> Intercept {
+    Intercept::new().answer_with(|request: &RequestHead| {
+        (request.method() == Method::POST).then(|| Answer::forbidden("krunbox: no posting\n"))
+    })
+}
+
+#[tokio::test]
+async fn middleware_answers_a_request_itself_and_the_connection_goes_on() {
+    let tls = tls();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let after = seen.clone();
+    // Middleware after the one that answers does not run for the answered request.
+    let intercept = refuse_posts().middleware(move |request: &mut RequestHead| {
+        after.lock().unwrap().push(request.method().clone());
+    });
+    let mut harness = serve_in_memory(&tls, job(&tls, 443, intercept, Vec::new())).await;
+    let (status, connection, body) = send(&mut harness, request(Method::POST, "/a", b"x=1")).await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    assert_eq!(body, "krunbox: no posting\n");
+    assert_eq!(connection, None, "the connection stays open");
+    let (status, _, body) = send(&mut harness, request(Method::GET, "/b", b"")).await;
+    assert_eq!((status, body.as_str()), (StatusCode::OK, "origin says /b"));
+    let received = harness.origin.received.lock().unwrap().clone();
+    assert_eq!(received.len(), 1, "{received:?}");
+    assert_eq!(received[0].method, Method::GET);
+    assert_eq!(received[0].target, "/b");
+    assert_eq!(received[0].headers[header::HOST], HOSTNAME);
+    assert!(received[0].body.is_empty());
+    assert_eq!(*seen.lock().unwrap(), [Method::GET]);
+}
+
+#[tokio::test]
+async fn a_large_unsent_body_closes_the_connection_after_the_answer() {
+    let tls = tls();
+    let mut harness = serve_in_memory(&tls, job(&tls, 80, refuse_posts(), Vec::new())).await;
+    let big = vec![b'x'; UNSENT_BODY_MAX + 1];
+    let (status, connection, _) = send(&mut harness, request(Method::POST, "/", &big)).await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    assert_eq!(
+        connection.as_ref().map(|v| v.as_bytes()),
+        Some(&b"close"[..])
+    );
+    assert!(harness.origin.received.lock().unwrap().is_empty());
+}

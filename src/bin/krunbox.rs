@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use krunbox::net::{
-    DomainPattern, Flow, HeaderName, HeaderValue, Intercept, Network, Ports, Protocol, Rule,
-    RuleError, Rules, Verdict,
+    DomainPattern, Flow, HeaderName, HeaderValue, Network, Ports, Protocol, Rule, RuleError, Rules,
+    Verdict,
 };
 use krunbox::{BuiltinImage, HostCapabilities, Rootfs, Sandbox, Stdio};
 use tokio::io::AsyncWriteExt;
@@ -109,7 +109,9 @@ struct RunArgs {
     ///
     /// The file holds {"rules": [RULE, ...]}; each RULE is {"action": "allow" or "deny",
     /// "domain": PATTERN or "address": IP-or-CIDR, and optionally "ports": 443 or
-    /// "8000-8100", "protocol": "dns" or "tcp", and on an allow rule for names "resolver":
+    /// "8000-8100", "protocol": "dns", "tcp" or "udp", on a rule for names "methods": ["GET",
+    /// ...] (the HTTP requests it decides: such connections are intercepted, and a request
+    /// the rules refuse is answered 403), and on an allow rule for names "resolver":
     /// "system", {"static": ["IP", ...]} or {"upstream": ["IP:PORT", ...]}}. Unknown fields
     /// are refused. Repeatable.
     #[arg(long, value_name = "FILE", value_parser = parse_rules_file)]
@@ -323,7 +325,8 @@ fn parse_publish(value: &str) -> Result<(u16, u16), String> {
 }
 
 /// The network the flags describe: the rules, with connections to a domain of an
-/// --inject-header intercepted to add its headers; published ports. `None`: no network.
+/// --inject-header intercepted to add its headers (after the rules' own middleware, which
+/// refuses requests by method, if they intercept it); published ports. `None`: no network.
 fn network(args: &RunArgs) -> Result<Option<Network>, RuleError> {
     let rules = network_rules(args)?;
     if rules.is_none() && args.publish.is_empty() && args.inject_header.is_empty() {
@@ -343,7 +346,7 @@ fn network(args: &RunArgs) -> Result<Option<Network>, RuleError> {
             if flow.protocol() != Protocol::Tcp || !verdict.is_grant() || injections.is_empty() {
                 return verdict;
             }
-            let mut intercept = Intercept::new();
+            let mut intercept = verdict.interception().cloned().unwrap_or_default();
             for i in injections {
                 intercept = intercept.set_header(i.header, i.value);
             }
@@ -706,5 +709,37 @@ mod tests {
         .unwrap();
         let message = refused(&["--rules", file.to_str().unwrap()]);
         assert!(message.contains("unknown field `domian`"), "{message}");
+        std::fs::write(
+            &file,
+            r#"{"rules": [{"action": "allow", "domain": "a.test", "methods": ["get"]}]}"#,
+        )
+        .unwrap();
+        let message = refused(&["--rules", file.to_str().unwrap()]);
+        assert!(message.contains("not an HTTP method"), "{message}");
+    }
+
+    #[test]
+    fn a_rules_file_can_limit_methods() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("rules.json");
+        std::fs::write(
+            &file,
+            r#"{"rules": [
+                {"action": "deny", "domain": "api.test", "methods": ["POST", "DELETE"]},
+                {"action": "allow", "domain": "api.test", "ports": 443, "methods": ["GET"]}
+            ]}"#,
+        )
+        .unwrap();
+        let args = args(&["--rules", file.to_str().unwrap()]).unwrap();
+        let rules = network_rules(&args).unwrap().unwrap();
+        let order: Vec<String> = rules.rules().iter().map(|r| r.to_string()).collect();
+        assert_eq!(
+            order,
+            [
+                "deny domain api.test methods POST,DELETE",
+                "allow domain api.test port 443 methods GET",
+            ]
+        );
+        assert!(network(&args).unwrap().is_some());
     }
 }

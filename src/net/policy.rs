@@ -256,6 +256,29 @@ impl Verdict {
         Self(Decision::Intercept(intercept))
     }
 
+    /// The interception this verdict grants, if it is [`Verdict::intercept`]: so a policy can
+    /// add middleware to a verdict it was given (by [`Rules`](crate::net::Rules), say).
+    ///
+    /// ```
+    /// use krunbox::net::{HeaderName, HeaderValue, Intercept, Verdict};
+    /// # fn f(verdict: Verdict) -> Verdict {
+    /// match verdict.interception() {
+    ///     Some(intercept) => Verdict::intercept(intercept.clone().set_header(
+    ///         HeaderName::from_static("x-team"),
+    ///         HeaderValue::from_static("agents"),
+    ///     )),
+    ///     None => verdict,
+    /// }
+    /// # }
+    /// assert!(Verdict::accept().interception().is_none());
+    /// ```
+    pub fn interception(&self) -> Option<&super::Intercept> {
+        match &self.0 {
+            Decision::Intercept(intercept) => Some(intercept),
+            _ => None,
+        }
+    }
+
     /// Whether this lets the flow through (if its protocol fits the grant).
     ///
     /// ```

@@ -17,6 +17,12 @@ const NAME_MAX: usize = 253;
 /// The longest label (RFC 1035).
 const LABEL_MAX: usize = 63;
 
+/// The most methods one rule may name.
+pub(crate) const METHODS_MAX: usize = 16;
+
+/// The longest method a rule may name.
+const METHOD_LEN_MAX: usize = 32;
+
 /// Why a rule, or a part of one, was refused.
 ///
 /// ```
@@ -108,6 +114,22 @@ pub enum RuleError {
     EmptyPortRange {
         /// The range as given.
         input: String,
+    },
+    /// An HTTP method that is not one: rules name methods in upper case (`GET`, `POST`,
+    /// `PROPFIND`), letters, digits, `-` and `_`, at most 32 of them.
+    #[error(
+        "`{input}` is not an HTTP method as rules name them: upper-case letters, digits, `-` \
+         and `_`, at most {METHOD_LEN_MAX} (such as GET or POST)"
+    )]
+    InvalidMethod {
+        /// The text as given.
+        input: String,
+    },
+    /// A rule naming more methods than a rule may.
+    #[error("a rule names {count} methods; at most {METHODS_MAX}")]
+    TooManyMethods {
+        /// How many it named.
+        count: usize,
     },
     /// A DNS server for a resolver that is not an address and port.
     #[error("`{input}` is not a DNS server's address and port (such as 192.0.2.53:53)")]
@@ -420,6 +442,16 @@ fn masked(address: IpAddr, prefix: u8) -> IpAddr {
     }
 }
 
+/// Whether `method` is one a rule may name: upper-case letters, digits, `-` and `_`, at most
+/// [`METHOD_LEN_MAX`].
+fn is_rule_method(method: &str) -> bool {
+    !method.is_empty()
+        && method.len() <= METHOD_LEN_MAX
+        && method
+            .bytes()
+            .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
 impl FromStr for Cidr {
     type Err = RuleError;
 
@@ -619,6 +651,9 @@ pub struct Rule {
     protocol: Option<Protocol>,
     /// For allowed names; `None`: the system resolver.
     resolver: Option<Resolver>,
+    /// The HTTP methods of the requests it decides; `None`: every request (and the connection
+    /// as a whole).
+    methods: Option<Vec<String>>,
 }
 
 impl Rule {
@@ -629,6 +664,7 @@ impl Rule {
             ports: Ports::any(),
             protocol: None,
             resolver: None,
+            methods: None,
         }
     }
 
@@ -724,6 +760,41 @@ impl Rule {
         self
     }
 
+    /// Limits the rule to HTTP requests with these methods (`GET`, `POST`, ...: upper case,
+    /// at most 16): the connections it matches are intercepted, and each request on them is
+    /// decided by the first rule that matches its host, port *and* method (see [`Rules`],
+    /// "HTTP methods"). Only for domain rules on TCP. A request's method is compared without
+    /// case, so `post` cannot slip past a rule for `POST`.
+    ///
+    /// ```
+    /// use krunbox::net::{Rule, Rules};
+    /// let rules = Rules::new()
+    ///     .rule(Rule::allow_domain("api.example.com").unwrap().ports(443).methods(["GET", "HEAD"]))
+    ///     .unwrap();
+    /// assert_eq!(rules.rules()[0].only_methods(), Some(&["GET".to_owned(), "HEAD".to_owned()][..]));
+    /// ```
+    pub fn methods<M: Into<String>>(mut self, methods: impl IntoIterator<Item = M>) -> Self {
+        let mut list: Vec<String> = Vec::new();
+        for method in methods {
+            let method = method.into();
+            if !list.contains(&method) {
+                list.push(method);
+            }
+        }
+        self.methods = Some(list);
+        self
+    }
+
+    /// The HTTP methods it is limited to, if it is.
+    ///
+    /// ```
+    /// use krunbox::net::Rule;
+    /// assert_eq!(Rule::allow_domain("a.test").unwrap().only_methods(), None);
+    /// ```
+    pub fn only_methods(&self) -> Option<&[String]> {
+        self.methods.as_deref()
+    }
+
     /// What the rule does.
     ///
     /// ```
@@ -801,7 +872,38 @@ impl Rule {
                 return inconsistent("a TCP- or UDP-only rule answers no DNS, so has no resolver");
             }
         }
+        if let Some(methods) = &self.methods {
+            if methods.len() > METHODS_MAX {
+                return Err(RuleError::TooManyMethods {
+                    count: methods.len(),
+                });
+            }
+            if let Some(bad) = methods.iter().find(|m| !is_rule_method(m)) {
+                return Err(RuleError::InvalidMethod { input: bad.clone() });
+            }
+            if methods.is_empty() {
+                return inconsistent(
+                    "an empty method list matches no request (leave `methods` out for all)",
+                );
+            }
+            if !is_domain {
+                return inconsistent(
+                    "methods need a domain rule: only connections to names are intercepted",
+                );
+            }
+            if matches!(self.protocol, Some(Protocol::Dns | Protocol::Udp)) {
+                return inconsistent("methods decide HTTP requests, on TCP only");
+            }
+        }
         Ok(())
+    }
+
+    /// Whether this rule (one that matched the connection) decides a request with `method`.
+    fn matches_method(&self, method: &str) -> bool {
+        match &self.methods {
+            None => true,
+            Some(methods) => methods.iter().any(|m| m.eq_ignore_ascii_case(method)),
+        }
     }
 
     /// Whether this rule decides a DNS query for `name`.
@@ -809,8 +911,8 @@ impl Rule {
         if matches!(self.protocol, Some(Protocol::Tcp | Protocol::Udp)) {
             return false;
         }
-        // A deny rule with ports restricts connections, not the name.
-        if self.action == Action::Deny && !self.ports.is_any() {
+        // A deny rule with ports or methods restricts connections or requests, not the name.
+        if self.action == Action::Deny && (!self.ports.is_any() || self.methods.is_some()) {
             return false;
         }
         matches!(&self.target, Target::Domain(pattern) if pattern.matches(name))
@@ -846,6 +948,9 @@ impl fmt::Display for Rule {
         write!(f, "{} {}", self.action, self.target)?;
         if !self.ports.is_any() {
             write!(f, " port {}", self.ports)?;
+        }
+        if let Some(methods) = &self.methods {
+            write!(f, " methods {}", methods.join(","))?;
         }
         if let Some(protocol) = self.protocol {
             write!(f, " ({protocol} only)")?;
@@ -892,15 +997,29 @@ impl fmt::Display for Rule {
 ///   link-local or the cloud metadata address, the connection is denied (DNS rebinding gets
 ///   nothing).
 ///
+/// **HTTP methods.** A domain rule may name the HTTP methods of the requests it decides
+/// ([`Rule::methods`], `"methods": ["GET", "HEAD"]`). For a connection, the rules that match
+/// it by name, port and protocol are taken in order up to the first without methods; if any
+/// of them names methods, it is each *request* that is decided, by the first of those rules
+/// whose methods include the request's (a rule without methods includes them all; a request
+/// none includes is denied). The connection is then intercepted as HTTP(S) (see
+/// [`Verdict::intercept`]: the guest trusts the sandbox CA; bytes that are not HTTP end it),
+/// and a refused request is answered `403` with a line naming the rule, goes nowhere, and
+/// leaves the connection usable. When the method cannot change the outcome (every request
+/// would be allowed, or every one denied) the connection is accepted or denied as a whole
+/// instead. Methods are compared without case; `GET` does not include `HEAD`. A deny rule with
+/// methods does not hide the name's DNS.
+///
 /// ```
-/// use krunbox::net::{Network, Rules};
+/// use krunbox::net::{Network, Rule, Rules};
 ///
 /// # fn main() -> Result<(), krunbox::net::RuleError> {
 /// let rules = Rules::new()
 ///     // A name of the test's own: resolved to loopback, without asking any DNS server, and
 ///     // connections to it on port 8080.
 ///     .dns_static("api.test", "127.0.0.1".parse().unwrap())?
-///     .allow_domain_ports("api.test", 8080)?
+///     // Only reading: any other request is answered 403 (the connection is intercepted).
+///     .rule(Rule::allow_domain("api.test")?.ports(8080).methods(["GET", "HEAD"]))?
 ///     // Everything under pythonhosted.org but one name, on 443.
 ///     .deny_domain("evil.files.pythonhosted.org")?
 ///     .allow_domain_ports("*.pythonhosted.org", 443)?
@@ -912,7 +1031,7 @@ impl fmt::Display for Rule {
 /// let json = r#"{"rules": [
 ///   {"action": "allow", "domain": "api.test", "protocol": "dns",
 ///    "resolver": {"static": ["127.0.0.1"]}},
-///   {"action": "allow", "domain": "api.test", "ports": 8080},
+///   {"action": "allow", "domain": "api.test", "ports": 8080, "methods": ["GET", "HEAD"]},
 ///   {"action": "deny", "domain": "evil.files.pythonhosted.org"},
 ///   {"action": "allow", "domain": "*.pythonhosted.org", "ports": 443},
 ///   {"action": "allow", "address": "192.0.2.0/24", "ports": 22}
@@ -923,7 +1042,8 @@ impl fmt::Display for Rule {
 ///
 /// Every field is checked when the rules are built or read: a pattern with an empty label, a
 /// `*` anywhere but the whole first label, a name longer than DNS allows, a malformed address
-/// or CIDR block, an empty port range, or a field that cannot apply (a resolver on a deny rule)
+/// or CIDR block, an empty port range, a method that is not upper case (or more than 16 of
+/// them), or a field that cannot apply (a resolver on a deny rule, methods on an address rule)
 /// is refused with a [`RuleError`], never ignored. Unknown JSON fields are refused too, so a
 /// misspelt `"prots"` does not silently widen a rule.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -1105,10 +1225,7 @@ impl Rules {
                 Some(name) => self.rules.iter().find(|r| r.matches_dns(name)),
                 None => None,
             },
-            Protocol::Tcp => self
-                .rules
-                .iter()
-                .find(|r| r.matches_tcp(flow.hostname(), flow.destination())),
+            Protocol::Tcp => return self.tcp_verdict(flow),
             Protocol::Udp => self
                 .rules
                 .iter()
@@ -1119,24 +1236,65 @@ impl Rules {
                 let resolver = rule.and_then(|r| r.resolver.clone());
                 Verdict::resolve(resolver.unwrap_or_else(Resolver::system))
             }
-            (Some(Action::Allow), Protocol::Tcp | Protocol::Udp) => match flow.hostname() {
-                // DNS rebinding: a name the rules resolve with a resolver (not a fixed answer)
-                // reaches only public addresses, so an allowed domain whose DNS answers with
-                // loopback, a private range or the cloud metadata address reaches nothing.
-                Some(name)
-                    if !self.has_fixed_answer(name) && !flow.upstream_class().is_public() =>
-                {
-                    tracing::info!(
-                        target: "krunbox::net",
-                        flow = %flow,
-                        class = %flow.upstream_class(),
-                        "an allowed name resolved to a non-public address: denied"
-                    );
-                    Verdict::deny()
-                }
-                _ => Verdict::accept(),
-            },
+            (Some(Action::Allow), _) => self.allowed(flow, Verdict::accept()),
             _ => Verdict::deny(),
+        }
+    }
+
+    /// A TCP connection: the rules that match it by target, port and protocol, in order, up to
+    /// the first that names no methods (which decides every method the ones before it leave).
+    /// Without methods among them the first decides; with them, a connection whose requests
+    /// are all allowed is accepted, one whose requests are all denied is denied, and any other
+    /// is intercepted so each request meets [`MethodGate`].
+    fn tcp_verdict(&self, flow: &Flow) -> Verdict {
+        let mut candidates = Vec::new();
+        for (index, rule) in self.rules.iter().enumerate() {
+            if rule.matches_tcp(flow.hostname(), flow.destination()) {
+                candidates.push((index, rule.clone()));
+                if rule.methods.is_none() {
+                    break;
+                }
+            }
+        }
+        // The default denial, for the methods no rule names.
+        let falls_through = candidates.last().is_none_or(|(_, r)| r.methods.is_some());
+        let allows = candidates.iter().any(|(_, r)| r.action == Action::Allow);
+        let denies = falls_through || candidates.iter().any(|(_, r)| r.action == Action::Deny);
+        match (allows, denies, flow.hostname()) {
+            (false, _, _) => Verdict::deny(),
+            (true, false, _) => self.allowed(flow, Verdict::accept()),
+            // Methods are on domain rules only (checked), so a candidate with them means a
+            // hostname; without one there is nothing to intercept.
+            (true, true, None) => Verdict::deny(),
+            (true, true, Some(hostname)) => {
+                let gate = MethodGate {
+                    hostname: hostname.to_owned(),
+                    port: flow.destination().port(),
+                    rules: candidates,
+                };
+                self.allowed(
+                    flow,
+                    Verdict::intercept(super::Intercept::new().middleware(gate)),
+                )
+            }
+        }
+    }
+
+    /// `grant` for an allowed connection or UDP flow, unless it is to a name resolved by a
+    /// DNS server (not a fixed answer) whose addresses are not public: DNS rebinding to
+    /// loopback, a private range or the cloud metadata address reaches nothing.
+    fn allowed(&self, flow: &Flow, grant: Verdict) -> Verdict {
+        match flow.hostname() {
+            Some(name) if !self.has_fixed_answer(name) && !flow.upstream_class().is_public() => {
+                tracing::info!(
+                    target: "krunbox::net",
+                    flow = %flow,
+                    class = %flow.upstream_class(),
+                    "an allowed name resolved to a non-public address: denied"
+                );
+                Verdict::deny()
+            }
+            _ => grant,
         }
     }
 
@@ -1187,6 +1345,34 @@ impl Rules {
     }
 }
 
+/// The middleware of a connection the rules intercept because methods decide its requests:
+/// each request is allowed or answered `403` by the first of the connection's rules whose
+/// methods include the request's (a rule without methods includes them all), and a request
+/// none includes is denied.
+struct MethodGate {
+    hostname: String,
+    port: u16,
+    /// The rules that matched the connection, with their place in the list, in order.
+    rules: Vec<(usize, Rule)>,
+}
+
+impl super::Middleware for MethodGate {
+    fn handle(&self, request: &mut super::RequestHead) -> Option<super::Answer> {
+        let method = request.method().as_str();
+        let (hostname, port) = (&self.hostname, self.port);
+        match self.rules.iter().find(|(_, r)| r.matches_method(method)) {
+            Some((_, rule)) if rule.action == Action::Allow => None,
+            Some((index, rule)) => Some(super::Answer::forbidden(format!(
+                "krunbox: {method} to {hostname}:{port} refused by network rule {index} \
+                 ({rule})\n"
+            ))),
+            None => Some(super::Answer::forbidden(format!(
+                "krunbox: {method} to {hostname}:{port} refused: no network rule allows it\n"
+            ))),
+        }
+    }
+}
+
 impl Policy for Rules {
     fn decide(&self, flow: Flow) -> Decide {
         Box::pin(std::future::ready(self.verdict(&flow)))
@@ -1216,6 +1402,8 @@ struct RawRule {
     protocol: Option<RawProtocol>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     resolver: Option<RawResolver>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    methods: Option<Vec<String>>,
 }
 
 /// `443` or `"443"` or `"8000-8100"`.
@@ -1293,6 +1481,15 @@ impl TryFrom<RawRule> for Rule {
                 Some(Resolver::upstream(servers))
             }
         };
+        if let Some(methods) = raw.methods {
+            // Checked before they are kept: a list of any length must not be deduplicated.
+            if methods.len() > METHODS_MAX {
+                return Err(RuleError::TooManyMethods {
+                    count: methods.len(),
+                });
+            }
+            rule = rule.methods(methods);
+        }
         rule.check()?;
         Ok(rule)
     }
@@ -1330,6 +1527,7 @@ impl From<Rule> for RawRule {
             ports,
             protocol,
             resolver,
+            methods: rule.methods,
         }
     }
 }
@@ -1935,6 +2133,190 @@ mod tests {
                 .unwrap()
         );
         assert!(Rules::from_json(r#"{"rules": []}"#).unwrap().is_empty());
+    }
+
+    fn is_intercept(verdict: &Verdict) -> bool {
+        verdict.interception().is_some()
+    }
+
+    #[test]
+    fn methods_are_checked_and_read_and_written_as_json() {
+        let rule = |methods: &[&str]| {
+            Rules::new().rule(
+                Rule::allow_domain("a.test")
+                    .unwrap()
+                    .methods(methods.iter().copied()),
+            )
+        };
+        let rules = rule(&["GET", "HEAD", "GET", "VERSION-CONTROL"]).unwrap();
+        assert_eq!(
+            rules.rules()[0].only_methods().unwrap(),
+            ["GET", "HEAD", "VERSION-CONTROL"],
+            "kept once each, in order"
+        );
+        assert_eq!(
+            rules.rules()[0].to_string(),
+            "allow domain a.test methods GET,HEAD,VERSION-CONTROL"
+        );
+        for bad in ["get", "G ET", "", "GET\r\n", "POST;", &"A".repeat(33)] {
+            assert!(
+                matches!(rule(&[bad]), Err(RuleError::InvalidMethod { .. })),
+                "{bad:?}"
+            );
+        }
+        let many: Vec<String> = (0..17).map(|i| format!("M{i}")).collect();
+        let many: Vec<&str> = many.iter().map(String::as_str).collect();
+        assert!(matches!(
+            rule(&many),
+            Err(RuleError::TooManyMethods { count: 17 })
+        ));
+        assert!(rule(&many[..16]).is_ok());
+        let inconsistent =
+            |rule: Rule| matches!(Rules::new().rule(rule), Err(RuleError::Inconsistent { .. }));
+        assert!(inconsistent(
+            Rule::allow_domain("a.test")
+                .unwrap()
+                .methods(Vec::<String>::new())
+        ));
+        assert!(inconsistent(
+            Rule::allow_address("10.0.0.0/8").unwrap().methods(["GET"])
+        ));
+        assert!(inconsistent(
+            Rule::allow_domain("a.test")
+                .unwrap()
+                .protocol(Protocol::Dns)
+                .methods(["GET"])
+        ));
+        assert!(inconsistent(
+            Rule::allow_domain("a.test")
+                .unwrap()
+                .protocol(Protocol::Udp)
+                .methods(["GET"])
+        ));
+        // JSON: read, written back the same, and checked.
+        let rules = Rules::from_json(
+            r#"{"rules": [{"action": "deny", "domain": "a.test", "methods": ["POST", "PUT"]},
+                          {"action": "allow", "domain": "a.test", "ports": 443,
+                           "methods": ["GET"]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            rules,
+            Rules::new()
+                .rule(
+                    Rule::deny_domain("a.test")
+                        .unwrap()
+                        .methods(["POST", "PUT"])
+                )
+                .unwrap()
+                .rule(
+                    Rule::allow_domain("a.test")
+                        .unwrap()
+                        .ports(443)
+                        .methods(["GET"])
+                )
+                .unwrap()
+        );
+        let json = rules.to_json();
+        assert_eq!(Rules::from_json(&json).unwrap(), rules);
+        let value: serde_json::Value = serde_json::from_str(&json).unwrap();
+        assert_eq!(
+            value["rules"][0]["methods"],
+            serde_json::json!(["POST", "PUT"])
+        );
+        for (json, expected) in [
+            (r#""methods": ["get"]"#, "InvalidMethod"),
+            (r#""methods": []"#, "Inconsistent"),
+            (r#""methods": "GET""#, "Json"),
+        ] {
+            let text =
+                format!(r#"{{"rules": [{{"action": "allow", "domain": "a.test", {json}}}]}}"#);
+            let err = Rules::from_json(&text).unwrap_err();
+            let err = match err {
+                RuleError::InRule { error, .. } => *error,
+                other => other,
+            };
+            assert!(format!("{err:?}").starts_with(expected), "{json}: {err:?}");
+        }
+        let many = format!(
+            r#"{{"rules": [{{"action": "allow", "domain": "a.test", "methods": [{}]}}]}}"#,
+            vec!["\"GET\""; 100_000].join(",")
+        );
+        assert!(matches!(
+            Rules::from_json(&many),
+            Err(RuleError::InRule { error, .. }) if matches!(*error, RuleError::TooManyMethods { count: 100_000 })
+        ));
+    }
+
+    #[test]
+    fn a_connection_is_intercepted_only_when_the_method_can_change_its_outcome() {
+        let post_denied = Rules::new()
+            .rule(Rule::deny_domain("a.test").unwrap().methods(["POST"]))
+            .unwrap()
+            .allow_domain("a.test")
+            .unwrap();
+        assert!(is_intercept(&post_denied.verdict(&tcp_name("a.test", 443))));
+        assert!(
+            post_denied.verdict(&dns("a.test")).is_grant(),
+            "a deny with methods does not hide the name"
+        );
+        // Only GET, the rest denied by default: intercepted.
+        let get_only = Rules::new()
+            .rule(
+                Rule::allow_domain("a.test")
+                    .unwrap()
+                    .ports(443)
+                    .methods(["GET"]),
+            )
+            .unwrap();
+        assert!(is_intercept(&get_only.verdict(&tcp_name("a.test", 443))));
+        assert!(get_only.verdict(&dns("a.test")).is_grant());
+        assert_eq!(
+            get_only.verdict(&tcp_name("a.test", 80)),
+            Verdict::deny(),
+            "no rule matches port 80"
+        );
+        // Every method allowed: accepted, not intercepted.
+        let all_allowed = Rules::new()
+            .rule(Rule::allow_domain("a.test").unwrap().methods(["GET"]))
+            .unwrap()
+            .allow_domain("a.test")
+            .unwrap();
+        assert_eq!(
+            all_allowed.verdict(&tcp_name("a.test", 443)),
+            Verdict::accept()
+        );
+        // Every method denied: denied.
+        let all_denied = Rules::new()
+            .rule(Rule::deny_domain("a.test").unwrap().methods(["POST"]))
+            .unwrap()
+            .deny_domain("a.test")
+            .unwrap()
+            .allow_domain("a.test")
+            .unwrap();
+        assert_eq!(
+            all_denied.verdict(&tcp_name("a.test", 443)),
+            Verdict::deny()
+        );
+        // A rule without methods first decides the connection as before.
+        let plain_first = Rules::new()
+            .allow_domain("a.test")
+            .unwrap()
+            .rule(Rule::deny_domain("a.test").unwrap().methods(["POST"]))
+            .unwrap();
+        assert_eq!(
+            plain_first.verdict(&tcp_name("a.test", 443)),
+            Verdict::accept()
+        );
+        // Other names are not touched by the methods of a.test.
+        assert_eq!(
+            post_denied.verdict(&tcp_name("b.test", 443)),
+            Verdict::deny()
+        );
+        // DNS rebinding: an intercepted name resolved to a private address reaches nothing.
+        let mut private = tcp_name("a.test", 443);
+        private.upstream = vec![ip("10.0.0.1")];
+        assert_eq!(get_only.verdict(&private), Verdict::deny());
     }
 
     #[test]

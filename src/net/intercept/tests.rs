@@ -259,3 +259,62 @@ async fn a_large_unsent_body_closes_the_connection_after_the_answer() {
     );
     assert!(harness.origin.received.lock().unwrap().is_empty());
 }
+
+#[tokio::test]
+async fn method_rules_refuse_requests_with_403_naming_the_rule() {
+    use crate::net::{Flow, Protocol, Rule, Rules};
+    let rules = Rules::new()
+        .rule(Rule::deny_domain(HOSTNAME).unwrap().methods(["POST"]))
+        .unwrap()
+        .rule(
+            Rule::allow_domain(HOSTNAME)
+                .unwrap()
+                .ports(443)
+                .methods(["GET", "HEAD"]),
+        )
+        .unwrap();
+    let flow = Flow {
+        protocol: Protocol::Tcp,
+        source: "10.0.2.15:40000".parse().unwrap(),
+        destination: "198.18.0.1:443".parse().unwrap(),
+        hostname: Some(HOSTNAME.into()),
+        upstream: vec!["93.184.215.14".parse().unwrap()],
+    };
+    let intercept = rules
+        .verdict(&flow)
+        .interception()
+        .expect("methods decide: intercepted")
+        .clone();
+    let tls = tls();
+    let mut harness = serve_in_memory(&tls, job(&tls, 443, intercept, Vec::new())).await;
+    let (status, _, body) = send(&mut harness, request(Method::GET, "/get", b"")).await;
+    assert_eq!(
+        (status, body.as_str()),
+        (StatusCode::OK, "origin says /get")
+    );
+    let (status, _, body) = send(&mut harness, request(Method::POST, "/post", b"a=1")).await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    assert_eq!(
+        body,
+        "krunbox: POST to origin.test:443 refused by network rule 0 \
+         (deny domain origin.test methods POST)\n"
+    );
+    // Methods are compared without case: `post` is no way around a rule for POST.
+    let lower = Method::from_bytes(b"post").unwrap();
+    let (status, _, _) = send(&mut harness, request(lower, "/post", b"")).await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    let (status, _, body) = send(&mut harness, request(Method::DELETE, "/x", b"")).await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    assert!(body.contains("no network rule allows it"), "{body}");
+    let (status, _, _) = send(&mut harness, request(Method::HEAD, "/head", b"")).await;
+    assert_eq!(status, StatusCode::OK, "the connection is still usable");
+    let received: Vec<String> = harness
+        .origin
+        .received
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|r| format!("{} {}", r.method, r.target))
+        .collect();
+    assert_eq!(received, ["GET /get", "HEAD /head"]);
+}

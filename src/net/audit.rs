@@ -3,8 +3,10 @@
 //! ([`Instance::network_events`](crate::Instance::network_events)).
 
 use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
+use ::http::{Method, StatusCode};
 use tokio::sync::broadcast;
 
 use super::policy::{Decision, Flow};
@@ -66,6 +68,78 @@ pub enum NetworkEvent {
         /// Who connected, on the host's loopback.
         peer: SocketAddr,
     },
+    /// A request on an intercepted connection (the connection itself is `Decided` with
+    /// [`Outcome::Intercepted`]): what the guest asked for, what it got, and which secrets the
+    /// host swapped in. Sent once the guest has its answer's head and the request's body has
+    /// gone upstream (or been dropped).
+    Request {
+        /// When the event was sent.
+        at: SystemTime,
+        /// The connection's trusted hostname.
+        hostname: String,
+        /// The connection's destination port.
+        port: u16,
+        /// The request's method.
+        method: Method,
+        /// The request's path, without its query string (where credentials often are).
+        path: String,
+        /// The status the guest got; `None` if it got none (its connection ended first, or the
+        /// sandbox's network stopped).
+        status: Option<StatusCode>,
+        /// What became of the request.
+        outcome: RequestOutcome,
+        /// The secrets (by their variable's name) whose placeholders were swapped for their
+        /// values on the way upstream: in headers, the query string or the body.
+        secrets_swapped: Vec<String>,
+        /// The secrets (by their variable's name) whose placeholders were on the request and
+        /// went out as they were: to a host the secret is not bound to, over plain HTTP, or in
+        /// a part of the request the secret did not opt in to.
+        placeholders_left: Vec<String>,
+    },
+}
+
+/// What became of an intercepted request ([`NetworkEvent::Request`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RequestOutcome {
+    /// Sent upstream; the guest got the upstream's response.
+    Forwarded,
+    /// Answered by middleware (a rule's methods, or the caller's
+    /// [`Middleware::handle`](crate::net::Middleware::handle)) without going upstream.
+    Answered {
+        /// The answer's text, for people.
+        reason: String,
+    },
+    /// It named another authority than the connection's trusted hostname and port: answered
+    /// `421`, sent nowhere.
+    Misdirected {
+        /// The authority it named.
+        authority: String,
+    },
+    /// Its path is not one a request may have: answered `400`, sent nowhere.
+    InvalidPath,
+    /// The upstream could not be reached: answered `502`.
+    Unreachable {
+        /// Why, for people.
+        reason: String,
+    },
+    /// The guest's connection ended (or the network stopped) before it was answered.
+    Abandoned,
+}
+
+impl std::fmt::Display for RequestOutcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RequestOutcome::Forwarded => f.write_str("forwarded"),
+            RequestOutcome::Answered { reason } => write!(f, "answered by middleware: {reason}"),
+            RequestOutcome::Misdirected { authority } => {
+                write!(f, "misdirected (it named {authority})")
+            }
+            RequestOutcome::InvalidPath => f.write_str("refused: not a valid path"),
+            RequestOutcome::Unreachable { reason } => write!(f, "unreachable: {reason}"),
+            RequestOutcome::Abandoned => f.write_str("abandoned before its answer"),
+        }
+    }
 }
 
 /// A decision, as the audit names it.
@@ -166,6 +240,24 @@ impl Audit {
         });
     }
 
+    /// The record of one intercepted request, sent when the last holder drops it.
+    pub(crate) fn request(
+        &self,
+        hostname: &str,
+        port: u16,
+        method: Method,
+        path: &str,
+    ) -> Arc<RequestRecord> {
+        Arc::new(RequestRecord {
+            audit: self.clone(),
+            hostname: hostname.to_owned(),
+            port,
+            method,
+            path: path.to_owned(),
+            state: Mutex::default(),
+        })
+    }
+
     /// A connection to a published port.
     pub(crate) fn published(&self, guest_port: u16, peer: SocketAddr) {
         tracing::info!(
@@ -178,6 +270,97 @@ impl Audit {
             at: SystemTime::now(),
             guest_port,
             peer,
+        });
+    }
+}
+
+/// One intercepted request's audit event in the making. Its holders are the request's handler
+/// (until the guest has its answer's head) and, when secrets are swapped in the body, the
+/// body on its way upstream (until it is sent); the event goes out when the last lets go, so it
+/// names the secrets swapped in the body too.
+#[derive(Debug)]
+pub(crate) struct RequestRecord {
+    audit: Audit,
+    hostname: String,
+    port: u16,
+    method: Method,
+    path: String,
+    state: Mutex<RequestState>,
+}
+
+#[derive(Debug, Default)]
+struct RequestState {
+    answered: Option<(StatusCode, RequestOutcome)>,
+    swapped: Vec<String>,
+    left: Vec<String>,
+}
+
+impl RequestRecord {
+    fn state(&self) -> std::sync::MutexGuard<'_, RequestState> {
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The guest got `status`, because of `outcome`.
+    pub(crate) fn answered(&self, status: StatusCode, outcome: RequestOutcome) {
+        self.state().answered = Some((status, outcome));
+    }
+
+    /// Secrets swapped in (`swapped`) and placeholders left as they were (`left`), by variable.
+    pub(crate) fn secrets(&self, swapped: &[String], left: &[String]) {
+        let mut guard = self.state();
+        let state = &mut *guard;
+        for (from, to) in [(swapped, &mut state.swapped), (left, &mut state.left)] {
+            for name in from {
+                if !to.contains(name) {
+                    to.push(name.clone());
+                }
+            }
+        }
+    }
+}
+
+impl Drop for RequestRecord {
+    fn drop(&mut self) {
+        let state = std::mem::take(&mut *self.state());
+        let (status, outcome) = match state.answered {
+            Some((status, outcome)) => (Some(status), outcome),
+            None => (None, RequestOutcome::Abandoned),
+        };
+        let status_code = status.map_or(0, |s| s.as_u16());
+        let (hostname, port, method, path) = (&self.hostname, self.port, &self.method, &self.path);
+        if !state.left.is_empty() {
+            tracing::warn!(
+                target: "krunbox::net",
+                hostname, port, %method, path, status = status_code, %outcome,
+                swapped = ?state.swapped, left = ?state.left,
+                "intercepted request: placeholders of secrets went out as they were"
+            );
+        } else if outcome != RequestOutcome::Forwarded || !state.swapped.is_empty() {
+            tracing::info!(
+                target: "krunbox::net",
+                hostname, port, %method, path, status = status_code, %outcome,
+                swapped = ?state.swapped,
+                "intercepted request"
+            );
+        } else {
+            tracing::debug!(
+                target: "krunbox::net",
+                hostname, port, %method, path, status = status_code,
+                "intercepted request"
+            );
+        }
+        self.audit.send(NetworkEvent::Request {
+            at: SystemTime::now(),
+            hostname: std::mem::take(&mut self.hostname),
+            port,
+            method: self.method.clone(),
+            path: std::mem::take(&mut self.path),
+            status,
+            outcome,
+            secrets_swapped: state.swapped,
+            placeholders_left: state.left,
         });
     }
 }

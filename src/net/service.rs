@@ -543,6 +543,7 @@ impl Service {
                                 secrets,
                                 authority,
                                 client_tls,
+                                audit: audit.clone(),
                                 stop,
                             };
                             Event::Intercept(key, Box::new(job))

@@ -299,6 +299,7 @@ async fn drive(data: Vec<u8>, tls: bool, log: Shared) {
         secrets: fixture.secrets.clone(),
         authority: fixture.authority.clone(),
         client_tls: fixture.client_tls.clone(),
+        audit: crate::net::audit::Audit::new(),
         stop: stop.clone(),
     };
     let dialer = upstream::Dialer::Memory {

@@ -30,6 +30,7 @@ use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_util::sync::CancellationToken;
 
+use super::audit::{Audit, RequestOutcome, RequestRecord};
 use super::relay::GuestStream;
 use ca::CertificateAuthority;
 pub use upstream::UpstreamTrust;
@@ -352,6 +353,8 @@ pub(crate) struct InterceptJob {
     pub secrets: Arc<[super::Secret]>,
     pub authority: Arc<CertificateAuthority>,
     pub client_tls: Arc<rustls::ClientConfig>,
+    /// Where each request's audit event goes.
+    pub audit: Audit,
     /// Ends every task hyper starts for this connection when the sandbox's network stops.
     pub stop: CancellationToken,
 }
@@ -407,6 +410,7 @@ where
         port: job.port,
         intercept: job.intercept.clone(),
         secrets: job.secrets.clone(),
+        audit: job.audit.clone(),
     });
     let service = hyper::service::service_fn(move |request| handle(request, context.clone()));
     hyper_util::server::conn::auto::Builder::new(upstream::Scoped(job.stop.clone()))
@@ -435,6 +439,7 @@ struct Context {
     port: u16,
     intercept: Intercept,
     secrets: Arc<[super::Secret]>,
+    audit: Audit,
 }
 
 /// Headers that belong to one connection, not to the request (RFC 9110 7.6.1).
@@ -565,6 +570,27 @@ async fn handle(
     request: Request<Incoming>,
     context: Arc<Context>,
 ) -> Result<Response<Body>, Infallible> {
+    let path = request
+        .uri()
+        .path_and_query()
+        .map_or("/", |p| without_query(p.as_str()));
+    let record = context.audit.request(
+        &context.hostname,
+        context.port,
+        request.method().clone(),
+        path,
+    );
+    Ok(forward(request, &context, &record).await)
+}
+
+/// Answers one request of an intercepted connection: from middleware, from krunbox itself
+/// (another authority, a bad path, an unreachable upstream), or from upstream; says which in
+/// `record`.
+async fn forward(
+    request: Request<Incoming>,
+    context: &Context,
+    record: &Arc<RequestRecord>,
+) -> Response<Body> {
     let default_port = if context.scheme == "https" { 443 } else { 80 };
     let authority = request
         .uri()
@@ -581,21 +607,16 @@ async fn handle(
         .as_deref()
         .is_some_and(|a| authority_matches(a, &context.hostname, context.port, default_port));
     if !matches {
-        tracing::info!(
-            target: "krunbox::net",
-            hostname = %context.hostname,
-            authority = authority.as_deref().unwrap_or("(none)"),
-            "an intercepted request named another authority: answered 421"
+        let authority = authority.unwrap_or_else(|| "(no authority)".into());
+        let text = format!(
+            "krunbox: this connection is for {}:{}, not {authority}\n",
+            context.hostname, context.port,
         );
-        return Ok(answer(
+        record.answered(
             StatusCode::MISDIRECTED_REQUEST,
-            format!(
-                "krunbox: this connection is for {}:{}, not {}\n",
-                context.hostname,
-                context.port,
-                authority.as_deref().unwrap_or("(no authority)")
-            ),
-        ));
+            RequestOutcome::Misdirected { authority },
+        );
+        return answer(StatusCode::MISDIRECTED_REQUEST, text);
     }
     let (mut parts, body) = request.into_parts();
     // What the guest sent, kept for a request middleware answers (the head's copy is gone).
@@ -621,14 +642,11 @@ async fn handle(
         .iter()
         .find_map(|middleware| middleware.handle(&mut head));
     if let Some(answered) = answered {
-        tracing::info!(
-            target: "krunbox::net",
-            hostname = %context.hostname,
-            method = %head.method,
-            path = without_query(&head.path_and_query),
-            status = answered.status.as_u16(),
-            "an intercepted request was answered by middleware: {}",
-            answered.text.trim_end()
+        record.answered(
+            answered.status,
+            RequestOutcome::Answered {
+                reason: answered.text.trim_end().to_owned(),
+            },
         );
         let reusable = drain_unsent(parts.version, expects_continue, body).await;
         let mut response = answer(answered.status, answered.text);
@@ -637,7 +655,7 @@ async fn handle(
                 .headers_mut()
                 .insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
-        return Ok(response);
+        return response;
     }
     strip_hop_by_hop(&mut head.headers);
     head.headers.remove(header::HOST);
@@ -654,32 +672,18 @@ async fn handle(
         &mut head.headers,
         &mut head.path_and_query,
     );
-    if !swapped.replaced.is_empty() {
-        tracing::info!(
-            target: "krunbox::net",
-            hostname = %context.hostname,
-            secrets = ?swapped.replaced,
-            "secrets swapped in for their placeholders"
-        );
-    }
-    if !swapped.left.is_empty() {
-        tracing::warn!(
-            target: "krunbox::net",
-            hostname = %context.hostname,
-            secrets = ?swapped.left,
-            "placeholders of secrets not bound to this host went out as they were"
-        );
-    }
+    record.secrets(&swapped.replaced, &swapped.left);
     let Some(uri) = upstream_uri(
         context.scheme,
         &context.hostname,
         context.port,
         &head.path_and_query,
     ) else {
-        return Ok(answer(
+        record.answered(StatusCode::BAD_REQUEST, RequestOutcome::InvalidPath);
+        return answer(
             StatusCode::BAD_REQUEST,
             "krunbox: the request's path is not valid\n".into(),
-        ));
+        );
     };
     parts.uri = uri;
     parts.headers = head.headers;
@@ -692,21 +696,23 @@ async fn handle(
         Ok(response) => {
             let (mut parts, body) = response.into_parts();
             strip_hop_by_hop(&mut parts.headers);
-            Ok(Response::from_parts(parts, body.boxed()))
+            record.answered(parts.status, RequestOutcome::Forwarded);
+            Response::from_parts(parts, body.boxed())
         }
         Err(err) => {
-            tracing::info!(
-                target: "krunbox::net",
-                hostname = %context.hostname,
-                "an intercepted request could not be sent upstream: {err:?}"
+            record.answered(
+                StatusCode::BAD_GATEWAY,
+                RequestOutcome::Unreachable {
+                    reason: format!("{err:?}"),
+                },
             );
-            Ok(answer(
+            answer(
                 StatusCode::BAD_GATEWAY,
                 format!(
                     "krunbox: the upstream {} could not be reached\n",
                     context.hostname
                 ),
-            ))
+            )
         }
     }
 }

@@ -154,6 +154,7 @@ pub(super) fn job(
         secrets: secrets.into(),
         authority: tls.authority.clone(),
         client_tls: tls.client.clone(),
+        audit: Audit::new(),
         stop: CancellationToken::new(),
     }
 }
@@ -317,4 +318,119 @@ async fn method_rules_refuse_requests_with_403_naming_the_rule() {
         .map(|r| format!("{} {}", r.method, r.target))
         .collect();
     assert_eq!(received, ["GET /get", "HEAD /head"]);
+}
+
+/// The `Request` events sent so far.
+fn request_events(
+    events: &mut tokio::sync::broadcast::Receiver<crate::net::NetworkEvent>,
+) -> Vec<crate::net::NetworkEvent> {
+    let mut got = Vec::new();
+    while let Ok(event) = events.try_recv() {
+        if matches!(event, crate::net::NetworkEvent::Request { .. }) {
+            got.push(event);
+        }
+    }
+    got
+}
+
+#[tokio::test]
+async fn each_intercepted_request_is_an_audit_event_without_its_query() {
+    use crate::net::{NetworkEvent, RequestOutcome};
+    let tls = tls();
+    let bound = Secret::new("BOUND_KEY", "real-bound")
+        .unwrap()
+        .bind_to(HOSTNAME);
+    let other = Secret::new("OTHER_KEY", "real-other")
+        .unwrap()
+        .bind_to("other.test");
+    let job = job(
+        &tls,
+        443,
+        refuse_posts(),
+        vec![bound.clone(), other.clone()],
+    );
+    let mut events = job.audit.subscribe();
+    let mut harness = serve_in_memory(&tls, job).await;
+    let mut get = request(Method::GET, "/v1/items?key=hidden", b"");
+    get.headers_mut().insert(
+        "x-keys",
+        format!("{} {}", bound.placeholder(), other.placeholder())
+            .parse()
+            .unwrap(),
+    );
+    let (status, _, _) = send(&mut harness, get).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, _, _) = send(&mut harness, request(Method::POST, "/p?q=1", b"")).await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    let mut misdirected = request(Method::GET, "/elsewhere", b"");
+    misdirected
+        .headers_mut()
+        .insert(header::HOST, "other.test".parse().unwrap());
+    let (status, _, _) = send(&mut harness, misdirected).await;
+    assert_eq!(status, StatusCode::MISDIRECTED_REQUEST);
+    let received = harness.origin.received.lock().unwrap().clone();
+    assert_eq!(
+        received[0].headers["x-keys"],
+        format!("real-bound {}", other.placeholder()).as_str()
+    );
+    let events = request_events(&mut events);
+    assert_eq!(events.len(), 3, "{events:#?}");
+    let NetworkEvent::Request {
+        hostname,
+        port,
+        method,
+        path,
+        status,
+        outcome,
+        secrets_swapped,
+        placeholders_left,
+        ..
+    } = &events[0]
+    else {
+        unreachable!()
+    };
+    assert_eq!((hostname.as_str(), *port), (HOSTNAME, 443));
+    assert_eq!((method, path.as_str()), (&Method::GET, "/v1/items"));
+    assert_eq!(*status, Some(StatusCode::OK));
+    assert_eq!(*outcome, RequestOutcome::Forwarded);
+    assert_eq!(*secrets_swapped, ["BOUND_KEY"]);
+    assert_eq!(*placeholders_left, ["OTHER_KEY"]);
+    let NetworkEvent::Request {
+        path,
+        status,
+        outcome,
+        secrets_swapped,
+        ..
+    } = &events[1]
+    else {
+        unreachable!()
+    };
+    assert_eq!(path, "/p");
+    assert_eq!(*status, Some(StatusCode::FORBIDDEN));
+    assert_eq!(
+        *outcome,
+        RequestOutcome::Answered {
+            reason: "krunbox: no posting".into()
+        }
+    );
+    assert!(secrets_swapped.is_empty());
+    let NetworkEvent::Request {
+        status, outcome, ..
+    } = &events[2]
+    else {
+        unreachable!()
+    };
+    assert_eq!(*status, Some(StatusCode::MISDIRECTED_REQUEST));
+    assert_eq!(
+        *outcome,
+        RequestOutcome::Misdirected {
+            authority: "other.test".into()
+        }
+    );
+    // Nothing in any event holds a query string or a value.
+    let text = format!("{events:?}");
+    assert!(
+        !text.contains("hidden") && !text.contains("real-"),
+        "{text}"
+    );
 }

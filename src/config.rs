@@ -34,4 +34,7 @@ pub(crate) struct SandboxConfig {
     /// library (`SandboxBuilder::network_backend_for_benchmarks`); `network` is then deny-all
     /// and only addresses the guest.
     pub network_backend: Option<PathBuf>,
+    /// Host filesystems mounted in the guest, parents before the mounts inside them.
+    #[allow(dead_code)] // read by the boot (being wired)
+    pub mounts: Vec<crate::fs::Mount>,
 }

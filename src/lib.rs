@@ -43,6 +43,7 @@ mod console;
 mod control;
 mod error;
 mod files;
+pub mod fs;
 #[doc(hidden)]
 pub mod fuzzing;
 mod instance;

@@ -93,6 +93,7 @@ pub struct SandboxBuilder {
     console_log_max: u64,
     network: Option<crate::Network>,
     network_backend: Option<PathBuf>,
+    mounts: Vec<crate::fs::Mount>,
 }
 
 impl Default for SandboxBuilder {
@@ -118,6 +119,7 @@ impl Default for SandboxBuilder {
             console_log_max: crate::console::DEFAULT_CONSOLE_LOG_MAX,
             network: None,
             network_backend: None,
+            mounts: Vec::new(),
         }
     }
 }
@@ -245,6 +247,50 @@ impl SandboxBuilder {
     /// ```
     pub fn network(mut self, network: crate::Network) -> Self {
         self.network = Some(network);
+        self
+    }
+
+    /// Mounts `fs` at `guest_path` (absolute; created in the guest if missing), read-write with
+    /// the default cache policy. Every boot of the definition mounts the same filesystem: a
+    /// [`MemoryFs`](crate::fs::MemoryFs) keeps what one boot wrote for the next. See
+    /// [`fs`](crate::fs) and [`mount_with`](Self::mount_with).
+    ///
+    /// ```
+    /// use krunbox::fs::MemoryFs;
+    /// use krunbox::Sandbox;
+    ///
+    /// let workspace = MemoryFs::new();
+    /// let sandbox = Sandbox::builder().mount("/workspace", workspace.clone());
+    /// # let _ = sandbox;
+    /// ```
+    pub fn mount(self, guest_path: impl Into<String>, fs: impl crate::fs::VirtualFs) -> Self {
+        self.mount_with(guest_path, fs, crate::fs::MountOptions::new())
+    }
+
+    /// Mounts `fs` at `guest_path` with `options` (read-only, cache policy).
+    ///
+    /// ```
+    /// use krunbox::fs::{HostDir, MountOptions};
+    /// use krunbox::Sandbox;
+    ///
+    /// # fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// let docs = HostDir::new("/usr/share/doc")?;
+    /// let sandbox = Sandbox::builder()
+    ///     .mount_with("/docs", docs, MountOptions::new().read_only())
+    ///     .build()?;
+    /// # let _ = sandbox; Ok(()) }
+    /// ```
+    pub fn mount_with(
+        mut self,
+        guest_path: impl Into<String>,
+        fs: impl crate::fs::VirtualFs,
+        options: crate::fs::MountOptions,
+    ) -> Self {
+        self.mounts.push(crate::fs::Mount {
+            guest_path: guest_path.into(),
+            fs: Arc::new(fs),
+            options,
+        });
         self
     }
 
@@ -379,6 +425,7 @@ impl SandboxBuilder {
             (Some(_), network) => Some(network.unwrap_or_else(crate::Network::deny_all)),
             (None, network) => network,
         };
+        let mounts = crate::fs::check_mounts(self.mounts).map_err(Error::InvalidConfig)?;
         let kernel = self.kernel.map(Kernel::into_config).transpose()?;
         let artifacts = Artifacts::locate_with(&self.overrides)?;
         Ok(Sandbox {
@@ -398,6 +445,7 @@ impl SandboxBuilder {
                 console_log_max: self.console_log_max,
                 network,
                 network_backend: self.network_backend,
+                mounts,
             }),
         })
     }

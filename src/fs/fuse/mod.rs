@@ -1,0 +1,1 @@
+//! FUSE: the wire format between the guest kernel and this module.

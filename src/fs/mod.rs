@@ -1,0 +1,186 @@
+//! Workspaces: filesystems the host implements, mounted at guest paths.
+//!
+//! A [`VirtualFs`] is any host object that answers filesystem operations (a database, an
+//! object store, a git tree, memory). [`SandboxBuilder::mount`](crate::SandboxBuilder::mount)
+//! puts one at a guest path; every process in the guest then sees an ordinary POSIX directory
+//! tree there, and never a host path. Two implementations ship: [`MemoryFs`] (in memory,
+//! seedable, readable and writable by the host while the guest runs) and [`HostDir`] (a host
+//! directory, read-only or read-write, that nothing in the guest can escape).
+//!
+//! The transport is FUSE: guest-init mounts a FUSE filesystem at the target and relays the
+//! guest kernel's requests, unparsed, over a vsock connection of its own; this module decodes
+//! each one (bounded and validated: the guest is hostile, see `fuse/`), calls the
+//! implementation, and encodes the reply. docs/architecture.md says why (and what else was
+//! weighed), and what the guest caches.
+//!
+//! ```no_run
+//! # async fn demo() -> krunbox::Result<()> {
+//! use krunbox::fs::MemoryFs;
+//! use krunbox::{BuiltinImage, Rootfs, Sandbox};
+//!
+//! let workspace = MemoryFs::new();
+//! workspace.write_file("/src/main.py", b"print('hi')\n").unwrap();
+//! let sandbox = Sandbox::builder()
+//!     .rootfs(Rootfs::builtin(BuiltinImage::Agent))
+//!     .mount("/workspace", workspace.clone())
+//!     .build()?;
+//! let vm = sandbox.boot().await?;
+//! vm.command("sh").args(["-c", "python3 /workspace/src/main.py > /workspace/out.txt"])
+//!     .status().await?;
+//! assert_eq!(workspace.read_file("/out.txt").unwrap(), b"hi\n");
+//! # Ok(()) }
+//! ```
+
+pub(crate) mod fuse;
+mod host_dir;
+mod memory;
+pub(crate) mod service;
+mod types;
+mod virtual_fs;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use async_trait::async_trait;
+pub use host_dir::HostDir;
+pub use memory::MemoryFs;
+pub use types::*;
+pub use virtual_fs::VirtualFs;
+
+/// How a filesystem is mounted in the guest.
+///
+/// ```
+/// use std::time::Duration;
+/// use krunbox::fs::MountOptions;
+///
+/// let options = MountOptions::new().read_only().cache(Duration::ZERO);
+/// assert!(options.is_read_only());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MountOptions {
+    read_only: bool,
+    cache: CachePolicy,
+}
+
+impl MountOptions {
+    /// Read-write, with the default cache policy ([`MountOptions::DEFAULT_CACHE`]).
+    pub fn new() -> Self {
+        MountOptions {
+            read_only: false,
+            cache: CachePolicy {
+                entry_timeout: Self::DEFAULT_CACHE,
+                attr_timeout: Self::DEFAULT_CACHE,
+            },
+        }
+    }
+
+    /// How long the guest trusts a name or an attribute it was told, by default: one second,
+    /// so changes the host makes behind the guest's back show within a second, while a burst
+    /// of `stat`s of the same files (a build, `git status`) costs one round trip each.
+    pub const DEFAULT_CACHE: Duration = Duration::from_secs(1);
+
+    /// The guest can read but never change anything (its kernel refuses writes with `EROFS`,
+    /// and so does the host if a write gets through anyway).
+    pub fn read_only(mut self) -> Self {
+        self.read_only = true;
+        self
+    }
+
+    /// How long the guest may cache names and attributes before asking again (`Duration::ZERO`:
+    /// always ask; at most one hour).
+    pub fn cache(mut self, timeout: Duration) -> Self {
+        let timeout = timeout.min(Duration::from_secs(3600));
+        self.cache = CachePolicy {
+            entry_timeout: timeout,
+            attr_timeout: timeout,
+        };
+        self
+    }
+
+    /// Whether the mount is read-only.
+    pub fn is_read_only(&self) -> bool {
+        self.read_only
+    }
+
+    /// The cache policy.
+    pub fn cache_policy(&self) -> CachePolicy {
+        self.cache
+    }
+}
+
+impl Default for MountOptions {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// One filesystem mounted at one guest path (part of a sandbox definition).
+#[derive(Clone)]
+pub(crate) struct Mount {
+    /// Absolute, normalised guest path.
+    pub guest_path: String,
+    #[allow(dead_code)] // served by the boot (being wired)
+    pub fs: Arc<dyn VirtualFs>,
+    pub options: MountOptions,
+}
+
+impl std::fmt::Debug for Mount {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mount")
+            .field("guest_path", &self.guest_path)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The most mounts one sandbox can have.
+pub const MAX_MOUNTS: usize = 16;
+
+/// The longest guest mount path.
+const MAX_GUEST_PATH: usize = 1024;
+
+/// Checks a definition's mounts: absolute, normal guest paths (no `.`, `..`, empty components
+/// or NUL), none under the guest's API filesystems, no two at one path, at most [`MAX_MOUNTS`].
+/// Returns them ordered so that a mount comes after the mounts that contain it.
+pub(crate) fn check_mounts(mut mounts: Vec<Mount>) -> Result<Vec<Mount>, String> {
+    if mounts.len() > MAX_MOUNTS {
+        return Err(format!(
+            "at most {MAX_MOUNTS} filesystems can be mounted, got {}",
+            mounts.len()
+        ));
+    }
+    for mount in &mounts {
+        let path = &mount.guest_path;
+        let components: Vec<&str> = path.split('/').skip(1).collect();
+        let normal = path.starts_with('/')
+            && path.len() <= MAX_GUEST_PATH
+            && !path.contains('\0')
+            && components
+                .iter()
+                .all(|c| !c.is_empty() && *c != "." && *c != ".." && c.len() <= 255);
+        if !normal || path == "/" {
+            return Err(format!(
+                "mount path {path:?} must be an absolute guest path other than / without \
+                 empty, '.' or '..' components (like /workspace)"
+            ));
+        }
+        if ["proc", "sys", "dev"].contains(&components[0]) {
+            return Err(format!(
+                "mount path {path:?} is inside the guest's /{}, which the guest kernel owns",
+                components[0]
+            ));
+        }
+    }
+    mounts.sort_by(|a, b| a.guest_path.cmp(&b.guest_path));
+    if let Some(pair) = mounts
+        .windows(2)
+        .find(|pair| pair[0].guest_path == pair[1].guest_path)
+    {
+        return Err(format!(
+            "two filesystems are mounted at {:?}",
+            pair[0].guest_path
+        ));
+    }
+    // Sorted by path, a mount's parents (its prefixes) come before it.
+    Ok(mounts)
+}

@@ -1,0 +1,1 @@
+//! The transport: each mount's vsock connection, served.

@@ -6,6 +6,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use ::http::header::{HeaderMap, HeaderValue};
+use bytes::Bytes;
 
 use crate::error::{Error, Result};
 
@@ -37,6 +38,7 @@ pub struct Secret {
     placeholder: String,
     hosts: Vec<String>,
     in_query: bool,
+    in_body: bool,
 }
 
 impl fmt::Debug for Secret {
@@ -47,6 +49,7 @@ impl fmt::Debug for Secret {
             .field("placeholder", &self.placeholder)
             .field("hosts", &self.hosts)
             .field("in_query", &self.in_query)
+            .field("in_body", &self.in_body)
             .finish()
     }
 }
@@ -57,6 +60,7 @@ impl PartialEq for Secret {
             && self.placeholder == other.placeholder
             && self.hosts == other.hosts
             && self.in_query == other.in_query
+            && self.in_body == other.in_body
             && *self.value == *other.value
     }
 }
@@ -103,6 +107,7 @@ impl Secret {
             value: value.into(),
             hosts: Vec::new(),
             in_query: false,
+            in_body: false,
         })
     }
 
@@ -132,6 +137,26 @@ impl Secret {
     /// ```
     pub fn in_query_string(mut self) -> Self {
         self.in_query = true;
+        self
+    }
+
+    /// Also replaces the placeholder in the body of requests to bound hosts (form posts, JSON:
+    /// `client_secret=...`), over TLS only, like headers. The body is streamed, never held
+    /// whole: a placeholder split between two pieces is still found (the last bytes of each
+    /// piece wait for the next). Since the body's length changes, its `Content-Length` is
+    /// dropped and it goes upstream chunked (an origin that insists on a length for request
+    /// bodies refuses such requests). A body with a `Content-Encoding` (compressed) is left
+    /// alone. Elsewhere the body is only looked at: a placeholder in it going to a host the
+    /// secret is not bound to is reported, and goes out as it is.
+    ///
+    /// ```
+    /// let secret = krunbox::net::Secret::new("CLIENT_SECRET", "real")?
+    ///     .bind_to("oauth.example.com")
+    ///     .in_body();
+    /// # Ok::<(), krunbox::Error>(())
+    /// ```
+    pub fn in_body(mut self) -> Self {
+        self.in_body = true;
         self
     }
 
@@ -249,6 +274,174 @@ pub(crate) fn swap(
     swapped
 }
 
+/// The most input a [`StreamSwap`] takes in at once: what it holds is at most this and one
+/// placeholder.
+pub(crate) const SWAP_STEP: usize = 16 * 1024;
+
+/// Replaces placeholders with values in a stream cut anywhere, holding at most one piece of
+/// input (of at most [`SWAP_STEP`] bytes) and the tail of the one before it: a placeholder's
+/// first bytes at the end of one piece wait there for the rest. For each secret that opted in
+/// to bodies, the replacement is its value (on a request it may be swapped into) or the
+/// placeholder itself (only looked for, so it can be reported).
+#[derive(Debug)]
+pub(crate) struct StreamSwap {
+    patterns: Vec<Pattern>,
+    /// The longest placeholder, less one byte: what may be the start of a placeholder whose
+    /// rest has not come yet.
+    hold: usize,
+    /// Input not yet decided.
+    pending: Vec<u8>,
+    /// The bytes a placeholder starts with.
+    first: [bool; 256],
+}
+
+#[derive(Debug)]
+struct Pattern {
+    placeholder: Vec<u8>,
+    replacement: Arc<[u8]>,
+    /// The secret's variable.
+    name: String,
+    /// Whether the replacement is the value (not the placeholder again).
+    swaps: bool,
+    found: bool,
+}
+
+impl StreamSwap {
+    /// Swaps the placeholders of the `secrets` that opted in to bodies, for a request to
+    /// `hostname` (empty: a request no secret may be swapped into, such as one over plain
+    /// HTTP). `None`: no secret opted in.
+    pub(crate) fn for_body(secrets: &[Secret], hostname: &str) -> Option<Self> {
+        let patterns: Vec<(&str, &[u8], &str, bool)> = secrets
+            .iter()
+            .filter(|s| s.in_body)
+            .map(|s| {
+                let swaps = s.is_bound_to(hostname);
+                let replacement = if swaps {
+                    s.value.as_bytes()
+                } else {
+                    s.placeholder.as_bytes()
+                };
+                (
+                    s.placeholder.as_str(),
+                    replacement,
+                    s.env_var.as_str(),
+                    swaps,
+                )
+            })
+            .collect();
+        if patterns.is_empty() {
+            return None;
+        }
+        Some(Self::new(patterns))
+    }
+
+    /// Replaces each `(placeholder, replacement, name, swaps)`.
+    pub(crate) fn new(patterns: Vec<(&str, &[u8], &str, bool)>) -> Self {
+        let patterns: Vec<Pattern> = patterns
+            .into_iter()
+            .filter(|(placeholder, ..)| !placeholder.is_empty())
+            .map(|(placeholder, replacement, name, swaps)| Pattern {
+                placeholder: placeholder.as_bytes().to_vec(),
+                replacement: replacement.into(),
+                name: name.to_owned(),
+                swaps,
+                found: false,
+            })
+            .collect();
+        let hold = patterns
+            .iter()
+            .map(|p| p.placeholder.len() - 1)
+            .max()
+            .unwrap_or(0);
+        let mut first = [false; 256];
+        for pattern in &patterns {
+            first[usize::from(pattern.placeholder[0])] = true;
+        }
+        Self {
+            patterns,
+            hold,
+            pending: Vec::new(),
+            first,
+        }
+    }
+
+    /// Whether any placeholder will be replaced by a value (so lengths change).
+    pub(crate) fn swaps(&self) -> bool {
+        self.patterns.iter().any(|p| p.swaps)
+    }
+
+    /// Whether it holds no input.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.pending.is_empty()
+    }
+
+    /// Whether it can take more input: it holds no more than the tail of earlier input.
+    pub(crate) fn wants_input(&self) -> bool {
+        self.pending.len() <= self.hold
+    }
+
+    /// Takes the next piece of input (at most [`SWAP_STEP`] bytes of `input`; the rest stays).
+    pub(crate) fn push(&mut self, input: &mut Bytes) {
+        let piece = input.split_to(input.len().min(SWAP_STEP));
+        self.pending.extend_from_slice(&piece);
+    }
+
+    /// The output that is decided: input that cannot be the start of a placeholder still
+    /// coming (all of it once `end`), with placeholders replaced; about `limit` bytes at most
+    /// (it may pass `limit` by one replacement). Empty when nothing is decided.
+    pub(crate) fn pull(&mut self, limit: usize, end: bool) -> Vec<u8> {
+        let decided = if end {
+            self.pending.len()
+        } else {
+            self.pending.len().saturating_sub(self.hold)
+        };
+        let mut out = Vec::new();
+        let mut at = 0;
+        while at < decided && out.len() < limit {
+            // The next placeholder starting before `decided`: there, every placeholder fits in
+            // what is pending (or, at the end, there is nothing more to wait for).
+            let next = (at..decided).find_map(|start| {
+                let rest = &self.pending[start..];
+                if !self.first[usize::from(rest[0])] {
+                    return None;
+                }
+                self.patterns
+                    .iter()
+                    .position(|p| rest.starts_with(&p.placeholder))
+                    .map(|index| (start, index))
+            });
+            let until = next.map_or(decided, |(start, _)| start);
+            let until = until.min(at + limit.saturating_sub(out.len()).max(1));
+            out.extend_from_slice(&self.pending[at..until]);
+            at = until;
+            if let Some((start, index)) = next {
+                if start == at {
+                    let pattern = &mut self.patterns[index];
+                    out.extend_from_slice(&pattern.replacement);
+                    pattern.found = true;
+                    at += pattern.placeholder.len();
+                }
+            }
+        }
+        self.pending.drain(..at);
+        out
+    }
+
+    /// The secrets swapped in so far, and those whose placeholders were found and left.
+    pub(crate) fn found(&self) -> (Vec<String>, Vec<String>) {
+        let mut swapped = Vec::new();
+        let mut left = Vec::new();
+        for pattern in self.patterns.iter().filter(|p| p.found) {
+            if pattern.swaps {
+                swapped.push(pattern.name.clone());
+            } else {
+                left.push(pattern.name.clone());
+            }
+        }
+        (swapped, left)
+    }
+}
+
 fn contains(haystack: &[u8], needle: &[u8]) -> bool {
     haystack.windows(needle.len()).any(|w| w == needle)
 }
@@ -300,6 +493,178 @@ mod tests {
         assert!(s.is_bound_to("a.b.uploads.test"));
         assert!(!s.is_bound_to("uploads.test"));
         assert!(!s.is_bound_to("xuploads.test"));
+    }
+
+    /// Everything `swap` gives for `input` cut at `cuts`, pulled `limit` bytes at most at a
+    /// time.
+    fn streamed(swap: &mut StreamSwap, input: &[u8], cuts: &[usize], limit: usize) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut from = 0;
+        for &cut in cuts.iter().chain([&input.len()]) {
+            let mut piece = Bytes::copy_from_slice(&input[from..cut]);
+            from = cut;
+            while !piece.is_empty() {
+                while !swap.wants_input() {
+                    let more = swap.pull(limit, false);
+                    assert!(!more.is_empty(), "it holds more than a tail, so it gives");
+                    out.extend(more);
+                }
+                swap.push(&mut piece);
+                assert!(swap.pending.len() <= SWAP_STEP + swap.hold, "bounded");
+                loop {
+                    let more = swap.pull(limit, false);
+                    assert!(more.len() <= limit.max(1) + 64, "a pull is bounded");
+                    if more.is_empty() {
+                        break;
+                    }
+                    out.extend(more);
+                }
+            }
+        }
+        loop {
+            let more = swap.pull(limit, true);
+            if more.is_empty() {
+                break;
+            }
+            out.extend(more);
+        }
+        assert!(swap.is_empty());
+        out
+    }
+
+    fn replaced(input: &[u8], placeholder: &[u8], value: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut at = 0;
+        while at < input.len() {
+            if input[at..].starts_with(placeholder) {
+                out.extend_from_slice(value);
+                at += placeholder.len();
+            } else {
+                out.push(input[at]);
+                at += 1;
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_placeholder_split_at_every_offset_is_swapped() {
+        let s = Secret::new("TOKEN", "real-value-that-is-longer-than-the-placeholder-is")
+            .unwrap()
+            .bind_to("api.test")
+            .in_body();
+        let placeholder = s.placeholder().as_bytes();
+        let input = format!("key={0}&again={0}&end", s.placeholder()).into_bytes();
+        let expected = replaced(&input, placeholder, s.value.as_bytes());
+        assert_ne!(expected, input);
+        for cut in 0..=input.len() {
+            for limit in [1, 7, 64 * 1024] {
+                let mut swap = StreamSwap::for_body(std::slice::from_ref(&s), "api.test").unwrap();
+                assert!(swap.swaps());
+                let out = streamed(&mut swap, &input, &[cut], limit);
+                assert_eq!(out, expected, "cut at {cut}, limit {limit}");
+                assert_eq!(swap.found(), (vec!["TOKEN".to_owned()], vec![]));
+            }
+        }
+        // Cut into single bytes.
+        let mut swap = StreamSwap::for_body(std::slice::from_ref(&s), "api.test").unwrap();
+        let cuts: Vec<usize> = (1..input.len()).collect();
+        assert_eq!(streamed(&mut swap, &input, &cuts, 5), expected);
+        // Another host: only looked for, reported, and the bytes are the input's.
+        let mut swap = StreamSwap::for_body(std::slice::from_ref(&s), "other.test").unwrap();
+        assert!(!swap.swaps());
+        assert_eq!(streamed(&mut swap, &input, &[10], 1024), input);
+        assert_eq!(swap.found(), (vec![], vec!["TOKEN".to_owned()]));
+        // Secrets that did not opt in: nothing to do.
+        let plain = Secret::new("PLAIN", "v").unwrap().bind_to("api.test");
+        assert!(StreamSwap::for_body(&[plain], "api.test").is_none());
+    }
+
+    #[test]
+    fn partial_placeholders_and_near_misses_go_through_unchanged() {
+        let s = Secret::new("TOKEN", "v")
+            .unwrap()
+            .bind_to("a.test")
+            .in_body();
+        let placeholder = s.placeholder().to_owned();
+        let almost = &placeholder[..placeholder.len() - 1];
+        for input in [
+            almost.to_owned(),
+            format!("{almost}x{placeholder}"),
+            format!("kkk{almost}{placeholder}{almost}"),
+            String::new(),
+        ] {
+            let expected = replaced(input.as_bytes(), placeholder.as_bytes(), b"v");
+            for cut in 0..=input.len() {
+                let mut swap = StreamSwap::for_body(std::slice::from_ref(&s), "a.test").unwrap();
+                let out = streamed(&mut swap, input.as_bytes(), &[cut], 3);
+                assert_eq!(out, expected, "{input:?} cut at {cut}");
+            }
+        }
+    }
+
+    /// Random bodies full of placeholders and their prefixes, cut at random, against a plain
+    /// replace of the whole.
+    #[test]
+    fn streamed_swaps_equal_a_whole_replace_on_random_input() {
+        let mut next = crate::fuzzing::xorshift(0x9e37_79b9_7f4a_7c15);
+        let a = Secret::new("A", "AAAA-value")
+            .unwrap()
+            .bind_to("h.test")
+            .in_body();
+        let b = Secret::new("B", "b").unwrap().bind_to("h.test").in_body();
+        let c = Secret::new("C", "c-value")
+            .unwrap()
+            .bind_to("elsewhere.test")
+            .in_body();
+        let pieces = [
+            a.placeholder().to_owned(),
+            b.placeholder().to_owned(),
+            c.placeholder().to_owned(),
+            a.placeholder()[..20].to_owned(),
+            "krunbox-".to_owned(),
+            "k".to_owned(),
+            "x=1&".to_owned(),
+        ];
+        let secrets = [a.clone(), b.clone(), c.clone()];
+        for _ in 0..300 {
+            let mut input = Vec::new();
+            for _ in 0..(next() % 40) {
+                input.extend_from_slice(pieces[(next() % pieces.len() as u64) as usize].as_bytes());
+            }
+            let mut expected = input.clone();
+            for secret in [&a, &b] {
+                expected = replaced(
+                    &expected,
+                    secret.placeholder().as_bytes(),
+                    secret.value.as_bytes(),
+                );
+            }
+            let mut cuts: Vec<usize> = (0..(next() % 6))
+                .map(|_| (next() % (input.len() as u64 + 1)) as usize)
+                .collect();
+            cuts.sort_unstable();
+            let limit = 1 + (next() % 100) as usize;
+            let mut swap = StreamSwap::for_body(&secrets, "h.test").unwrap();
+            assert_eq!(streamed(&mut swap, &input, &cuts, limit), expected);
+        }
+    }
+
+    #[test]
+    fn a_large_body_is_taken_a_step_at_a_time() {
+        let s = Secret::new("T", "v").unwrap().bind_to("a.test").in_body();
+        let mut swap = StreamSwap::for_body(&[s], "a.test").unwrap();
+        let mut input = Bytes::from(vec![b'x'; 5 * SWAP_STEP]);
+        swap.push(&mut input);
+        assert_eq!(input.len(), 4 * SWAP_STEP, "one step taken");
+        assert!(!swap.wants_input());
+        let out = swap.pull(usize::MAX, false);
+        assert_eq!(
+            out.len(),
+            SWAP_STEP - swap.hold,
+            "all but a placeholder's length"
+        );
+        assert!(swap.wants_input());
     }
 
     #[test]

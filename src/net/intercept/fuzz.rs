@@ -10,9 +10,9 @@
 //! guest's TLS connection (port 443: the TLS the host terminates is not run, the requests go
 //! upstream over real TLS, in memory, to the origin with a certificate from the sandbox CA).
 //! The flow's trusted hostname is [`HOSTNAME`], with three secrets whose placeholders are fixed
-//! so inputs can name them: [`BOUND_PLACEHOLDER`] (bound to the hostname),
-//! [`QUERY_PLACEHOLDER`] (bound to `*.test`, swapped in the query string too) and
-//! [`OTHER_PLACEHOLDER`] (bound to another host). Three middleware run: the first tags each
+//! so inputs can name them: [`BOUND_PLACEHOLDER`] (bound to the hostname, swapped in bodies
+//! too), [`QUERY_PLACEHOLDER`] (bound to `*.test`, swapped in the query string too) and
+//! [`OTHER_PLACEHOLDER`] (bound to another host, looked for in bodies). Three middleware run: the first tags each
 //! request and records the head it sees; the second answers requests whose path starts with
 //! [`REFUSED_PATH`] itself (`403`); the third tries to add every hop-by-hop header and a Host of
 //! its own.
@@ -29,13 +29,15 @@
 //!   middleware answered;
 //! - has the method, the target and the headers that request had and nothing else, but for
 //!   the swap: over TLS, the bound secrets' placeholders are swapped for their values (in the
-//!   query string only for the secret that opted in); on plain HTTP, none is. (What the
+//!   query string only for the secret that opted in); on plain HTTP, none is. A body swapped
+//!   into loses its `Content-Length` and goes chunked. (What the
 //!   middleware saw is after `handle` stripped the guest's hop-by-hop headers, so that headers
 //!   the guest's `Connection` named went too is checked by the seeds' test, not here.)
 //!
 //! and that a real value is on an upstream connection's wire exactly as often as it is in
-//! those requests' headers and targets (the other host's secret, and any on plain HTTP:
-//! never), never reaches the guest, and that the origin's own hop-by-hop response headers never
+//! those requests' headers, targets and bodies (when every body on it arrived whole), that the
+//! other host's secret, and any on plain HTTP, is never on the wire at all, that none ever
+//! reaches the guest, and that the origin's own hop-by-hop response headers never
 //! reach the guest either. Nothing may panic, anywhere.
 
 use std::collections::HashSet;
@@ -220,11 +222,15 @@ fn fixture() -> &'static Fixture {
         origin_tls.send_tls13_tickets = 0;
         Fixture {
             secrets: [
-                secret("TOKEN", BOUND_VALUE, BOUND_PLACEHOLDER).bind_to(HOSTNAME),
+                secret("TOKEN", BOUND_VALUE, BOUND_PLACEHOLDER)
+                    .bind_to(HOSTNAME)
+                    .in_body(),
                 secret("MAPS_KEY", QUERY_VALUE, QUERY_PLACEHOLDER)
                     .bind_to("*.test")
                     .in_query_string(),
-                secret("OTHER_TOKEN", OTHER_VALUE, OTHER_PLACEHOLDER).bind_to("api.other.test"),
+                secret("OTHER_TOKEN", OTHER_VALUE, OTHER_PLACEHOLDER)
+                    .bind_to("api.other.test")
+                    .in_body(),
             ]
             .into(),
             authority: Arc::new(authority),
@@ -625,24 +631,42 @@ fn check(log: &Log, data: &[u8], tls: bool) {
                 assert!(got.len() <= 1, "{at}: Content-Length {got:?}");
                 continue;
             }
+            if name == header::CONTENT_LENGTH && got.is_empty() && tls {
+                // A body secrets may be swapped into goes chunked.
+                assert_eq!(te, [b"chunked"], "{at}: no Content-Length, and not chunked");
+                continue;
+            }
             assert_eq!(got, sent, "{at}: header {name}");
         }
     }
     for (connection, raw) in log.raw.iter().enumerate() {
-        if raw.len() >= KEEP {
-            continue;
-        }
         for value in values {
             if guest_wrote(value) {
                 continue;
             }
             let needle = value.as_bytes();
-            let in_requests: usize = log
-                .received
-                .iter()
-                .filter(|r| r.connection == connection)
+            if value == OTHER_VALUE {
+                assert_eq!(
+                    count(raw, needle),
+                    0,
+                    "a secret went to a host it is not bound to"
+                );
+            }
+            if !tls {
+                assert_eq!(
+                    count(raw, needle),
+                    0,
+                    "a secret went upstream over plain HTTP"
+                );
+            }
+            let requests = || log.received.iter().filter(|r| r.connection == connection);
+            if raw.len() >= KEEP || requests().any(|r| r.body.is_none()) {
+                continue;
+            }
+            let in_requests: usize = requests()
                 .map(|r| {
                     count(r.target.as_bytes(), needle)
+                        + r.body.as_deref().map_or(0, |b| count(b, needle))
                         + r.headers
                             .values()
                             .map(|v| count(v.as_bytes(), needle))
@@ -652,14 +676,9 @@ fn check(log: &Log, data: &[u8], tls: bool) {
             assert_eq!(
                 count(raw, needle),
                 in_requests,
-                "upstream connection {connection}: {value} outside the swapped headers and query"
+                "upstream connection {connection}: {value} outside the swapped headers, query \
+                 and bodies"
             );
-            if value == OTHER_VALUE {
-                assert_eq!(in_requests, 0, "a secret went to a host it is not bound to");
-            }
-            if !tls {
-                assert_eq!(in_requests, 0, "a secret went upstream over plain HTTP");
-            }
         }
     }
     for value in values {
@@ -837,6 +856,24 @@ mod tests {
                  GET /after HTTP/1.1\r\nHost: origin.test\r\n\r\n"
             )
             .into_bytes(),
+            // 14: a chunked body with the bound placeholder cut between two chunks and the other
+            // host's in one, then the bound placeholder in a compressed body (left alone).
+            {
+                let (head, tail) = BOUND_PLACEHOLDER.split_at(20);
+                let first = format!("token={head}");
+                let second = format!("{tail}&other={OTHER_PLACEHOLDER}");
+                let gzip = format!("x={BOUND_PLACEHOLDER}");
+                format!(
+                    "POST /form HTTP/1.1\r\nHost: origin.test\r\nTransfer-Encoding: chunked\r\n\r\n\
+                     {:x}\r\n{first}\r\n{:x}\r\n{second}\r\n0\r\n\r\n\
+                     POST /gz HTTP/1.1\r\nHost: origin.test\r\nContent-Encoding: gzip\r\n\
+                     Content-Length: {}\r\n\r\n{gzip}",
+                    first.len(),
+                    second.len(),
+                    gzip.len()
+                )
+                .into_bytes()
+            },
         ]
     }
 
@@ -911,6 +948,9 @@ mod tests {
         assert_eq!(targets[12], ["OPTIONS *"]);
         assert_eq!(targets[13], ["GET /after"]);
         assert_eq!(statuses(&logs[13]), ["403", "200"]);
+        assert_eq!(targets[14], ["POST /form", "POST /gz"]);
+        let form = format!("token={BOUND_PLACEHOLDER}&other={OTHER_PLACEHOLDER}");
+        assert_eq!(logs[14].received[0].body.as_deref(), Some(form.as_bytes()));
         // Not served as plain HTTP: nothing, and a TLS handshake.
         assert!(run(b"", false).is_none() && run(b"\x16\x03\x01", false).is_none());
 
@@ -919,7 +959,7 @@ mod tests {
             .iter()
             .map(|s| run(s, true).expect("served"))
             .collect();
-        for i in [0, 2, 3, 5, 7, 8, 9, 11, 12, 13] {
+        for i in [0, 2, 3, 5, 7, 8, 9, 11, 12, 13, 14] {
             let swapped: Vec<String> = targets[i]
                 .iter()
                 .map(|t| t.replace(QUERY_PLACEHOLDER, QUERY_VALUE))
@@ -945,6 +985,14 @@ mod tests {
         );
         assert_eq!(swapped["x-maps-key"], QUERY_VALUE);
         assert_eq!(swapped["x-other-key"], OTHER_PLACEHOLDER);
+        // Over TLS the bound placeholder is swapped in the body, cut between chunks as it was;
+        // the other host's is not, nor is anything in a compressed body.
+        let form = &tls[14].received[0];
+        let swapped = format!("token={BOUND_VALUE}&other={OTHER_PLACEHOLDER}");
+        assert_eq!(form.body.as_deref(), Some(swapped.as_bytes()));
+        assert!(!form.headers.contains_key(header::CONTENT_LENGTH));
+        let gzip = format!("x={BOUND_PLACEHOLDER}");
+        assert_eq!(tls[14].received[1].body.as_deref(), Some(gzip.as_bytes()));
     }
 
     /// The fuzz property on a replayable sample: the seeds with bytes overwritten, cut short

@@ -11,6 +11,7 @@
 //! TLS ([`upstream`]), after the middleware and the secrets' swap (`secrets.rs`). Bytes that
 //! are not HTTP end the connection: nothing is forwarded.
 
+mod body;
 pub(crate) mod ca;
 mod fuzz;
 #[cfg(test)]
@@ -673,6 +674,21 @@ async fn forward(
         &mut head.path_and_query,
     );
     record.secrets(&swapped.replaced, &swapped.left);
+    // The body, for the secrets that opted in to bodies: streamed through the swap (which
+    // changes its length, so it goes chunked), unless it is compressed (then left alone).
+    let encoded = head
+        .headers
+        .get(header::CONTENT_ENCODING)
+        .is_some_and(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity"));
+    let body: Body = match super::secrets::StreamSwap::for_body(&context.secrets, swap_for) {
+        Some(swap) if !encoded && !hyper::body::Body::is_end_stream(&body) => {
+            if swap.swaps() {
+                head.headers.remove(header::CONTENT_LENGTH);
+            }
+            body::SwapBody::new(body, swap, record.clone()).boxed()
+        }
+        _ => body.boxed(),
+    };
     let Some(uri) = upstream_uri(
         context.scheme,
         &context.hostname,

@@ -434,3 +434,125 @@ async fn each_intercepted_request_is_an_audit_event_without_its_query() {
         "{text}"
     );
 }
+
+/// Waits (a little) for `n` request events: the last holder of a record may be the body,
+/// dropped by the upstream connection's task after the guest has its answer.
+async fn wait_for_request_events(
+    events: &mut tokio::sync::broadcast::Receiver<crate::net::NetworkEvent>,
+    n: usize,
+) -> Vec<crate::net::NetworkEvent> {
+    let mut got = Vec::new();
+    for _ in 0..200 {
+        got.extend(request_events(events));
+        if got.len() >= n {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    got
+}
+
+#[tokio::test]
+async fn secrets_opted_in_to_bodies_are_swapped_in_bodies_to_bound_hosts_over_tls() {
+    use crate::net::NetworkEvent;
+    let tls = tls();
+    let bound = Secret::new("CLIENT_SECRET", "the-real-client-secret")
+        .unwrap()
+        .bind_to(HOSTNAME)
+        .in_body();
+    let other = Secret::new("OTHER", "the-real-other")
+        .unwrap()
+        .bind_to("other.test")
+        .in_body();
+    let headers_only = Secret::new("HEADERS_ONLY", "the-real-header-secret")
+        .unwrap()
+        .bind_to(HOSTNAME);
+    let secrets = vec![bound.clone(), other.clone(), headers_only.clone()];
+    let body = format!(
+        "client_secret={}&other={}&h={}",
+        bound.placeholder(),
+        other.placeholder(),
+        headers_only.placeholder()
+    );
+    // Over TLS: swapped, and sent chunked (the length changed).
+    let job = job(&tls, 443, Intercept::new(), secrets.clone());
+    let mut events = job.audit.subscribe();
+    let mut harness = serve_in_memory(&tls, job).await;
+    let (status, _, _) = send(
+        &mut harness,
+        request(Method::POST, "/token", body.as_bytes()),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let mut compressed = request(Method::POST, "/gz", body.as_bytes());
+    compressed
+        .headers_mut()
+        .insert(header::CONTENT_ENCODING, "gzip".parse().unwrap());
+    let (status, _, _) = send(&mut harness, compressed).await;
+    assert_eq!(status, StatusCode::OK);
+    let received = harness.origin.received.lock().unwrap().clone();
+    assert_eq!(
+        received[0].body,
+        format!(
+            "client_secret=the-real-client-secret&other={}&h={}",
+            other.placeholder(),
+            headers_only.placeholder()
+        )
+        .as_bytes()
+    );
+    assert!(!received[0].headers.contains_key(header::CONTENT_LENGTH));
+    assert_eq!(received[0].headers[header::TRANSFER_ENCODING], "chunked");
+    assert_eq!(
+        received[1].body,
+        body.as_bytes(),
+        "a compressed body is left alone"
+    );
+    assert_eq!(
+        received[1].headers[header::CONTENT_LENGTH],
+        body.len().to_string().as_str()
+    );
+    let events = wait_for_request_events(&mut events, 2).await;
+    let NetworkEvent::Request {
+        secrets_swapped,
+        placeholders_left,
+        ..
+    } = &events[0]
+    else {
+        unreachable!()
+    };
+    assert_eq!(*secrets_swapped, ["CLIENT_SECRET"]);
+    assert_eq!(*placeholders_left, ["OTHER"]);
+    drop(harness);
+
+    // Plain HTTP: nothing swapped, the length kept, the placeholder reported.
+    let job = job_for(&tls, 80, secrets);
+    let mut events = job.audit.subscribe();
+    let mut harness = serve_in_memory(&tls, job).await;
+    let (status, _, _) = send(
+        &mut harness,
+        request(Method::POST, "/token", body.as_bytes()),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let received = harness.origin.received.lock().unwrap().clone();
+    assert_eq!(received[0].body, body.as_bytes());
+    assert_eq!(
+        received[0].headers[header::CONTENT_LENGTH],
+        body.len().to_string().as_str()
+    );
+    let events = wait_for_request_events(&mut events, 1).await;
+    let NetworkEvent::Request {
+        secrets_swapped,
+        placeholders_left,
+        ..
+    } = &events[0]
+    else {
+        unreachable!()
+    };
+    assert!(secrets_swapped.is_empty());
+    assert_eq!(*placeholders_left, ["CLIENT_SECRET", "OTHER"]);
+}
+
+fn job_for(tls: &Tls, port: u16, secrets: Vec<Secret>) -> InterceptJob {
+    job(tls, port, Intercept::new(), secrets)
+}

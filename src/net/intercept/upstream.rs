@@ -12,7 +12,6 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http_body_util::combinators::BoxBody;
-use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::{Connected, Connection};
 use hyper_util::rt::TokioIo;
 use rustls::pki_types::pem::PemObject;
@@ -27,10 +26,10 @@ use crate::error::{Error, Result};
 
 /// The client of one intercepted connection.
 pub(crate) type Client =
-    hyper_util::client::legacy::Client<hyper_rustls::HttpsConnector<Dialer>, Incoming>;
+    hyper_util::client::legacy::Client<hyper_rustls::HttpsConnector<Dialer>, Body>;
 
-#[allow(dead_code)]
-type Body = BoxBody<Bytes, hyper::Error>;
+/// A request body on its way upstream: the guest's, or that with secrets swapped in.
+pub(crate) type Body = BoxBody<Bytes, hyper::Error>;
 
 /// The roots upstream TLS certificates are verified against.
 ///

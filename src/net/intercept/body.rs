@@ -1,0 +1,108 @@
+//! Request bodies on their way upstream: secrets swapped in as the body streams
+//! ([`SwapBody`]).
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+
+use ::http::HeaderMap;
+use bytes::Bytes;
+use hyper::body::{Body, Frame, SizeHint};
+
+use super::super::audit::RequestRecord;
+use super::super::secrets::StreamSwap;
+
+/// The most bytes of output one frame of a [`SwapBody`] carries (and one value more at most).
+const FRAME_MAX: usize = 64 * 1024;
+
+/// A request body with the placeholders of secrets that opted in to bodies swapped for their
+/// values (or only looked for), streamed: it holds at most one step of input and a
+/// placeholder's length of what came before (see [`StreamSwap`]), whatever the body's size.
+/// When it is dropped (sent, or abandoned), the request's audit record learns which secrets
+/// were swapped in and which placeholders were left.
+pub(crate) struct SwapBody<B> {
+    inner: B,
+    swap: StreamSwap,
+    /// Input from `inner` not yet given to `swap`.
+    input: Bytes,
+    /// `inner` has ended (with these trailers, if it had them).
+    ended: bool,
+    trailers: Option<HeaderMap>,
+    record: Arc<RequestRecord>,
+}
+
+impl<B> SwapBody<B> {
+    pub(crate) fn new(inner: B, swap: StreamSwap, record: Arc<RequestRecord>) -> Self {
+        Self {
+            inner,
+            swap,
+            input: Bytes::new(),
+            ended: false,
+            trailers: None,
+            record,
+        }
+    }
+}
+
+impl<B> Drop for SwapBody<B> {
+    fn drop(&mut self) {
+        let (swapped, left) = self.swap.found();
+        self.record.secrets(&swapped, &left);
+    }
+}
+
+impl<B> Body for SwapBody<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        let this = self.get_mut();
+        loop {
+            let end = this.ended && this.input.is_empty();
+            let out = this.swap.pull(FRAME_MAX, end);
+            if !out.is_empty() {
+                return Poll::Ready(Some(Ok(Frame::data(out.into()))));
+            }
+            if !this.input.is_empty() && this.swap.wants_input() {
+                this.swap.push(&mut this.input);
+                continue;
+            }
+            if end {
+                return Poll::Ready(this.trailers.take().map(|t| Ok(Frame::trailers(t))));
+            }
+            match ready!(Pin::new(&mut this.inner).poll_frame(cx)) {
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) => this.input = data,
+                    Err(frame) => {
+                        if let Ok(trailers) = frame.into_trailers() {
+                            this.trailers = Some(trailers);
+                            this.ended = true;
+                        }
+                    }
+                },
+                Some(Err(err)) => return Poll::Ready(Some(Err(err))),
+                None => this.ended = true,
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ended && self.input.is_empty() && self.swap.is_empty() && self.trailers.is_none()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        if self.swap.swaps() {
+            // Values are not as long as placeholders: the length is not known.
+            SizeHint::default()
+        } else {
+            // Only looked at: the bytes are the input's.
+            self.inner.size_hint()
+        }
+    }
+}

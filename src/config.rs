@@ -35,6 +35,5 @@ pub(crate) struct SandboxConfig {
     /// and only addresses the guest.
     pub network_backend: Option<PathBuf>,
     /// Host filesystems mounted in the guest, parents before the mounts inside them.
-    #[allow(dead_code)] // read by the boot (being wired)
     pub mounts: Vec<crate::fs::Mount>,
 }

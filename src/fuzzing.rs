@@ -470,6 +470,7 @@ pub async fn host_dispatch(data: &[u8]) -> Outcome {
                 read_only: true,
             },
             network: None,
+            mounts: Vec::new(),
         };
         h.handshake = Some(tokio::spawn(async move {
             let mut stream = stream;

@@ -72,6 +72,8 @@ struct Inner {
     _console: Arc<crate::console::ConsoleLog>,
     /// Serves the guest's network link while the instance lives (dropping it stops the task).
     network: Option<crate::net::service::NetService>,
+    /// Serves the guest's mounts of host filesystems while the instance lives.
+    _filesystems: Option<crate::fs::service::FsService>,
     dir: tempfile::TempDir,
 }
 
@@ -152,6 +154,17 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     let listener =
         UnixListener::bind(&socket).map_err(Error::io(format!("binding {}", socket.display())))?;
 
+    // Host filesystems: their own socket, served from now on (guest-init connects during
+    // setup, before it reports ready).
+    let (fs_socket, fs_service) = if config.mounts.is_empty() {
+        (None, None)
+    } else {
+        let path = dir.path().join("fs.sock");
+        let listener =
+            UnixListener::bind(&path).map_err(Error::io(format!("binding {}", path.display())))?;
+        let service = crate::fs::service::FsService::start(config.mounts.clone(), listener);
+        (Some(path), Some(service))
+    };
     let jail = crate::jail::host::prepare(dir.path(), &config.required_isolation)?;
     let vmm_config = VmmConfig {
         cpus: config.cpus,
@@ -159,6 +172,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         root_fstype: image.fstype.clone(),
         root_image: image.path.clone(),
         control_socket: socket.clone(),
+        fs_socket,
         console: dir.path().join(crate::console::CONSOLE_FIFO),
         jail: jail.config.clone(),
         kernel: config.kernel.clone(),
@@ -199,6 +213,14 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             .network
             .as_ref()
             .map(|n| n.guest_config(certificate_authority.as_deref())),
+        mounts: config
+            .mounts
+            .iter()
+            .map(|m| krunbox_protocol::GuestMount {
+                path: m.guest_path.clone(),
+                read_only: m.options.is_read_only(),
+            })
+            .collect(),
     };
     let console = dir.path().join("console.log");
     let mut attempt = 1;
@@ -468,6 +490,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             isolation,
             _console: console_log,
             network,
+            _filesystems: fs_service,
             dir,
         }),
     })

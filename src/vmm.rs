@@ -68,6 +68,10 @@ pub struct VmmConfig {
     pub root_image: PathBuf,
     /// Host unix socket bridged to guest vsock port [`CONTROL_PORT`].
     pub control_socket: PathBuf,
+    /// Host unix socket bridged to guest vsock port [`FS_PORT`](krunbox_protocol::FS_PORT),
+    /// when the guest mounts host filesystems.
+    #[serde(default)]
+    pub fs_socket: Option<PathBuf>,
     /// The FIFO the guest console goes to; the library drains it into a bounded log.
     pub console: PathBuf,
     /// The helper's jail.
@@ -175,6 +179,7 @@ pub fn helper_main() -> i32 {
         image,
         console: config.console.clone(),
         control_socket: config.control_socket.clone(),
+        fs_socket: config.fs_socket.clone(),
         kernel: config.kernel.as_ref().map(|k| k.path.clone()),
     };
     let root_started = std::time::Instant::now();
@@ -339,6 +344,9 @@ fn configure(
     // No TSI: the guest gets no network through the vsock device, only our port.
     step(ctx.set_vsock(0))?;
     step(ctx.add_vsock_port(CONTROL_PORT, &paths.control_socket, false))?;
+    if let Some(fs_socket) = &paths.fs_socket {
+        step(ctx.add_vsock_port(krunbox_protocol::FS_PORT, fs_socket, false))?;
+    }
     // Explicitly empty: nothing of this process's environment reaches the guest.
     step(ctx.set_env(&[]))?;
     step(ctx.set_console_output(&paths.console))?;

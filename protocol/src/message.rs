@@ -112,7 +112,25 @@ pub struct Setup {
     pub root: RootMount,
     /// The network interface to configure, if the VM has one.
     pub network: Option<GuestNetwork>,
+    /// Host filesystems to mount (FUSE, relayed over [`FS_PORT`](crate::FS_PORT)), parents
+    /// before the mounts inside them; at most [`MOUNTS_MAX`].
+    pub mounts: Vec<GuestMount>,
 }
+
+/// A host filesystem the guest mounts.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GuestMount {
+    /// Absolute guest path, created if missing; at most [`MOUNT_PATH_MAX`] bytes.
+    pub path: String,
+    /// Mount it read-only.
+    pub read_only: bool,
+}
+
+/// The most mounts [`Setup::mounts`] holds.
+pub const MOUNTS_MAX: usize = 16;
+
+/// The longest [`GuestMount::path`].
+pub const MOUNT_PATH_MAX: usize = 1024;
 
 /// The guest's network interface, as the host's gateway serves it: IPv4 only.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -511,6 +529,27 @@ impl Setup {
         if let Some(network) = &self.network {
             network.validate()?;
         }
+        if self.mounts.len() > MOUNTS_MAX {
+            return Err(ProtocolError::OutOfBounds {
+                field: "mounts",
+                detail: format!("{} mounts", self.mounts.len()),
+            });
+        }
+        for mount in &self.mounts {
+            let normal = mount.path.starts_with('/')
+                && mount.path.len() > 1
+                && mount.path.len() <= MOUNT_PATH_MAX
+                && mount.path[1..]
+                    .split('/')
+                    .all(|c| !c.is_empty() && c != "." && c != "..");
+            no_nul("mount path", mount.path.as_bytes())?;
+            if !normal {
+                return Err(ProtocolError::OutOfBounds {
+                    field: "mounts",
+                    detail: format!("the mount path {:?}", mount.path),
+                });
+            }
+        }
         Ok(())
     }
 }
@@ -775,6 +814,7 @@ mod tests {
                     read_only: true,
                 },
                 network: Some(network),
+                mounts: vec![],
             })
         };
         assert!(setup(good.clone()).encode().is_ok());
@@ -860,6 +900,16 @@ mod tests {
                     ca_certificate: None,
                     environment: Vec::new(),
                 }),
+                mounts: vec![
+                    GuestMount {
+                        path: "/workspace".into(),
+                        read_only: false,
+                    },
+                    GuestMount {
+                        path: "/workspace/docs".into(),
+                        read_only: true,
+                    },
+                ],
             }),
             HostMessage::Exec(exec()),
             HostMessage::Signal(SignalProcess { id: 3, signal: 9 }),

@@ -119,7 +119,6 @@ impl Default for MountOptions {
 pub(crate) struct Mount {
     /// Absolute, normalised guest path.
     pub guest_path: String,
-    #[allow(dead_code)] // served by the boot (being wired)
     pub fs: Arc<dyn VirtualFs>,
     pub options: MountOptions,
 }

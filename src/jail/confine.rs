@@ -52,6 +52,8 @@ pub(crate) struct JailPaths {
     pub console: PathBuf,
     /// The control socket the library listens on.
     pub control_socket: PathBuf,
+    /// The mounts' socket the library listens on, if the guest mounts host filesystems.
+    pub fs_socket: Option<PathBuf>,
     /// A custom kernel, if any.
     pub kernel: Option<PathBuf>,
 }
@@ -241,6 +243,7 @@ fn pivot_into_jail(root_dir: &Path, host: &JailPaths) -> Result<JailPaths, Strin
         image: PathBuf::from("/root.img"),
         console: PathBuf::from("/console"),
         control_socket: PathBuf::from("/control.sock"),
+        fs_socket: host.fs_socket.as_ref().map(|_| PathBuf::from("/fs.sock")),
         kernel: host.kernel.as_ref().map(|_| PathBuf::from("/kernel")),
     };
     std::fs::create_dir(root_dir.join("dev")).map_err(io("creating dev".into()))?;
@@ -252,6 +255,9 @@ fn pivot_into_jail(root_dir: &Path, host: &JailPaths) -> Result<JailPaths, Strin
     ];
     if let (Some(h), Some(i)) = (&host.kernel, &inside.kernel) {
         binds.push((h, i, true));
+    }
+    if let (Some(h), Some(i)) = (&host.fs_socket, &inside.fs_socket) {
+        binds.push((h, i, false));
     }
     for (source, target, read_only) in binds {
         let target = root_dir.join(target.strip_prefix("/").unwrap_or(target));
@@ -441,6 +447,9 @@ pub(crate) fn landlock(paths: &JailPaths, report: &mut Isolation) {
             ];
             if let Some(kernel) = &paths.kernel {
                 rules.push((kernel, read.into()));
+            }
+            if let Some(fs_socket) = &paths.fs_socket {
+                rules.push((fs_socket, AccessFs::ResolveUnix.into()));
             }
             for (path, access) in rules {
                 match PathFd::new(path) {

@@ -120,6 +120,7 @@ pub(crate) async fn probe(
         root_fstype: "erofs".into(),
         root_image: "/dev/null".into(),
         control_socket: socket,
+        fs_socket: None,
         console,
         jail: jail.config.clone(),
         kernel: None,

@@ -1,1 +1,15 @@
 //! FUSE: the wire format between the guest kernel and this module.
+//!
+//! guest-init relays the guest kernel's FUSE requests over vsock without reading them; here
+//! each is decoded (`request.rs`: bounded, validated, never panicking), answered by the mount's
+//! [`VirtualFs`](crate::fs::VirtualFs) (`session.rs`) and encoded (`reply.rs`). The kernel ABI's
+//! structures come from the `fuse-backend-rs` crate; what is ours is the decoding of hostile
+//! bytes into typed requests and the async dispatch, which no crate offers over an
+//! implementation-defined transport and an async trait.
+
+pub(crate) mod reply;
+pub(crate) mod request;
+pub(crate) mod session;
+
+pub(crate) use request::{IN_HEADER_LEN, MAX_REQUEST};
+pub(crate) use session::Session;

@@ -1,0 +1,392 @@
+//! One mount's FUSE session: each request decoded, answered by the [`VirtualFs`], encoded.
+//!
+//! Sans-IO: [`Session::handle`] takes one request's bytes and returns the reply's bytes (or
+//! none: forgets and interrupts get no reply), so the transport (`service.rs`), the tests and
+//! the fuzz target drive the same code.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use fuse_backend_rs::abi::fuse_abi as abi;
+
+use super::reply;
+use super::request::{self, Operation, Request, MAX_WRITE};
+use crate::fs::types::*;
+use crate::fs::{MountOptions, VirtualFs};
+
+/// The FUSE protocol minor version the session speaks (7.31: `max_pages`, cached symlinks,
+/// parallel directory operations). A newer kernel speaks it too; an older one is refused.
+pub(crate) const PROTOCOL_MINOR: u32 = 31;
+
+/// The oldest kernel protocol served: 7.28 brought `max_pages`, which 1 MiB writes need.
+const OLDEST_MINOR: u32 = 28;
+
+/// What the session asks of the guest kernel, each when the kernel offers it.
+fn wanted_flags() -> u64 {
+    use abi::FsOptions as O;
+    // Not WRITEBACK_CACHE: the kernel would then own sizes and times and write back later,
+    // after the host may already have read the file; not READDIRPLUS or POSIX locks (locks stay
+    // in the guest kernel, which is right for one guest); not DONT_MASK (the kernel applies the
+    // umask, so modes arrive final).
+    (O::ASYNC_READ
+        | O::BIG_WRITES
+        | O::ATOMIC_O_TRUNC
+        | O::AUTO_INVAL_DATA
+        | O::PARALLEL_DIROPS
+        | O::MAX_PAGES
+        | O::CACHE_SYMLINKS)
+        .bits()
+}
+
+/// A mount's session.
+pub(crate) struct Session {
+    fs: Arc<dyn VirtualFs>,
+    options: MountOptions,
+    initialized: AtomicBool,
+}
+
+impl Session {
+    pub(crate) fn new(fs: Arc<dyn VirtualFs>, options: MountOptions) -> Self {
+        Session {
+            fs,
+            options,
+            initialized: AtomicBool::new(false),
+        }
+    }
+
+    /// Answers one request (`message` is exactly one request's bytes). `Err` means the
+    /// message is not even a framed request: the connection cannot be trusted any more.
+    pub(crate) async fn handle(
+        &self,
+        message: &[u8],
+    ) -> Result<Option<Vec<u8>>, request::DecodeError> {
+        let request = match request::decode(message) {
+            Ok(request) => request,
+            Err(
+                err @ (request::DecodeError::BadLength { .. } | request::DecodeError::Truncated(_)),
+            ) => return Err(err),
+            Err(err) => {
+                // Framed, so the unique id is good: fail this request only.
+                let unique = u64::from_le_bytes(message[8..16].try_into().expect("8 bytes"));
+                tracing::debug!(target: "krunbox::fs", %err, "refused a FUSE request");
+                return Ok(Some(reply::error(unique, err.errno())));
+            }
+        };
+        Ok(self.answer(request).await)
+    }
+
+    async fn answer(&self, request: Request<'_>) -> Option<Vec<u8>> {
+        let unique = request.header.unique;
+        let operation = request.operation;
+        match operation {
+            Operation::Init { .. } => return Some(self.init(unique, &operation)),
+            Operation::Forget { count } => {
+                if request.header.nodeid != 0 {
+                    self.fs.forget(InodeId(request.header.nodeid), count).await;
+                }
+                return None;
+            }
+            Operation::BatchForget { ref forgets } => {
+                for &(node, count) in forgets {
+                    if node != 0 {
+                        self.fs.forget(InodeId(node), count).await;
+                    }
+                }
+                return None;
+            }
+            Operation::Interrupt => return None,
+            _ => {}
+        }
+        if !self.initialized.load(Ordering::Acquire) {
+            return Some(reply::error(unique, libc::EIO));
+        }
+        if request.header.nodeid == 0 {
+            return Some(reply::error(unique, libc::EINVAL));
+        }
+        if self.options.is_read_only() && mutates(&operation) {
+            return Some(reply::error(unique, libc::EROFS));
+        }
+        let header = request.header;
+        Some(match self.dispatch(header, operation).await {
+            Ok(message) => message,
+            Err(err) => reply::error(unique, err.errno()),
+        })
+    }
+
+    fn init(&self, unique: u64, operation: &Operation<'_>) -> Vec<u8> {
+        let Operation::Init {
+            major,
+            minor,
+            max_readahead,
+            flags,
+        } = *operation
+        else {
+            unreachable!("init() is called for Init only");
+        };
+        if major != abi::KERNEL_VERSION || minor < OLDEST_MINOR {
+            tracing::warn!(target: "krunbox::fs", major, minor, "refused a FUSE kernel protocol this session does not speak");
+            return reply::error(unique, libc::EPROTO);
+        }
+        let agreed = flags & wanted_flags();
+        let out = abi::InitOut {
+            major: abi::KERNEL_VERSION,
+            minor: minor.min(PROTOCOL_MINOR),
+            max_readahead: max_readahead.min(MAX_WRITE),
+            flags: agreed as u32,
+            max_background: 64,
+            congestion_threshold: 48,
+            max_write: MAX_WRITE,
+            time_gran: 1,
+            max_pages: (MAX_WRITE / 4096) as u16,
+            map_alignment: 0,
+            flags2: 0,
+            unused: [0; 7],
+        };
+        self.initialized.store(true, Ordering::Release);
+        reply::value(unique, &out)
+    }
+
+    async fn dispatch(
+        &self,
+        header: request::Header,
+        operation: Operation<'_>,
+    ) -> FsResult<Vec<u8>> {
+        let fs = &*self.fs;
+        let unique = header.unique;
+        let node = InodeId(header.nodeid);
+        let cache = self.options.cache_policy();
+        let caller = Caller {
+            uid: header.uid,
+            gid: header.gid,
+            pid: header.pid,
+        };
+        Ok(match operation {
+            Operation::Lookup { name } => match fs.lookup(node, name).await {
+                Ok(entry) => reply::entry(unique, &entry, cache),
+                Err(FsError::NOT_FOUND) if !cache.entry_timeout.is_zero() => {
+                    reply::negative_entry(unique, cache)
+                }
+                Err(err) => return Err(err),
+            },
+            Operation::Getattr => reply::attr_out(unique, &fs.getattr(node).await?, cache),
+            Operation::Setattr(args) => {
+                let change = set_attr(&args);
+                reply::attr_out(unique, &fs.setattr(node, change, caller).await?, cache)
+            }
+            Operation::Readlink => {
+                let mut target = fs.readlink(node).await?;
+                target.truncate(request::PATH_MAX - 1);
+                reply::ok(unique, &target)
+            }
+            Operation::Symlink { name, target } => reply::entry(
+                unique,
+                &fs.symlink(node, name, target, caller).await?,
+                cache,
+            ),
+            Operation::Mknod { name, mode, rdev } => {
+                if matches!(
+                    FileKind::from_mode(mode),
+                    None | Some(FileKind::Directory | FileKind::Symlink)
+                ) {
+                    return Err(FsError::INVALID);
+                }
+                reply::entry(
+                    unique,
+                    &fs.mknod(node, name, mode, rdev, caller).await?,
+                    cache,
+                )
+            }
+            Operation::Mkdir { name, mode } => reply::entry(
+                unique,
+                &fs.mkdir(node, name, mode & 0o7777, caller).await?,
+                cache,
+            ),
+            Operation::Unlink { name } => {
+                fs.unlink(node, name).await?;
+                reply::ok(unique, &[])
+            }
+            Operation::Rmdir { name } => {
+                fs.rmdir(node, name).await?;
+                reply::ok(unique, &[])
+            }
+            Operation::Rename {
+                name,
+                new_parent,
+                new_name,
+                flags,
+            } => {
+                let both = libc::RENAME_NOREPLACE | libc::RENAME_EXCHANGE;
+                // RENAME_WHITEOUT (overlayfs's) and any future flag: refused, not ignored.
+                if flags & !both != 0 || flags == both || new_parent == 0 {
+                    return Err(FsError::INVALID);
+                }
+                let flags = RenameFlags {
+                    no_replace: flags & libc::RENAME_NOREPLACE != 0,
+                    exchange: flags & libc::RENAME_EXCHANGE != 0,
+                };
+                fs.rename(node, name, InodeId(new_parent), new_name, flags)
+                    .await?;
+                reply::ok(unique, &[])
+            }
+            Operation::Link { target, new_name } => {
+                if target == 0 {
+                    return Err(FsError::INVALID);
+                }
+                reply::entry(
+                    unique,
+                    &fs.link(InodeId(target), node, new_name).await?,
+                    cache,
+                )
+            }
+            Operation::Open { flags } => {
+                let handle = fs.open(node, OpenFlags(flags as i32)).await?;
+                reply::open(unique, handle.0)
+            }
+            Operation::Create { name, mode, flags } => {
+                let mode = libc::S_IFREG | (mode & 0o7777);
+                let (entry, handle) = fs
+                    .create(node, name, mode, OpenFlags(flags as i32), caller)
+                    .await?;
+                reply::create(unique, &entry, handle.0, cache)
+            }
+            Operation::Read {
+                handle,
+                offset,
+                size,
+            } => {
+                let mut data = fs.read(node, FileHandle(handle), offset, size).await?;
+                data.truncate(size as usize);
+                reply::ok(unique, &data)
+            }
+            Operation::Write {
+                handle,
+                offset,
+                data,
+            } => {
+                if offset
+                    .checked_add(data.len() as u64)
+                    .is_none_or(|end| end > i64::MAX as u64)
+                {
+                    return Err(FsError::TOO_BIG);
+                }
+                let written = fs.write(node, FileHandle(handle), offset, data).await?;
+                reply::write(unique, written.min(data.len() as u32))
+            }
+            Operation::Flush { handle } => {
+                fs.flush(node, FileHandle(handle)).await?;
+                reply::ok(unique, &[])
+            }
+            Operation::Release { handle } => {
+                fs.release(node, FileHandle(handle)).await?;
+                reply::ok(unique, &[])
+            }
+            Operation::Fsync { handle, data_only } | Operation::Fsyncdir { handle, data_only } => {
+                fs.fsync(node, FileHandle(handle), data_only).await?;
+                reply::ok(unique, &[])
+            }
+            Operation::Opendir => reply::open(unique, fs.opendir(node).await?.0),
+            Operation::Readdir {
+                handle,
+                offset,
+                size,
+            } => {
+                let entries = fs.readdir(node, FileHandle(handle), offset).await?;
+                reply::dirents(unique, &entries, size as usize)
+            }
+            Operation::Releasedir { handle } => {
+                fs.releasedir(node, FileHandle(handle)).await?;
+                reply::ok(unique, &[])
+            }
+            Operation::Statfs => reply::statfs(unique, &fs.statfs().await?),
+            Operation::Setxattr { name, value, flags } => {
+                fs.setxattr(node, name, value, flags as i32).await?;
+                reply::ok(unique, &[])
+            }
+            Operation::Getxattr { name, size } => {
+                let value = fs.getxattr(node, name).await?;
+                sized(unique, value, size)?
+            }
+            Operation::Listxattr { size } => {
+                let mut list = Vec::new();
+                for name in fs.listxattr(node).await? {
+                    if !name.is_empty() && !name.contains(&0) {
+                        list.extend_from_slice(&name);
+                        list.push(0);
+                    }
+                }
+                sized(unique, list, size)?
+            }
+            Operation::Removexattr { name } => {
+                fs.removexattr(node, name).await?;
+                reply::ok(unique, &[])
+            }
+            Operation::Destroy => reply::ok(unique, &[]),
+            Operation::Init { .. }
+            | Operation::Forget { .. }
+            | Operation::BatchForget { .. }
+            | Operation::Interrupt
+            | Operation::Unsupported => return Err(FsError::UNSUPPORTED),
+        })
+    }
+}
+
+/// An extended attribute reply: its size when the caller asked for the size (0), the bytes
+/// when they fit, `ERANGE` when they do not.
+fn sized(unique: u64, bytes: Vec<u8>, size: u32) -> FsResult<Vec<u8>> {
+    if bytes.len() > request::XATTR_SIZE_MAX {
+        return Err(FsError::TOO_BIG);
+    }
+    if size == 0 {
+        Ok(reply::xattr_size(unique, bytes.len()))
+    } else if bytes.len() > size as usize {
+        Err(FsError::RANGE)
+    } else {
+        Ok(reply::ok(unique, &bytes))
+    }
+}
+
+/// Whether an operation changes the filesystem (refused on a read-only mount).
+fn mutates(operation: &Operation<'_>) -> bool {
+    match operation {
+        Operation::Setattr(_)
+        | Operation::Symlink { .. }
+        | Operation::Mknod { .. }
+        | Operation::Mkdir { .. }
+        | Operation::Unlink { .. }
+        | Operation::Rmdir { .. }
+        | Operation::Rename { .. }
+        | Operation::Link { .. }
+        | Operation::Create { .. }
+        | Operation::Write { .. }
+        | Operation::Setxattr { .. }
+        | Operation::Removexattr { .. } => true,
+        Operation::Open { flags } => {
+            let flags = *flags as i32;
+            flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0
+        }
+        _ => false,
+    }
+}
+
+fn set_attr(args: &abi::SetattrIn) -> SetAttr {
+    use abi::SetattrValid as V;
+    let valid = V::from_bits_truncate(args.valid);
+    let time = |set: V, now: V, secs: u64, nanos: u32| {
+        if valid.contains(now) {
+            Some(TimeOrNow::Now)
+        } else if valid.contains(set) {
+            Some(TimeOrNow::At(reply::time_from(secs, nanos)))
+        } else {
+            None
+        }
+    };
+    SetAttr {
+        perm: valid.contains(V::MODE).then_some(args.mode & 0o7777),
+        uid: valid.contains(V::UID).then_some(args.uid),
+        gid: valid.contains(V::GID).then_some(args.gid),
+        size: valid.contains(V::SIZE).then_some(args.size),
+        atime: time(V::ATIME, V::ATIME_NOW, args.atime, args.atimensec),
+        mtime: time(V::MTIME, V::MTIME_NOW, args.mtime, args.mtimensec),
+        handle: (args.valid & abi::FATTR_FH != 0).then_some(FileHandle(args.fh)),
+    }
+}

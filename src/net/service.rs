@@ -25,7 +25,7 @@ use super::intercept::{self, ca::CertificateAuthority, InterceptJob};
 use super::names::{self, Names};
 use super::policy::{self, Decision, Flow, Policy, Protocol, Resolver};
 use super::relay::{self, FromUpstream, Relay, Upstream, CHUNK};
-use super::stack::{FlowKey, Gateway};
+use super::stack::{FlowKey, Gateway, MAX_UPSTREAM_REQUESTS};
 use super::{Addressing, Network, Secret};
 use crate::error::{Error, Result};
 
@@ -198,6 +198,8 @@ struct Service {
     interception: Option<(Arc<CertificateAuthority>, Arc<rustls::ClientConfig>)>,
     /// The network's secrets, swapped in on intercepted requests.
     secrets: Arc<[Secret]>,
+    /// Intercepted requests in flight upstream, for all the sandbox's connections.
+    upstream_permits: Arc<tokio::sync::Semaphore>,
     audit: Audit,
     /// Cancelled when the service stops: ends the tasks hyper starts outside `tasks`.
     stop: CancellationToken,
@@ -242,6 +244,7 @@ async fn run(stream: UnixStream, prepared: Prepared, cancel: CancellationToken) 
         policy,
         interception,
         secrets,
+        upstream_permits: Arc::new(tokio::sync::Semaphore::new(MAX_UPSTREAM_REQUESTS)),
         audit,
         stop: cancel.child_token(),
         addressing,
@@ -494,6 +497,7 @@ impl Service {
         let events = self.events.0.clone();
         let interception = self.interception.clone();
         let secrets = self.secrets.clone();
+        let upstream_permits = self.upstream_permits.clone();
         let audit = self.audit.clone();
         let stop = self.stop.clone();
         self.tasks.spawn(async move {
@@ -544,6 +548,7 @@ impl Service {
                                 authority,
                                 client_tls,
                                 audit: audit.clone(),
+                                upstream_permits,
                                 stop,
                             };
                             Event::Intercept(key, Box::new(job))

@@ -59,6 +59,25 @@ pub(crate) const MAX_HELD: usize = 256;
 /// Connections (held and open) per sandbox. A SYN past it is refused at once.
 pub(crate) const MAX_CONNECTIONS: usize = 512;
 
+/// HTTP/2 streams one intercepted connection may have open at once (hyper's default is 200);
+/// the guest's client waits for one to end before it opens more.
+pub(crate) const INTERCEPT_MAX_STREAMS: u32 = 64;
+
+/// The most bytes of request head an intercepted connection takes: HTTP/1's read buffer (a
+/// longer head is answered `431`), HTTP/2's header list (hyper's default is 16 KiB).
+pub(crate) const INTERCEPT_MAX_HEADERS: usize = 64 * 1024;
+
+/// Requests of one sandbox's intercepted connections in flight upstream at once, each with an
+/// upstream connection of its own (those connections are not counted in [`MAX_CONNECTIONS`]:
+/// the host makes them, not the guest). A request past it waits for one to end; one is in
+/// flight from its send until the guest has taken its response's body.
+pub(crate) const MAX_UPSTREAM_REQUESTS: usize = 64;
+
+/// Idle upstream connections each intercepted connection's client keeps for its next requests,
+/// and for how long.
+pub(crate) const UPSTREAM_IDLE_PER_CONNECTION: usize = 2;
+pub(crate) const UPSTREAM_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// UDP flows (held and open) per sandbox. A datagram of a new flow past it is dropped.
 pub(crate) const MAX_UDP_FLOWS: usize = 256;
 

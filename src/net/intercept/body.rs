@@ -1,5 +1,6 @@
-//! Request bodies on their way upstream: secrets swapped in as the body streams
-//! ([`SwapBody`]).
+//! Bodies through interception: a request's on its way upstream, with secrets swapped in as
+//! it streams ([`SwapBody`]); a response's on its way to the guest, holding the sandbox's
+//! permit for an upstream request until it is over ([`Permitted`]).
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -104,5 +105,51 @@ where
             // Only looked at: the bytes are the input's.
             self.inner.size_hint()
         }
+    }
+}
+
+/// A response body that holds its request's permit (one of the sandbox's
+/// [`MAX_UPSTREAM_REQUESTS`](crate::net::stack::MAX_UPSTREAM_REQUESTS)) until it ends or is
+/// dropped.
+pub(crate) struct Permitted<B> {
+    inner: B,
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+impl<B> Permitted<B> {
+    pub(crate) fn new(inner: B, permit: tokio::sync::OwnedSemaphorePermit) -> Self {
+        Self {
+            inner,
+            permit: Some(permit),
+        }
+    }
+}
+
+impl<B> Body for Permitted<B>
+where
+    B: Body + Unpin,
+{
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
+        let this = self.get_mut();
+        let frame = ready!(Pin::new(&mut this.inner).poll_frame(cx));
+        if !matches!(frame, Some(Ok(_))) {
+            // Ended or failed: the request is no longer in flight.
+            this.permit = None;
+        }
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
     }
 }

@@ -306,6 +306,9 @@ async fn drive(data: Vec<u8>, tls: bool, log: Shared) {
         authority: fixture.authority.clone(),
         client_tls: fixture.client_tls.clone(),
         audit: crate::net::audit::Audit::new(),
+        upstream_permits: Arc::new(tokio::sync::Semaphore::new(
+            crate::net::stack::MAX_UPSTREAM_REQUESTS,
+        )),
         stop: stop.clone(),
     };
     let dialer = upstream::Dialer::Memory {

@@ -33,6 +33,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::audit::{Audit, RequestOutcome, RequestRecord};
 use super::relay::GuestStream;
+use super::stack::{INTERCEPT_MAX_HEADERS, INTERCEPT_MAX_STREAMS};
 use ca::CertificateAuthority;
 pub use upstream::UpstreamTrust;
 
@@ -356,6 +357,9 @@ pub(crate) struct InterceptJob {
     pub client_tls: Arc<rustls::ClientConfig>,
     /// Where each request's audit event goes.
     pub audit: Audit,
+    /// The sandbox's permits for requests in flight upstream
+    /// ([`MAX_UPSTREAM_REQUESTS`](super::stack::MAX_UPSTREAM_REQUESTS)).
+    pub upstream_permits: Arc<tokio::sync::Semaphore>,
     /// Ends every task hyper starts for this connection when the sandbox's network stops.
     pub stop: CancellationToken,
 }
@@ -412,9 +416,18 @@ where
         intercept: job.intercept.clone(),
         secrets: job.secrets.clone(),
         audit: job.audit.clone(),
+        upstream_permits: job.upstream_permits.clone(),
     });
     let service = hyper::service::service_fn(move |request| handle(request, context.clone()));
-    hyper_util::server::conn::auto::Builder::new(upstream::Scoped(job.stop.clone()))
+    let mut server =
+        hyper_util::server::conn::auto::Builder::new(upstream::Scoped(job.stop.clone()));
+    server
+        .http1()
+        .max_buf_size(INTERCEPT_MAX_HEADERS)
+        .http2()
+        .max_concurrent_streams(INTERCEPT_MAX_STREAMS)
+        .max_header_list_size(INTERCEPT_MAX_HEADERS as u32);
+    server
         .serve_connection(TokioIo::new(guest), service)
         .await
         .map_err(std::io::Error::other)
@@ -441,6 +454,7 @@ struct Context {
     intercept: Intercept,
     secrets: Arc<[super::Secret]>,
     audit: Audit,
+    upstream_permits: Arc<tokio::sync::Semaphore>,
 }
 
 /// Headers that belong to one connection, not to the request (RFC 9110 7.6.1).
@@ -704,6 +718,10 @@ async fn forward(
     parts.uri = uri;
     parts.headers = head.headers;
     parts.version = ::http::Version::HTTP_11;
+    // The semaphore is never closed.
+    let Ok(permit) = context.upstream_permits.clone().acquire_owned().await else {
+        unreachable!("the upstream permits are never closed")
+    };
     match context
         .client
         .request(Request::from_parts(parts, body))
@@ -713,7 +731,7 @@ async fn forward(
             let (mut parts, body) = response.into_parts();
             strip_hop_by_hop(&mut parts.headers);
             record.answered(parts.status, RequestOutcome::Forwarded);
-            Response::from_parts(parts, body.boxed())
+            Response::from_parts(parts, body::Permitted::new(body, permit).boxed())
         }
         Err(err) => {
             record.answered(

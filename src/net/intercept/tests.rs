@@ -4,6 +4,7 @@
 //! connection (the host's TLS termination is not run), and the upstream side is real TLS to an
 //! origin with a certificate from the sandbox CA.
 
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
@@ -155,6 +156,9 @@ pub(super) fn job(
         authority: tls.authority.clone(),
         client_tls: tls.client.clone(),
         audit: Audit::new(),
+        upstream_permits: Arc::new(tokio::sync::Semaphore::new(
+            crate::net::stack::MAX_UPSTREAM_REQUESTS,
+        )),
         stop: CancellationToken::new(),
     }
 }
@@ -555,4 +559,128 @@ async fn secrets_opted_in_to_bodies_are_swapped_in_bodies_to_bound_hosts_over_tl
 
 fn job_for(tls: &Tls, port: u16, secrets: Vec<Secret>) -> InterceptJob {
     job(tls, port, Intercept::new(), secrets)
+}
+
+/// An HTTP origin on 127.0.0.1 that holds each request for `hold`.
+async fn loopback_origin(hold: Hold) -> (SocketAddr, Arc<OriginLog>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let log = Arc::new(OriginLog::default());
+    let kept = log.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(origin_connection(stream, kept.clone(), hold));
+        }
+    });
+    (address, log)
+}
+
+/// Serves `job` (plain HTTP, upstream the loopback origin at `job.upstream`) on an in-memory
+/// connection whose guest end speaks HTTP/2, and sends `requests` GETs on it at once: their
+/// statuses.
+async fn h2_requests(job: InterceptJob, requests: usize) -> Vec<StatusCode> {
+    let dialer = upstream::Dialer::addresses(&job.upstream);
+    let (guest, ours) = tokio::io::duplex(64 * 1024);
+    tokio::spawn(serve_http(ours, false, dialer, job));
+    let (sender, connection) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        TokioIo::new(guest),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(connection);
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..requests {
+        let mut sender = sender.clone();
+        tasks.spawn(async move {
+            let request = Request::builder()
+                .uri(format!("http://{HOSTNAME}/{i}"))
+                .body(Full::new(Bytes::new()))
+                .unwrap();
+            sender.ready().await.unwrap();
+            let response = sender.send_request(request).await.unwrap();
+            let status = response.status();
+            response.into_body().collect().await.unwrap();
+            status
+        });
+    }
+    tasks.join_all().await
+}
+
+fn loopback_job(
+    tls: &Tls,
+    upstream: SocketAddr,
+    permits: Arc<tokio::sync::Semaphore>,
+) -> InterceptJob {
+    InterceptJob {
+        port: 80,
+        upstream: vec![upstream],
+        upstream_permits: permits,
+        ..job(tls, 80, Intercept::new(), Vec::new())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_connection_has_at_most_its_streams_in_flight() {
+    use crate::net::stack::INTERCEPT_MAX_STREAMS;
+    let (address, origin) = loopback_origin(Hold::from_millis(100)).await;
+    let tls = tls();
+    // Permits enough for all: only the connection's stream limit holds requests back.
+    let permits = Arc::new(tokio::sync::Semaphore::new(1000));
+    let statuses = h2_requests(loopback_job(&tls, address, permits), 100).await;
+    assert!(
+        statuses.iter().all(|s| *s == StatusCode::OK),
+        "{statuses:?}"
+    );
+    assert_eq!(origin.received.lock().unwrap().len(), 100);
+    let most = origin.most_in_flight.load(Ordering::SeqCst);
+    assert!(most <= INTERCEPT_MAX_STREAMS as usize, "{most} at once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_has_at_most_its_upstream_requests_in_flight() {
+    use crate::net::stack::MAX_UPSTREAM_REQUESTS;
+    let (address, origin) = loopback_origin(Hold::from_millis(100)).await;
+    let tls = tls();
+    // One sandbox: two intercepted connections sharing its permits, 60 requests at once on
+    // each (within each connection's own stream limit).
+    let permits = Arc::new(tokio::sync::Semaphore::new(MAX_UPSTREAM_REQUESTS));
+    let (a, b) = tokio::join!(
+        h2_requests(loopback_job(&tls, address, permits.clone()), 60),
+        h2_requests(loopback_job(&tls, address, permits.clone()), 60),
+    );
+    assert!(
+        a.iter().chain(&b).all(|s| *s == StatusCode::OK),
+        "{a:?} {b:?}"
+    );
+    assert_eq!(origin.received.lock().unwrap().len(), 120);
+    let most = origin.most_in_flight.load(Ordering::SeqCst);
+    assert!(most <= MAX_UPSTREAM_REQUESTS, "{most} at once");
+    assert!(
+        most > MAX_UPSTREAM_REQUESTS / 2,
+        "the bound was reached: {most} at once"
+    );
+    assert_eq!(
+        permits.available_permits(),
+        MAX_UPSTREAM_REQUESTS,
+        "all given back"
+    );
+}
+
+#[tokio::test]
+async fn a_request_head_past_the_bound_is_refused() {
+    use crate::net::stack::INTERCEPT_MAX_HEADERS;
+    let tls = tls();
+    let mut harness = serve_in_memory(&tls, job(&tls, 80, Intercept::new(), Vec::new())).await;
+    let mut big = request(Method::GET, "/", b"");
+    big.headers_mut()
+        .insert("x-big", "a".repeat(INTERCEPT_MAX_HEADERS).parse().unwrap());
+    harness.guest.ready().await.unwrap();
+    let refused = harness.guest.send_request(big).await;
+    assert!(
+        refused.as_ref().map_or(true, |r| r.status()
+            == StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE),
+        "{refused:?}"
+    );
+    assert!(harness.origin.received.lock().unwrap().is_empty());
 }

@@ -23,6 +23,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::InterceptJob;
 use crate::error::{Error, Result};
+use crate::net::stack::{UPSTREAM_IDLE_PER_CONNECTION, UPSTREAM_IDLE_TIMEOUT};
 
 /// The client of one intercepted connection.
 pub(crate) type Client =
@@ -127,7 +128,9 @@ pub(crate) fn client(job: &InterceptJob, tls: bool, dialer: Dialer) -> Client {
     };
     let connector = builder.enable_http1().wrap_connector(dialer);
     hyper_util::client::legacy::Client::builder(Scoped(job.stop.clone()))
-        .pool_max_idle_per_host(4)
+        .pool_max_idle_per_host(UPSTREAM_IDLE_PER_CONNECTION)
+        .pool_idle_timeout(UPSTREAM_IDLE_TIMEOUT)
+        .pool_timer(hyper_util::rt::TokioTimer::new())
         .build(connector)
 }
 

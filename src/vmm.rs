@@ -34,7 +34,9 @@ pub const GUEST_INIT_FD: i32 = 5;
 const GUEST_INIT_MAX_BYTES: u64 = 64 << 20;
 
 /// Mount points guest-init uses on its first root before it switches to the image.
-const BOOT_DIRS: [&str; 4] = ["dev", "proc", "sys", "newroot"];
+/// `layers` holds the layers of a root image given mount points it lacks (guest-init's
+/// mounts.rs).
+const BOOT_DIRS: [&str; 5] = ["dev", "proc", "sys", "newroot", "layers"];
 
 /// The file descriptor of the pipe the helper writes its [`Isolation`] report to (JSON), before
 /// it starts the VM or refuses to.

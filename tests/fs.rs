@@ -145,3 +145,28 @@ fn a_mount_point_that_cannot_be_made_fails_the_boot_with_the_guests_error() {
         );
     })
 }
+
+/// A mount point the read-only image lacks is made for it (an overlay holding just that empty
+/// directory), and the root stays read-only.
+#[test]
+fn a_mount_point_missing_from_the_read_only_image_is_made_and_the_root_stays_read_only() {
+    common::run(async {
+        let vm = boot(busybox().mount("/workspace/project", OneFile)).await;
+        let (out, _) = sh(
+            &vm,
+            "cat /workspace/project/hello.txt; touch /created-by-guest 2>&1; \
+             mkdir /workspace/other 2>&1; ls /bin/busybox",
+            Duration::from_secs(60),
+        )
+        .await;
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines[0], "served by the host", "{out}");
+        assert!(lines[1].contains("Read-only file system"), "{out}");
+        assert!(lines[2].contains("Read-only file system"), "{out}");
+        assert_eq!(
+            lines[3], "/bin/busybox",
+            "the image is still the root: {out}"
+        );
+        vm.shutdown().await.unwrap();
+    })
+}

@@ -57,7 +57,8 @@ fn run() -> Result<(), String> {
         HostMessage::Setup(setup) => setup,
         other => return Err(format!("expected Setup from the host, got {other:?}")),
     };
-    let setup_result = mounts::switch_root(&setup.root)
+    let mount_points: Vec<&str> = setup.mounts.iter().map(|m| m.path.as_str()).collect();
+    let setup_result = mounts::switch_root(&setup.root, &mount_points)
         .map_err(|e| format!("switching to root {}: {e}", setup.root.device))
         .and_then(|()| sys::set_hostname(&setup.hostname).map_err(|e| e.to_string()))
         .and_then(|()| match &setup.network {

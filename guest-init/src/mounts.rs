@@ -27,14 +27,40 @@ pub fn mount_early() -> io::Result<()> {
     Ok(())
 }
 
+/// Where the initial root has an empty directory for the layers of a root that needs mount
+/// points the image lacks (see [`add_mount_points`]).
+const LAYERS: &str = "/layers";
+
+/// The directories that get a tmpfs of scratch space on a read-only image, where the image has
+/// them (`/tmp` always).
+const SCRATCH: [(&str, &str); 5] = [
+    ("/tmp", "1777"),
+    ("/run", "755"),
+    ("/var/tmp", "1777"),
+    ("/root", "700"),
+    ("/home", "755"),
+];
+
 /// Mounts the root image, moves the API filesystems into it, adds scratch tmpfs, and makes it
 /// `/`. The old (virtio-fs) root is detached so nothing in the guest can reach it by path.
-pub fn switch_root(root: &RootMount) -> io::Result<()> {
+/// `mount_points` are the directories the host's filesystems will be mounted on (see
+/// [`add_mount_points`]).
+pub fn switch_root(root: &RootMount, mount_points: &[&str]) -> io::Result<()> {
     let mut flags = libc::MS_NOATIME;
     if root.read_only {
         flags |= libc::MS_RDONLY;
     }
     mount(&root.device, NEW_ROOT, Some(&root.fstype), flags, None)?;
+    if root.read_only {
+        let missing: Vec<&str> = mount_points
+            .iter()
+            .copied()
+            .filter(|point| needs_creating_in_image(point))
+            .collect();
+        if !missing.is_empty() {
+            add_mount_points(flags, &missing)?;
+        }
+    }
 
     for dir in ["/dev", "/proc", "/sys"] {
         let target = format!("{NEW_ROOT}{dir}");
@@ -61,21 +87,9 @@ pub fn switch_root(root: &RootMount) -> io::Result<()> {
     )?;
     // Scratch space on a read-only image. /tmp is required; the others only where the image
     // has the directory.
-    mount(
-        "tmpfs",
-        &format!("{NEW_ROOT}/tmp"),
-        Some("tmpfs"),
-        nosuid_nodev,
-        Some("mode=1777"),
-    )?;
-    for (dir, mode) in [
-        ("/run", "755"),
-        ("/var/tmp", "1777"),
-        ("/root", "700"),
-        ("/home", "755"),
-    ] {
+    for (dir, mode) in SCRATCH {
         let target = format!("{NEW_ROOT}{dir}");
-        if std::path::Path::new(&target).is_dir() {
+        if dir == "/tmp" || std::path::Path::new(&target).is_dir() {
             mount(
                 "tmpfs",
                 &target,
@@ -105,4 +119,50 @@ pub fn switch_root(root: &RootMount) -> io::Result<()> {
         check("chdir /", libc::chdir(slash.as_ptr()))?;
     }
     Ok(())
+}
+
+/// Whether a mount point must be made in the (read-only) image itself: it does not exist there,
+/// and it is not inside a scratch tmpfs, where guest-init can make it later.
+fn needs_creating_in_image(point: &str) -> bool {
+    let in_image = format!("{NEW_ROOT}{point}");
+    if std::path::Path::new(&in_image).exists() {
+        return false;
+    }
+    !SCRATCH.iter().any(|(dir, _)| {
+        point.starts_with(&format!("{dir}/"))
+            && (*dir == "/tmp" || std::path::Path::new(&format!("{NEW_ROOT}{dir}")).is_dir())
+    })
+}
+
+/// Gives a read-only image the mount points it lacks: the image becomes the lower layer of an
+/// overlay whose upper layer (a small tmpfs) holds just those empty directories, and the overlay
+/// is then made read-only too. The guest still cannot write to its root; the host filesystems
+/// get their directories wherever the host asked.
+fn add_mount_points(flags: libc::c_ulong, points: &[&str]) -> io::Result<()> {
+    let lower = format!("{LAYERS}/lower");
+    mount(
+        "layers",
+        LAYERS,
+        Some("tmpfs"),
+        libc::MS_NOSUID | libc::MS_NODEV,
+        Some("size=1m,mode=700"),
+    )?;
+    for dir in ["lower", "upper", "work"] {
+        std::fs::create_dir(format!("{LAYERS}/{dir}"))?;
+    }
+    mount(NEW_ROOT, &lower, None, libc::MS_MOVE, None)?;
+    let options = format!("lowerdir={lower},upperdir={LAYERS}/upper,workdir={LAYERS}/work");
+    mount(
+        "root",
+        NEW_ROOT,
+        Some("overlay"),
+        flags & !libc::MS_RDONLY,
+        Some(&options),
+    )?;
+    for point in points {
+        std::fs::create_dir_all(format!("{NEW_ROOT}{point}")).map_err(|e| {
+            io::Error::new(e.kind(), format!("creating the mount point {point}: {e}"))
+        })?;
+    }
+    mount("root", NEW_ROOT, None, libc::MS_REMOUNT | flags, None)
 }

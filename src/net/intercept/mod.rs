@@ -216,7 +216,8 @@ pub struct Answer {
 }
 
 impl Answer {
-    /// An answer with `status` and `text` as its body (`text/plain; charset=utf-8`).
+    /// An answer with `status` and `text` as its body (`text/plain; charset=utf-8`). `status`
+    /// is a final one: an informational status (`1xx`) is sent as `500` saying so.
     ///
     /// ```
     /// let answer = krunbox::net::Answer::new(krunbox::net::StatusCode::NOT_FOUND, "none here\n");
@@ -656,7 +657,17 @@ async fn forward(
         .middleware
         .iter()
         .find_map(|middleware| middleware.handle(&mut head));
-    if let Some(answered) = answered {
+    if let Some(mut answered) = answered {
+        // A final status only: a 1xx is not an answer to send in place of a response.
+        if answered.status.is_informational() {
+            answered = Answer::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!(
+                    "krunbox: middleware answered with {}, which is not a final status\n",
+                    answered.status
+                ),
+            );
+        }
         record.answered(
             answered.status,
             RequestOutcome::Answered {

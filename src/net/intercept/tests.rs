@@ -252,6 +252,24 @@ async fn middleware_answers_a_request_itself_and_the_connection_goes_on() {
 }
 
 #[tokio::test]
+async fn an_informational_answer_is_sent_as_a_server_error() {
+    let tls = tls();
+    let intercept = Intercept::new()
+        .answer_with(|_: &RequestHead| Some(Answer::new(StatusCode::SWITCHING_PROTOCOLS, "")));
+    let mut harness = serve_in_memory(&tls, job(&tls, 80, intercept, Vec::new())).await;
+    let (status, _, body) = send(&mut harness, request(Method::GET, "/", b"")).await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(body.contains("not a final status"), "{body}");
+    let (status, _, _) = send(&mut harness, request(Method::GET, "/", b"")).await;
+    assert_eq!(
+        status,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "the connection goes on"
+    );
+    assert!(harness.origin.received.lock().unwrap().is_empty());
+}
+
+#[tokio::test]
 async fn a_large_unsent_body_closes_the_connection_after_the_answer() {
     let tls = tls();
     let mut harness = serve_in_memory(&tls, job(&tls, 80, refuse_posts(), Vec::new())).await;

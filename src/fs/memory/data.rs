@@ -1,0 +1,226 @@
+//! A regular file's bytes: 64 KiB chunks, allocated only where something was written.
+//!
+//! A hole (never written, or past an extension by `truncate`) reads as zeros and costs nothing.
+//! A chunk's buffer holds its bytes up to the last one written, so a small file costs its size;
+//! buffers grow by doubling up to the chunk size, so appends copy little. What a file costs is
+//! the sum of its buffers' capacities plus [`CHUNK_COST`] a chunk ([`FileData::charged`]): the
+//! real allocation, which the filesystem counts against its byte limit.
+
+use std::collections::BTreeMap;
+
+/// The size of one chunk.
+pub(super) const CHUNK: u64 = 64 * 1024;
+
+/// What a chunk costs beyond its buffer (its map slot and allocation): so that one-byte
+/// writes a chunk apart cannot allocate much more than they are charged.
+pub(super) const CHUNK_COST: u64 = 64;
+
+/// A regular file's contents.
+#[derive(Debug, Default)]
+pub(super) struct FileData {
+    size: u64,
+    /// Chunk index → the chunk's bytes from its start (shorter than `CHUNK`: zeros follow).
+    chunks: BTreeMap<u64, Vec<u8>>,
+    /// The sum of the chunks' capacities, plus `CHUNK_COST` each.
+    charged: u64,
+}
+
+/// The capacity a chunk buffer of capacity `capacity` grows to, to hold `needed` bytes.
+fn grown(capacity: usize, needed: usize) -> usize {
+    if needed <= capacity {
+        capacity
+    } else {
+        needed.max(capacity.saturating_mul(2)).min(CHUNK as usize)
+    }
+}
+
+/// The chunks `[offset, end)` touches, each as (chunk index, start and end within the chunk,
+/// start within the data written).
+fn spans(offset: u64, end: u64) -> impl Iterator<Item = (u64, usize, usize, usize)> {
+    let first = offset / CHUNK;
+    let last = if end > offset { (end - 1) / CHUNK } else { 0 };
+    let count = if end > offset { last - first + 1 } else { 0 };
+    (first..).take(count as usize).map(move |index| {
+        let base = index * CHUNK;
+        let from = base.max(offset);
+        let to = (base + CHUNK).min(end);
+        (
+            index,
+            (from - base) as usize,
+            (to - base) as usize,
+            (from - offset) as usize,
+        )
+    })
+}
+
+impl FileData {
+    /// The file's size.
+    pub(super) fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// The bytes its buffers hold (allocated, counted against the filesystem's limit).
+    pub(super) fn charged(&self) -> u64 {
+        self.charged
+    }
+
+    /// Up to `len` bytes at `offset` (fewer only at the end of the file).
+    pub(super) fn read(&self, offset: u64, len: u64) -> Vec<u8> {
+        if offset >= self.size {
+            return Vec::new();
+        }
+        let n = len.min(self.size - offset);
+        let end = offset + n;
+        let mut out = vec![0u8; n as usize];
+        for (&index, chunk) in self.chunks.range(offset / CHUNK..=(end - 1) / CHUNK) {
+            let base = index * CHUNK;
+            let from = base.max(offset);
+            let to = (base + chunk.len() as u64).min(end);
+            if from < to {
+                out[(from - offset) as usize..(to - offset) as usize]
+                    .copy_from_slice(&chunk[(from - base) as usize..(to - base) as usize]);
+            }
+        }
+        out
+    }
+
+    /// How many more bytes the buffers would hold after writing `len` bytes at `offset`.
+    pub(super) fn write_cost(&self, offset: u64, len: u64) -> u64 {
+        spans(offset, offset.saturating_add(len))
+            .map(|(index, _, to, _)| match self.chunks.get(&index) {
+                None => grown(0, to) as u64 + CHUNK_COST,
+                Some(chunk) if chunk.len() >= to => 0,
+                Some(chunk) => (grown(chunk.capacity(), to) - chunk.capacity()) as u64,
+            })
+            .sum()
+    }
+
+    /// Writes `data` at `offset` (the caller checked the size and the cost) and returns how
+    /// many more bytes the buffers hold.
+    pub(super) fn write(&mut self, offset: u64, data: &[u8]) -> u64 {
+        let end = offset + data.len() as u64;
+        let mut added = 0;
+        for (index, from, to, at) in spans(offset, end) {
+            let chunk = self.chunks.entry(index).or_insert_with(|| {
+                added += CHUNK_COST;
+                Vec::new()
+            });
+            let before = chunk.capacity();
+            if chunk.len() < to {
+                let capacity = grown(before, to);
+                chunk.reserve_exact(capacity - chunk.len());
+                chunk.resize(to, 0);
+            }
+            chunk[from..to].copy_from_slice(&data[at..at + (to - from)]);
+            added += (chunk.capacity() - before) as u64;
+        }
+        self.charged += added;
+        self.size = self.size.max(end);
+        added
+    }
+
+    /// Sets the size: shorter drops the bytes past it, longer adds a hole (zeros, free).
+    /// Returns how many fewer bytes the buffers hold.
+    pub(super) fn truncate(&mut self, size: u64) -> u64 {
+        if size >= self.size {
+            self.size = size;
+            return 0;
+        }
+        let boundary = size / CHUNK;
+        let mut tail = self.chunks.split_off(&boundary);
+        let mut freed: u64 = tail
+            .values()
+            .map(|chunk| chunk.capacity() as u64 + CHUNK_COST)
+            .sum();
+        let within = (size % CHUNK) as usize;
+        if within > 0 {
+            if let Some(mut chunk) = tail.remove(&boundary) {
+                if chunk.len() > within {
+                    chunk.truncate(within);
+                    chunk.shrink_to_fit();
+                }
+                freed -= chunk.capacity() as u64 + CHUNK_COST;
+                self.chunks.insert(boundary, chunk);
+            }
+        }
+        self.charged -= freed;
+        self.size = size;
+        freed
+    }
+
+    /// Recounts what the buffers hold (tests check it against `charged`).
+    #[cfg(test)]
+    pub(super) fn recount(&self) -> u64 {
+        self.chunks
+            .values()
+            .map(|c| c.capacity() as u64 + CHUNK_COST)
+            .sum()
+    }
+
+    /// Whether any chunk holds bytes at or past the size (never should).
+    #[cfg(test)]
+    pub(super) fn has_bytes_past_size(&self) -> bool {
+        self.chunks
+            .iter()
+            .any(|(&index, chunk)| index * CHUNK + chunk.len() as u64 > self.size)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sparse_writes_read_back_with_zeros_between() {
+        let mut data = FileData::default();
+        assert_eq!(data.write_cost(3 * CHUNK + 10, 5), 15 + CHUNK_COST);
+        assert_eq!(data.write(3 * CHUNK + 10, b"hello"), 15 + CHUNK_COST);
+        assert_eq!(data.size(), 3 * CHUNK + 15);
+        assert_eq!(data.charged(), 15 + CHUNK_COST);
+        // Growing the chunk's buffer: doubled (to 30), no new chunk.
+        assert_eq!(data.write_cost(3 * CHUNK + 15, 1), 15);
+        let all = data.read(0, u64::MAX);
+        assert_eq!(all.len() as u64, 3 * CHUNK + 15);
+        assert!(all[..(3 * CHUNK + 10) as usize].iter().all(|&b| b == 0));
+        assert_eq!(&all[(3 * CHUNK + 10) as usize..], b"hello");
+        assert_eq!(data.read(3 * CHUNK + 12, 100), b"llo");
+        assert!(data.read(3 * CHUNK + 15, 100).is_empty());
+    }
+
+    #[test]
+    fn writes_spanning_chunks_and_truncation_keep_the_accounting() {
+        let mut data = FileData::default();
+        let bytes: Vec<u8> = (0..(2 * CHUNK + 100)).map(|i| (i % 251) as u8).collect();
+        let cost = data.write_cost(CHUNK - 50, bytes.len() as u64);
+        assert_eq!(data.write(CHUNK - 50, &bytes), cost);
+        assert_eq!(data.charged(), data.recount());
+        assert_eq!(data.read(CHUNK - 50, bytes.len() as u64), bytes);
+        // Shorter: the cut chunk keeps its head only, later chunks go.
+        let freed = data.truncate(CHUNK + 10);
+        assert!(freed > 0);
+        assert_eq!(data.charged(), data.recount());
+        assert!(!data.has_bytes_past_size());
+        // Longer again: the bytes past the cut read as zeros, and nothing is allocated.
+        assert_eq!(data.truncate(4 * CHUNK), 0);
+        let back = data.read(CHUNK, 100);
+        assert_eq!(&back[..10], &bytes[50..60]);
+        assert!(back[10..].iter().all(|&b| b == 0));
+        let before = data.charged();
+        assert_eq!(data.truncate(0), before);
+        assert_eq!(data.charged(), 0);
+        assert!(data.read(0, 10).is_empty());
+    }
+
+    #[test]
+    fn appends_grow_buffers_by_doubling() {
+        let mut data = FileData::default();
+        for i in 0..1000u64 {
+            data.write(i * 100, &[7u8; 100]);
+        }
+        assert_eq!(data.size(), 100_000);
+        assert_eq!(data.charged(), data.recount());
+        // The full chunks exactly, the last one's buffer at most half empty.
+        assert!(data.charged() <= 65536 + 2 * (100_000 - 65536) + 2 * CHUNK_COST);
+        assert!(data.read(0, 100_000).iter().all(|&b| b == 7));
+    }
+}

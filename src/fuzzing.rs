@@ -1493,6 +1493,13 @@ pub fn http_request(data: &[u8]) {
     crate::net::Intercept::fuzz_http(data)
 }
 
+/// A hostile guest's bytes on a mount's connection (`src/fs/fuse/`): FUSE requests framed by
+/// their headers, decoded and answered by a session over a small `MemoryFs`, as the service
+/// does. Panics if anything panics or a reply is not one well-formed reply to its request.
+pub fn fs_request(data: &[u8]) {
+    crate::fs::fuse::fuzz::fuzz_session(data)
+}
+
 /// Replays every file of the committed corpus `fuzz/corpus/TARGET` through `property`, for
 /// the fuzz targets' corpus tests: a file that fails it fails the test, naming the file.
 #[cfg(test)]

@@ -115,7 +115,9 @@ fn replies_to_kernel(mut connection: File, mut device: File) -> io::Result<()> {
             // ENOENT: the request was interrupted and is gone; its reply has nowhere to go.
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
             Err(e) if e.raw_os_error() == Some(libc::ENODEV) => return Ok(()),
-            Err(e) => return Err(e),
+            // The kernel refused this one reply (EINVAL: malformed): the request it answered
+            // fails, the mount goes on.
+            Err(e) => eprintln!("guest-init: the kernel refused a FUSE reply: {e}"),
         }
     }
 }

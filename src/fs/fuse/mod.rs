@@ -7,6 +7,7 @@
 //! bytes into typed requests and the async dispatch, which no crate offers over an
 //! implementation-defined transport and an async trait.
 
+pub(crate) mod fuzz;
 pub(crate) mod reply;
 pub(crate) mod request;
 pub(crate) mod session;

@@ -264,6 +264,17 @@ impl<'a> Body<'a> {
     }
 }
 
+/// Whether requests with this opcode get no reply (forgets, interrupts).
+pub(crate) fn is_unanswered(opcode: u32) -> bool {
+    use abi::Opcode as Op;
+    [
+        Op::Forget as u32,
+        Op::BatchForget as u32,
+        Op::Interrupt as u32,
+    ]
+    .contains(&opcode)
+}
+
 /// Decodes one whole request (exactly the bytes its header's length covers).
 pub(crate) fn decode(message: &[u8]) -> Result<Request<'_>, DecodeError> {
     if message.len() < IN_HEADER_LEN {

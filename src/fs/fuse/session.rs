@@ -66,8 +66,14 @@ impl Session {
                 err @ (request::DecodeError::BadLength { .. } | request::DecodeError::Truncated(_)),
             ) => return Err(err),
             Err(err) => {
-                // Framed, so the unique id is good: fail this request only.
+                // Framed, so the unique id is good: fail this request only. Forgets and
+                // interrupts get no reply, and nothing answers id 0: a message with id 0 is a
+                // notification to the kernel.
                 let unique = u64::from_le_bytes(message[8..16].try_into().expect("8 bytes"));
+                let opcode = u32::from_le_bytes(message[4..8].try_into().expect("4 bytes"));
+                if unique == 0 || request::is_unanswered(opcode) {
+                    return Ok(None);
+                }
                 tracing::debug!(target: "krunbox::fs", %err, "refused a FUSE request");
                 return Ok(Some(reply::error(unique, err.errno())));
             }

@@ -1,0 +1,1445 @@
+//! `HostDir`: a host directory, served to the guest so that nothing it does reaches outside.
+//! The how and why are on [`HostDir`] itself, where the public documentation shows them.
+
+mod overlay;
+mod sys;
+
+#[cfg(test)]
+mod escape_tests;
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::ffi::{CStr, CString, OsStr};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use overlay::{host_perm, Overlay, PRIVATE_PREFIX, XATTR};
+
+use super::types::*;
+use super::VirtualFs;
+
+/// The most inodes the guest can hold at once (each is an open `O_PATH` descriptor of the
+/// host process): past that, a lookup fails with `ENFILE` until the guest forgets some.
+const MAX_INODES: usize = 65_536;
+
+/// The most files and directories the guest can have open at once (`EMFILE` past that).
+const MAX_HANDLES: usize = 16_384;
+
+/// The most entries one directory listing holds (`ENOMEM` past that).
+const MAX_DIR_ENTRIES: usize = 1 << 20;
+
+/// The most bytes one read or write moves.
+const MAX_IO: usize = 4 << 20;
+
+/// Entries returned by one `readdir` call (the guest asks again from the last one).
+const READDIR_CHUNK: usize = 512;
+
+/// The most in-memory ownership records kept for inodes the guest has forgotten.
+const MAX_VOLATILE: usize = 65_536;
+
+/// Inode numbers from here on are HostDir's own (inodes on another device than the root's);
+/// below, they are host inode numbers.
+const FOREIGN_BASE: u64 = 1 << 62;
+
+/// Longest symlink target.
+const PATH_MAX: usize = libc::PATH_MAX as usize;
+
+/// A host directory as a [`VirtualFs`], read-write or read-only, that nothing the guest does
+/// can escape.
+///
+/// Cloning is cheap and shares the directory's state (its inode table and open files).
+///
+/// # How it stays inside
+///
+/// - The root is held as an `O_PATH` descriptor, and so is every inode the guest has looked up
+///   (the inode table: [`InodeId`] → descriptor). Nothing is ever named by a path: each name
+///   the guest gives is one component, resolved by the kernel relative to its parent's
+///   descriptor with `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS |
+///   RESOLVE_NO_XDEV)` and `O_NOFOLLOW`: `..` cannot climb, a symlink (absolute, relative, or
+///   a magic link like `/proc/self/root`) is never followed on the host (a lookup returns the
+///   symlink itself, whose target the guest kernel resolves in the guest's own view, where
+///   `..` at the mount's root stays there), and no mount point inside is crossed (`EXDEV`).
+/// - An inode the guest holds stays that inode whatever happens to names: its directory
+///   renamed away and a symlink to the outside put in its place, a create through the old
+///   inode still lands in the renamed directory, inside.
+/// - Operations on an inode use its descriptor (`fstat`, `fchmodat2`/`utimensat`/`linkat` with
+///   an empty path, `readlinkat`); opening a regular file for I/O goes through the descriptor's
+///   own `/proc/self/fd` entry, a magic link to the pinned file rather than a name (see
+///   `ProcFd` in `host_dir/sys.rs` for why that cannot be swapped). Device nodes are never
+///   opened (`EACCES`) nor created (`EPERM`); one the host placed inside is shown with its
+///   kind and number. Fifos and sockets are created as plain directory entries.
+/// - `link` takes only inodes of the table, all reached beneath the root: the guest cannot give
+///   an outside file a name inside. A hard link the host itself placed inside, to a file that
+///   also has a name outside, is that file (its contents are reachable): that is the host's
+///   choice, as with any file it puts there.
+/// - The host never gets a setuid or setgid bit from the guest (a guest must not plant a
+///   setuid binary for the host's users), and opening a host file with those bits for writing
+///   first clears them on the host, as the kernel does for an unprivileged writer. The host is
+///   never chowned.
+///
+/// # Ownership and modes
+///
+/// The guest sees the host's owner, group and mode, except where it changed them: a `chown`,
+/// a `chmod` to a mode the host does not get verbatim (setuid/setgid bits, or a mode without
+/// the owner's read/write, which the host keeps so that its process can go on serving the
+/// file), or a file created by a guest user other than the host process's. Those are recorded
+/// in the extended attribute `user.krunbox.stat` (`host_dir/overlay.rs`), hidden from the guest,
+/// together with the host's owner and mode they were made against: if the host changes either
+/// behind the guest's back, the host's value shows again. Linux allows `user.` attributes only
+/// on regular files and directories, so for symlinks, fifos and sockets (and on a host
+/// filesystem without user attributes) the record lives in memory for this `HostDir`'s life
+/// (at most 65,536 inodes once the guest forgets them).
+///
+/// # Inode numbers
+///
+/// An inode on the root's filesystem is numbered with its host inode number (stable while the
+/// host file lives, so `ls -i` and git's index agree across lookups); the root is
+/// [`InodeId::ROOT`]; inodes on another device (btrfs subvolumes, overlayfs layers) are
+/// numbered from 2^62 while the guest holds them.
+///
+/// # Limits
+///
+/// At most 65,536 inodes held by the guest at once (each an `O_PATH` descriptor of the host
+/// process, so the process's `RLIMIT_NOFILE` must allow them; past either limit a lookup fails
+/// with `ENFILE`/`EMFILE` until the guest forgets some), 16,384 open files and directories
+/// (`EMFILE`), 1,048,576 entries in one directory listing (`ENOMEM`), 4 MiB per read or write.
+///
+/// # Example
+///
+/// ```
+/// use krunbox::fs::{HostDir, InodeId, OpenFlags, VirtualFs};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let dir = tempfile::tempdir()?;
+/// std::fs::write(dir.path().join("notes.txt"), b"hello")?;
+///
+/// let fs = HostDir::new(dir.path())?;
+/// let entry = fs.lookup(InodeId::ROOT, "notes.txt".as_ref()).await?;
+/// let handle = fs.open(entry.attr.ino, OpenFlags(libc::O_RDONLY)).await?;
+/// assert_eq!(fs.read(entry.attr.ino, handle, 0, 100).await?, b"hello");
+/// fs.release(entry.attr.ino, handle).await?;
+///
+/// // `..` is not a name.
+/// assert!(fs.lookup(InodeId::ROOT, "..".as_ref()).await.is_err());
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct HostDir {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    path: PathBuf,
+    read_only: bool,
+    proc: sys::ProcFd,
+    root: Arc<Node>,
+    /// `(st_dev, st_ino)` of the root.
+    root_key: (u64, u64),
+    table: Mutex<Table>,
+    handles: Mutex<Handles>,
+    limits: Limits,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    inodes: usize,
+    handles: usize,
+    dir_entries: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            inodes: MAX_INODES,
+            handles: MAX_HANDLES,
+            dir_entries: MAX_DIR_ENTRIES,
+        }
+    }
+}
+
+/// One inode the guest holds.
+struct Node {
+    id: InodeId,
+    /// `O_PATH` (and for a symlink `O_NOFOLLOW`): pins the inode, opens nothing.
+    fd: OwnedFd,
+    key: (u64, u64),
+    kind: FileKind,
+    overlay: Mutex<OverlayState>,
+}
+
+/// A node's ownership record and whether the host's attribute holds it.
+#[derive(Debug, Clone, Copy, Default)]
+struct OverlayState {
+    record: Option<Overlay>,
+    persisted: bool,
+}
+
+#[derive(Default)]
+struct Table {
+    /// Live inodes (the root is not here) and the guest's reference counts.
+    nodes: HashMap<InodeId, (Arc<Node>, u64)>,
+    /// Numbers of live inodes on another device than the root's.
+    foreign: HashMap<(u64, u64), InodeId>,
+    next_foreign: u64,
+    /// Records that live only in memory, of inodes the guest forgot.
+    volatile: HashMap<(u64, u64), Overlay>,
+}
+
+enum Handle {
+    File(Arc<OpenFile>),
+    Dir(Arc<OpenDir>),
+}
+
+struct OpenFile {
+    node: Arc<Node>,
+    fd: OwnedFd,
+    write: bool,
+}
+
+struct OpenDir {
+    node: Arc<Node>,
+    listing: Mutex<Listing>,
+}
+
+/// A directory's entries as they were when listed.
+struct Listing {
+    entries: Vec<DirEntry>,
+    /// A `readdir` has been answered: another from offset 0 is a `rewinddir`, listed anew.
+    served: bool,
+}
+
+#[derive(Default)]
+struct Handles {
+    map: HashMap<u64, Handle>,
+    next: u64,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic elsewhere never leaves these maps half-changed: keep serving.
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn errno(errno: i32) -> FsError {
+    FsError::from_errno(errno)
+}
+
+/// The inode the guest named does not exist (any more) here.
+const STALE: i32 = libc::ESTALE;
+
+impl HostDir {
+    /// Serves the directory `path` read-write. The path itself is the host's choice and is
+    /// opened as given (symlinks in it followed); nothing below it is ever named by a path.
+    ///
+    /// Fails if `path` is not a directory, or if `/proc/self/fd` is not procfs (needed to
+    /// open files for I/O: see "How it stays inside" above). Raises the process's soft
+    /// descriptor limit (`RLIMIT_NOFILE`) towards its hard one when it is below what a full
+    /// inode table needs (see "Limits").
+    ///
+    /// ```
+    /// use krunbox::fs::HostDir;
+    ///
+    /// let dir = tempfile::tempdir().unwrap();
+    /// let fs = HostDir::new(dir.path()).unwrap();
+    /// assert!(!fs.is_read_only());
+    /// assert!(HostDir::new(dir.path().join("missing")).is_err());
+    /// ```
+    pub fn new(path: impl AsRef<Path>) -> FsResult<Self> {
+        Self::open(path.as_ref(), false, Limits::default())
+    }
+
+    /// Serves the directory `path` read-only: every change fails with `EROFS`, whatever the
+    /// mount's options say, and files are opened for reading only.
+    ///
+    /// ```
+    /// use krunbox::fs::{FsError, HostDir, InodeId, VirtualFs};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let dir = tempfile::tempdir()?;
+    /// let fs = HostDir::read_only(dir.path())?;
+    /// assert!(fs.is_read_only());
+    /// let caller = Default::default();
+    /// let made = fs.mkdir(InodeId::ROOT, "new".as_ref(), 0o755, caller).await;
+    /// assert_eq!(made.unwrap_err(), FsError::READ_ONLY);
+    /// # Ok(()) }
+    /// ```
+    pub fn read_only(path: impl AsRef<Path>) -> FsResult<Self> {
+        Self::open(path.as_ref(), true, Limits::default())
+    }
+
+    /// Whether this is served read-only ([`read_only`](Self::read_only)).
+    ///
+    /// ```
+    /// use krunbox::fs::HostDir;
+    ///
+    /// let dir = tempfile::tempdir().unwrap();
+    /// assert!(HostDir::read_only(dir.path()).unwrap().is_read_only());
+    /// ```
+    pub fn is_read_only(&self) -> bool {
+        self.inner.read_only
+    }
+
+    fn open(path: &Path, read_only: bool, limits: Limits) -> FsResult<Self> {
+        raise_descriptor_limit(limits);
+        let c_path = CString::new(path.as_os_str().as_bytes()).map_err(|_| FsError::INVALID)?;
+        // SAFETY: NUL-terminated path; we own the descriptor on success.
+        let fd = unsafe {
+            libc::open(
+                c_path.as_ptr(),
+                libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error().into());
+        }
+        // SAFETY: a new descriptor, ours.
+        let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        let proc = sys::ProcFd::open().map_err(|err| {
+            tracing::warn!(target: "krunbox::fs", %err, "HostDir needs procfs at /proc");
+            FsError::from(err)
+        })?;
+        let st = sys::fstat(fd.as_fd())?;
+        let root_key = (st.st_dev, st.st_ino);
+        let overlay = load_overlay(&proc, fd.as_fd(), FileKind::Directory);
+        let root = Arc::new(Node {
+            id: InodeId::ROOT,
+            fd,
+            key: root_key,
+            kind: FileKind::Directory,
+            overlay: Mutex::new(overlay),
+        });
+        Ok(HostDir {
+            inner: Arc::new(Inner {
+                path: path.to_path_buf(),
+                read_only,
+                proc,
+                root,
+                root_key,
+                table: Mutex::new(Table {
+                    next_foreign: FOREIGN_BASE,
+                    ..Table::default()
+                }),
+                handles: Mutex::new(Handles {
+                    next: 1,
+                    ..Handles::default()
+                }),
+                limits,
+            }),
+        })
+    }
+
+    /// Runs `op` on the blocking pool (every host system call can block).
+    async fn run<T: Send + 'static>(
+        &self,
+        op: impl FnOnce(&Inner) -> FsResult<T> + Send + 'static,
+    ) -> FsResult<T> {
+        let inner = self.inner.clone();
+        tokio::task::spawn_blocking(move || op(&inner))
+            .await
+            .unwrap_or_else(|_| Err(FsError::IO))
+    }
+}
+
+impl std::fmt::Debug for HostDir {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostDir")
+            .field("path", &self.inner.path)
+            .field("read_only", &self.inner.read_only)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Raises the process's soft `RLIMIT_NOFILE` towards its hard limit, far enough for a full
+/// inode table and every handle (each an open descriptor): the common soft limit, 1024, would
+/// fail lookups in any sizeable tree. A hard limit is never raised, nor a soft one lowered.
+fn raise_descriptor_limit(limits: Limits) {
+    let wanted = (limits.inodes + limits.handles + 4096) as libc::rlim_t;
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: plain calls on a local struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 || limit.rlim_cur >= wanted {
+            return;
+        }
+        let raised = libc::rlimit {
+            rlim_cur: wanted.min(limit.rlim_max),
+            rlim_max: limit.rlim_max,
+        };
+        if raised.rlim_cur > limit.rlim_cur {
+            libc::setrlimit(libc::RLIMIT_NOFILE, &raised);
+        }
+    }
+}
+
+/// A name the guest gave: one component, checked again here whatever the caller checked.
+fn component(name: &OsStr) -> FsResult<CString> {
+    let bytes = name.as_bytes();
+    if bytes.len() > 255 {
+        return Err(FsError::NAME_TOO_LONG);
+    }
+    if bytes.is_empty() || bytes == b"." || bytes == b".." || bytes.contains(&b'/') {
+        return Err(FsError::INVALID);
+    }
+    CString::new(bytes).map_err(|_| FsError::INVALID)
+}
+
+fn kind_of(mode: u32) -> FsResult<FileKind> {
+    FileKind::from_mode(mode).ok_or(FsError::IO)
+}
+
+fn system_time(secs: i64, nanos: i64) -> SystemTime {
+    let nanos = nanos.clamp(0, 999_999_999) as u32;
+    if secs >= 0 {
+        UNIX_EPOCH + Duration::new(secs as u64, nanos)
+    } else {
+        UNIX_EPOCH - Duration::from_secs(secs.unsigned_abs()) + Duration::from_nanos(nanos.into())
+    }
+}
+
+fn timespec(time: Option<TimeOrNow>) -> libc::timespec {
+    let (tv_sec, tv_nsec) = match time {
+        None => (0, libc::UTIME_OMIT),
+        Some(TimeOrNow::Now) => (0, libc::UTIME_NOW),
+        Some(TimeOrNow::At(at)) => match at.duration_since(UNIX_EPOCH) {
+            Ok(after) => (after.as_secs() as i64, after.subsec_nanos() as i64),
+            Err(before) => {
+                let before = before.duration();
+                let secs = before.as_secs() as i64;
+                match before.subsec_nanos() {
+                    0 => (-secs, 0),
+                    nanos => (-secs - 1, 1_000_000_000 - nanos as i64),
+                }
+            }
+        },
+    };
+    libc::timespec { tv_sec, tv_nsec }
+}
+
+/// Reads an inode's ownership record from the host (regular files and directories only).
+fn load_overlay(proc: &sys::ProcFd, fd: BorrowedFd<'_>, kind: FileKind) -> OverlayState {
+    let io = match kind {
+        FileKind::File => proc.reopen(fd, libc::O_RDONLY | libc::O_NONBLOCK),
+        FileKind::Directory => sys::open_dir(fd),
+        _ => return OverlayState::default(),
+    };
+    let record = io
+        .ok()
+        .and_then(|io| sys::fgetxattr(io.as_fd(), XATTR).ok())
+        .and_then(|value| Overlay::decode(&value));
+    OverlayState {
+        record,
+        persisted: true,
+    }
+}
+
+/// Extended attribute names the guest may use: `user.*`, other than HostDir's own.
+fn xattr_name(name: &OsStr, write: bool) -> FsResult<CString> {
+    let bytes = name.as_bytes();
+    if bytes.is_empty() || bytes.len() > 255 {
+        return Err(FsError::RANGE);
+    }
+    if !bytes.starts_with(b"user.") {
+        // security.*, trusted.*, system.posix_acl_* would change host permissions or
+        // capabilities: not offered.
+        return Err(FsError::NOT_SUPPORTED);
+    }
+    if bytes.starts_with(PRIVATE_PREFIX) {
+        return Err(if write {
+            FsError::NOT_PERMITTED
+        } else {
+            FsError::NO_DATA
+        });
+    }
+    CString::new(bytes).map_err(|_| FsError::INVALID)
+}
+
+impl Inner {
+    /// Fails early, before anything is made on the host, when a new inode could not be held.
+    fn room_for_inode(&self) -> FsResult<()> {
+        if lock(&self.table).nodes.len() >= self.limits.inodes {
+            return Err(errno(libc::ENFILE));
+        }
+        Ok(())
+    }
+
+    fn writable(&self) -> FsResult<()> {
+        if self.read_only {
+            Err(FsError::READ_ONLY)
+        } else {
+            Ok(())
+        }
+    }
+
+    fn node(&self, id: InodeId) -> FsResult<Arc<Node>> {
+        if id == InodeId::ROOT {
+            return Ok(self.root.clone());
+        }
+        lock(&self.table)
+            .nodes
+            .get(&id)
+            .map(|(node, _)| node.clone())
+            .ok_or(errno(STALE))
+    }
+
+    fn dir(&self, id: InodeId) -> FsResult<Arc<Node>> {
+        let node = self.node(id)?;
+        if node.kind != FileKind::Directory {
+            return Err(FsError::NOT_DIRECTORY);
+        }
+        Ok(node)
+    }
+
+    /// The number an inode gets without allocating one (the root, or a host inode number).
+    fn direct_id(&self, key: (u64, u64)) -> Option<InodeId> {
+        if key == self.root_key {
+            return Some(InodeId::ROOT);
+        }
+        (key.0 == self.root_key.0 && key.1 > 1 && key.1 < FOREIGN_BASE).then_some(InodeId(key.1))
+    }
+
+    /// The number a directory listing shows for a host inode number.
+    fn listed_id(&self, ino: u64) -> InodeId {
+        if ino == self.root_key.1 {
+            InodeId::ROOT
+        } else if ino == 0 {
+            InodeId(FOREIGN_BASE - 1)
+        } else {
+            InodeId(ino)
+        }
+    }
+
+    /// The live node of `key` with one more guest reference, if there is one.
+    fn bump(&self, table: &mut Table, key: (u64, u64)) -> Option<Arc<Node>> {
+        let id = self
+            .direct_id(key)
+            .or_else(|| table.foreign.get(&key).copied())?;
+        if id == InodeId::ROOT {
+            return Some(self.root.clone());
+        }
+        let (node, refs) = table.nodes.get_mut(&id)?;
+        *refs += 1;
+        Some(node.clone())
+    }
+
+    /// Counts one guest reference to the inode `fd` (a new `O_PATH` descriptor, `st` its
+    /// metadata) refers to and returns its node: the live one if the guest holds the inode
+    /// already (`fd` is then closed), else a new one. `fresh` is a record just written (for an
+    /// inode just created); otherwise a new node's record is read from the host.
+    fn remember(
+        &self,
+        fd: OwnedFd,
+        st: &libc::stat,
+        fresh: Option<OverlayState>,
+    ) -> FsResult<Arc<Node>> {
+        let key = (st.st_dev, st.st_ino);
+        let kind = kind_of(st.st_mode)?;
+        {
+            let mut table = lock(&self.table);
+            if let Some(node) = self.bump(&mut table, key) {
+                if let Some(fresh) = fresh {
+                    *lock(&node.overlay) = fresh;
+                }
+                return Ok(node);
+            }
+            if table.nodes.len() >= self.limits.inodes {
+                return Err(errno(libc::ENFILE));
+            }
+        }
+        let made = fresh.is_some();
+        let mut overlay = match fresh {
+            Some(fresh) => fresh,
+            None => load_overlay(&self.proc, fd.as_fd(), kind),
+        };
+        let mut table = lock(&self.table);
+        if let Some(node) = self.bump(&mut table, key) {
+            // Another lookup of the same inode won the race.
+            return Ok(node);
+        }
+        if table.nodes.len() >= self.limits.inodes {
+            return Err(errno(libc::ENFILE));
+        }
+        // A record kept in memory for a forgotten inode; one just made replaces it (the
+        // inode number of a deleted file reused).
+        if let Some(record) = table.volatile.remove(&key) {
+            if overlay.record.is_none() && !made {
+                overlay = OverlayState {
+                    record: Some(record),
+                    persisted: false,
+                };
+            }
+        }
+        let id = match self.direct_id(key) {
+            Some(id) => id,
+            None => {
+                let id = InodeId(table.next_foreign);
+                table.next_foreign += 1;
+                table.foreign.insert(key, id);
+                id
+            }
+        };
+        let node = Arc::new(Node {
+            id,
+            fd,
+            key,
+            kind,
+            overlay: Mutex::new(overlay),
+        });
+        table.nodes.insert(id, (node.clone(), 1));
+        Ok(node)
+    }
+
+    fn forget(&self, id: InodeId, count: u64) {
+        if id == InodeId::ROOT {
+            return;
+        }
+        let gone = {
+            let mut table = lock(&self.table);
+            let Some((_, refs)) = table.nodes.get_mut(&id) else {
+                return;
+            };
+            *refs = refs.saturating_sub(count);
+            if *refs > 0 {
+                return;
+            }
+            let (node, _) = table.nodes.remove(&id).expect("present");
+            table.foreign.remove(&node.key);
+            let state = *lock(&node.overlay);
+            if let (Some(record), false) = (state.record, state.persisted) {
+                if table.volatile.len() >= MAX_VOLATILE {
+                    if let Some(&old) = table.volatile.keys().next() {
+                        table.volatile.remove(&old);
+                    }
+                }
+                table.volatile.insert(node.key, record);
+            }
+            node
+        };
+        // The descriptor closes here (or when the last operation using it ends).
+        drop(gone);
+    }
+
+    fn attr(&self, node: &Node, st: &libc::stat) -> Attr {
+        let record = lock(&node.overlay).record;
+        let (uid, gid, perm) = Overlay::apply(record.as_ref(), st);
+        Attr {
+            ino: node.id,
+            kind: node.kind,
+            perm,
+            nlink: st.st_nlink.try_into().unwrap_or(u32::MAX),
+            uid,
+            gid,
+            size: st.st_size.max(0) as u64,
+            blocks: st.st_blocks.max(0) as u64,
+            atime: system_time(st.st_atime, st.st_atime_nsec),
+            mtime: system_time(st.st_mtime, st.st_mtime_nsec),
+            ctime: system_time(st.st_ctime, st.st_ctime_nsec),
+            rdev: st.st_rdev as u32,
+        }
+    }
+
+    fn getattr(&self, node: &Node) -> FsResult<Attr> {
+        let st = sys::fstat(node.fd.as_fd())?;
+        Ok(self.attr(node, &st))
+    }
+
+    fn entry(&self, node: &Node, st: &libc::stat) -> Entry {
+        Entry {
+            attr: self.attr(node, st),
+            generation: 0,
+        }
+    }
+
+    fn lookup(&self, parent: &Node, name: &CStr) -> FsResult<Entry> {
+        let fd = sys::openat2(parent.fd.as_fd(), name, libc::O_PATH | libc::O_NOFOLLOW, 0)?;
+        let st = sys::fstat(fd.as_fd())?;
+        let node = self.remember(fd, &st, None)?;
+        Ok(self.entry(&node, &st))
+    }
+
+    /// Opens a regular file's inode for I/O. Writing (or truncating) a host file that has
+    /// setuid or setgid bits clears them on the host first.
+    fn open_io(&self, node: &Node, flags: i32) -> FsResult<OwnedFd> {
+        if node.kind != FileKind::File {
+            return Err(FsError::ACCESS_DENIED);
+        }
+        let writes = flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0;
+        if writes {
+            let st = sys::fstat(node.fd.as_fd())?;
+            if st.st_mode & (libc::S_ISUID | libc::S_ISGID) != 0 {
+                sys::chmod(&self.proc, node.fd.as_fd(), st.st_mode & 0o1777)
+                    .map_err(|_| FsError::NOT_PERMITTED)?;
+            }
+        }
+        let fd = self.proc.reopen(node.fd.as_fd(), flags)?;
+        let st = sys::fstat(fd.as_fd())?;
+        if st.st_mode & libc::S_IFMT != libc::S_IFREG || (st.st_dev, st.st_ino) != node.key {
+            // Cannot happen (the descriptor pins the inode): refuse rather than trust.
+            return Err(FsError::IO);
+        }
+        Ok(fd)
+    }
+
+    /// A descriptor for the inode's extended attributes (Linux refuses `O_PATH` ones).
+    fn xattr_fd(&self, node: &Node) -> FsResult<Option<OwnedFd>> {
+        Ok(match node.kind {
+            FileKind::File => Some(self.open_io(node, libc::O_RDONLY | libc::O_NONBLOCK)?),
+            FileKind::Directory => Some(sys::open_dir(node.fd.as_fd())?),
+            _ => None,
+        })
+    }
+
+    /// Records the guest's view `record` for `node` (on the host where it can be kept).
+    fn set_overlay(&self, node: &Node, record: Option<Overlay>, io: Option<BorrowedFd<'_>>) {
+        let state = self.persist_overlay(node.kind, node.fd.as_fd(), record, io);
+        *lock(&node.overlay) = state;
+    }
+
+    fn persist_overlay(
+        &self,
+        kind: FileKind,
+        fd: BorrowedFd<'_>,
+        record: Option<Overlay>,
+        io: Option<BorrowedFd<'_>>,
+    ) -> OverlayState {
+        let opened;
+        let io = match (io, kind) {
+            (Some(io), _) => Some(io),
+            (None, FileKind::File) => {
+                opened = self.proc.reopen(fd, libc::O_RDONLY | libc::O_NONBLOCK).ok();
+                opened.as_ref().map(|fd| fd.as_fd())
+            }
+            (None, FileKind::Directory) => {
+                opened = sys::open_dir(fd).ok();
+                opened.as_ref().map(|fd| fd.as_fd())
+            }
+            (None, _) => None,
+        };
+        let persisted = match (io, kind) {
+            (Some(io), FileKind::File | FileKind::Directory) => {
+                let result = match &record {
+                    Some(record) => sys::fsetxattr(io, XATTR, &record.encode(), 0),
+                    None => match sys::fremovexattr(io, XATTR) {
+                        Err(err) if err.raw_os_error() == Some(libc::ENODATA) => Ok(()),
+                        other => other,
+                    },
+                };
+                if let Err(err) = &result {
+                    tracing::debug!(target: "krunbox::fs", %err, "an ownership record stays in memory only");
+                }
+                result.is_ok()
+            }
+            _ => record.is_none(),
+        };
+        OverlayState { record, persisted }
+    }
+
+    /// Owner, group and permission bits of a new inode of kind `kind` (`S_IFMT` bits) made by
+    /// `caller` in `parent`: the caller's, but the group of a setgid directory (whose new
+    /// subdirectories are setgid too), as Linux does.
+    fn new_owner(
+        &self,
+        parent: &Node,
+        caller: Caller,
+        kind: u32,
+        perm: u32,
+    ) -> FsResult<(u32, u32, u32)> {
+        let st = sys::fstat(parent.fd.as_fd())?;
+        let (_, parent_gid, parent_perm) =
+            Overlay::apply(lock(&parent.overlay).record.as_ref(), &st);
+        let mut perm = perm & 0o7777;
+        let gid = if parent_perm & libc::S_ISGID != 0 {
+            if kind == libc::S_IFDIR {
+                perm |= libc::S_ISGID;
+            }
+            parent_gid
+        } else {
+            caller.gid
+        };
+        Ok((caller.uid, gid, perm))
+    }
+
+    /// After `parent/name` was made (of kind `kind`, `io` its open descriptor if it was
+    /// opened): the exact host mode, the ownership record, the node.
+    #[allow(clippy::too_many_arguments)]
+    fn finish_create(
+        &self,
+        parent: &Node,
+        name: &CStr,
+        kind: u32,
+        uid: u32,
+        gid: u32,
+        perm: u32,
+        io: Option<BorrowedFd<'_>>,
+    ) -> FsResult<(Arc<Node>, libc::stat)> {
+        let fd = match io {
+            // The very file just created, whatever has happened to its name since.
+            Some(io) => self.proc.reopen(io, libc::O_PATH)?,
+            None => sys::openat2(parent.fd.as_fd(), name, libc::O_PATH | libc::O_NOFOLLOW, 0)?,
+        };
+        let mut st = sys::fstat(fd.as_fd())?;
+        if st.st_mode & libc::S_IFMT != kind {
+            // The guest swapped the name meanwhile: the new inode is not there any more.
+            return Err(errno(libc::EAGAIN));
+        }
+        let node_kind = kind_of(st.st_mode)?;
+        let perm = if kind == libc::S_IFLNK { 0o777 } else { perm };
+        if kind != libc::S_IFLNK {
+            // The process's umask applied to the mode asked; a directory keeps the setgid
+            // bit the host's own setgid parent gave it (the host's group sharing).
+            let mut want = host_perm(kind, perm);
+            if kind == libc::S_IFDIR {
+                want |= st.st_mode & libc::S_ISGID;
+            }
+            if st.st_mode & 0o7777 != want {
+                match io {
+                    Some(io) => sys::fchmod(io, want)?,
+                    None => sys::chmod(&self.proc, fd.as_fd(), want)?,
+                }
+                st = sys::fstat(fd.as_fd())?;
+            }
+        }
+        let record = Overlay::between(uid, gid, perm, &st);
+        let state = self.persist_overlay(node_kind, fd.as_fd(), record, io);
+        let node = self.remember(fd, &st, Some(state))?;
+        Ok((node, st))
+    }
+
+    fn setattr(&self, node: &Node, change: &SetAttr) -> FsResult<Attr> {
+        self.writable()?;
+        if let Some(size) = change.size {
+            match node.kind {
+                FileKind::File => {}
+                FileKind::Directory => return Err(FsError::IS_DIRECTORY),
+                _ => return Err(FsError::INVALID),
+            }
+            let open =
+                change
+                    .handle
+                    .and_then(|handle| match lock(&self.handles).map.get(&handle.0) {
+                        Some(Handle::File(file)) if file.write && file.node.id == node.id => {
+                            Some(file.clone())
+                        }
+                        _ => None,
+                    });
+            match open {
+                Some(file) => sys::ftruncate(file.fd.as_fd(), size)?,
+                None => {
+                    let fd = self.open_io(node, libc::O_WRONLY | libc::O_NONBLOCK)?;
+                    sys::ftruncate(fd.as_fd(), size)?;
+                }
+            }
+        }
+        let kind_bits = node.kind.mode_bits();
+        let st = sys::fstat(node.fd.as_fd())?;
+        let current = lock(&node.overlay).record;
+        let (uid, gid, perm) = Overlay::apply(current.as_ref(), &st);
+        let perm = change.perm.map_or(perm, |perm| perm & 0o7777);
+        if change.perm.is_some() {
+            if node.kind == FileKind::Symlink {
+                return Err(FsError::NOT_SUPPORTED);
+            }
+            let want = host_perm(kind_bits, perm);
+            if st.st_mode & 0o7777 != want {
+                sys::chmod(&self.proc, node.fd.as_fd(), want)?;
+            }
+        }
+        if change.perm.is_some() || change.uid.is_some() || change.gid.is_some() {
+            let st = sys::fstat(node.fd.as_fd())?;
+            let record = Overlay::between(
+                change.uid.unwrap_or(uid),
+                change.gid.unwrap_or(gid),
+                perm,
+                &st,
+            );
+            let state = *lock(&node.overlay);
+            if record != state.record || !state.persisted {
+                self.set_overlay(node, record, None);
+            }
+        }
+        if change.atime.is_some() || change.mtime.is_some() {
+            let times = [timespec(change.atime), timespec(change.mtime)];
+            sys::utimens(&self.proc, node.fd.as_fd(), &times)?;
+        }
+        self.getattr(node)
+    }
+
+    fn add_handle(&self, handle: Handle) -> FsResult<FileHandle> {
+        let mut handles = lock(&self.handles);
+        if handles.map.len() >= self.limits.handles {
+            return Err(errno(libc::EMFILE));
+        }
+        let id = handles.next;
+        handles.next += 1;
+        handles.map.insert(id, handle);
+        Ok(FileHandle(id))
+    }
+
+    fn file(&self, ino: InodeId, handle: FileHandle) -> FsResult<Arc<OpenFile>> {
+        match lock(&self.handles).map.get(&handle.0) {
+            Some(Handle::File(file)) if file.node.id == ino => Ok(file.clone()),
+            _ => Err(FsError::BAD_HANDLE),
+        }
+    }
+
+    fn open_dir(&self, ino: InodeId, handle: FileHandle) -> FsResult<Arc<OpenDir>> {
+        match lock(&self.handles).map.get(&handle.0) {
+            Some(Handle::Dir(dir)) if dir.node.id == ino => Ok(dir.clone()),
+            _ => Err(FsError::BAD_HANDLE),
+        }
+    }
+
+    fn open(&self, node: &Arc<Node>, flags: OpenFlags) -> FsResult<FileHandle> {
+        let writes = flags.write() || flags.truncate();
+        if writes {
+            self.writable()?;
+        }
+        match node.kind {
+            FileKind::File => {}
+            FileKind::Directory => return Err(FsError::IS_DIRECTORY),
+            FileKind::Symlink => return Err(FsError::LOOP),
+            FileKind::CharDevice | FileKind::BlockDevice => return Err(FsError::ACCESS_DENIED),
+            FileKind::Fifo | FileKind::Socket => return Err(errno(libc::ENXIO)),
+        }
+        let access = flags.0 & libc::O_ACCMODE;
+        if access == libc::O_ACCMODE {
+            return Err(FsError::INVALID);
+        }
+        let io_flags =
+            access | (flags.0 & (libc::O_APPEND | libc::O_TRUNC | libc::O_SYNC | libc::O_DSYNC));
+        let fd = self.open_io(node, io_flags)?;
+        self.add_handle(Handle::File(Arc::new(OpenFile {
+            node: node.clone(),
+            fd,
+            write: access != libc::O_RDONLY,
+        })))
+    }
+
+    fn create(
+        &self,
+        parent: &Node,
+        name: &CStr,
+        mode: u32,
+        flags: OpenFlags,
+        caller: Caller,
+    ) -> FsResult<(Entry, FileHandle)> {
+        self.writable()?;
+        self.room_for_inode()?;
+        if lock(&self.handles).map.len() >= self.limits.handles {
+            return Err(errno(libc::EMFILE));
+        }
+        let access = flags.0 & libc::O_ACCMODE;
+        if access == libc::O_ACCMODE {
+            return Err(FsError::INVALID);
+        }
+        let (uid, gid, perm) = self.new_owner(parent, caller, libc::S_IFREG, mode)?;
+        let created = sys::openat2(
+            parent.fd.as_fd(),
+            name,
+            libc::O_CREAT
+                | libc::O_EXCL
+                | libc::O_NOFOLLOW
+                | access
+                | (flags.0 & (libc::O_APPEND | libc::O_SYNC | libc::O_DSYNC)),
+            host_perm(libc::S_IFREG, perm),
+        );
+        let io = match created {
+            Ok(io) => io,
+            Err(err) if err.raw_os_error() == Some(libc::EEXIST) && !flags.exclusive() => {
+                // It exists (made meanwhile): opened like any existing file.
+                let entry = self.lookup(parent, name)?;
+                let node = self.node(entry.attr.ino)?;
+                return match self.open(&node, flags) {
+                    Ok(handle) => Ok((entry, handle)),
+                    Err(err) => {
+                        self.forget(node.id, 1);
+                        Err(err)
+                    }
+                };
+            }
+            Err(err) => return Err(err.into()),
+        };
+        let (node, st) = self.finish_create(
+            parent,
+            name,
+            libc::S_IFREG,
+            uid,
+            gid,
+            perm,
+            Some(io.as_fd()),
+        )?;
+        let entry = self.entry(&node, &st);
+        match self.add_handle(Handle::File(Arc::new(OpenFile {
+            node: node.clone(),
+            fd: io,
+            write: access != libc::O_RDONLY,
+        }))) {
+            Ok(handle) => Ok((entry, handle)),
+            Err(err) => {
+                self.forget(node.id, 1);
+                Err(err)
+            }
+        }
+    }
+
+    fn mknod(&self, parent: &Node, name: &CStr, mode: u32, caller: Caller) -> FsResult<Entry> {
+        self.writable()?;
+        self.room_for_inode()?;
+        let kind = match mode & libc::S_IFMT {
+            0 | libc::S_IFREG => libc::S_IFREG,
+            libc::S_IFIFO => libc::S_IFIFO,
+            libc::S_IFSOCK => libc::S_IFSOCK,
+            // A device node would open the host's device for whoever opens it there.
+            libc::S_IFCHR | libc::S_IFBLK => return Err(FsError::NOT_PERMITTED),
+            _ => return Err(FsError::INVALID),
+        };
+        let (uid, gid, perm) = self.new_owner(parent, caller, kind, mode)?;
+        sys::mknodat(parent.fd.as_fd(), name, kind | host_perm(kind, perm))?;
+        let (node, st) = self.finish_create(parent, name, kind, uid, gid, perm, None)?;
+        Ok(self.entry(&node, &st))
+    }
+
+    fn mkdir(&self, parent: &Node, name: &CStr, mode: u32, caller: Caller) -> FsResult<Entry> {
+        self.writable()?;
+        self.room_for_inode()?;
+        let (uid, gid, perm) = self.new_owner(parent, caller, libc::S_IFDIR, mode)?;
+        sys::mkdirat(parent.fd.as_fd(), name, host_perm(libc::S_IFDIR, perm))?;
+        let (node, st) = self.finish_create(parent, name, libc::S_IFDIR, uid, gid, perm, None)?;
+        Ok(self.entry(&node, &st))
+    }
+
+    fn symlink(
+        &self,
+        parent: &Node,
+        name: &CStr,
+        target: &OsStr,
+        caller: Caller,
+    ) -> FsResult<Entry> {
+        self.writable()?;
+        self.room_for_inode()?;
+        let target = target.as_bytes();
+        if target.is_empty() {
+            return Err(FsError::NOT_FOUND);
+        }
+        if target.len() >= PATH_MAX {
+            return Err(FsError::NAME_TOO_LONG);
+        }
+        let target = CString::new(target).map_err(|_| FsError::INVALID)?;
+        let (uid, gid, _) = self.new_owner(parent, caller, libc::S_IFLNK, 0o777)?;
+        sys::symlinkat(&target, parent.fd.as_fd(), name)?;
+        let (node, st) = self.finish_create(parent, name, libc::S_IFLNK, uid, gid, 0o777, None)?;
+        Ok(self.entry(&node, &st))
+    }
+
+    fn link(&self, node: &Node, new_parent: &Node, new_name: &CStr) -> FsResult<Entry> {
+        self.writable()?;
+        self.room_for_inode()?;
+        if node.kind == FileKind::Directory {
+            return Err(FsError::NOT_PERMITTED);
+        }
+        sys::link(&self.proc, node.fd.as_fd(), new_parent.fd.as_fd(), new_name)?;
+        self.lookup(new_parent, new_name)
+    }
+
+    fn list(&self, node: &Node) -> FsResult<Vec<DirEntry>> {
+        let dir = sys::open_dir(node.fd.as_fd())?;
+        let raw = sys::list_dir(dir, self.limits.dir_entries)?;
+        let mut parent = if node.id == InodeId::ROOT {
+            Some(InodeId::ROOT)
+        } else {
+            None
+        };
+        let mut entries = Vec::with_capacity(raw.len());
+        for entry in raw {
+            let name = entry.name.as_bytes();
+            if name == b"." {
+                continue;
+            }
+            if name == b".." {
+                parent.get_or_insert(self.listed_id(entry.ino));
+                continue;
+            }
+            let Some(kind) = entry.kind.and_then(FileKind::from_mode) else {
+                // Gone since it was listed.
+                continue;
+            };
+            entries.push((
+                self.listed_id(entry.ino),
+                kind,
+                OsStr::from_bytes(name).to_owned(),
+            ));
+        }
+        let dots = [
+            (node.id, FileKind::Directory, ".".into()),
+            (parent.unwrap_or(node.id), FileKind::Directory, "..".into()),
+        ];
+        Ok(dots
+            .into_iter()
+            .chain(entries)
+            .enumerate()
+            .map(|(index, (ino, kind, name))| DirEntry {
+                ino,
+                offset: index as u64 + 1,
+                kind,
+                name,
+            })
+            .collect())
+    }
+
+    fn readdir(&self, dir: &OpenDir, offset: u64) -> FsResult<Vec<DirEntry>> {
+        let mut listing = lock(&dir.listing);
+        if offset == 0 && listing.served {
+            listing.entries = self.list(&dir.node)?;
+        }
+        listing.served = true;
+        let start = usize::try_from(offset)
+            .unwrap_or(usize::MAX)
+            .min(listing.entries.len());
+        let end = start
+            .saturating_add(READDIR_CHUNK)
+            .min(listing.entries.len());
+        Ok(listing.entries[start..end].to_vec())
+    }
+
+    fn fsync(&self, ino: InodeId, handle: FileHandle, data_only: bool) -> FsResult<()> {
+        let open = lock(&self.handles)
+            .map
+            .get(&handle.0)
+            .and_then(|open| match open {
+                Handle::File(file) if file.node.id == ino => Some(file.clone()),
+                _ => None,
+            });
+        if let Some(file) = open {
+            return Ok(sys::fsync(file.fd.as_fd(), data_only)?);
+        }
+        let node = self.node(ino)?;
+        let fd = match node.kind {
+            FileKind::File => self.open_io(&node, libc::O_RDONLY | libc::O_NONBLOCK)?,
+            FileKind::Directory => sys::open_dir(node.fd.as_fd())?,
+            _ => return Ok(()),
+        };
+        Ok(sys::fsync(fd.as_fd(), data_only)?)
+    }
+
+    fn statfs(&self) -> FsResult<StatFs> {
+        let st = sys::fstatvfs(self.root.fd.as_fd())?;
+        Ok(StatFs {
+            blocks: st.f_blocks,
+            blocks_free: st.f_bfree,
+            blocks_available: st.f_bavail,
+            files: st.f_files,
+            files_free: st.f_ffree,
+            block_size: st.f_frsize.try_into().unwrap_or(4096),
+            name_max: st.f_namemax.min(255) as u32,
+        })
+    }
+}
+
+#[async_trait::async_trait]
+impl VirtualFs for HostDir {
+    async fn lookup(&self, parent: InodeId, name: &OsStr) -> FsResult<Entry> {
+        let name = component(name)?;
+        let parent = self.inner.dir(parent)?;
+        self.run(move |inner| inner.lookup(&parent, &name)).await
+    }
+
+    async fn forget(&self, ino: InodeId, count: u64) {
+        self.inner.forget(ino, count);
+    }
+
+    async fn getattr(&self, ino: InodeId) -> FsResult<Attr> {
+        let node = self.inner.node(ino)?;
+        self.run(move |inner| inner.getattr(&node)).await
+    }
+
+    async fn setattr(&self, ino: InodeId, change: SetAttr, _caller: Caller) -> FsResult<Attr> {
+        self.inner.writable()?;
+        let node = self.inner.node(ino)?;
+        self.run(move |inner| inner.setattr(&node, &change)).await
+    }
+
+    async fn readlink(&self, ino: InodeId) -> FsResult<Vec<u8>> {
+        let node = self.inner.node(ino)?;
+        if node.kind != FileKind::Symlink {
+            return Err(FsError::INVALID);
+        }
+        self.run(move |_| Ok(sys::readlink(node.fd.as_fd())?)).await
+    }
+
+    async fn mknod(
+        &self,
+        parent: InodeId,
+        name: &OsStr,
+        mode: u32,
+        _rdev: u32,
+        caller: Caller,
+    ) -> FsResult<Entry> {
+        self.inner.writable()?;
+        let name = component(name)?;
+        let parent = self.inner.dir(parent)?;
+        self.run(move |inner| inner.mknod(&parent, &name, mode, caller))
+            .await
+    }
+
+    async fn mkdir(
+        &self,
+        parent: InodeId,
+        name: &OsStr,
+        mode: u32,
+        caller: Caller,
+    ) -> FsResult<Entry> {
+        self.inner.writable()?;
+        let name = component(name)?;
+        let parent = self.inner.dir(parent)?;
+        self.run(move |inner| inner.mkdir(&parent, &name, mode, caller))
+            .await
+    }
+
+    async fn unlink(&self, parent: InodeId, name: &OsStr) -> FsResult<()> {
+        self.inner.writable()?;
+        let name = component(name)?;
+        let parent = self.inner.dir(parent)?;
+        self.run(move |_| Ok(sys::unlinkat(parent.fd.as_fd(), &name, 0)?))
+            .await
+    }
+
+    async fn rmdir(&self, parent: InodeId, name: &OsStr) -> FsResult<()> {
+        self.inner.writable()?;
+        let name = component(name)?;
+        let parent = self.inner.dir(parent)?;
+        self.run(move |_| Ok(sys::unlinkat(parent.fd.as_fd(), &name, libc::AT_REMOVEDIR)?))
+            .await
+    }
+
+    async fn symlink(
+        &self,
+        parent: InodeId,
+        name: &OsStr,
+        target: &OsStr,
+        caller: Caller,
+    ) -> FsResult<Entry> {
+        self.inner.writable()?;
+        let name = component(name)?;
+        let parent = self.inner.dir(parent)?;
+        let target = target.to_owned();
+        self.run(move |inner| inner.symlink(&parent, &name, &target, caller))
+            .await
+    }
+
+    async fn rename(
+        &self,
+        parent: InodeId,
+        name: &OsStr,
+        new_parent: InodeId,
+        new_name: &OsStr,
+        flags: RenameFlags,
+    ) -> FsResult<()> {
+        self.inner.writable()?;
+        if flags.no_replace && flags.exchange {
+            return Err(FsError::INVALID);
+        }
+        let name = component(name)?;
+        let new_name = component(new_name)?;
+        let parent = self.inner.dir(parent)?;
+        let new_parent = self.inner.dir(new_parent)?;
+        let flags = if flags.no_replace {
+            libc::RENAME_NOREPLACE
+        } else if flags.exchange {
+            libc::RENAME_EXCHANGE
+        } else {
+            0
+        };
+        self.run(move |_| {
+            Ok(sys::renameat2(
+                parent.fd.as_fd(),
+                &name,
+                new_parent.fd.as_fd(),
+                &new_name,
+                flags,
+            )?)
+        })
+        .await
+    }
+
+    async fn link(&self, ino: InodeId, new_parent: InodeId, new_name: &OsStr) -> FsResult<Entry> {
+        self.inner.writable()?;
+        let new_name = component(new_name)?;
+        let node = self.inner.node(ino)?;
+        let new_parent = self.inner.dir(new_parent)?;
+        self.run(move |inner| inner.link(&node, &new_parent, &new_name))
+            .await
+    }
+
+    async fn open(&self, ino: InodeId, flags: OpenFlags) -> FsResult<FileHandle> {
+        let node = self.inner.node(ino)?;
+        self.run(move |inner| inner.open(&node, flags)).await
+    }
+
+    async fn create(
+        &self,
+        parent: InodeId,
+        name: &OsStr,
+        mode: u32,
+        flags: OpenFlags,
+        caller: Caller,
+    ) -> FsResult<(Entry, FileHandle)> {
+        self.inner.writable()?;
+        let name = component(name)?;
+        let parent = self.inner.dir(parent)?;
+        self.run(move |inner| inner.create(&parent, &name, mode, flags, caller))
+            .await
+    }
+
+    async fn read(
+        &self,
+        ino: InodeId,
+        handle: FileHandle,
+        offset: u64,
+        size: u32,
+    ) -> FsResult<Vec<u8>> {
+        let file = self.inner.file(ino, handle)?;
+        let size = (size as usize).min(MAX_IO);
+        self.run(move |_| Ok(sys::pread_full(file.fd.as_fd(), offset, size)?))
+            .await
+    }
+
+    async fn write(
+        &self,
+        ino: InodeId,
+        handle: FileHandle,
+        offset: u64,
+        data: &[u8],
+    ) -> FsResult<u32> {
+        self.inner.writable()?;
+        let file = self.inner.file(ino, handle)?;
+        if !file.write {
+            return Err(FsError::BAD_HANDLE);
+        }
+        if data.len() > MAX_IO {
+            return Err(FsError::INVALID);
+        }
+        let data = data.to_vec();
+        self.run(move |_| Ok(sys::pwrite_full(file.fd.as_fd(), offset, &data)? as u32))
+            .await
+    }
+
+    async fn flush(&self, ino: InodeId, handle: FileHandle) -> FsResult<()> {
+        self.inner.file(ino, handle).map(drop)
+    }
+
+    async fn release(&self, ino: InodeId, handle: FileHandle) -> FsResult<()> {
+        let removed = {
+            let mut handles = lock(&self.inner.handles);
+            match handles.map.get(&handle.0) {
+                Some(Handle::File(file)) if file.node.id == ino => handles.map.remove(&handle.0),
+                _ => return Err(FsError::BAD_HANDLE),
+            }
+        };
+        // Closing can block (a network filesystem flushes on close).
+        self.run(move |_| {
+            drop(removed);
+            Ok(())
+        })
+        .await
+    }
+
+    async fn fsync(&self, ino: InodeId, handle: FileHandle, data_only: bool) -> FsResult<()> {
+        self.run(move |inner| inner.fsync(ino, handle, data_only))
+            .await
+    }
+
+    async fn opendir(&self, ino: InodeId) -> FsResult<FileHandle> {
+        let node = self.inner.dir(ino)?;
+        self.run(move |inner| {
+            let entries = inner.list(&node)?;
+            inner.add_handle(Handle::Dir(Arc::new(OpenDir {
+                node,
+                listing: Mutex::new(Listing {
+                    entries,
+                    served: false,
+                }),
+            })))
+        })
+        .await
+    }
+
+    async fn readdir(
+        &self,
+        ino: InodeId,
+        handle: FileHandle,
+        offset: u64,
+    ) -> FsResult<Vec<DirEntry>> {
+        let dir = self.inner.open_dir(ino, handle)?;
+        self.run(move |inner| inner.readdir(&dir, offset)).await
+    }
+
+    async fn releasedir(&self, ino: InodeId, handle: FileHandle) -> FsResult<()> {
+        self.inner.open_dir(ino, handle)?;
+        lock(&self.inner.handles).map.remove(&handle.0);
+        Ok(())
+    }
+
+    async fn statfs(&self) -> FsResult<StatFs> {
+        self.run(|inner| inner.statfs()).await
+    }
+
+    async fn getxattr(&self, ino: InodeId, name: &OsStr) -> FsResult<Vec<u8>> {
+        let name = xattr_name(name, false)?;
+        let node = self.inner.node(ino)?;
+        self.run(move |inner| match inner.xattr_fd(&node)? {
+            Some(fd) => Ok(sys::fgetxattr(fd.as_fd(), &name)?),
+            // Linux keeps no user attributes on symlinks and special files.
+            None => Err(FsError::NO_DATA),
+        })
+        .await
+    }
+
+    async fn setxattr(&self, ino: InodeId, name: &OsStr, value: &[u8], flags: i32) -> FsResult<()> {
+        self.inner.writable()?;
+        let name = xattr_name(name, true)?;
+        if flags & !(libc::XATTR_CREATE | libc::XATTR_REPLACE) != 0 {
+            return Err(FsError::INVALID);
+        }
+        if value.len() > sys::XATTR_SIZE_MAX {
+            return Err(errno(libc::E2BIG));
+        }
+        let node = self.inner.node(ino)?;
+        let value = value.to_vec();
+        self.run(move |inner| match inner.xattr_fd(&node)? {
+            Some(fd) => Ok(sys::fsetxattr(fd.as_fd(), &name, &value, flags)?),
+            None => Err(FsError::NOT_PERMITTED),
+        })
+        .await
+    }
+
+    async fn listxattr(&self, ino: InodeId) -> FsResult<Vec<Vec<u8>>> {
+        let node = self.inner.node(ino)?;
+        self.run(move |inner| match inner.xattr_fd(&node)? {
+            Some(fd) => Ok(sys::flistxattr(fd.as_fd())?
+                .into_iter()
+                .filter(|name| name.starts_with(b"user.") && !name.starts_with(PRIVATE_PREFIX))
+                .collect()),
+            None => Ok(Vec::new()),
+        })
+        .await
+    }
+
+    async fn removexattr(&self, ino: InodeId, name: &OsStr) -> FsResult<()> {
+        self.inner.writable()?;
+        let name = xattr_name(name, true)?;
+        let node = self.inner.node(ino)?;
+        self.run(move |inner| match inner.xattr_fd(&node)? {
+            Some(fd) => Ok(sys::fremovexattr(fd.as_fd(), &name)?),
+            None => Err(FsError::NOT_PERMITTED),
+        })
+        .await
+    }
+}

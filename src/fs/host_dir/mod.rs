@@ -847,10 +847,8 @@ impl Inner {
             if node.kind == FileKind::Symlink {
                 return Err(FsError::NOT_SUPPORTED);
             }
-            let want = host_perm(kind_bits, perm);
-            if st.st_mode & 0o7777 != want {
-                sys::chmod(&self.proc, node.fd.as_fd(), want)?;
-            }
+            // Even to the mode it has: a chmod changes the inode's ctime.
+            sys::chmod(&self.proc, node.fd.as_fd(), host_perm(kind_bits, perm))?;
         }
         if change.perm.is_some() || change.uid.is_some() || change.gid.is_some() {
             let st = sys::fstat(node.fd.as_fd())?;
@@ -863,6 +861,20 @@ impl Inner {
             let state = *lock(&node.overlay);
             if record != state.record || !state.persisted {
                 self.set_overlay(node, record, None);
+            }
+            let times_given = change.atime.is_some() || change.mtime.is_some();
+            if (change.uid.is_some() || change.gid.is_some()) && !times_given {
+                // A chown changes the inode's ctime, and the host's owner never changes: the
+                // access time set to itself changes it (best effort: the host may refuse).
+                let atime = libc::timespec {
+                    tv_sec: st.st_atime,
+                    tv_nsec: st.st_atime_nsec,
+                };
+                let omit = libc::timespec {
+                    tv_sec: 0,
+                    tv_nsec: libc::UTIME_OMIT,
+                };
+                let _ = sys::utimens(&self.proc, node.fd.as_fd(), &[atime, omit]);
             }
         }
         if change.atime.is_some() || change.mtime.is_some() {

@@ -1155,3 +1155,59 @@ async fn big_reads_and_writes_are_bounded() {
     );
     f.fs.release(ino, handle).await.unwrap();
 }
+
+#[tokio::test]
+async fn chown_and_chmod_change_ctime_even_to_the_same_values() {
+    let f = fixture();
+    let file = write_file(&f.fs, InodeId::ROOT, "f", b"").await.attr.ino;
+    let link =
+        f.fs.symlink(InodeId::ROOT, name("l"), name("f"), me())
+            .await
+            .unwrap()
+            .attr
+            .ino;
+    for (ino, change) in [
+        (
+            file,
+            SetAttr {
+                uid: Some(me().uid),
+                ..Default::default()
+            },
+        ),
+        (
+            file,
+            SetAttr {
+                uid: Some(4242),
+                ..Default::default()
+            },
+        ),
+        (
+            file,
+            SetAttr {
+                uid: Some(4242),
+                ..Default::default()
+            },
+        ),
+        (
+            file,
+            SetAttr {
+                perm: Some(0o644),
+                ..Default::default()
+            },
+        ),
+        (
+            link,
+            SetAttr {
+                gid: Some(4242),
+                ..Default::default()
+            },
+        ),
+    ] {
+        let before = f.fs.getattr(ino).await.unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        let after = f.fs.setattr(ino, change.clone(), me()).await.unwrap();
+        assert!(after.ctime > before.ctime, "{change:?}");
+        assert_eq!(after.atime, before.atime, "{change:?}");
+        assert_eq!(after.mtime, before.mtime, "{change:?}");
+    }
+}

@@ -714,6 +714,18 @@ async fn forward(
         }
         _ => body.boxed(),
     };
+    // A body of unknown length (swapped into, or sent chunked or on HTTP/2 without a length)
+    // goes chunked, said outright: hyper's client would send a GET's, HEAD's or CONNECT's as
+    // no body at all (found by the http_request fuzz target:
+    // fuzz/corpus/http_request/regression-get-body).
+    if !hyper::body::Body::is_end_stream(&body)
+        && hyper::body::Body::size_hint(&body).exact().is_none()
+    {
+        head.headers.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+    }
     let Some(uri) = upstream_uri(
         context.scheme,
         &context.hostname,

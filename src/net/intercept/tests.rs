@@ -702,3 +702,19 @@ async fn a_request_head_past_the_bound_is_refused() {
     );
     assert!(harness.origin.received.lock().unwrap().is_empty());
 }
+
+#[tokio::test]
+async fn a_get_with_a_body_of_unknown_length_keeps_its_body() {
+    let tls = tls();
+    let secret = Secret::new("KEY", "real")
+        .unwrap()
+        .bind_to(HOSTNAME)
+        .in_body();
+    let body = format!("key={}", secret.placeholder());
+    let mut harness = serve_in_memory(&tls, job(&tls, 443, Intercept::new(), vec![secret])).await;
+    let (status, _, _) = send(&mut harness, request(Method::GET, "/", body.as_bytes())).await;
+    assert_eq!(status, StatusCode::OK);
+    let received = harness.origin.received.lock().unwrap().clone();
+    assert_eq!(received[0].body, "key=real");
+    assert_eq!(received[0].headers[header::TRANSFER_ENCODING], "chunked");
+}

@@ -4,6 +4,7 @@
 //! none: forgets and interrupts get no reply), so the transport (`service.rs`), the tests and
 //! the fuzz target drive the same code.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -38,11 +39,47 @@ fn wanted_flags() -> u64 {
         .bits()
 }
 
-/// A mount's session.
+/// A mount's session: one connection's worth of the guest kernel's state.
 pub(crate) struct Session {
     fs: Arc<dyn VirtualFs>,
     options: MountOptions,
     initialized: AtomicBool,
+    /// The lookups the guest kernel holds through this session (node id → count): what it
+    /// would give back with FORGET. When the session ends (the guest went away, or a retried
+    /// boot replaced it) the implementation gets them all back, so a filesystem reused across
+    /// boots does not keep inodes for kernels that are gone. At most one entry per inode the
+    /// implementation handed out.
+    held: std::sync::Mutex<HashMap<u64, u64>>,
+    /// The handles the guest kernel has open through this session ((node id, handle) →
+    /// whether it is a directory's), released with the session the same way.
+    open: std::sync::Mutex<HashMap<(u64, u64), bool>>,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        let held = std::mem::take(&mut *self.held.lock().unwrap_or_else(|e| e.into_inner()));
+        let open = std::mem::take(&mut *self.open.lock().unwrap_or_else(|e| e.into_inner()));
+        if held.is_empty() && open.is_empty() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let fs = self.fs.clone();
+        runtime.spawn(async move {
+            for ((node, handle), directory) in open {
+                let (node, handle) = (InodeId(node), FileHandle(handle));
+                let _ = if directory {
+                    fs.releasedir(node, handle).await
+                } else {
+                    fs.release(node, handle).await
+                };
+            }
+            for (node, count) in held {
+                fs.forget(InodeId(node), count).await;
+            }
+        });
+    }
 }
 
 impl Session {
@@ -51,6 +88,8 @@ impl Session {
             fs,
             options,
             initialized: AtomicBool::new(false),
+            held: std::sync::Mutex::new(HashMap::new()),
+            open: std::sync::Mutex::new(HashMap::new()),
         }
     }
 
@@ -87,16 +126,12 @@ impl Session {
         match operation {
             Operation::Init { .. } => return Some(self.init(unique, &operation)),
             Operation::Forget { count } => {
-                if request.header.nodeid != 0 {
-                    self.fs.forget(InodeId(request.header.nodeid), count).await;
-                }
+                self.forget(request.header.nodeid, count).await;
                 return None;
             }
             Operation::BatchForget { ref forgets } => {
                 for &(node, count) in forgets {
-                    if node != 0 {
-                        self.fs.forget(InodeId(node), count).await;
-                    }
+                    self.forget(node, count).await;
                 }
                 return None;
             }
@@ -117,6 +152,46 @@ impl Session {
             Ok(message) => message,
             Err(err) => reply::error(unique, err.errno()),
         })
+    }
+
+    /// The kernel gives back `count` lookups of `node`: passed on, at most what it holds.
+    async fn forget(&self, node: u64, count: u64) {
+        let given_back = {
+            let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+            let Some(holding) = held.get_mut(&node) else {
+                return;
+            };
+            let given_back = count.min(*holding);
+            *holding -= given_back;
+            if *holding == 0 {
+                held.remove(&node);
+            }
+            given_back
+        };
+        if given_back > 0 {
+            self.fs.forget(InodeId(node), given_back).await;
+        }
+    }
+
+    /// The reply for a new name: it hands the kernel a lookup of `entry`'s inode.
+    fn entry_reply(&self, unique: u64, entry: &Entry, cache: CachePolicy) -> Vec<u8> {
+        self.hold(entry);
+        reply::entry(unique, entry, cache)
+    }
+
+    fn opened(&self, node: InodeId, handle: FileHandle, directory: bool) {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        open.insert((node.0, handle.0), directory);
+    }
+
+    fn closed(&self, node: InodeId, handle: u64) {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        open.remove(&(node.0, handle));
+    }
+
+    fn hold(&self, entry: &Entry) {
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        *held.entry(entry.attr.ino.0).or_insert(0) += 1;
     }
 
     fn init(&self, unique: u64, operation: &Operation<'_>) -> Vec<u8> {
@@ -168,7 +243,7 @@ impl Session {
         };
         Ok(match operation {
             Operation::Lookup { name } => match fs.lookup(node, name).await {
-                Ok(entry) => reply::entry(unique, &entry, cache),
+                Ok(entry) => self.entry_reply(unique, &entry, cache),
                 Err(FsError::NOT_FOUND) if !cache.entry_timeout.is_zero() => {
                     reply::negative_entry(unique, cache)
                 }
@@ -184,7 +259,7 @@ impl Session {
                 target.truncate(request::PATH_MAX - 1);
                 reply::ok(unique, &target)
             }
-            Operation::Symlink { name, target } => reply::entry(
+            Operation::Symlink { name, target } => self.entry_reply(
                 unique,
                 &fs.symlink(node, name, target, caller).await?,
                 cache,
@@ -196,13 +271,13 @@ impl Session {
                 ) {
                     return Err(FsError::INVALID);
                 }
-                reply::entry(
+                self.entry_reply(
                     unique,
                     &fs.mknod(node, name, mode, rdev, caller).await?,
                     cache,
                 )
             }
-            Operation::Mkdir { name, mode } => reply::entry(
+            Operation::Mkdir { name, mode } => self.entry_reply(
                 unique,
                 &fs.mkdir(node, name, mode & 0o7777, caller).await?,
                 cache,
@@ -238,7 +313,7 @@ impl Session {
                 if target == 0 {
                     return Err(FsError::INVALID);
                 }
-                reply::entry(
+                self.entry_reply(
                     unique,
                     &fs.link(InodeId(target), node, new_name).await?,
                     cache,
@@ -246,6 +321,7 @@ impl Session {
             }
             Operation::Open { flags } => {
                 let handle = fs.open(node, OpenFlags(flags as i32)).await?;
+                self.opened(node, handle, false);
                 reply::open(unique, handle.0)
             }
             Operation::Create { name, mode, flags } => {
@@ -253,6 +329,8 @@ impl Session {
                 let (entry, handle) = fs
                     .create(node, name, mode, OpenFlags(flags as i32), caller)
                     .await?;
+                self.hold(&entry);
+                self.opened(entry.attr.ino, handle, false);
                 reply::create(unique, &entry, handle.0, cache)
             }
             Operation::Read {
@@ -283,6 +361,7 @@ impl Session {
                 reply::ok(unique, &[])
             }
             Operation::Release { handle } => {
+                self.closed(node, handle);
                 fs.release(node, FileHandle(handle)).await?;
                 reply::ok(unique, &[])
             }
@@ -290,7 +369,11 @@ impl Session {
                 fs.fsync(node, FileHandle(handle), data_only).await?;
                 reply::ok(unique, &[])
             }
-            Operation::Opendir => reply::open(unique, fs.opendir(node).await?.0),
+            Operation::Opendir => {
+                let handle = fs.opendir(node).await?;
+                self.opened(node, handle, true);
+                reply::open(unique, handle.0)
+            }
             Operation::Readdir {
                 handle,
                 offset,
@@ -300,6 +383,7 @@ impl Session {
                 reply::dirents(unique, &entries, size as usize)
             }
             Operation::Releasedir { handle } => {
+                self.closed(node, handle);
                 fs.releasedir(node, FileHandle(handle)).await?;
                 reply::ok(unique, &[])
             }
@@ -394,5 +478,67 @@ fn set_attr(args: &abi::SetattrIn) -> SetAttr {
         atime: time(V::ATIME, V::ATIME_NOW, args.atime, args.atimensec),
         mtime: time(V::MTIME, V::MTIME_NOW, args.mtime, args.mtimensec),
         handle: (args.valid & abi::FATTR_FH != 0).then_some(FileHandle(args.fh)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fs::fuse::fuzz::{init_request, request};
+    use crate::fs::MemoryFs;
+    use vm_memory::ByteValued;
+
+    async fn used_inodes(fs: &MemoryFs) -> u64 {
+        let stat = fs.statfs().await.unwrap();
+        stat.files - stat.files_free
+    }
+
+    /// A session that ends (its guest kernel gone: a retried boot, a VM that stopped) gives
+    /// back every handle and lookup that kernel still held, so a filesystem reused by the next
+    /// boot frees what nobody can name any more.
+    #[tokio::test]
+    async fn an_ended_session_gives_back_the_lookups_its_kernel_held() {
+        let fs = MemoryFs::new();
+        let before = used_inodes(&fs).await;
+        let session = Session::new(Arc::new(fs.clone()), MountOptions::new());
+        session.handle(&init_request(1)).await.unwrap().unwrap();
+        let create = abi::CreateIn {
+            flags: libc::O_RDWR as u32,
+            mode: libc::S_IFREG | 0o644,
+            umask: 0,
+            fuse_flags: 0,
+        };
+        let body = [create.as_slice(), b"held\0"].concat();
+        let reply = session
+            .handle(&request(35, 2, 1, &body))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(i32::from_le_bytes(reply[4..8].try_into().unwrap()), 0);
+        // Unlinked while the kernel holds it (as an open-but-unlinked file would be).
+        let reply = session
+            .handle(&request(10, 3, 1, b"held\0"))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(i32::from_le_bytes(reply[4..8].try_into().unwrap()), 0);
+        assert_eq!(used_inodes(&fs).await, before + 1, "held by the kernel");
+        // A FORGET of more than the kernel holds gives back only what it holds.
+        let forget = abi::ForgetIn { nlookup: 0 };
+        assert!(session
+            .handle(&request(2, 0, 2, forget.as_slice()))
+            .await
+            .unwrap()
+            .is_none());
+        assert_eq!(used_inodes(&fs).await, before + 1);
+        drop(session);
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(
+            used_inodes(&fs).await,
+            before,
+            "given back when the session ended"
+        );
     }
 }

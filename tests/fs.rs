@@ -170,3 +170,69 @@ fn a_mount_point_missing_from_the_read_only_image_is_made_and_the_root_stays_rea
         vm.shutdown().await.unwrap();
     })
 }
+
+/// The host reads what the guest writes while the guest runs, and the guest sees what the host
+/// changes once its cache time (1 s by default) has passed.
+#[test]
+fn host_and_guest_see_each_others_changes_while_the_vm_runs() {
+    common::run(async {
+        let workspace = MemoryFs::new();
+        workspace
+            .write_file("/seeded.txt", b"from the host\n")
+            .unwrap();
+        let vm = boot(busybox().mount("/workspace", workspace.clone())).await;
+        let (out, _) = sh(
+            &vm,
+            "cat /workspace/seeded.txt && mkdir -p /workspace/made && \
+             echo 'from the guest' > /workspace/made/by-guest.txt",
+            Duration::from_secs(60),
+        )
+        .await;
+        assert_eq!(out, "from the host\n", "{out}");
+        // Read while the VM runs: the guest's write returned, so the host has it.
+        assert_eq!(
+            workspace.read_file("/made/by-guest.txt").unwrap(),
+            b"from the guest\n"
+        );
+        // The host changes a file the guest has read, and adds one.
+        workspace
+            .write_file("/seeded.txt", b"changed by the host, longer\n")
+            .unwrap();
+        workspace
+            .write_file("/new-from-host.txt", b"new\n")
+            .unwrap();
+        tokio::time::sleep(MountOptions::DEFAULT_CACHE + Duration::from_millis(500)).await;
+        let (out, _) = sh(
+            &vm,
+            "cat /workspace/seeded.txt /workspace/new-from-host.txt",
+            Duration::from_secs(60),
+        )
+        .await;
+        assert_eq!(out, "changed by the host, longer\nnew\n");
+        vm.shutdown().await.unwrap();
+    })
+}
+
+/// A read-only mount: the guest reads, every change fails with EROFS, and the filesystem is
+/// untouched.
+#[test]
+fn a_read_only_mount_refuses_every_change() {
+    common::run(async {
+        let docs = MemoryFs::new();
+        docs.write_file("/guide.md", b"# guide\n").unwrap();
+        let vm = boot(busybox().mount_with("/docs", docs.clone(), MountOptions::new().read_only()))
+            .await;
+        let (out, _) = sh(
+            &vm,
+            "cat /docs/guide.md; echo x > /docs/guide.md; touch /docs/new; mkdir /docs/d; \
+             rm /docs/guide.md; mv /docs/guide.md /docs/moved; chmod 777 /docs/guide.md; true",
+            Duration::from_secs(60),
+        )
+        .await;
+        assert!(out.starts_with("# guide\n"), "{out}");
+        assert_eq!(out.matches("Read-only file system").count(), 6, "{out}");
+        assert_eq!(docs.read_dir("/").unwrap(), ["guide.md"]);
+        assert_eq!(docs.read_file("/guide.md").unwrap(), b"# guide\n");
+        vm.shutdown().await.unwrap();
+    })
+}

@@ -36,4 +36,7 @@ pub(crate) struct SandboxConfig {
     pub network_backend: Option<PathBuf>,
     /// Host filesystems mounted in the guest, parents before the mounts inside them.
     pub mounts: Vec<crate::fs::Mount>,
+    /// Benchmarks only: a host directory served by libkrun's own virtio-fs passthrough
+    /// (`SandboxBuilder::virtiofs_passthrough_for_benchmarks`), checked: absolute, a directory.
+    pub virtiofs_passthrough: Option<crate::vmm::PassthroughShare>,
 }

@@ -180,6 +180,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         network: config.network.as_ref().map(|n| vmm::NetDeviceConfig {
             mac: n.addressing().guest_mac,
         }),
+        virtiofs_passthrough: config.virtiofs_passthrough.clone(),
     };
     // guest-init reaches the guest as bytes the helper serves from memory, never as a host path.
     let guest_init =

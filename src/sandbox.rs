@@ -1,6 +1,6 @@
 //! The reusable sandbox definition.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -94,6 +94,7 @@ pub struct SandboxBuilder {
     network: Option<crate::Network>,
     network_backend: Option<PathBuf>,
     mounts: Vec<crate::fs::Mount>,
+    virtiofs_passthrough: Option<(PathBuf, String)>,
 }
 
 impl Default for SandboxBuilder {
@@ -120,6 +121,7 @@ impl Default for SandboxBuilder {
             network: None,
             network_backend: None,
             mounts: Vec::new(),
+            virtiofs_passthrough: None,
         }
     }
 }
@@ -311,6 +313,29 @@ impl SandboxBuilder {
         self
     }
 
+    /// **Benchmarks only** (`benches/fs.rs`), NOT a supported way to share a directory with a
+    /// guest: `host_dir` is served read-write by libkrun's own virtio-fs passthrough server,
+    /// inside the VMM helper, as the virtio-fs device `tag`; the guest mounts it itself
+    /// (`mount -t virtiofs TAG /some/dir`, as root). That server does not jail itself: a
+    /// hostile guest kernel can send FUSE lookups of `..` past the shared directory, and only
+    /// the helper's jail (which for this holds the directory and the helper's own
+    /// `/proc/self/fd`, which the server needs) stands between it and the rest of the host;
+    /// seccomp also lets this helper list, make and remove directory entries. Use
+    /// [`mount`](Self::mount) with a [`HostDir`](crate::fs::HostDir) to share a directory.
+    /// Kept so that our filesystems can be measured against libkrun's passthrough of the same
+    /// directory in the same run, like [`network_backend_for_benchmarks`]
+    /// (Self::network_backend_for_benchmarks) against passt. `build()` checks that `host_dir`
+    /// is a directory and the tag is 1–36 bytes of letters, digits, `-` and `_`.
+    #[doc(hidden)]
+    pub fn virtiofs_passthrough_for_benchmarks(
+        mut self,
+        host_dir: impl Into<PathBuf>,
+        tag: impl Into<String>,
+    ) -> Self {
+        self.virtiofs_passthrough = Some((host_dir.into(), tag.into()));
+        self
+    }
+
     /// Bounds on what the guest can make the host hold or wait for (request deadlines,
     /// `read_file` size, process and request counts). See [`Limits`].
     pub fn limits(mut self, limits: Limits) -> Self {
@@ -426,6 +451,10 @@ impl SandboxBuilder {
             (None, network) => network,
         };
         let mounts = crate::fs::check_mounts(self.mounts).map_err(Error::InvalidConfig)?;
+        let virtiofs_passthrough = self
+            .virtiofs_passthrough
+            .map(|(dir, tag)| passthrough_share(&dir, tag))
+            .transpose()?;
         let kernel = self.kernel.map(Kernel::into_config).transpose()?;
         let artifacts = Artifacts::locate_with(&self.overrides)?;
         Ok(Sandbox {
@@ -446,6 +475,7 @@ impl SandboxBuilder {
                 network,
                 network_backend: self.network_backend,
                 mounts,
+                virtiofs_passthrough,
             }),
         })
     }
@@ -681,9 +711,51 @@ fn check_kernel_arg(arg: &str) -> Result<()> {
     Ok(())
 }
 
+/// Checks a benchmark's passthrough share: the tag (virtio-fs allows 36 bytes; ours are plain
+/// names, and not the first root's) and the directory, made absolute and canonical so that the
+/// helper binds the very directory the caller named.
+fn passthrough_share(dir: &Path, tag: String) -> Result<crate::vmm::PassthroughShare> {
+    let plain = (1..=36).contains(&tag.len())
+        && tag
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if !plain {
+        return Err(Error::InvalidConfig(format!(
+            "virtio-fs tag {tag:?} must be 1-36 letters, digits, '-' and '_'"
+        )));
+    }
+    let dir = std::fs::canonicalize(dir)
+        .ok()
+        .filter(|d| d.is_dir())
+        .ok_or_else(|| {
+            Error::InvalidConfig(format!(
+                "{} is not a directory to share with virtio-fs",
+                dir.display()
+            ))
+        })?;
+    Ok(crate::vmm::PassthroughShare { tag, dir })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_benchmark_passthrough_share_is_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let share = passthrough_share(dir.path(), "baseline".into()).unwrap();
+        assert_eq!(share.dir, dir.path().canonicalize().unwrap());
+        for tag in ["", "/dev/root", "a b", &"x".repeat(37)] {
+            let err = passthrough_share(dir.path(), tag.into()).unwrap_err();
+            assert!(err.to_string().contains("virtio-fs tag"), "{err}");
+        }
+        let file = dir.path().join("file");
+        std::fs::write(&file, b"").unwrap();
+        for path in [file, dir.path().join("missing")] {
+            let err = passthrough_share(&path, "baseline".into()).unwrap_err();
+            assert!(err.to_string().contains("not a directory"), "{err}");
+        }
+    }
 
     #[test]
     fn a_benchmark_network_backend_takes_no_policy() {

@@ -84,6 +84,22 @@ pub struct VmmConfig {
     pub log_level: u32,
     /// A virtio-net device on [`NET_FD`], or none at all.
     pub network: Option<NetDeviceConfig>,
+    /// Benchmarks only: a host directory served by libkrun's own virtio-fs passthrough
+    /// (`SandboxBuilder::virtiofs_passthrough_for_benchmarks`).
+    #[serde(default)]
+    pub virtiofs_passthrough: Option<PassthroughShare>,
+}
+
+/// Benchmarks only: a host directory the guest can mount as virtio-fs `tag`, served by
+/// libkrun's passthrough server inside the helper. Not a way to share a directory: that server
+/// does not jail itself (see `SandboxBuilder::virtiofs_passthrough_for_benchmarks`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct PassthroughShare {
+    /// The virtio-fs tag the guest mounts (`mount -t virtiofs TAG DIR`).
+    pub tag: String,
+    /// The host directory (absolute).
+    pub dir: PathBuf,
 }
 
 /// The guest's network device.
@@ -183,6 +199,7 @@ pub fn helper_main() -> i32 {
         control_socket: config.control_socket.clone(),
         fs_socket: config.fs_socket.clone(),
         kernel: config.kernel.as_ref().map(|k| k.path.clone()),
+        share: config.virtiofs_passthrough.as_ref().map(|s| s.dir.clone()),
     };
     let root_started = std::time::Instant::now();
     let paths = crate::jail::build_root(&config.jail, host, in_mount_namespace, &mut isolation);
@@ -342,6 +359,13 @@ fn configure(
     }
     step(ctx.add_virtual_file(ROOT_FS_TAG, "init.krun", guest_init, 0o555))?;
     step(ctx.add_disk("root", image, true))?;
+    if let (Some(share), Some(dir)) = (&config.virtiofs_passthrough, &paths.share) {
+        // Benchmarks only: libkrun's passthrough of a host directory, the baseline our own
+        // filesystems are measured against. It does not jail itself; the helper's jail holds
+        // only this directory (and the helper's own /proc/self/fd, which the server reopens
+        // files through).
+        step(ctx.add_virtiofs(&share.tag, dir, false))?;
+    }
     step(ctx.disable_implicit_init())?;
     // No TSI: the guest gets no network through the vsock device, only our port.
     step(ctx.set_vsock(0))?;

@@ -56,7 +56,16 @@ pub(crate) struct JailPaths {
     pub fs_socket: Option<PathBuf>,
     /// A custom kernel, if any.
     pub kernel: Option<PathBuf>,
+    /// Benchmarks only: the directory libkrun's virtio-fs passthrough serves, read-write
+    /// (`SandboxBuilder::virtiofs_passthrough_for_benchmarks`).
+    pub share: Option<PathBuf>,
 }
+
+/// Where the helper's own `/proc/self/fd` is bound in the jail when a directory is shared
+/// (benchmarks only): libkrun's passthrough server opens that path when the guest activates
+/// the device, to reopen the `O_PATH` descriptors it keeps for each inode. Nothing else of
+/// `/proc` is there.
+const PROC_SELF_FD: &str = "/proc/self/fd";
 
 fn errno() -> std::io::Error {
     std::io::Error::last_os_error()
@@ -245,23 +254,37 @@ fn pivot_into_jail(root_dir: &Path, host: &JailPaths) -> Result<JailPaths, Strin
         control_socket: PathBuf::from("/control.sock"),
         fs_socket: host.fs_socket.as_ref().map(|_| PathBuf::from("/fs.sock")),
         kernel: host.kernel.as_ref().map(|_| PathBuf::from("/kernel")),
+        share: host.share.as_ref().map(|_| PathBuf::from("/share")),
     };
     std::fs::create_dir(root_dir.join("dev")).map_err(io("creating dev".into()))?;
-    let mut binds: Vec<(&Path, &Path, bool)> = vec![
-        (&host.kvm, &inside.kvm, false),
-        (&host.image, &inside.image, true),
-        (&host.console, &inside.console, false),
-        (&host.control_socket, &inside.control_socket, false),
+    // (source, target, read-only, a directory)
+    let mut binds: Vec<(&Path, &Path, bool, bool)> = vec![
+        (&host.kvm, &inside.kvm, false, false),
+        (&host.image, &inside.image, true, false),
+        (&host.console, &inside.console, false, false),
+        (&host.control_socket, &inside.control_socket, false, false),
     ];
     if let (Some(h), Some(i)) = (&host.kernel, &inside.kernel) {
-        binds.push((h, i, true));
+        binds.push((h, i, true, false));
     }
     if let (Some(h), Some(i)) = (&host.fs_socket, &inside.fs_socket) {
-        binds.push((h, i, false));
+        binds.push((h, i, false, false));
     }
-    for (source, target, read_only) in binds {
+    // Benchmarks only: the shared directory, and the /proc/self/fd the passthrough server
+    // needs (see PROC_SELF_FD). `/proc/self` resolves now, to this process.
+    let proc_self_fd = Path::new(PROC_SELF_FD);
+    if let (Some(h), Some(i)) = (&host.share, &inside.share) {
+        binds.push((h, i, false, true));
+        binds.push((proc_self_fd, proc_self_fd, false, true));
+    }
+    for (source, target, read_only, directory) in binds {
         let target = root_dir.join(target.strip_prefix("/").unwrap_or(target));
-        std::fs::File::create(&target).map_err(io(format!("creating {}", target.display())))?;
+        if directory {
+            std::fs::create_dir_all(&target)
+        } else {
+            std::fs::File::create(&target).map(drop)
+        }
+        .map_err(io(format!("creating {}", target.display())))?;
         mount(
             Some(source),
             &target,
@@ -451,6 +474,24 @@ pub(crate) fn landlock(paths: &JailPaths, report: &mut Isolation) {
             if let Some(fs_socket) = &paths.fs_socket {
                 rules.push((fs_socket, AccessFs::ResolveUnix.into()));
             }
+            // Benchmarks only: what libkrun's passthrough does beneath the shared directory
+            // (no devices, sockets, FIFOs or execution). Its /proc/self/fd needs no rule: the
+            // server opens it `O_PATH`, which Landlock does not check, and a file reopened
+            // through it is checked where it lies, beneath this directory.
+            if let Some(share) = &paths.share {
+                rules.push((
+                    share,
+                    write
+                        | read
+                        | AccessFs::ReadDir
+                        | AccessFs::MakeReg
+                        | AccessFs::MakeDir
+                        | AccessFs::MakeSym
+                        | AccessFs::RemoveFile
+                        | AccessFs::RemoveDir
+                        | AccessFs::Refer,
+                ));
+            }
             for (path, access) in rules {
                 match PathFd::new(path) {
                     Ok(fd) => ruleset = ruleset.add_rule(PathBeneath::new(fd, access))?,
@@ -470,6 +511,9 @@ pub(crate) fn landlock(paths: &JailPaths, report: &mut Isolation) {
                     let mut d = format!(
                         "ABI {abi_found}: only /dev/kvm, the image, the console and the control socket"
                     );
+                    if paths.share.is_some() {
+                        d.push_str(", and a benchmark's shared directory");
+                    }
                     if !missing.is_empty() {
                         d.push_str(&format!(" (no rule for {})", missing.join(", ")));
                     }
@@ -539,7 +583,20 @@ pub(crate) fn build_root(
         return host;
     }
     match pivot_into_jail(&config.root_dir, &host) {
-        Ok(inside) => inside,
+        Ok(inside) => {
+            if inside.share.is_some() {
+                if let Some(l) = report
+                    .layers
+                    .iter_mut()
+                    .find(|l| l.layer == Layer::MountNamespace)
+                {
+                    l.detail.push_str(
+                        ", and (benchmarks only) a shared directory and the helper's /proc/self/fd",
+                    );
+                }
+            }
+            inside
+        }
         Err(e) => {
             // Keep the namespace, but say the root could not be emptied.
             if let Some(l) = report
@@ -561,5 +618,5 @@ pub(crate) fn restrict(paths: &JailPaths, report: &mut Isolation) {
     set_rlimits(report);
     drop_privileges(report);
     landlock(paths, report);
-    super::seccomp::install(report);
+    super::seccomp::install(report, paths.share.is_some());
 }

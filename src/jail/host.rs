@@ -126,6 +126,7 @@ pub(crate) async fn probe(
         kernel: None,
         log_level: 1,
         network: None,
+        virtiofs_passthrough: None,
     };
     let config_path = dir.path().join("vmm.json");
     std::fs::write(

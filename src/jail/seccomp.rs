@@ -18,6 +18,14 @@
 //! `execve`, `ptrace`, `process_vm_*`, `kill`, `mount`, `unshare`, `setns`, `bpf`,
 //! `perf_event_open`, `open` by path outside `openat` (Landlock narrows `openat`), network
 //! sockets, `userfaultfd`, `keyctl`, module and kexec calls.
+//!
+//! Benchmarks only: a helper that serves a host directory through libkrun's own virtio-fs
+//! passthrough (`SandboxBuilder::virtiofs_passthrough_for_benchmarks`, the baseline of
+//! `benches/fs.rs`) gets three more, [`PASSTHROUGH_EXTRA`], and only that helper: listing,
+//! making and removing entries beneath the shared directory (Landlock still confines each to
+//! it). Everything else the passthrough server calls is on the list already (`openat`,
+//! `newfstatat`, `statx`, `preadv`/`pwritev`, `fsync`, `close`), or fails with `EPERM` as
+//! operations the bench does not use.
 
 use std::collections::BTreeMap;
 
@@ -43,8 +51,14 @@ fn rule(conditions: Vec<SeccompCondition>) -> SeccompRule {
     SeccompRule::new(conditions).expect("a valid seccomp rule")
 }
 
+/// What libkrun's virtio-fs passthrough needs beyond [`allowlist`] for the bench's workloads
+/// (`ls`, `mkdir`, `rm -r`; creating, reading and writing files needs nothing more): allowed
+/// only in a helper that serves a benchmark's shared directory.
+const PASSTHROUGH_EXTRA: [i64; 3] = [libc::SYS_getdents64, libc::SYS_mkdirat, libc::SYS_unlinkat];
+
 /// The allowlist: syscall number → rules (any rule matching allows; no rules: always allowed).
-fn allowlist() -> BTreeMap<i64, Vec<SeccompRule>> {
+/// `passthrough`: the helper serves a benchmark's shared directory ([`PASSTHROUGH_EXTRA`]).
+fn allowlist(passthrough: bool) -> BTreeMap<i64, Vec<SeccompRule>> {
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
     let always = [
         libc::SYS_read,
@@ -127,6 +141,11 @@ fn allowlist() -> BTreeMap<i64, Vec<SeccompRule>> {
     ];
     for nr in always {
         rules.insert(nr, Vec::new());
+    }
+    if passthrough {
+        for nr in PASSTHROUGH_EXTRA {
+            rules.insert(nr, Vec::new());
+        }
     }
     let mut ioctls = vec![rule(vec![cond(
         1,
@@ -236,9 +255,9 @@ fn clone3_filter() -> Result<BpfProgram, String> {
         .map_err(|e: seccompiler::BackendError| e.to_string())
 }
 
-fn allowlist_filter() -> Result<BpfProgram, String> {
+fn allowlist_filter(passthrough: bool) -> Result<BpfProgram, String> {
     let filter = SeccompFilter::new(
-        allowlist(),
+        allowlist(passthrough),
         SeccompAction::Errno(libc::EPERM as u32),
         SeccompAction::Allow,
         arch().map_err(|e| e.to_string())?,
@@ -250,19 +269,25 @@ fn allowlist_filter() -> Result<BpfProgram, String> {
 }
 
 /// Installs both filters on the calling thread (the helper has only one when this runs; every
-/// thread libkrun starts later inherits them).
-pub(crate) fn install(report: &mut Isolation) {
+/// thread libkrun starts later inherits them). `passthrough`: the helper serves a benchmark's
+/// shared directory.
+pub(crate) fn install(report: &mut Isolation, passthrough: bool) {
     let result = clone3_filter()
         .and_then(|p| seccompiler::apply_filter(&p).map_err(|e| e.to_string()))
-        .and_then(|()| allowlist_filter())
+        .and_then(|()| allowlist_filter(passthrough))
         .and_then(|p| seccompiler::apply_filter(&p).map_err(|e| e.to_string()));
     match result {
         Ok(()) => report.push_layer(
             Layer::Seccomp,
             true,
             format!(
-                "{} system calls allowed (some only with narrowed arguments), others EPERM",
-                allowlist().len()
+                "{} system calls allowed (some only with narrowed arguments{}), others EPERM",
+                allowlist(passthrough).len(),
+                if passthrough {
+                    "; 3 of them for a benchmark's shared directory"
+                } else {
+                    ""
+                }
             ),
         ),
         Err(e) => report.push_layer(Layer::Seccomp, false, format!("not installed: {e}")),
@@ -280,7 +305,7 @@ mod tests {
             0 => {
                 unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
                 let mut report = Isolation::default();
-                install(&mut report);
+                install(&mut report, false);
                 if !report.is_enforced(Layer::Seccomp) {
                     unsafe { libc::_exit(100) };
                 }
@@ -335,14 +360,36 @@ mod tests {
 
     #[test]
     fn the_filters_compile_for_this_architecture() {
-        let allow = allowlist_filter().unwrap();
+        let allow = allowlist_filter(false).unwrap();
         assert!(allow.len() > 50, "{} instructions", allow.len());
+        allowlist_filter(true).unwrap();
         clone3_filter().unwrap();
     }
 
     #[test]
     fn calls_that_reach_beyond_the_vm_are_not_listed() {
-        let list = allowlist();
+        for passthrough in [false, true] {
+            calls_that_reach_beyond_the_vm_are_not_listed_in(allowlist(passthrough));
+        }
+    }
+
+    #[test]
+    fn only_a_benchmark_share_adds_the_passthrough_calls() {
+        let (plain, shared) = (allowlist(false), allowlist(true));
+        for nr in PASSTHROUGH_EXTRA {
+            assert!(
+                !plain.contains_key(&nr),
+                "syscall {nr} is allowed without a share"
+            );
+            assert!(
+                shared.contains_key(&nr),
+                "syscall {nr} is missing with a share"
+            );
+        }
+        assert_eq!(plain.len() + PASSTHROUGH_EXTRA.len(), shared.len());
+    }
+
+    fn calls_that_reach_beyond_the_vm_are_not_listed_in(list: BTreeMap<i64, Vec<SeccompRule>>) {
         for nr in [
             libc::SYS_execve,
             libc::SYS_execveat,

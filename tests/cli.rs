@@ -235,3 +235,46 @@ fn doctor_boots_a_probe_vm_where_vms_boot() {
     assert_eq!(canaries.len(), 5, "{report}");
     assert!(canaries.iter().all(|l| l.contains("blocked")), "{report}");
 }
+
+#[test]
+fn run_mounts_host_directories_and_memory_filesystems() {
+    let project = tempfile::tempdir().unwrap();
+    let docs = tempfile::tempdir().unwrap();
+    std::fs::write(project.path().join("in.txt"), "from the host\n").unwrap();
+    std::fs::write(docs.path().join("guide.md"), "# guide\n").unwrap();
+    let project_flag = format!("{}:/workspace", project.path().display());
+    let docs_flag = format!("{}:/docs:ro", docs.path().display());
+    let out = krunbox(&[
+        "run",
+        "--image",
+        "busybox",
+        "--mount",
+        &project_flag,
+        "--mount",
+        &docs_flag,
+        "--memfs",
+        "/scratch",
+        "--",
+        "sh",
+        "-c",
+        "cat /workspace/in.txt /docs/guide.md; echo made > /workspace/out.txt; \
+         echo x > /scratch/s && cat /scratch/s; echo y > /docs/new 2>&1; true",
+    ]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+    assert!(
+        stdout.starts_with("from the host\n# guide\nx\n"),
+        "{stdout}"
+    );
+    // The shell reports the refused redirection on its stderr.
+    assert!(
+        text(&out.stderr).contains("Read-only file system"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert_eq!(
+        std::fs::read_to_string(project.path().join("out.txt")).unwrap(),
+        "made\n"
+    );
+    assert!(!docs.path().join("new").exists());
+}

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use krunbox::fs::{HostDir, MemoryFs, MountOptions};
 use krunbox::net::{
     DomainPattern, Flow, HeaderName, HeaderValue, Network, Ports, Protocol, Rule, RuleError, Rules,
     Verdict,
@@ -129,6 +130,15 @@ struct RunArgs {
     /// if HOST is left out; the address is printed on stderr). Repeatable.
     #[arg(long, value_name = "GUEST[:HOST]", value_parser = parse_publish)]
     publish: Vec<(u16, u16)>,
+    /// Mount the host directory HOST_DIR at GUEST_PATH in the guest (created if missing),
+    /// read-write, or read-only with `:ro`. The guest cannot reach anything outside HOST_DIR,
+    /// through `..`, symlinks or hard links. Example: --mount ./project:/workspace. Repeatable.
+    #[arg(long, value_name = "HOST_DIR:GUEST_PATH[:ro]", value_parser = parse_mount)]
+    mount: Vec<HostMount>,
+    /// Mount an empty in-memory filesystem at GUEST_PATH (gone when the command ends).
+    /// Repeatable.
+    #[arg(long, value_name = "GUEST_PATH")]
+    memfs: Vec<String>,
     /// The command and its arguments.
     #[arg(last = true, required = true)]
     command: Vec<String>,
@@ -310,6 +320,37 @@ fn parse_inject_header(value: &str) -> Result<HeaderInjection, String> {
     })
 }
 
+/// A `--mount` flag's value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct HostMount {
+    host_dir: PathBuf,
+    guest_path: String,
+    read_only: bool,
+}
+
+/// `--mount HOST_DIR:GUEST_PATH[:ro]`.
+fn parse_mount(value: &str) -> Result<HostMount, String> {
+    let (rest, read_only) = match value.strip_suffix(":ro") {
+        Some(rest) => (rest, true),
+        None => (value, false),
+    };
+    let Some((host_dir, guest_path)) = rest.rsplit_once(':') else {
+        return Err(format!(
+            "{value:?} must look like HOST_DIR:GUEST_PATH or HOST_DIR:GUEST_PATH:ro"
+        ));
+    };
+    if host_dir.is_empty() || !guest_path.starts_with('/') {
+        return Err(format!(
+            "{value:?}: the host directory must be named and the guest path absolute"
+        ));
+    }
+    Ok(HostMount {
+        host_dir: host_dir.into(),
+        guest_path: guest_path.into(),
+        read_only,
+    })
+}
+
 /// `--publish GUEST[:HOST]`.
 fn parse_publish(value: &str) -> Result<(u16, u16), String> {
     let port = |p: &str| {
@@ -398,6 +439,22 @@ async fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         .memory_mib(args.memory);
     if let Some(network) = network(&args)? {
         sandbox = sandbox.network(network);
+    }
+    for mount in &args.mount {
+        let dir = if mount.read_only {
+            HostDir::read_only(&mount.host_dir)
+        } else {
+            HostDir::new(&mount.host_dir)
+        }
+        .map_err(|e| format!("--mount {}: {e}", mount.host_dir.display()))?;
+        let mut options = MountOptions::new();
+        if mount.read_only {
+            options = options.read_only();
+        }
+        sandbox = sandbox.mount_with(mount.guest_path.clone(), dir, options);
+    }
+    for path in &args.memfs {
+        sandbox = sandbox.mount(path.clone(), MemoryFs::new());
     }
     let sandbox = sandbox.build()?;
     let vm = sandbox.boot().await?;
@@ -624,6 +681,39 @@ mod tests {
                 "allow address 10.0.0.0/8 port 80",
             ]
         );
+    }
+
+    #[test]
+    fn mount_and_memfs_parse_and_bad_values_are_usage_errors() {
+        let parsed = args(&[
+            "--mount",
+            "./project:/workspace",
+            "--mount",
+            "/srv/data:/data:ro",
+            "--memfs",
+            "/scratch",
+        ])
+        .unwrap();
+        assert_eq!(
+            parsed.mount,
+            [
+                HostMount {
+                    host_dir: "./project".into(),
+                    guest_path: "/workspace".into(),
+                    read_only: false,
+                },
+                HostMount {
+                    host_dir: "/srv/data".into(),
+                    guest_path: "/data".into(),
+                    read_only: true,
+                },
+            ]
+        );
+        assert_eq!(parsed.memfs, ["/scratch"]);
+        for bad in ["/srv/data", ":/data", "/srv/data:data", "/srv/data:ro"] {
+            let message = refused(&["--mount", bad]);
+            assert!(message.contains("GUEST_PATH"), "{bad}: {message}");
+        }
     }
 
     #[test]

@@ -1483,12 +1483,13 @@ pub fn dns_query(data: &[u8]) {
 
 /// A hostile guest's bytes on an intercepted connection (`src/net/intercept/`), as plain HTTP
 /// and as what is inside its TLS: `data` is served as production serves it (HTTP/1.1 or HTTP/2
-/// with prior knowledge, each request checked, stripped, put through middleware and, over TLS,
-/// its secrets swapped) on in-memory pipes, with a fake origin upstream; no network. Panics if
-/// anything panics, if the connection does not end once the guest finishes sending, or if a
-/// request reached the origin with another Host, a hop-by-hop header, changes beyond the swap
-/// of bound secrets' placeholders in its headers (and, for the secret that opted in, its
-/// query), or a secret's value anywhere else (see `src/net/intercept/fuzz.rs`).
+/// with prior knowledge, each request checked, stripped, put through middleware (one answers
+/// some requests itself) and, over TLS, its secrets swapped) on in-memory pipes, with a fake
+/// origin upstream; no network. Panics if anything panics, if the connection does not end once
+/// the guest finishes sending, or if a request reached the origin that middleware answered,
+/// with another Host, a hop-by-hop header, changes beyond the swap of bound secrets'
+/// placeholders in its headers (and, for the secrets that opted in, its query or body), or a
+/// secret's value anywhere else (see `src/net/intercept/fuzz.rs`).
 pub fn http_request(data: &[u8]) {
     crate::net::Intercept::fuzz_http(data)
 }

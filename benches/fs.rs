@@ -37,20 +37,23 @@
 //! by the host in `T` (libkrun's passthrough lists a host tmpfs directory that is being emptied
 //! incompletely, so a guest's `rm -r` there can fail with `ENOTEMPTY`).
 //!
-//! Rounds rotate the sides (each round all three, each side first in turn); medians are printed
-//! with the ratios memfs / passthrough and hostdir / passthrough (higher is better for us on
-//! all: the issue's goal is at least 0.8). The bench reports, it asserts no timing; a wrong
-//! result (a file's bytes, a size, an exit status) fails it. Under nested emulation (how this
-//! runs on machines without usable KVM) absolute figures mean little; the ratios measured in
-//! the same run are what we report.
+//! A round runs each workload on the three sides one right after the other (a guest command
+//! each), in an order that rotates from round to round, so what else the machine does weighs
+//! on the three alike. Medians are printed with the ratios memfs / passthrough and hostdir /
+//! passthrough (higher is better for us on all: the issue's goal is at least 0.8), both as the
+//! ratio of the medians and as the median (and range) of the rounds' own ratios, the steadier
+//! one when the machine's load drifts between rounds. The bench reports, it asserts no timing;
+//! a wrong result (a file's bytes, a size, an exit status) fails it. Under nested emulation
+//! (how this runs on machines without usable KVM) absolute figures mean little; the ratios
+//! measured in the same run are what we report.
 //!
 //! `cargo bench` (which passes `--bench`): 5 rounds of 1000 files and 128 MiB; under nested
 //! emulation (`KRUNBOX_NESTED_POOL` set: its guests fault under sustained I/O, and its rounds
 //! vary a lot, hence 5 of them) 300 files and 16 MiB. Without `--bench` (`cargo test
 //! --benches`, and `scripts/test.sh` runs it once as a smoke test): 2 rounds, 20 files, 1 MiB,
-//! about a minute in the nested L1 (debug builds of the library and the VMM helper: a cold
-//! small-file operation costs tens of milliseconds there, so a few hundred files would take
-//! minutes). `KRUNBOX_BENCH_ITERS` sets the rounds, `KRUNBOX_BENCH_FILES` F and
+//! no warm-up, under two minutes in a nested L1 that runs other VMs too (debug builds of the
+//! library and the VMM helper: a cold small-file operation costs tens of milliseconds there,
+//! so a few hundred files would take many minutes). `KRUNBOX_BENCH_ITERS` sets the rounds, `KRUNBOX_BENCH_FILES` F and
 //! `KRUNBOX_BENCH_MIB` M, in either mode.
 
 use std::time::Duration;
@@ -98,48 +101,68 @@ fn written() -> Vec<u8> {
 /// third line of `/proc/timer_list` ("now at N nsecs"), with builtins only.
 const CLOCK: &str = "clock() { { read -r _; read -r _; read -r _ _ T _; } < /proc/timer_list; }";
 
-/// The guest's script for one round of one side: prints `NAME NANOSECONDS` for each workload.
-fn workload(dir: &str, write_dir: &str, big: &str, files: usize, mib: u64) -> String {
+/// The workloads, in the order a round runs them: (name, unit).
+const WORKLOADS: [(&str, &str); 5] = [
+    ("stat", "ops/s"),
+    ("read", "ops/s"),
+    ("write", "ops/s"),
+    ("large-write", "MiB/s"),
+    ("large-read", "MiB/s"),
+];
+
+/// The guest's script for workload `w` (an index into [`WORKLOADS`]) of one side: drops the
+/// guest's caches, then prints the nanoseconds the workload took.
+fn workload(w: usize, dir: &str, write_dir: &str, big: &str, files: usize, mib: u64) -> String {
+    let (setup, body) = match w {
+        0 => (
+            String::new(),
+            r#"i=0; while [ $i -lt $N ]; do
+  [ -f small/f$i ] || { echo "no small/f$i" >&2; exit 3; }
+  i=$((i + 1))
+done"#
+                .to_string(),
+        ),
+        1 => (
+            String::new(),
+            r#"i=0; while [ $i -lt $N ]; do
+  read -r line < small/f$i
+  [ "$line" = "krunbox-fs-bench f$i" ] || { echo "small/f$i begins with $line" >&2; exit 4; }
+  i=$((i + 1))
+done"#
+                .to_string(),
+        ),
+        2 => (
+            format!(
+                "DATA=$(head -c {} /dev/zero | tr '\\0' x)\nmkdir {write_dir}",
+                SMALL - 1
+            ),
+            format!(
+                r#"i=0; while [ $i -lt $N ]; do
+  echo "$DATA" > {write_dir}/f$i
+  i=$((i + 1))
+done"#
+            ),
+        ),
+        3 => (
+            String::new(),
+            format!("dd if=/dev/zero of={big} bs=1048576 count={mib} 2>/dev/null"),
+        ),
+        _ => (
+            String::new(),
+            format!("dd if={big} of=/dev/null bs=1048576 2>/dev/null"),
+        ),
+    };
     format!(
         r#"set -e
 {CLOCK}
-drop() {{ sync; echo 3 > /proc/sys/vm/drop_caches; }}
 cd {dir}
-DATA=$(head -c {data} /dev/zero | tr '\0' x)
 N={files}
-
-drop; clock; t0=$T
-i=0; while [ $i -lt $N ]; do
-  [ -f small/f$i ] || {{ echo "no small/f$i" >&2; exit 3; }}
-  i=$((i + 1))
-done
-clock; echo "stat $((T - t0))"
-
-drop; clock; t0=$T
-i=0; while [ $i -lt $N ]; do
-  read -r line < small/f$i
-  [ "$line" = "krunbox-fs-bench f$i" ] || {{ echo "small/f$i begins with $line" >&2; exit 4; }}
-  i=$((i + 1))
-done
-clock; echo "read $((T - t0))"
-
-mkdir {write_dir}
-drop; clock; t0=$T
-i=0; while [ $i -lt $N ]; do
-  echo "$DATA" > {write_dir}/f$i
-  i=$((i + 1))
-done
-clock; echo "write $((T - t0))"
-
-drop; clock; t0=$T
-dd if=/dev/zero of={big} bs=1048576 count={mib} 2>/dev/null
-clock; echo "bigwrite $((T - t0))"
-
-drop; clock; t0=$T
-dd if={big} of=/dev/null bs=1048576 2>/dev/null
-clock; echo "bigread $((T - t0))"
-"#,
-        data = SMALL - 1,
+{setup}
+sync; echo 3 > /proc/sys/vm/drop_caches
+clock; t0=$T
+{body}
+clock; echo $((T - t0))
+"#
     )
 }
 
@@ -204,11 +227,8 @@ struct Side {
     /// Its guest mount point.
     dir: &'static str,
     store: Store,
-    stat: Vec<f64>,
-    read: Vec<f64>,
-    write: Vec<f64>,
-    big_write: Vec<f64>,
-    big_read: Vec<f64>,
+    /// Each round's rate, per workload (ops/s or MiB/s, see [`WORKLOADS`]).
+    rates: [Vec<f64>; 5],
 }
 
 /// Runs `script` in the guest's shell and returns its stdout; a failure panics with the
@@ -231,69 +251,79 @@ async fn guest_sh(vm: &Instance, what: &str, script: &str) -> String {
     out.stdout_text()
 }
 
-/// One round of one side: the workloads, the host's checks of what was written, the cleanup.
-/// Returns the rates (ops/s for the small files, MiB/s for the large one) in the script's
-/// order: stat, read, write, large write, large read.
-async fn round(vm: &Instance, side: &Side, label: &str, files: usize, mib: u64) -> [f64; 5] {
-    let write_dir = format!("w-{}-{label}", side.name);
-    let big = format!("big-{}", side.name);
-    let what = format!("{}, round {label}", side.name);
-    let out = guest_sh(vm, &what, &workload(side.dir, &write_dir, &big, files, mib)).await;
-    let times: Vec<(String, f64)> = out
-        .lines()
-        .map(|line| {
-            let (name, ns) = line
-                .split_once(' ')
-                .unwrap_or_else(|| panic!("{what}: unexpected output {line:?}"));
-            let ns: u64 = ns
+/// One round: each workload on every side in `order`, one side right after the other (so
+/// that what else the machine does weighs on all alike), then the host's checks of what was
+/// written, and the cleanup. Returns the rates per side (in `sides`' order) and workload.
+async fn round(
+    vm: &Instance,
+    sides: &[Side],
+    order: &[usize],
+    label: &str,
+    files: usize,
+    mib: u64,
+) -> Vec<[f64; 5]> {
+    let mut rates = vec![[0.0; 5]; sides.len()];
+    for (w, (name, _)) in WORKLOADS.iter().enumerate() {
+        for &i in order {
+            let side = &sides[i];
+            let write_dir = format!("w-{}-{label}", side.name);
+            let big = format!("big-{}", side.name);
+            let what = format!("{}, round {label}, {name}", side.name);
+            let script = workload(w, side.dir, &write_dir, &big, files, mib);
+            let out = guest_sh(vm, &what, &script).await;
+            let ns: u64 = out
+                .trim()
                 .parse()
-                .unwrap_or_else(|_| panic!("{what}: unexpected output {line:?}"));
-            (name.to_string(), ns.max(1) as f64 / 1e9)
-        })
-        .collect();
-    let names: Vec<&str> = times.iter().map(|(n, _)| n.as_str()).collect();
-    assert_eq!(
-        names,
-        ["stat", "read", "write", "bigwrite", "bigread"],
-        "{what}: {out}"
-    );
-
-    let expected = written();
-    for i in 0..files {
-        let path = format!("{write_dir}/f{i}");
-        assert!(side.store.read(&path) == expected, "{what}: {path}'s bytes");
+                .unwrap_or_else(|_| panic!("{what}: unexpected output {out:?}"));
+            let secs = ns.max(1) as f64 / 1e9;
+            rates[i][w] = if w < 3 { files as f64 } else { mib as f64 } / secs;
+        }
     }
-    assert_eq!(side.store.size(&big), mib << 20, "{what}: {big}'s size");
-    side.store
-        .remove(vm, side.dir, &[&write_dir, &big], &what)
-        .await;
-
-    let f = files as f64;
-    let m = mib as f64;
-    [
-        f / times[0].1,
-        f / times[1].1,
-        f / times[2].1,
-        m / times[3].1,
-        m / times[4].1,
-    ]
+    let expected = written();
+    for side in sides {
+        let write_dir = format!("w-{}-{label}", side.name);
+        let big = format!("big-{}", side.name);
+        let what = format!("{}, round {label}", side.name);
+        for i in 0..files {
+            let path = format!("{write_dir}/f{i}");
+            assert!(side.store.read(&path) == expected, "{what}: {path}'s bytes");
+        }
+        assert_eq!(side.store.size(&big), mib << 20, "{what}: {big}'s size");
+        side.store
+            .remove(vm, side.dir, &[&write_dir, &big], &what)
+            .await;
+    }
+    rates
 }
 
-fn report(what: &str, unit: &str, detail: &str, sides: &[Side], pick: fn(&Side) -> &[f64]) {
-    let runs = pick(&sides[0]).len();
-    let medians: Vec<f64> = sides.iter().map(|s| median(pick(s).to_vec())).collect();
+/// Prints workload `w`'s median per side, then for each of ours the ratio of its median to
+/// the passthrough's (the last side), and the median and range of the rounds' own ratios
+/// (each from measurements taken one right after the other: steadier when the machine's load
+/// drifts between rounds).
+fn report(w: usize, detail: &str, sides: &[Side]) {
+    let (what, unit) = WORKLOADS[w];
+    let runs = sides[0].rates[w].len();
+    let medians: Vec<f64> = sides.iter().map(|s| median(s.rates[w].clone())).collect();
     for (side, m) in sides.iter().zip(&medians) {
         println!(
             "{:<40} median {m:>10.1} {unit}  ({detail}, {runs} runs)",
             format!("fs/{what}-{}", side.name)
         );
     }
-    let baseline = medians[sides.len() - 1];
+    let baseline = sides.last().unwrap();
     for (side, m) in sides.iter().zip(&medians).take(sides.len() - 1) {
+        let per_round: Vec<f64> = side.rates[w]
+            .iter()
+            .zip(&baseline.rates[w])
+            .map(|(ours, theirs)| ours / theirs)
+            .collect();
+        let low = per_round.iter().copied().fold(f64::INFINITY, f64::min);
+        let high = per_round.iter().copied().fold(0.0, f64::max);
         println!(
-            "{:<40} {:.3}x",
+            "{:<40} {:.3}x  (rounds' own ratios: median {:.3}x, {low:.3}x to {high:.3}x)",
             format!("fs/{what}-ratio {} / passthrough", side.name),
-            m / baseline
+            m / medians[medians.len() - 1],
+            median(per_round),
         );
     }
 }
@@ -359,11 +389,7 @@ fn main() {
             name,
             dir,
             store,
-            stat: Vec::new(),
-            read: Vec::new(),
-            write: Vec::new(),
-            big_write: Vec::new(),
-            big_read: Vec::new(),
+            rates: Default::default(),
         };
         // The baseline last: the ratios are against it.
         let mut sides = [
@@ -372,17 +398,17 @@ fn main() {
             side("passthrough", "/tmp/baseline", Store::Dir(host_dir.clone())),
         ];
 
-        // Warm every side once, unmeasured: first execs, the FUSE sessions, the host's caches.
-        for side in &sides {
-            round(&vm, side, "warm", files.min(5), 1).await;
+        // Warm every side once, unmeasured: first execs, the FUSE sessions, the host's caches
+        // (not in a smoke run, which only has to work).
+        if !smoke {
+            round(&vm, &sides, &[0, 1, 2], "warm", files.min(5), 1).await;
         }
 
         for r in 0..rounds {
             // Rotate which side goes first, so none always follows the same other.
-            for k in 0..sides.len() {
-                let i = (r + k) % sides.len();
-                let rates = round(&vm, &sides[i], &r.to_string(), files, mib).await;
-                let side = &mut sides[i];
+            let order: Vec<usize> = (0..sides.len()).map(|k| (r + k) % sides.len()).collect();
+            let rates = round(&vm, &sides, &order, &r.to_string(), files, mib).await;
+            for (side, rates) in sides.iter_mut().zip(rates) {
                 eprintln!(
                     "fs: round {}/{rounds}, {}: stat {:.0}/s, read {:.0}/s, write {:.0}/s, \
                      large write {:.1} MiB/s, large read {:.1} MiB/s",
@@ -394,21 +420,17 @@ fn main() {
                     rates[3],
                     rates[4]
                 );
-                side.stat.push(rates[0]);
-                side.read.push(rates[1]);
-                side.write.push(rates[2]);
-                side.big_write.push(rates[3]);
-                side.big_read.push(rates[4]);
+                for (w, rate) in rates.into_iter().enumerate() {
+                    side.rates[w].push(rate);
+                }
             }
         }
 
         let small = format!("{files} files of 4 KiB, cold");
         let large = format!("{mib} MiB, cold");
-        report("stat", "ops/s", &small, &sides, |s| &s.stat);
-        report("read", "ops/s", &small, &sides, |s| &s.read);
-        report("write", "ops/s", &small, &sides, |s| &s.write);
-        report("large-write", "MiB/s", &large, &sides, |s| &s.big_write);
-        report("large-read", "MiB/s", &large, &sides, |s| &s.big_read);
+        for w in 0..WORKLOADS.len() {
+            report(w, if w < 3 { &small } else { &large }, &sides);
+        }
 
         assert!(vm.is_running(), "the VM died during the benchmark");
         vm.shutdown().await.expect("shutdown");

@@ -7,6 +7,8 @@
 #   cargo-nextest     runs the VM tests, one process per test (from crates.io if missing)
 #   libkrunfw         the guest kernel, Debian sid's libkrunfw5, into the krunbox cache
 #   build             the workspace (krunbox, krunbox-vmm, krunbox-rootfs) and guest-init
+#   pjdfstest         the POSIX filesystem conformance suite tests/fs_conformance.rs runs in the
+#                     guest, from crates.io, as a static musl binary, into the krunbox cache
 #   images            the built-in busybox and agent images, into the krunbox cache
 #   nested harness    when this host's KVM cannot boot guests: QEMU, the L1 kernel, initramfs
 #
@@ -36,6 +38,18 @@ log "cargo build (host binaries)"
 cargo build --workspace --bins >&2
 log "cargo build guest-init ($musl)"
 cargo build -p guest-init --release --target "$musl" --bins --examples >&2
+
+# pjdfstest (its Rust rewrite, a crates.io release): static, so it runs in either image. Built
+# once (about two minutes) into $KRUNBOX_CACHE_DIR/tools/pjdfstest/bin/pjdfstest, where
+# tests/fs_conformance.rs finds it (KRUNBOX_PJDFSTEST overrides); a version bump rebuilds.
+pjdfstest_version=0.2.2
+pjdfstest_root=$KRUNBOX_CACHE_DIR/tools/pjdfstest
+pjdfstest_have=$("$pjdfstest_root/bin/pjdfstest" --version 2>/dev/null || true)
+if [[ $pjdfstest_have != "pjdfstest $pjdfstest_version" ]]; then
+    log "cargo install pjdfstest $pjdfstest_version ($musl) into $pjdfstest_root"
+    cargo install --locked --force pjdfstest --version "=$pjdfstest_version" --target "$musl" \
+        --root "$pjdfstest_root" >&2
+fi
 
 bin=$(cargo_target_dir)/debug
 for image in busybox agent; do

@@ -66,7 +66,9 @@ impl FileData {
 
     /// Up to `len` bytes at `offset` (fewer only at the end of the file).
     pub(super) fn read(&self, offset: u64, len: u64) -> Vec<u8> {
-        if offset >= self.size {
+        // A read of nothing (a guest may ask for 0 bytes) would make the chunk range below
+        // end before it starts.
+        if offset >= self.size || len == 0 {
             return Vec::new();
         }
         let n = len.min(self.size - offset);
@@ -169,6 +171,17 @@ impl FileData {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Found by the fs_request fuzz target: a read of 0 bytes (at the start, or inside a
+    /// file) panicked on the chunk range.
+    #[test]
+    fn reads_of_nothing_return_nothing() {
+        let mut data = FileData::default();
+        data.write(0, &[7; 100]);
+        assert!(data.read(0, 0).is_empty());
+        assert!(data.read(50, 0).is_empty());
+        assert!(data.read(CHUNK + 1, 0).is_empty());
+    }
 
     #[test]
     fn sparse_writes_read_back_with_zeros_between() {

@@ -14,15 +14,13 @@
 //!
 //! `KRUNBOX_BENCH_ITERS` sets the iterations per side (default 5).
 
+mod common;
+
+use common::median;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use krunbox::{BuiltinImage, Error, Rootfs, Sandbox};
-
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
 
 fn true_init(guest_init: &std::path::Path) -> PathBuf {
     let path = guest_init.parent().unwrap().join("examples/true-init");

@@ -26,6 +26,9 @@
 //! [`Child::stdout`]: krunbox::Child::stdout
 //! [`Stdio::piped`]: krunbox::Stdio::piped
 
+mod common;
+
+use common::{env_or, median};
 use std::process::Stdio as StdStdio;
 use std::time::{Duration, Instant};
 
@@ -34,21 +37,6 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 const BUF: usize = 256 * 1024;
 const MIB: f64 = 1024.0 * 1024.0;
-
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
-
-fn env_or(name: &str, default: usize) -> usize {
-    match std::env::var(name) {
-        Ok(v) => match v.parse() {
-            Ok(n) if n > 0 => n,
-            _ => panic!("{name}={v:?}: expected a positive integer"),
-        },
-        Err(_) => default,
-    }
-}
 
 fn mib_per_s(bytes: u64, d: Duration) -> f64 {
     bytes as f64 / MIB / d.as_secs_f64()

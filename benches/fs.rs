@@ -56,6 +56,9 @@
 //! so a few hundred files would take many minutes). `KRUNBOX_BENCH_ITERS` sets the rounds, `KRUNBOX_BENCH_FILES` F and
 //! `KRUNBOX_BENCH_MIB` M, in either mode.
 
+mod common;
+
+use common::{env_or, median};
 use std::time::Duration;
 
 use krunbox::fs::{HostDir, MemoryFs};
@@ -66,21 +69,6 @@ const SMALL: usize = 4096;
 const TAG: &str = "fsbench";
 /// A guest command's deadline: generous, a round under nested emulation is minutes.
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(900);
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-fn env_or(name: &str, default: usize) -> usize {
-    match std::env::var(name) {
-        Ok(v) => match v.parse() {
-            Ok(n) if n > 0 => n,
-            _ => panic!("{name}={v:?}: expected a positive integer"),
-        },
-        Err(_) => default,
-    }
-}
 
 /// Seeded file `i`: its first line names it, the rest is padding to 4 KiB.
 fn seed(i: usize) -> Vec<u8> {

@@ -39,6 +39,9 @@
 //! `KRUNBOX_PASST` names the passt binary (default `passt` on `PATH`; `scripts/setup.sh`
 //! installs it).
 
+mod common;
+
+use common::{env_or, median};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::Path;
 use std::process::Stdio;
@@ -56,21 +59,6 @@ const BLOCK: u64 = 64 * 1024;
 const LOOPBACK: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
 /// A guest command's deadline: generous, a 256 MiB upload under nested emulation is minutes.
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(900);
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-fn env_or(name: &str, default: usize) -> usize {
-    match std::env::var(name) {
-        Ok(v) => match v.parse() {
-            Ok(n) if n > 0 => n,
-            _ => panic!("{name}={v:?}: expected a positive integer"),
-        },
-        Err(_) => default,
-    }
-}
 
 /// What the sink saw of one connection: bytes, the time from the first to the end, and how
 /// it ended if not cleanly.

@@ -218,10 +218,16 @@ pub trait VirtualFs: Send + Sync + 'static {
     }
 
     /// A descriptor of the open file was closed (`close(2)`); the file stays open while others
-    /// remain. The default does nothing.
+    /// remain.
+    ///
+    /// The default fails with `ENOSYS`, which tells the guest kernel that this filesystem needs
+    /// no flush: from then on every `close(2)` in the guest succeeds without a round trip to
+    /// the host (a shell's `cmd > file` closes twice). Implement it only when a close must
+    /// reach the filesystem, for example to report a write it deferred; an error returned here
+    /// is what the guest's `close(2)` returns.
     async fn flush(&self, ino: InodeId, handle: FileHandle) -> FsResult<()> {
         let _ = (ino, handle);
-        Ok(())
+        Err(FsError::UNSUPPORTED)
     }
 
     /// The last reference to the open file is gone: its handle is never used again.
@@ -230,11 +236,35 @@ pub trait VirtualFs: Send + Sync + 'static {
         Ok(())
     }
 
-    /// Makes the file's data (and, unless `data_only`, its metadata) durable. The default
-    /// does nothing: right for a filesystem with nothing durable behind it.
+    /// Makes the file's data (and, unless `data_only`, its metadata) durable; also called for
+    /// a directory (`handle` then is the directory's).
+    ///
+    /// The default fails with `ENOSYS`: right for a filesystem with nothing durable behind it.
+    /// The guest kernel takes it to mean that there is nothing to sync, so the guest's `fsync(2)`
+    /// succeeds, and it stops asking (one flag for files, one for directories).
     async fn fsync(&self, ino: InodeId, handle: FileHandle, data_only: bool) -> FsResult<()> {
         let _ = (ino, handle, data_only);
-        Ok(())
+        Err(FsError::UNSUPPORTED)
+    }
+
+    /// Allocates space for `length` bytes at `offset` of an open file (`fallocate(2)`,
+    /// `posix_fallocate(3)`), so that writes there do not fail for want of space. `mode` is the
+    /// guest's: 0 grows the size to cover the range, `libc::FALLOC_FL_KEEP_SIZE` keeps it; a
+    /// mode an implementation does not support fails with `EOPNOTSUPP`. The range is checked
+    /// first (`length` > 0, the end within `i64::MAX`).
+    ///
+    /// The default fails with `ENOSYS`: the guest's `fallocate(2)` then fails with
+    /// `EOPNOTSUPP`, and its kernel stops asking.
+    async fn fallocate(
+        &self,
+        ino: InodeId,
+        handle: FileHandle,
+        offset: u64,
+        length: u64,
+        mode: i32,
+    ) -> FsResult<()> {
+        let _ = (ino, handle, offset, length, mode);
+        Err(FsError::UNSUPPORTED)
     }
 
     /// Opens a directory for listing. The default hands out handle 0.

@@ -160,6 +160,18 @@ pub(crate) fn seeds() -> Vec<Vec<u8>> {
         size: 64,
         padding: 0,
     };
+    let fallocate = abi::FallocateIn {
+        fh: 1,
+        offset: 4,
+        length: 70_000,
+        mode: 0,
+        padding: 0,
+    };
+    let killing_write = abi::WriteIn {
+        fuse_flags: abi::WRITE_KILL_PRIV,
+        size: 2,
+        ..write
+    };
     let link = abi::LinkIn { oldnodeid: 3 };
     let forget = abi::ForgetIn { nlookup: 1 };
     let build = [
@@ -168,6 +180,8 @@ pub(crate) fn seeds() -> Vec<Vec<u8>> {
         request(16, 4, 3, &with(write.as_slice(), b"fn main(){}")),
         request(15, 5, 3, read.as_slice()),
         request(4, 6, 3, setattr.as_slice()),
+        request(43, 30, 3, fallocate.as_slice()),
+        request(16, 31, 3, &with(killing_write.as_slice(), b"//")),
         request(
             21,
             7,
@@ -231,7 +245,7 @@ mod tests {
         let build = converse(&seeds[0]);
         assert_eq!(
             build.len(),
-            16,
+            18,
             "every request but the forget answered: {build:?}"
         );
         assert!(build.iter().all(|&(_, error)| error == 0), "{build:?}");

@@ -130,11 +130,16 @@ pub(crate) enum Operation<'a> {
     },
     Open {
         flags: u32,
+        /// Clear set-user-ID and set-group-ID first (an `O_TRUNC` open by a caller without
+        /// `CAP_FSETID`, under `HANDLE_KILLPRIV_V2`).
+        kill_suid_sgid: bool,
     },
     Create {
         name: &'a OsStr,
         mode: u32,
         flags: u32,
+        /// As for [`Operation::Open`], when the name exists and is truncated.
+        kill_suid_sgid: bool,
     },
     Read {
         handle: u64,
@@ -145,6 +150,9 @@ pub(crate) enum Operation<'a> {
         handle: u64,
         offset: u64,
         data: &'a [u8],
+        /// Clear set-user-ID and set-group-ID first (a caller without `CAP_FSETID`, under
+        /// `HANDLE_KILLPRIV_V2`).
+        kill_suid_sgid: bool,
     },
     Flush {
         handle: u64,
@@ -155,6 +163,12 @@ pub(crate) enum Operation<'a> {
     Fsync {
         handle: u64,
         data_only: bool,
+    },
+    Fallocate {
+        handle: u64,
+        offset: u64,
+        length: u64,
+        mode: u32,
     },
     Opendir,
     Readdir {
@@ -275,6 +289,12 @@ pub(crate) fn is_unanswered(opcode: u32) -> bool {
     .contains(&opcode)
 }
 
+/// Whether an open (or create) asks the filesystem to clear set-user-ID and set-group-ID: the
+/// kernel's `FUSE_OPEN_KILL_SUIDGID`, which only means something with `O_TRUNC`.
+fn kills_on_open(flags: u32, fuse_flags: u32) -> bool {
+    flags & libc::O_TRUNC as u32 != 0 && fuse_flags & abi::FOPEN_IN_KILL_SUIDGID != 0
+}
+
 /// Decodes one whole request (exactly the bytes its header's length covers).
 pub(crate) fn decode(message: &[u8]) -> Result<Request<'_>, DecodeError> {
     if message.len() < IN_HEADER_LEN {
@@ -311,6 +331,7 @@ pub(crate) fn decode(message: &[u8]) -> Result<Request<'_>, DecodeError> {
     const DESTROY: u32 = Op::Destroy as u32;
     const FLUSH: u32 = Op::Flush as u32;
     const FORGET: u32 = Op::Forget as u32;
+    const FALLOCATE: u32 = Op::Fallocate as u32;
     const FSYNC: u32 = Op::Fsync as u32;
     const FSYNCDIR: u32 = Op::Fsyncdir as u32;
     const GETATTR: u32 = Op::Getattr as u32;
@@ -443,7 +464,10 @@ pub(crate) fn decode(message: &[u8]) -> Result<Request<'_>, DecodeError> {
         }
         OPEN => {
             let args: abi::OpenIn = body.take()?;
-            Operation::Open { flags: args.flags }
+            Operation::Open {
+                flags: args.flags,
+                kill_suid_sgid: kills_on_open(args.flags, args.fuse_flags),
+            }
         }
         CREATE => {
             let args: abi::CreateIn = body.take()?;
@@ -451,6 +475,7 @@ pub(crate) fn decode(message: &[u8]) -> Result<Request<'_>, DecodeError> {
                 name: body.name()?,
                 mode: args.mode,
                 flags: args.flags,
+                kill_suid_sgid: kills_on_open(args.flags, args.fuse_flags),
             }
         }
         READ => {
@@ -471,6 +496,7 @@ pub(crate) fn decode(message: &[u8]) -> Result<Request<'_>, DecodeError> {
                 handle: args.fh,
                 offset: args.offset,
                 data,
+                kill_suid_sgid: args.fuse_flags & abi::WRITE_KILL_PRIV != 0,
             }
         }
         FLUSH => {
@@ -494,6 +520,15 @@ pub(crate) fn decode(message: &[u8]) -> Result<Request<'_>, DecodeError> {
                     handle: args.fh,
                     data_only,
                 }
+            }
+        }
+        FALLOCATE => {
+            let args: abi::FallocateIn = body.take()?;
+            Operation::Fallocate {
+                handle: args.fh,
+                offset: args.offset,
+                length: args.length,
+                mode: args.mode,
             }
         }
         OPENDIR => Operation::Opendir,

@@ -15,9 +15,9 @@ use super::request::{self, Operation, Request, MAX_WRITE};
 use crate::fs::types::*;
 use crate::fs::{MountOptions, VirtualFs};
 
-/// The FUSE protocol minor version the session speaks (7.31: `max_pages`, cached symlinks,
-/// parallel directory operations). A newer kernel speaks it too; an older one is refused.
-pub(crate) const PROTOCOL_MINOR: u32 = 31;
+/// The FUSE protocol minor version the session speaks (7.33: `max_pages`, cached symlinks,
+/// parallel directory operations, `HANDLE_KILLPRIV_V2`). A newer kernel speaks it too; an older one is refused.
+pub(crate) const PROTOCOL_MINOR: u32 = 33;
 
 /// The oldest kernel protocol served: 7.28 brought `max_pages`, which 1 MiB writes need.
 const OLDEST_MINOR: u32 = 28;
@@ -29,7 +29,13 @@ fn wanted_flags() -> u64 {
     // after the host may already have read the file; not READDIRPLUS or POSIX locks (locks stay
     // in the guest kernel, which is right for one guest); not DONT_MASK (the kernel applies the
     // umask, so modes arrive final).
+    //
+    // HANDLE_KILLPRIV_V2: the session clears set-user-ID and set-group-ID itself where the
+    // kernel asks (`kill_suid_sgid` below), and the kernel then marks an inode checked once
+    // (S_NOSEC) instead of asking for its `security.capability` before every write: a 1 MiB
+    // write loop costs one GETXATTR round trip per file rather than one per write.
     (O::ASYNC_READ
+        | O::HANDLE_KILLPRIV_V2
         | O::BIG_WRITES
         | O::ATOMIC_O_TRUNC
         | O::AUTO_INVAL_DATA
@@ -122,6 +128,7 @@ impl Session {
 
     async fn answer(&self, request: Request<'_>) -> Option<Vec<u8>> {
         let unique = request.header.unique;
+        tracing::trace!(target: "krunbox::fs", opcode = request.header.opcode, node = request.header.nodeid, "request");
         let operation = request.operation;
         match operation {
             Operation::Init { .. } => return Some(self.init(unique, &operation)),
@@ -194,6 +201,21 @@ impl Session {
         *held.entry(entry.attr.ino.0).or_insert(0) += 1;
     }
 
+    /// Clears `node`'s set-user-ID and set-group-ID bits (see [`without_suid_sgid`]), as the
+    /// kernel asks of a filesystem that handles `HANDLE_KILLPRIV_V2`; nothing when neither is
+    /// set, which is almost always (one `getattr` of the implementation, no round trip).
+    async fn kill_suid_sgid(&self, node: InodeId, caller: Caller) -> FsResult<()> {
+        let attr = self.fs.getattr(node).await?;
+        if let Some(perm) = without_suid_sgid(attr.perm) {
+            let change = SetAttr {
+                perm: Some(perm),
+                ..SetAttr::default()
+            };
+            self.fs.setattr(node, change, caller).await?;
+        }
+        Ok(())
+    }
+
     fn init(&self, unique: u64, operation: &Operation<'_>) -> Vec<u8> {
         let Operation::Init {
             major,
@@ -251,7 +273,18 @@ impl Session {
             },
             Operation::Getattr => reply::attr_out(unique, &fs.getattr(node).await?, cache),
             Operation::Setattr(args) => {
-                let change = set_attr(&args);
+                let mut change = set_attr(&args);
+                if args.valid & abi::SetattrValid::KILL_SUIDGID.bits() != 0 {
+                    // A truncate by a caller without CAP_FSETID, or a chown: the new mode
+                    // (the one given, else the current one) loses the bits.
+                    let perm = match change.perm {
+                        Some(perm) => perm,
+                        None => fs.getattr(node).await?.perm,
+                    };
+                    if let Some(perm) = without_suid_sgid(perm) {
+                        change.perm = Some(perm);
+                    }
+                }
                 reply::attr_out(unique, &fs.setattr(node, change, caller).await?, cache)
             }
             Operation::Readlink => {
@@ -319,18 +352,42 @@ impl Session {
                     cache,
                 )
             }
-            Operation::Open { flags } => {
+            Operation::Open {
+                flags,
+                kill_suid_sgid,
+            } => {
+                if kill_suid_sgid {
+                    self.kill_suid_sgid(node, caller).await?;
+                }
                 let handle = fs.open(node, OpenFlags(flags as i32)).await?;
                 self.opened(node, handle, false);
                 reply::open(unique, handle.0)
             }
-            Operation::Create { name, mode, flags } => {
+            Operation::Create {
+                name,
+                mode,
+                flags,
+                kill_suid_sgid,
+            } => {
                 let mode = libc::S_IFREG | (mode & 0o7777);
-                let (entry, handle) = fs
+                let (mut entry, handle) = fs
                     .create(node, name, mode, OpenFlags(flags as i32), caller)
                     .await?;
                 self.hold(&entry);
                 self.opened(entry.attr.ino, handle, false);
+                // The name existed and was truncated: its bits go now, after the fact (the
+                // inode was unknown before). A failure here cannot undo the open the kernel
+                // is about to be told of, so it fails nothing and is logged.
+                if kill_suid_sgid && without_suid_sgid(entry.attr.perm).is_some() {
+                    match self.kill_suid_sgid(entry.attr.ino, caller).await {
+                        Ok(()) => {
+                            entry.attr = fs.getattr(entry.attr.ino).await.unwrap_or(entry.attr)
+                        }
+                        Err(err) => {
+                            tracing::warn!(target: "krunbox::fs", ?err, "clearing set-user-ID after a truncating create failed")
+                        }
+                    }
+                }
                 reply::create(unique, &entry, handle.0, cache)
             }
             Operation::Read {
@@ -346,12 +403,18 @@ impl Session {
                 handle,
                 offset,
                 data,
+                kill_suid_sgid,
             } => {
                 if offset
                     .checked_add(data.len() as u64)
                     .is_none_or(|end| end > i64::MAX as u64)
                 {
                     return Err(FsError::TOO_BIG);
+                }
+                // Before the data, as the kernel's own write path does: a write whose
+                // clearing fails does not happen.
+                if kill_suid_sgid {
+                    self.kill_suid_sgid(node, caller).await?;
                 }
                 let written = fs.write(node, FileHandle(handle), offset, data).await?;
                 reply::write(unique, written.min(data.len() as u32))
@@ -367,6 +430,25 @@ impl Session {
             }
             Operation::Fsync { handle, data_only } | Operation::Fsyncdir { handle, data_only } => {
                 fs.fsync(node, FileHandle(handle), data_only).await?;
+                reply::ok(unique, &[])
+            }
+            Operation::Fallocate {
+                handle,
+                offset,
+                length,
+                mode,
+            } => {
+                if length == 0 {
+                    return Err(FsError::INVALID);
+                }
+                if offset
+                    .checked_add(length)
+                    .is_none_or(|end| end > i64::MAX as u64)
+                {
+                    return Err(FsError::TOO_BIG);
+                }
+                fs.fallocate(node, FileHandle(handle), offset, length, mode as i32)
+                    .await?;
                 reply::ok(unique, &[])
             }
             Operation::Opendir => {
@@ -448,14 +530,26 @@ fn mutates(operation: &Operation<'_>) -> bool {
         | Operation::Link { .. }
         | Operation::Create { .. }
         | Operation::Write { .. }
+        | Operation::Fallocate { .. }
         | Operation::Setxattr { .. }
         | Operation::Removexattr { .. } => true,
-        Operation::Open { flags } => {
+        Operation::Open { flags, .. } => {
             let flags = *flags as i32;
             flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0
         }
         _ => false,
     }
+}
+
+/// `perm` without set-user-ID, and without set-group-ID when group-executable (without that
+/// bit, set-group-ID means mandatory locking, not privilege): what Linux clears on a write, a
+/// truncate or a chown. `None` when nothing changes.
+fn without_suid_sgid(perm: u32) -> Option<u32> {
+    let mut kill = libc::S_ISUID;
+    if perm & libc::S_IXGRP != 0 {
+        kill |= libc::S_ISGID;
+    }
+    (perm & kill != 0).then_some(perm & !kill)
 }
 
 fn set_attr(args: &abi::SetattrIn) -> SetAttr {
@@ -540,5 +634,117 @@ mod tests {
             before,
             "given back when the session ended"
         );
+    }
+
+    fn errno(reply: &[u8]) -> i32 {
+        i32::from_le_bytes(reply[4..8].try_into().unwrap())
+    }
+
+    /// Under HANDLE_KILLPRIV_V2 the filesystem, not the kernel, clears set-user-ID and
+    /// set-group-ID (the latter only when group-executable) on a write, truncate or truncating
+    /// open of a caller without CAP_FSETID (the kernel flags those), and never otherwise.
+    #[tokio::test]
+    async fn the_session_clears_set_id_bits_where_the_kernel_asks() {
+        let fs = MemoryFs::new();
+        let session = Session::new(Arc::new(fs.clone()), MountOptions::new());
+        let init = session.handle(&init_request(1)).await.unwrap().unwrap();
+        let agreed = u32::from_le_bytes(init[28..32].try_into().unwrap()) as u64;
+        assert_ne!(agreed & abi::FsOptions::HANDLE_KILLPRIV_V2.bits(), 0);
+        let mut unique = 1;
+        let mut send = |opcode: u32, node: u64, body: Vec<u8>| {
+            unique += 1;
+            request(opcode, unique, node, &body)
+        };
+        // Creates `name` with `perm`; returns its node id and handle.
+        let mut files = Vec::new();
+        for (name, perm) in [("a", 0o6755), ("b", 0o2644), ("c", 0o6755), ("d", 0o6755)] {
+            let create = abi::CreateIn {
+                flags: libc::O_RDWR as u32,
+                mode: libc::S_IFREG | perm,
+                umask: 0,
+                fuse_flags: 0,
+            };
+            let body = [create.as_slice(), name.as_bytes(), b"\0"].concat();
+            let reply = session.handle(&send(35, 1, body)).await.unwrap().unwrap();
+            assert_eq!(errno(&reply), 0);
+            let node = u64::from_le_bytes(reply[16..24].try_into().unwrap());
+            let handle = u64::from_le_bytes(reply[144..152].try_into().unwrap());
+            assert_eq!(fs.metadata(&format!("/{name}")).unwrap().perm, perm);
+            files.push((node, handle));
+        }
+        let perm = |name: &str| fs.metadata(&format!("/{name}")).unwrap().perm;
+        let write = |handle: u64, fuse_flags: u32| {
+            let args = abi::WriteIn {
+                fh: handle,
+                size: 1,
+                fuse_flags,
+                ..Default::default()
+            };
+            [args.as_slice(), b"x"].concat()
+        };
+        // A write by a capable caller (no flag) keeps the bits; one flagged clears them.
+        let (a, a_handle) = files[0];
+        let reply = session
+            .handle(&send(16, a, write(a_handle, 0)))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(errno(&reply), 0);
+        assert_eq!(perm("a"), 0o6755);
+        let flagged = write(a_handle, abi::WRITE_KILL_PRIV);
+        let reply = session
+            .handle(&send(16, a, flagged))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(errno(&reply), 0);
+        assert_eq!(perm("a"), 0o755);
+        assert_eq!(fs.read_file("/a").unwrap(), b"x", "the write happened too");
+        // Set-group-ID without group-execute is not a privilege: it stays.
+        let (b, b_handle) = files[1];
+        let flagged = write(b_handle, abi::WRITE_KILL_PRIV);
+        session
+            .handle(&send(16, b, flagged))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(perm("b"), 0o2644);
+        // A flagged truncate.
+        let (c, _) = files[2];
+        let truncate = abi::SetattrIn {
+            valid: (abi::SetattrValid::SIZE | abi::SetattrValid::KILL_SUIDGID).bits(),
+            size: 0,
+            ..Default::default()
+        };
+        let reply = session
+            .handle(&send(4, c, truncate.as_slice().to_vec()))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(errno(&reply), 0);
+        assert_eq!(perm("c"), 0o755);
+        // An open without O_TRUNC keeps them whatever the flag; a flagged truncating one clears.
+        let (d, _) = files[3];
+        let open = |flags: i32| {
+            let args = abi::OpenIn {
+                flags: flags as u32,
+                fuse_flags: abi::FOPEN_IN_KILL_SUIDGID,
+            };
+            args.as_slice().to_vec()
+        };
+        let reply = session
+            .handle(&send(14, d, open(libc::O_WRONLY)))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(errno(&reply), 0);
+        assert_eq!(perm("d"), 0o6755);
+        let reply = session
+            .handle(&send(14, d, open(libc::O_WRONLY | libc::O_TRUNC)))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(errno(&reply), 0);
+        assert_eq!(perm("d"), 0o755);
     }
 }

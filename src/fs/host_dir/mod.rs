@@ -1343,9 +1343,30 @@ impl VirtualFs for HostDir {
             .await
     }
 
-    async fn flush(&self, ino: InodeId, handle: FileHandle) -> FsResult<()> {
-        self.inner.file(ino, handle).map(drop)
+    async fn fallocate(
+        &self,
+        ino: InodeId,
+        handle: FileHandle,
+        offset: u64,
+        length: u64,
+        mode: i32,
+    ) -> FsResult<()> {
+        self.inner.writable()?;
+        let file = self.inner.file(ino, handle)?;
+        if !file.write {
+            return Err(FsError::BAD_HANDLE);
+        }
+        // Only the two modes that allocate: punching holes, collapsing or inserting ranges
+        // are not passed to the host's filesystem.
+        if mode != 0 && mode != libc::FALLOC_FL_KEEP_SIZE {
+            return Err(FsError::NOT_SUPPORTED);
+        }
+        self.run(move |_| Ok(sys::fallocate(file.fd.as_fd(), mode, offset, length)?))
+            .await
     }
+
+    // No flush: every write reaches the host file before `write` returns, so a close has
+    // nothing to report. The default's ENOSYS tells the guest kernel, which stops sending them.
 
     async fn release(&self, ino: InodeId, handle: FileHandle) -> FsResult<()> {
         let removed = {

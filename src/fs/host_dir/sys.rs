@@ -211,6 +211,18 @@ pub(super) fn fchmod(fd: BorrowedFd<'_>, mode: u32) -> io::Result<()> {
     check(unsafe { libc::fchmod(fd.as_raw_fd(), mode) }).map(drop)
 }
 
+/// `fallocate(2)` of `fd` (`mode` 0 or `FALLOC_FL_KEEP_SIZE`, checked by the caller).
+pub(super) fn fallocate(fd: BorrowedFd<'_>, mode: i32, offset: u64, length: u64) -> io::Result<()> {
+    let offset = i64::try_from(offset).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
+    let length = i64::try_from(length).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
+    // SAFETY: a plain syscall on a descriptor we own; no pointers.
+    let result = unsafe { libc::fallocate(fd.as_raw_fd(), mode, offset, length) };
+    if result < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 pub(super) fn fsync(fd: BorrowedFd<'_>, data_only: bool) -> io::Result<()> {
     retry(|| {
         // SAFETY: plain calls.

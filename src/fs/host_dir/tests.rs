@@ -348,7 +348,8 @@ async fn create_write_read_release() {
     );
     assert_eq!(f.fs.read(ino, handle, 6, 3).await.unwrap(), b"the");
     assert_eq!(f.fs.read(ino, handle, 100, 3).await.unwrap(), b"");
-    f.fs.flush(ino, handle).await.unwrap();
+    // No flush (ENOSYS: the guest kernel stops sending them); fsync reaches the host file.
+    assert_eq!(errno_of(f.fs.flush(ino, handle).await), libc::ENOSYS);
     f.fs.fsync(ino, handle, false).await.unwrap();
     f.fs.fsync(ino, handle, true).await.unwrap();
     f.fs.release(ino, handle).await.unwrap();
@@ -1210,4 +1211,51 @@ async fn chown_and_chmod_change_ctime_even_to_the_same_values() {
         assert_eq!(after.atime, before.atime, "{change:?}");
         assert_eq!(after.mtime, before.mtime, "{change:?}");
     }
+}
+
+/// `fallocate` reaches the host file for the two allocating modes only; a read-only mount and
+/// a read-only handle refuse it.
+#[tokio::test]
+async fn fallocate_allocates_on_the_host_in_the_allocating_modes_only() {
+    let f = fixture();
+    let entry = write_file(&f.fs, InodeId::ROOT, "f", b"hello").await;
+    let ino = entry.attr.ino;
+    let handle = f.fs.open(ino, OpenFlags(libc::O_RDWR)).await.unwrap();
+    f.fs.fallocate(ino, handle, 0, 100_000, 0).await.unwrap();
+    let host = f.root.join("f");
+    assert_eq!(std::fs::metadata(&host).unwrap().len(), 100_000);
+    assert_eq!(&std::fs::read(&host).unwrap()[..5], b"hello");
+    f.fs.fallocate(ino, handle, 0, 300_000, libc::FALLOC_FL_KEEP_SIZE)
+        .await
+        .unwrap();
+    assert_eq!(std::fs::metadata(&host).unwrap().len(), 100_000);
+    let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+    assert_eq!(
+        errno_of(f.fs.fallocate(ino, handle, 0, 5, punch).await),
+        libc::EOPNOTSUPP
+    );
+    assert_eq!(&std::fs::read(&host).unwrap()[..5], b"hello");
+    f.fs.release(ino, handle).await.unwrap();
+    let read_only = f.fs.open(ino, OpenFlags(libc::O_RDONLY)).await.unwrap();
+    assert_eq!(
+        errno_of(f.fs.fallocate(ino, read_only, 0, 200_000, 0).await),
+        libc::EBADF
+    );
+    f.fs.release(ino, read_only).await.unwrap();
+    assert_eq!(std::fs::metadata(&host).unwrap().len(), 100_000);
+
+    let ro = fixture_with(true, Limits::default());
+    std::fs::write(ro.root.join("g"), b"x").unwrap();
+    let g = ro
+        .fs
+        .lookup(InodeId::ROOT, name("g"))
+        .await
+        .unwrap()
+        .attr
+        .ino;
+    let handle = ro.fs.open(g, OpenFlags(libc::O_RDONLY)).await.unwrap();
+    assert_eq!(
+        errno_of(ro.fs.fallocate(g, handle, 0, 10, 0).await),
+        libc::EROFS
+    );
 }

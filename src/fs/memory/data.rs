@@ -121,6 +121,33 @@ impl FileData {
         added
     }
 
+    /// Gives `[offset, end)` buffers (zeros where nothing was written; written bytes stay) and
+    /// grows the size to `end` when `grow` (the caller checked the size and the cost, which is
+    /// [`FileData::write_cost`] of the range). Returns how many more bytes the buffers hold.
+    pub(super) fn allocate(&mut self, offset: u64, end: u64, grow: bool) -> u64 {
+        // Never past the size unless it grows to cover them: no bytes live past the size.
+        let end = if grow { end } else { end.min(self.size) };
+        let mut added = 0;
+        for (index, _, to, _) in spans(offset, end) {
+            let chunk = self.chunks.entry(index).or_insert_with(|| {
+                added += CHUNK_COST;
+                Vec::new()
+            });
+            let before = chunk.capacity();
+            if chunk.len() < to {
+                let capacity = grown(before, to);
+                chunk.reserve_exact(capacity - chunk.len());
+                chunk.resize(to, 0);
+            }
+            added += (chunk.capacity() - before) as u64;
+        }
+        self.charged += added;
+        if grow {
+            self.size = self.size.max(end);
+        }
+        added
+    }
+
     /// Sets the size: shorter drops the bytes past it, longer adds a hole (zeros, free).
     /// Returns how many fewer bytes the buffers hold.
     pub(super) fn truncate(&mut self, size: u64) -> u64 {

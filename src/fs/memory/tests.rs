@@ -247,11 +247,11 @@ async fn writes_read_back_and_sparse_writes_read_zeros_between() {
     let ro = fs.open(ino, RO).await.unwrap();
     assert_eq!(fs.write(ino, ro, 0, b"x").await, Err(FsError::BAD_HANDLE));
     assert_eq!(fs.read(ino, ro, 0, 5).await.unwrap(), b"hello");
-    fs.flush(ino, ro).await.unwrap();
-    fs.fsync(ino, ro, true).await.unwrap();
+    // No flush or fsync: ENOSYS, which the guest kernel takes as "nothing to do".
+    assert_eq!(fs.flush(ino, ro).await, Err(FsError::UNSUPPORTED));
+    assert_eq!(fs.fsync(ino, ro, true).await, Err(FsError::UNSUPPORTED));
     fs.release(ino, ro).await.unwrap();
     assert_eq!(fs.release(ino, ro).await, Err(FsError::BAD_HANDLE));
-    assert_eq!(fs.flush(ino, ro).await, Err(FsError::BAD_HANDLE));
     fs.release(ino, fh).await.unwrap();
     check(&fs);
 }
@@ -1056,7 +1056,6 @@ async fn readdir_lists_dot_dotdot_and_entries_and_resumes_at_cookies() {
     fs.release(g, gh).await.unwrap();
     assert_eq!(fs.opendir(g).await, Err(FsError::NOT_DIRECTORY));
     assert_eq!(fs.release(d, fh).await, Err(FsError::BAD_HANDLE));
-    fs.fsync(d, fh, false).await.unwrap();
     fs.releasedir(d, fh).await.unwrap();
     assert_eq!(fs.readdir(d, fh, 0).await, Err(FsError::BAD_HANDLE));
     check(&fs);
@@ -1572,4 +1571,54 @@ fn memory_fs_is_send_sync_and_a_virtual_fs() {
         assert_eq!(listed[2].0, "caf\u{fffd}");
     });
     assert_eq!(fs.read_dir("/").unwrap(), ["caf\u{fffd}"]);
+}
+
+/// `fallocate` gives a range buffers counted like written bytes: mode 0 grows the size,
+/// `FALLOC_FL_KEEP_SIZE` does not; written bytes stay; past the limit it fails with ENOSPC
+/// and nothing changes; other modes, read-only handles and empty ranges are refused.
+#[tokio::test]
+async fn fallocate_reserves_space_within_the_limit() {
+    let fs = MemoryFs::with_limits(1 << 20, 100);
+    let ino = file(&fs, ROOT, "f", b"hello").await;
+    let fh = fs.open(ino, RW).await.unwrap();
+    let before = used(&fs);
+    fs.fallocate(ino, fh, 3, 200_000, 0).await.unwrap();
+    let attr = fs.getattr(ino).await.unwrap();
+    assert_eq!(attr.size, 200_003);
+    assert!(used(&fs) >= before + 190_000, "counted: {}", used(&fs));
+    let bytes = read_all(&fs, ino).await;
+    assert_eq!(&bytes[..5], b"hello", "written bytes stay");
+    assert!(bytes[5..].iter().all(|&b| b == 0));
+    // KEEP_SIZE: the size stays, also for a range past it.
+    fs.fallocate(ino, fh, 100_000, 500_000, libc::FALLOC_FL_KEEP_SIZE)
+        .await
+        .unwrap();
+    assert_eq!(fs.getattr(ino).await.unwrap().size, 200_003);
+    // Past the limit: ENOSPC, size and usage as they were.
+    let used_before = used(&fs);
+    assert_eq!(
+        fs.fallocate(ino, fh, 0, 4 << 20, 0).await,
+        Err(FsError::NO_SPACE)
+    );
+    assert_eq!(fs.getattr(ino).await.unwrap().size, 200_003);
+    assert_eq!(used(&fs), used_before);
+    // Refused: other modes, an empty range, a read-only handle, past the largest file.
+    let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+    assert_eq!(
+        fs.fallocate(ino, fh, 0, 10, punch).await,
+        Err(FsError::NOT_SUPPORTED)
+    );
+    assert_eq!(fs.fallocate(ino, fh, 0, 0, 0).await, Err(FsError::INVALID));
+    assert_eq!(
+        fs.fallocate(ino, fh, MemoryFs::MAX_FILE_SIZE, 1, 0).await,
+        Err(FsError::TOO_BIG)
+    );
+    let ro = fs.open(ino, RO).await.unwrap();
+    assert_eq!(
+        fs.fallocate(ino, ro, 0, 10, 0).await,
+        Err(FsError::BAD_HANDLE)
+    );
+    fs.release(ino, ro).await.unwrap();
+    fs.release(ino, fh).await.unwrap();
+    check(&fs);
 }

@@ -186,12 +186,55 @@ impl Tree {
         Ok(len)
     }
 
-    /// Checks that `fh` is an open handle of `ino` (file or directory).
-    pub(in crate::fs::memory) fn check_handle(&self, ino: u64, fh: u64) -> FsResult<()> {
-        match self.handles.get(&fh) {
-            Some(handle) if handle.ino() == ino => Ok(()),
-            _ => Err(FsError::BAD_HANDLE),
+    /// Allocates `[offset, offset + length)` of an open file: mode 0 (the size grows to cover
+    /// it) or `FALLOC_FL_KEEP_SIZE` (only the part within the size); the space is counted
+    /// against the limit like written bytes, so later writes there cannot fail with ENOSPC.
+    pub(in crate::fs::memory) fn fallocate(
+        &mut self,
+        ino: u64,
+        fh: u64,
+        offset: u64,
+        length: u64,
+        mode: i32,
+    ) -> FsResult<()> {
+        let Handle::File { write, .. } = self.file_handle(ino, fh)? else {
+            return Err(FsError::BAD_HANDLE);
+        };
+        if !write {
+            return Err(FsError::BAD_HANDLE);
         }
+        let grow = match mode {
+            0 => true,
+            libc::FALLOC_FL_KEEP_SIZE => false,
+            _ => return Err(FsError::NOT_SUPPORTED),
+        };
+        let end = offset.checked_add(length).ok_or(FsError::TOO_BIG)?;
+        if length == 0 {
+            return Err(FsError::INVALID);
+        }
+        if grow && end > MemoryFs::MAX_FILE_SIZE {
+            return Err(FsError::TOO_BIG);
+        }
+        let used = self.used;
+        let max = self.limits.max_bytes;
+        let node = self.node_mut(ino)?;
+        let Body::File(data) = &mut node.body else {
+            return Err(FsError::INVALID);
+        };
+        let covered = if grow { end } else { end.min(data.size()) };
+        let cost = data.write_cost(offset, covered.saturating_sub(offset));
+        if used.checked_add(cost).is_none_or(|total| total > max) {
+            return Err(FsError::NO_SPACE);
+        }
+        let size = data.size();
+        let added = data.allocate(offset, end, grow);
+        if data.size() != size {
+            let now = SystemTime::now();
+            node.mtime = now;
+            node.ctime = now;
+        }
+        self.used += added;
+        Ok(())
     }
 
     /// Closes a handle; its inode goes if nothing else holds it.

@@ -19,7 +19,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/lib.sh"
 cd "$here/.."
 
-need_apt erofs-utils mmdebstrap busybox-static python3 passt
+need_apt erofs-utils mmdebstrap busybox-static python3 passt e2fsprogs
 
 musl=x86_64-unknown-linux-musl
 if ! rustup target list --installed | grep -qx "$musl"; then

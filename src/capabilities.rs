@@ -70,6 +70,9 @@ pub struct HostCapabilities {
     pub guest_init: Result<PathBuf, String>,
     /// The libkrunfw directory, or how to get it.
     pub libkrunfw: Result<PathBuf, String>,
+    /// `mke2fs`, which formats a writable root's layer (`Rootfs::ephemeral`), or how to get
+    /// it. Read-only roots do without it.
+    pub mke2fs: Result<PathBuf, String>,
     /// Each built-in image.
     pub images: Vec<(BuiltinImage, ImageState)>,
     /// The VMM helper's jail on this host: each isolation layer and canary, as the helper
@@ -136,6 +139,7 @@ impl HostCapabilities {
             vmm_helper: artifacts::locate_vmm_helper(None).map_err(|e| e.to_string()),
             guest_init: artifacts::locate_guest_init(None).map_err(|e| e.to_string()),
             libkrunfw: artifacts::locate_libkrunfw(None).map_err(|e| e.to_string()),
+            mke2fs: crate::rootfs::mke2fs().map_err(|e| e.to_string()),
             images,
             isolation: Err("not probed".into()),
         };
@@ -215,6 +219,7 @@ slower, but real microVMs."
         line(&mut out, "VMM helper:", &self.vmm_helper);
         line(&mut out, "guest-init:", &self.guest_init);
         line(&mut out, "libkrunfw:", &self.libkrunfw);
+        line(&mut out, "mke2fs:", &self.mke2fs);
         match &self.isolation {
             Ok(isolation) => {
                 let breaches = isolation.breaches();

@@ -35,6 +35,9 @@ pub enum Error {
     /// Building a built-in image failed.
     #[error("building the built-in image failed: {0}")]
     ImageBuild(#[from] krunbox_rootfs::BuildError),
+    /// A writable root's layer could not be made (formatting or sealing it on the host).
+    #[error("preparing the writable root's layer failed: {0}")]
+    WritableLayer(String),
     /// The sandbox definition is invalid.
     #[error("invalid sandbox configuration: {0}")]
     InvalidConfig(String),

@@ -468,6 +468,7 @@ pub async fn host_dispatch(data: &[u8]) -> Outcome {
                 device: "/dev/vda".into(),
                 fstype: "erofs".into(),
                 read_only: true,
+                writable_layer: None,
             },
             network: None,
             mounts: Vec::new(),

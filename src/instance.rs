@@ -14,7 +14,7 @@ use crate::config::SandboxConfig;
 use crate::control::{self, Control, Gone, Liveness};
 use crate::error::{Error, Result};
 use crate::process::{Command, Guest};
-use crate::protocol::{FrameDecoder, HostMessage, RootMount, Setup};
+use crate::protocol::{FrameDecoder, HostMessage, RootMount, Setup, WritableLayer};
 use crate::rootfs;
 use crate::vmm::{self, VmmConfig};
 
@@ -74,6 +74,8 @@ struct Inner {
     network: Option<crate::net::service::NetService>,
     /// Serves the guest's mounts of host filesystems while the instance lives.
     _filesystems: Option<crate::fs::service::FsService>,
+    /// A writable root's layer (the helper holds it too; this one reports its usage).
+    layer: Option<rootfs::MemoryLayer>,
     dir: tempfile::TempDir,
 }
 
@@ -181,6 +183,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             mac: n.addressing().guest_mac,
         }),
         virtiofs_passthrough: config.virtiofs_passthrough.clone(),
+        writable_layer: config.rootfs.layer_quota(),
     };
     // guest-init reaches the guest as bytes the helper serves from memory, never as a host path.
     let guest_init =
@@ -209,6 +212,10 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             device: "/dev/vda".into(),
             fstype: vmm_config.root_fstype.clone(),
             read_only: true,
+            writable_layer: config.rootfs.layer_quota().map(|_| WritableLayer {
+                device: "/dev/vdb".into(),
+                fstype: rootfs::LAYER_FSTYPE.into(),
+            }),
         },
         network: config
             .network
@@ -225,7 +232,17 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     };
     let console = dir.path().join("console.log");
     let mut attempt = 1;
-    let (mut child, lifeline_write, stream, decoder, hello, report, console_log, net_socket) = loop {
+    let (mut child, lifeline_write, stream, decoder, hello, report, console_log, net_socket, layer) = loop {
+        // A writable root's layer: fresh for every attempt, so a retried boot starts from the
+        // image again (formatting it runs mke2fs, off the async threads).
+        let layer = match config.rootfs.layer_quota() {
+            Some(quota) => Some(
+                tokio::task::spawn_blocking(move || rootfs::MemoryLayer::create(quota))
+                    .await
+                    .map_err(|e| Error::WritableLayer(e.to_string()))??,
+            ),
+            None => None,
+        };
         let log = std::fs::File::create(dir.path().join("vmm.log"))
             .map_err(Error::io("creating the VMM log"))?;
         let console_log = crate::console::ConsoleLog::start(dir.path(), config.console_log_max)?;
@@ -262,6 +279,9 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             ];
             if let Some((_, helper_end)) = &net_pair {
                 inherited.push((helper_end.as_raw_fd(), vmm::NET_FD));
+            }
+            if let Some(layer) = &layer {
+                inherited.push((layer.file().as_raw_fd(), vmm::WRITABLE_LAYER_FD));
             }
             vmm::spawn(
                 &config.artifacts.vmm_helper,
@@ -342,6 +362,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
                     report,
                     console_log,
                     net_socket,
+                    layer,
                 );
             }
             Ok(None) => {
@@ -492,6 +513,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             _console: console_log,
             network,
             _filesystems: fs_service,
+            layer,
             dir,
         }),
     })
@@ -570,6 +592,22 @@ impl Instance {
     /// The guest kernel's release (`uname -r` inside the VM), as reported at boot.
     pub fn kernel_release(&self) -> &str {
         &self.inner.kernel_release
+    }
+
+    /// How much of a writable root's quota ([`Rootfs::ephemeral`](crate::Rootfs::ephemeral))
+    /// the guest's changes take now, as host memory; `None` for a read-only root. It never
+    /// passes [`RootUsage::max_bytes`](crate::RootUsage::max_bytes).
+    ///
+    /// ```no_run
+    /// # async fn demo(vm: krunbox::Instance) -> krunbox::Result<()> {
+    /// if let Some(usage) = vm.root_usage() {
+    ///     println!("{} of {} bytes", usage.held_bytes, usage.max_bytes);
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn root_usage(&self) -> Option<crate::RootUsage> {
+        self.inner.layer.as_ref().map(|layer| layer.usage())
     }
 
     /// The host pid of the process that runs this VM (for monitoring its CPU and memory), or

@@ -81,7 +81,7 @@ pub use process::{
     DEFAULT_MAX_OUTPUT, TIMEOUT_EXIT_CODE,
 };
 pub use protocol::fs::{FileType, FsErrorKind};
-pub use rootfs::{BuiltinImage, Rootfs};
+pub use rootfs::{BuiltinImage, RootUsage, Rootfs};
 pub use sandbox::{
     Kernel, KernelFormat, Sandbox, SandboxBuilder, DEFAULT_LIVENESS_TIMEOUT, MAX_CPUS,
     MAX_LIVENESS_TIMEOUT, MIN_LIVENESS_TIMEOUT, MIN_MEMORY_MIB,

@@ -432,13 +432,7 @@ impl SandboxBuilder {
                 self.hostname
             )));
         }
-        if let Rootfs::Image { sha256, .. } = &self.rootfs {
-            if sha256.len() != 64 || !sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
-                return Err(Error::InvalidConfig(format!(
-                    "image sha256 must be 64 hex digits, got {sha256:?}"
-                )));
-            }
-        }
+        self.rootfs.check()?;
         let network = match (&self.network_backend, self.network) {
             (Some(_), Some(network)) if !network.is_deny_all() => {
                 return Err(Error::InvalidConfig(

@@ -47,6 +47,11 @@ pub const REPORT_FD: i32 = 6;
 /// network. The helper hands it to libkrun as the virtio-net device's backend.
 pub const NET_FD: i32 = 7;
 
+/// The file descriptor of a writable root's layer disk (a sealed memfd holding ext4; see
+/// `rootfs/layer.rs`), passed only when the root is writable. libkrun opens it read-write as
+/// the guest's second disk, through the helper's `/proc/self/fd`.
+pub const WRITABLE_LAYER_FD: i32 = 8;
+
 /// The helper's exit code when it refused to start the VM because its jail did not hold (a
 /// canary got through) or a required isolation layer is missing. The report says which.
 pub const ISOLATION_EXIT_CODE: i32 = 71;
@@ -88,6 +93,10 @@ pub struct VmmConfig {
     /// (`SandboxBuilder::virtiofs_passthrough_for_benchmarks`).
     #[serde(default)]
     pub virtiofs_passthrough: Option<PassthroughShare>,
+    /// The size in bytes of a writable root's layer disk on [`WRITABLE_LAYER_FD`], or none
+    /// for a read-only root.
+    #[serde(default)]
+    pub writable_layer: Option<u64>,
 }
 
 /// Benchmarks only: a host directory the guest can mount as virtio-fs `tag`, served by
@@ -200,6 +209,12 @@ pub fn helper_main() -> i32 {
         fs_socket: config.fs_socket.clone(),
         kernel: config.kernel.as_ref().map(|k| k.path.clone()),
         share: config.virtiofs_passthrough.as_ref().map(|s| s.dir.clone()),
+        layer: config.writable_layer.map(|bytes| {
+            (
+                PathBuf::from(format!("/proc/self/fd/{WRITABLE_LAYER_FD}")),
+                bytes,
+            )
+        }),
     };
     let root_started = std::time::Instant::now();
     let paths = crate::jail::build_root(&config.jail, host, in_mount_namespace, &mut isolation);
@@ -359,6 +374,10 @@ fn configure(
     }
     step(ctx.add_virtual_file(ROOT_FS_TAG, "init.krun", guest_init, 0o555))?;
     step(ctx.add_disk("root", image, true))?;
+    if let Some((layer, _)) = &paths.layer {
+        // The guest's /dev/vdb: the upper layer of its overlay root.
+        step(ctx.add_disk("layer", layer, false))?;
+    }
     if let (Some(share), Some(dir)) = (&config.virtiofs_passthrough, &paths.share) {
         // Benchmarks only: libkrun's passthrough of a host directory, the baseline our own
         // filesystems are measured against. It does not jail itself; the helper's jail holds

@@ -2,7 +2,7 @@
 
 use std::io;
 
-use krunbox_protocol::RootMount;
+use krunbox_protocol::{RootMount, WritableLayer};
 
 use crate::sys::{c, check, mount};
 
@@ -27,19 +27,25 @@ pub fn mount_early() -> io::Result<()> {
     Ok(())
 }
 
-/// Where the initial root has an empty directory for the layers of a root that needs mount
-/// points the image lacks (see [`add_mount_points`]).
+/// Where the initial root has an empty directory for the layers of an overlay root: a writable
+/// root (see [`mount_writable`]), or a read-only one that needs mount points the image lacks
+/// (see [`add_mount_points`]).
 const LAYERS: &str = "/layers";
 
 /// The directories that get a tmpfs of scratch space on a read-only image, where the image has
-/// them (`/tmp` always).
+/// them (`/tmp` always). A writable root keeps what is written elsewhere, so it gets only the
+/// first two ([`WRITABLE_SCRATCH`]): what is scratch on any Linux system.
 const SCRATCH: [(&str, &str); 5] = [
+    // `/tmp` and `/run` first: the scratch a writable root keeps too.
     ("/tmp", "1777"),
     ("/run", "755"),
     ("/var/tmp", "1777"),
     ("/root", "700"),
     ("/home", "755"),
 ];
+
+/// How many of [`SCRATCH`] a writable root gets: `/tmp` and `/run`.
+const WRITABLE_SCRATCH: usize = 2;
 
 /// Mounts the root image, moves the API filesystems into it, adds scratch tmpfs, and makes it
 /// `/`. The old (virtio-fs) root is detached so nothing in the guest can reach it by path.
@@ -50,8 +56,12 @@ pub fn switch_root(root: &RootMount, mount_points: &[&str]) -> io::Result<()> {
     if root.read_only {
         flags |= libc::MS_RDONLY;
     }
-    mount(&root.device, NEW_ROOT, Some(&root.fstype), flags, None)?;
-    if root.read_only {
+    if let Some(layer) = &root.writable_layer {
+        mount_writable(root, layer)?;
+    } else {
+        mount(&root.device, NEW_ROOT, Some(&root.fstype), flags, None)?;
+    }
+    if root.read_only && root.writable_layer.is_none() {
         let missing: Vec<&str> = mount_points
             .iter()
             .copied()
@@ -87,7 +97,12 @@ pub fn switch_root(root: &RootMount, mount_points: &[&str]) -> io::Result<()> {
     )?;
     // Scratch space on a read-only image. /tmp is required; the others only where the image
     // has the directory.
-    for (dir, mode) in SCRATCH {
+    let scratch = if root.writable_layer.is_some() {
+        &SCRATCH[..WRITABLE_SCRATCH]
+    } else {
+        &SCRATCH[..]
+    };
+    for &(dir, mode) in scratch {
         let target = format!("{NEW_ROOT}{dir}");
         if dir == "/tmp" || std::path::Path::new(&target).is_dir() {
             mount(
@@ -119,6 +134,59 @@ pub fn switch_root(root: &RootMount, mount_points: &[&str]) -> io::Result<()> {
         check("chdir /", libc::chdir(slash.as_ptr()))?;
     }
     Ok(())
+}
+
+/// A writable root: the image, read-only, is the lower layer of an overlay whose upper layer
+/// (and overlayfs's work directory) lives on the writable layer's device. What the guest writes
+/// lands on that device, never on the image, which stays the verified bytes every boot shares.
+/// A layer used before already holds `upper/` and `work/`; a fresh one gets them.
+fn mount_writable(root: &RootMount, layer: &WritableLayer) -> io::Result<()> {
+    let context =
+        |what: String| move |e: io::Error| io::Error::new(e.kind(), format!("{what}: {e}"));
+    let lower = format!("{LAYERS}/lower");
+    let disk = format!("{LAYERS}/disk");
+    mount(
+        "layers",
+        LAYERS,
+        Some("tmpfs"),
+        libc::MS_NOSUID | libc::MS_NODEV,
+        Some("size=64k,mode=700"),
+    )?;
+    for dir in [&lower, &disk] {
+        std::fs::create_dir(dir)?;
+    }
+    mount(
+        &root.device,
+        &lower,
+        Some(&root.fstype),
+        libc::MS_RDONLY | libc::MS_NOATIME,
+        None,
+    )
+    .map_err(context(format!("mounting the image {}", root.device)))?;
+    mount(
+        &layer.device,
+        &disk,
+        Some(&layer.fstype),
+        libc::MS_NOATIME,
+        None,
+    )
+    .map_err(context(format!(
+        "mounting the writable layer {} ({})",
+        layer.device, layer.fstype
+    )))?;
+    for dir in ["upper", "work"] {
+        std::fs::create_dir_all(format!("{disk}/{dir}"))
+            .map_err(context(format!("making {dir}/ on the writable layer")))?;
+    }
+    let options = format!("lowerdir={lower},upperdir={disk}/upper,workdir={disk}/work");
+    mount(
+        "root",
+        NEW_ROOT,
+        Some("overlay"),
+        libc::MS_NOATIME,
+        Some(&options),
+    )
+    .map_err(context("mounting the overlay root".into()))
 }
 
 /// Whether a mount point must be made in the (read-only) image itself: it does not exist there,

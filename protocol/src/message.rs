@@ -101,6 +101,19 @@ pub struct RootMount {
     pub fstype: String,
     /// Whether to mount it read-only.
     pub read_only: bool,
+    /// A writable layer over the (read-only) image: the root becomes an overlay whose upper
+    /// layer lives on this device; without one the root stays read-only.
+    pub writable_layer: Option<WritableLayer>,
+}
+
+/// The block device a writable root keeps its changes on: the upper layer of an overlay over
+/// the read-only image (guest-init keeps `upper/` and `work/` at the device's top).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WritableLayer {
+    /// Guest block device, e.g. `/dev/vdb`.
+    pub device: String,
+    /// Filesystem type, e.g. `ext4`.
+    pub fstype: String,
 }
 
 /// Boot parameters the host sends after [`Hello`].
@@ -812,6 +825,7 @@ mod tests {
                     device: "/dev/vda".into(),
                     fstype: "erofs".into(),
                     read_only: true,
+                    writable_layer: None,
                 },
                 network: Some(network),
                 mounts: vec![],
@@ -890,6 +904,10 @@ mod tests {
                     device: "/dev/vda".into(),
                     fstype: "erofs".into(),
                     read_only: true,
+                    writable_layer: Some(WritableLayer {
+                        device: "/dev/vdb".into(),
+                        fstype: "ext4".into(),
+                    }),
                 },
                 network: Some(GuestNetwork {
                     mac: [2, 0, 0, 0, 0, 15],

@@ -64,6 +64,11 @@ struct RunArgs {
     /// Filesystem type of an image file.
     #[arg(long, default_value = "erofs")]
     image_fstype: String,
+    /// Make the root writable for this run: changes live in at most SIZE of host memory
+    /// (`512M`, `2G`; at least 16M) and are gone when the command ends. A guest that fills it
+    /// gets "no space left on device". Without it the root is read-only.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    ephemeral: Option<u64>,
     /// vCPUs.
     #[arg(long, default_value_t = 1)]
     cpus: u8,
@@ -246,6 +251,39 @@ fn rootfs(args: &RunArgs) -> Result<Rootfs, String> {
         )
     })?;
     Ok(Rootfs::image(&args.image, &args.image_fstype, sha))
+}
+
+/// `--image` and `--ephemeral` together: the image, writable for the run if asked.
+fn root(args: &RunArgs) -> Result<Rootfs, String> {
+    let image = rootfs(args)?;
+    Ok(match args.ephemeral {
+        Some(bytes) => Rootfs::ephemeral(image, bytes),
+        None => image,
+    })
+}
+
+/// A size: bytes, or a number with `K`, `M`, `G` or `T` (powers of 1024).
+fn parse_size(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let (digits, shift) = match text.char_indices().last() {
+        Some((at, unit)) if unit.is_ascii_alphabetic() => {
+            let shift = match unit.to_ascii_uppercase() {
+                'K' => 10,
+                'M' => 20,
+                'G' => 30,
+                'T' => 40,
+                _ => return Err(format!("`{text}`: the unit must be K, M, G or T")),
+            };
+            (&text[..at], shift)
+        }
+        _ => (text, 0),
+    };
+    let number: u64 = digits
+        .parse()
+        .map_err(|_| format!("`{text}` is not a size (examples: 512M, 2G)"))?;
+    number
+        .checked_mul(1 << shift)
+        .ok_or_else(|| format!("`{text}` is too large"))
 }
 
 /// `--allow-domain PATTERN[:PORT]`.
@@ -434,7 +472,7 @@ fn network_rules(args: &RunArgs) -> Result<Option<Rules>, RuleError> {
 
 async fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let mut sandbox = Sandbox::builder()
-        .rootfs(rootfs(&args)?)
+        .rootfs(root(&args)?)
         .cpus(args.cpus)
         .memory_mib(args.memory);
     if let Some(network) = network(&args)? {
@@ -681,6 +719,30 @@ mod tests {
                 "allow address 10.0.0.0/8 port 80",
             ]
         );
+    }
+
+    #[test]
+    fn ephemeral_takes_a_size_with_a_unit() {
+        assert_eq!(
+            args(&["--ephemeral", "512M"]).unwrap().ephemeral,
+            Some(512 << 20)
+        );
+        assert_eq!(
+            args(&["--ephemeral", "2g"]).unwrap().ephemeral,
+            Some(2 << 30)
+        );
+        assert_eq!(
+            args(&["--ephemeral", "65536"]).unwrap().ephemeral,
+            Some(65536)
+        );
+        assert_eq!(args(&[]).unwrap().ephemeral, None);
+        for bad in ["", "M", "12Q", "1.5G", "99999999999T"] {
+            let message = refused(&["--ephemeral", bad]);
+            assert!(
+                message.contains("size") || message.contains("unit") || message.contains("large"),
+                "{bad}: {message}"
+            );
+        }
     }
 
     #[test]

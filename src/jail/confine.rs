@@ -59,12 +59,19 @@ pub(crate) struct JailPaths {
     /// Benchmarks only: the directory libkrun's virtio-fs passthrough serves, read-write
     /// (`SandboxBuilder::virtiofs_passthrough_for_benchmarks`).
     pub share: Option<PathBuf>,
+    /// A writable root's layer disk, if any: its `/proc/self/fd/N` path (the layer is a memfd,
+    /// which has no other name and cannot be bind-mounted; the jail binds the helper's
+    /// `/proc/self/fd` instead) and its size in bytes.
+    pub layer: Option<(PathBuf, u64)>,
 }
 
 /// Where the helper's own `/proc/self/fd` is bound in the jail when a directory is shared
-/// (benchmarks only): libkrun's passthrough server opens that path when the guest activates
-/// the device, to reopen the `O_PATH` descriptors it keeps for each inode. Nothing else of
-/// `/proc` is there.
+/// (benchmarks only: libkrun's passthrough server opens that path when the guest activates
+/// the device, to reopen the `O_PATH` descriptors it keeps for each inode) or a writable
+/// root's layer is served (libkrun opens the layer's memfd by its `/proc/self/fd` path).
+/// Nothing else of `/proc` is there. Reopening through it reaches only what the helper already
+/// holds: Landlock checks a reopened file where it lies (the image stays read-only), and a
+/// memfd or pipe has no path a rule could name.
 const PROC_SELF_FD: &str = "/proc/self/fd";
 
 fn errno() -> std::io::Error {
@@ -255,6 +262,8 @@ fn pivot_into_jail(root_dir: &Path, host: &JailPaths) -> Result<JailPaths, Strin
         fs_socket: host.fs_socket.as_ref().map(|_| PathBuf::from("/fs.sock")),
         kernel: host.kernel.as_ref().map(|_| PathBuf::from("/kernel")),
         share: host.share.as_ref().map(|_| PathBuf::from("/share")),
+        // Reached through the bound /proc/self/fd, at the same path.
+        layer: host.layer.clone(),
     };
     std::fs::create_dir(root_dir.join("dev")).map_err(io("creating dev".into()))?;
     // (source, target, read-only, a directory)
@@ -275,6 +284,8 @@ fn pivot_into_jail(root_dir: &Path, host: &JailPaths) -> Result<JailPaths, Strin
     let proc_self_fd = Path::new(PROC_SELF_FD);
     if let (Some(h), Some(i)) = (&host.share, &inside.share) {
         binds.push((h, i, false, true));
+    }
+    if host.share.is_some() || host.layer.is_some() {
         binds.push((proc_self_fd, proc_self_fd, false, true));
     }
     for (source, target, read_only, directory) in binds {
@@ -327,15 +338,16 @@ fn pivot_into_jail(root_dir: &Path, host: &JailPaths) -> Result<JailPaths, Strin
 }
 
 /// rlimits: no core dumps (guest memory would land on disk), bounded descriptors, bounded file
-/// size (the helper's log).
-pub(crate) fn set_rlimits(report: &mut Isolation) {
+/// size (the helper's log; with a writable layer, the layer's size, since the limit applies to
+/// every file the helper writes, its layer disk too).
+pub(crate) fn set_rlimits(report: &mut Isolation, max_file_bytes: u64) {
     use nix::sys::resource::{setrlimit, Resource};
     // SAFETY: ignoring SIGXFSZ only makes oversized writes fail with EFBIG.
     unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) };
     let results = [
         (Resource::RLIMIT_CORE, 0, "no core dumps"),
         (Resource::RLIMIT_NOFILE, MAX_OPEN_FILES, "descriptors"),
-        (Resource::RLIMIT_FSIZE, MAX_LOG_BYTES, "file size"),
+        (Resource::RLIMIT_FSIZE, max_file_bytes, "file size"),
     ]
     .map(|(resource, limit, what)| (what, limit, setrlimit(resource, limit, limit)));
     let failed: Vec<String> = results
@@ -348,7 +360,7 @@ pub(crate) fn set_rlimits(report: &mut Isolation) {
             true,
             format!(
                 "no core dumps, at most {MAX_OPEN_FILES} descriptors, files at most {} MiB",
-                MAX_LOG_BYTES >> 20
+                max_file_bytes >> 20
             ),
         );
     } else {
@@ -584,6 +596,17 @@ pub(crate) fn build_root(
     }
     match pivot_into_jail(&config.root_dir, &host) {
         Ok(inside) => {
+            if inside.layer.is_some() && inside.share.is_none() {
+                if let Some(l) = report
+                    .layers
+                    .iter_mut()
+                    .find(|l| l.layer == Layer::MountNamespace)
+                {
+                    l.detail.push_str(
+                        ", and the helper's /proc/self/fd (a writable root's layer is a memfd)",
+                    );
+                }
+            }
             if inside.share.is_some() {
                 if let Some(l) = report
                     .layers
@@ -615,8 +638,9 @@ pub(crate) fn build_root(
 /// Everything after the root: rlimits, privileges, Landlock, seccomp, in that order (seccomp
 /// last, so the calls the others make need not be on its list).
 pub(crate) fn restrict(paths: &JailPaths, report: &mut Isolation) {
-    set_rlimits(report);
+    let layer_bytes = paths.layer.as_ref().map_or(0, |(_, bytes)| *bytes);
+    set_rlimits(report, MAX_LOG_BYTES.max(layer_bytes));
     drop_privileges(report);
     landlock(paths, report);
-    super::seccomp::install(report, paths.share.is_some());
+    super::seccomp::install(report, paths.share.is_some(), paths.layer.is_some());
 }

@@ -127,6 +127,7 @@ pub(crate) async fn probe(
         log_level: 1,
         network: None,
         virtiofs_passthrough: None,
+        writable_layer: None,
     };
     let config_path = dir.path().join("vmm.json");
     std::fs::write(

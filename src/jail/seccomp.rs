@@ -9,8 +9,10 @@
 //! signals through `O_ASYNC`), `clone` only threads, `prctl` only thread names, `prlimit64`
 //! only reads, `tgkill` only this process's threads. `fallocate` is left out: with
 //! `FALLOC_FL_KEEP_SIZE` it would grow the helper's log past `RLIMIT_FSIZE` on some
-//! filesystems, and libkrun needs it only for writable disks and its passthrough filesystem,
-//! neither of which krunbox uses.
+//! filesystems. Only a helper with a writable root's layer gets it, and then only in the two
+//! modes libkrun's disk code (imago) uses on a raw disk: `PUNCH_HOLE | KEEP_SIZE` (the guest
+//! discards blocks: the layer's memory is given back) and `ZERO_RANGE` without `KEEP_SIZE`
+//! (which the kernel checks against `RLIMIT_FSIZE`); neither can grow a file past its limit.
 //!
 //! Anything else fails with `EPERM` rather than killing the helper: a call libkrun makes on a
 //! rare path then fails like any refused call instead of taking the VM down, and what matters
@@ -58,7 +60,7 @@ const PASSTHROUGH_EXTRA: [i64; 3] = [libc::SYS_getdents64, libc::SYS_mkdirat, li
 
 /// The allowlist: syscall number → rules (any rule matching allows; no rules: always allowed).
 /// `passthrough`: the helper serves a benchmark's shared directory ([`PASSTHROUGH_EXTRA`]).
-fn allowlist(passthrough: bool) -> BTreeMap<i64, Vec<SeccompRule>> {
+fn allowlist(passthrough: bool, writable_layer: bool) -> BTreeMap<i64, Vec<SeccompRule>> {
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
     let always = [
         libc::SYS_read,
@@ -175,6 +177,18 @@ fn allowlist(passthrough: bool) -> BTreeMap<i64, Vec<SeccompRule>> {
         .map(|cmd| rule(vec![cond(1, Len::Dword, Op::Eq, *cmd as u64)]))
         .collect(),
     );
+    if writable_layer {
+        rules.insert(
+            libc::SYS_fallocate,
+            [
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                libc::FALLOC_FL_ZERO_RANGE,
+            ]
+            .iter()
+            .map(|mode| rule(vec![cond(1, Len::Dword, Op::Eq, *mode as u64)]))
+            .collect(),
+        );
+    }
     // Allowed here only so that this filter does not answer it: the clone3 filter's ENOSYS must
     // be the answer (between two ERRNO results the later filter's errno would win).
     rules.insert(libc::SYS_clone3, Vec::new());
@@ -255,9 +269,9 @@ fn clone3_filter() -> Result<BpfProgram, String> {
         .map_err(|e: seccompiler::BackendError| e.to_string())
 }
 
-fn allowlist_filter(passthrough: bool) -> Result<BpfProgram, String> {
+fn allowlist_filter(passthrough: bool, writable_layer: bool) -> Result<BpfProgram, String> {
     let filter = SeccompFilter::new(
-        allowlist(passthrough),
+        allowlist(passthrough, writable_layer),
         SeccompAction::Errno(libc::EPERM as u32),
         SeccompAction::Allow,
         arch().map_err(|e| e.to_string())?,
@@ -270,11 +284,11 @@ fn allowlist_filter(passthrough: bool) -> Result<BpfProgram, String> {
 
 /// Installs both filters on the calling thread (the helper has only one when this runs; every
 /// thread libkrun starts later inherits them). `passthrough`: the helper serves a benchmark's
-/// shared directory.
-pub(crate) fn install(report: &mut Isolation, passthrough: bool) {
+/// shared directory; `writable_layer`: it serves a writable root's layer disk.
+pub(crate) fn install(report: &mut Isolation, passthrough: bool, writable_layer: bool) {
     let result = clone3_filter()
         .and_then(|p| seccompiler::apply_filter(&p).map_err(|e| e.to_string()))
-        .and_then(|()| allowlist_filter(passthrough))
+        .and_then(|()| allowlist_filter(passthrough, writable_layer))
         .and_then(|p| seccompiler::apply_filter(&p).map_err(|e| e.to_string()));
     match result {
         Ok(()) => report.push_layer(
@@ -282,7 +296,7 @@ pub(crate) fn install(report: &mut Isolation, passthrough: bool) {
             true,
             format!(
                 "{} system calls allowed (some only with narrowed arguments{}), others EPERM",
-                allowlist(passthrough).len(),
+                allowlist(passthrough, writable_layer).len(),
                 if passthrough {
                     "; 3 of them for a benchmark's shared directory"
                 } else {
@@ -300,12 +314,17 @@ mod tests {
 
     /// Runs `f` in a forked child with both filters installed; returns the child's exit code.
     fn in_filtered_child(f: fn() -> i32) -> i32 {
+        in_filtered_child_of(false, f)
+    }
+
+    /// [`in_filtered_child`] for a helper with (or without) a writable layer.
+    fn in_filtered_child_of(writable_layer: bool, f: fn() -> i32) -> i32 {
         // SAFETY: the child only installs filters, makes raw calls and _exits.
         match unsafe { libc::fork() } {
             0 => {
                 unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
                 let mut report = Isolation::default();
-                install(&mut report, false);
+                install(&mut report, false, writable_layer);
                 if !report.is_enforced(Layer::Seccomp) {
                     unsafe { libc::_exit(100) };
                 }
@@ -360,22 +379,23 @@ mod tests {
 
     #[test]
     fn the_filters_compile_for_this_architecture() {
-        let allow = allowlist_filter(false).unwrap();
+        let allow = allowlist_filter(false, false).unwrap();
         assert!(allow.len() > 50, "{} instructions", allow.len());
-        allowlist_filter(true).unwrap();
+        allowlist_filter(true, false).unwrap();
+        allowlist_filter(false, true).unwrap();
         clone3_filter().unwrap();
     }
 
     #[test]
     fn calls_that_reach_beyond_the_vm_are_not_listed() {
         for passthrough in [false, true] {
-            calls_that_reach_beyond_the_vm_are_not_listed_in(allowlist(passthrough));
+            calls_that_reach_beyond_the_vm_are_not_listed_in(allowlist(passthrough, false));
         }
     }
 
     #[test]
     fn only_a_benchmark_share_adds_the_passthrough_calls() {
-        let (plain, shared) = (allowlist(false), allowlist(true));
+        let (plain, shared) = (allowlist(false, false), allowlist(true, false));
         for nr in PASSTHROUGH_EXTRA {
             assert!(
                 !plain.contains_key(&nr),
@@ -410,5 +430,40 @@ mod tests {
         ] {
             assert!(!list.contains_key(&nr), "syscall {nr} is allowed");
         }
+    }
+
+    /// A helper with a writable layer may punch holes and zero ranges (what its disk code
+    /// does for the guest's discards and zeroing), and nothing else of fallocate; one without
+    /// may not even that.
+    #[test]
+    fn fallocate_only_punches_holes_and_zeroes_and_only_with_a_writable_layer() {
+        // Made before the filters (neither memfd_create nor ftruncate is on the list); the
+        // forked child inherits it.
+        static FILE: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
+        let fd = unsafe { libc::memfd_create(c"seccomp-test".as_ptr(), 0) };
+        assert!(fd >= 0 && unsafe { libc::ftruncate(fd, 1 << 20) } == 0);
+        FILE.store(fd, std::sync::atomic::Ordering::SeqCst);
+        fn try_modes() -> i32 {
+            let fd = FILE.load(std::sync::atomic::Ordering::SeqCst);
+            let errno_of = |mode: i32| {
+                let r = unsafe { libc::fallocate(fd, mode, 0, 4096) };
+                if r == 0 {
+                    0
+                } else {
+                    std::io::Error::last_os_error().raw_os_error().unwrap_or(-1)
+                }
+            };
+            let punch = errno_of(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE);
+            let keep_size = errno_of(libc::FALLOC_FL_KEEP_SIZE);
+            let plain = errno_of(0);
+            match (punch, keep_size, plain) {
+                (0, libc::EPERM, libc::EPERM) => 0,
+                (libc::EPERM, libc::EPERM, libc::EPERM) => 1,
+                _ => 2,
+            }
+        }
+        assert_eq!(in_filtered_child_of(true, try_modes), 0, "with a layer");
+        assert_eq!(in_filtered_child_of(false, try_modes), 1, "without one");
+        unsafe { libc::close(fd) };
     }
 }

@@ -1,4 +1,5 @@
-//! Root filesystems: which image a sandbox boots, and proving it is the image expected.
+//! Root filesystems: which image a sandbox boots, proving it is the image expected, and the
+//! writable layer a writable root keeps its changes on (`layer.rs`).
 //!
 //! Every root image is identified by its SHA-256. Before each boot the image file is opened,
 //! hashed, and compared with the expected digest; the *same open file descriptor* is then handed
@@ -14,8 +15,17 @@ use sha2::{Digest, Sha256};
 use crate::error::{Error, Result};
 pub use krunbox_rootfs::BuiltinImage;
 
-/// The root filesystem of a sandbox. The guest sees it read-only, with tmpfs scratch space on
-/// `/tmp`, `/run`, `/var/tmp`, `/root` and `/home`.
+mod layer;
+
+pub use layer::RootUsage;
+pub(crate) use layer::{mke2fs, MemoryLayer, LAYER_FSTYPE};
+
+/// The root filesystem of a sandbox.
+///
+/// An image ([`Rootfs::builtin`], [`Rootfs::image`]) is read-only: writes to it fail with
+/// `EROFS`, and the guest gets tmpfs scratch space on `/tmp`, `/run`, `/var/tmp`, `/root` and
+/// `/home`. [`Rootfs::ephemeral`] makes an image writable for one boot: every change lives in
+/// host memory, bounded, and is gone when the instance stops.
 ///
 /// ```
 /// use krunbox::{BuiltinImage, Rootfs};
@@ -23,7 +33,9 @@ pub use krunbox_rootfs::BuiltinImage;
 /// let tiny = Rootfs::builtin(BuiltinImage::Busybox);
 /// let mine = Rootfs::image("/srv/images/tools.erofs", "erofs",
 ///     "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08");
-/// # let _ = (tiny, mine);
+/// // `apt-get install` works here; at most 512 MiB of changes, forgotten at shutdown.
+/// let scratch = Rootfs::ephemeral(Rootfs::builtin(BuiltinImage::Agent), 512 << 20);
+/// # let _ = (tiny, mine, scratch);
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Rootfs {
@@ -38,9 +50,27 @@ pub enum Rootfs {
         /// Expected SHA-256, lowercase hex.
         sha256: String,
     },
+    /// `base`, writable for one boot. The image itself is never written: the guest's root is
+    /// an overlay whose upper layer is an ext4 filesystem of exactly `max_dirty_bytes` in host
+    /// memory (a sealed memfd, never on a host disk). A guest that fills it gets `ENOSPC`;
+    /// host memory held never passes the quota; everything written is gone when the instance
+    /// stops, and each boot starts from `base` again. Only `/tmp` and `/run` are tmpfs.
+    Ephemeral {
+        /// The image underneath: [`Rootfs::Builtin`] or [`Rootfs::Image`].
+        base: Box<Rootfs>,
+        /// The quota of the guest's changes (file data and filesystem metadata together),
+        /// between [`Rootfs::MIN_DIRTY_BYTES`] and [`Rootfs::MAX_DIRTY_BYTES`].
+        max_dirty_bytes: u64,
+    },
 }
 
 impl Rootfs {
+    /// The smallest quota of a writable root (16 MiB).
+    pub const MIN_DIRTY_BYTES: u64 = layer::MIN_LAYER_BYTES;
+
+    /// The largest quota of a writable root (1 TiB).
+    pub const MAX_DIRTY_BYTES: u64 = layer::MAX_LAYER_BYTES;
+
     /// A built-in image.
     pub fn builtin(image: BuiltinImage) -> Rootfs {
         Rootfs::Builtin(image)
@@ -52,6 +82,72 @@ impl Rootfs {
             path: path.into(),
             fstype: fstype.to_string(),
             sha256: sha256.to_ascii_lowercase(),
+        }
+    }
+
+    /// `base` made writable for one boot, its changes held in at most `max_dirty_bytes` of
+    /// host memory (see [`Rootfs::Ephemeral`]). Checked when the sandbox is built: `base` must
+    /// be an image, and the quota within [`Rootfs::MIN_DIRTY_BYTES`]..=[`Rootfs::MAX_DIRTY_BYTES`].
+    ///
+    /// ```no_run
+    /// # async fn demo() -> krunbox::Result<()> {
+    /// use krunbox::{BuiltinImage, Rootfs, Sandbox};
+    ///
+    /// let sandbox = Sandbox::builder()
+    ///     .rootfs(Rootfs::ephemeral(Rootfs::builtin(BuiltinImage::Busybox), 64 << 20))
+    ///     .build()?;
+    /// let vm = sandbox.boot().await?;
+    /// vm.command("sh").args(["-c", "echo hi > /etc/motd"]).status().await?;
+    /// let usage = vm.root_usage().expect("a writable root");
+    /// assert!(usage.held_bytes <= usage.max_bytes);
+    /// vm.shutdown().await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn ephemeral(base: Rootfs, max_dirty_bytes: u64) -> Rootfs {
+        Rootfs::Ephemeral {
+            base: Box::new(base),
+            max_dirty_bytes,
+        }
+    }
+
+    /// The quota of a writable root's layer, or `None` for a read-only root.
+    pub(crate) fn layer_quota(&self) -> Option<u64> {
+        match self {
+            Rootfs::Ephemeral {
+                max_dirty_bytes, ..
+            } => Some(*max_dirty_bytes),
+            _ => None,
+        }
+    }
+
+    /// Checks the definition (digests are hex, a writable root is over an image and its quota
+    /// within bounds) so that a bad one fails when the sandbox is built, not at each boot.
+    pub(crate) fn check(&self) -> Result<()> {
+        match self {
+            Rootfs::Builtin(_) => Ok(()),
+            Rootfs::Image { sha256, .. } => {
+                if sha256.len() != 64 || !sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+                    return Err(Error::InvalidConfig(format!(
+                        "image sha256 must be 64 hex digits, got {sha256:?}"
+                    )));
+                }
+                Ok(())
+            }
+            Rootfs::Ephemeral {
+                base,
+                max_dirty_bytes,
+            } => {
+                if matches!(**base, Rootfs::Ephemeral { .. }) {
+                    return Err(Error::InvalidConfig(
+                        "a writable root's base must be an image (Rootfs::builtin or \
+                         Rootfs::image), not another writable root"
+                            .into(),
+                    ));
+                }
+                layer::check_quota(*max_dirty_bytes)?;
+                base.check()
+            }
         }
     }
 }
@@ -96,6 +192,12 @@ pub(crate) fn resolve(
             fstype,
             sha256,
         } => Ok((path.clone(), fstype.clone(), sha256.clone())),
+        Rootfs::Ephemeral { base, .. } => match **base {
+            Rootfs::Ephemeral { .. } => Err(Error::InvalidConfig(
+                "a writable root's base must be an image".into(),
+            )),
+            ref image => resolve(image, cache_dir, progress),
+        },
     }
 }
 

@@ -2,7 +2,9 @@
 # setup.sh: everything krunbox needs on a fresh Debian/Ubuntu machine, idempotent and cached.
 #
 #   Debian packages   erofs-utils, mmdebstrap, busybox-static (image building), python3,
-#                     passt (the baseline benches/net.rs measures our network against)
+#                     passt (the baseline benches/net.rs measures our network against),
+#                     e2fsprogs (mke2fs formats writable roots' layers), qemu-utils
+#                     (the tests check persistent layers with qemu-img check)
 #   Rust target       x86_64-unknown-linux-musl (guest-init is a static binary)
 #   cargo-nextest     runs the VM tests, one process per test (from crates.io if missing)
 #   libkrunfw         the guest kernel, Debian sid's libkrunfw5, into the krunbox cache
@@ -19,7 +21,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/lib.sh"
 cd "$here/.."
 
-need_apt erofs-utils mmdebstrap busybox-static python3 passt e2fsprogs
+need_apt erofs-utils mmdebstrap busybox-static python3 passt e2fsprogs qemu-utils
 
 musl=x86_64-unknown-linux-musl
 if ! rustup target list --installed | grep -qx "$musl"; then

@@ -38,6 +38,33 @@ pub enum Error {
     /// A writable root's layer could not be made (formatting or sealing it on the host).
     #[error("preparing the writable root's layer failed: {0}")]
     WritableLayer(String),
+    /// A persistent root's layer is in use by another running instance (this process's or
+    /// another's): one layer serves one running sandbox at a time.
+    #[error("the root layer {path} is in use by another running sandbox; shut that one down first, or give this one a layer of its own")]
+    RootInUse {
+        /// The layer file.
+        path: PathBuf,
+    },
+    /// A persistent root's layer was made over another base image: its changes belong to that
+    /// image, so it is refused rather than laid over this one.
+    #[error("the root layer {path} was made over the image with SHA-256 {recorded}, not this one ({expected}); boot it with its own base, or use another layer path")]
+    RootBaseMismatch {
+        /// The layer file.
+        path: PathBuf,
+        /// The digest of the base this sandbox boots.
+        expected: String,
+        /// The digest the layer records.
+        recorded: String,
+    },
+    /// A persistent root's layer file is not one krunbox can use (not a qcow2 made by
+    /// krunbox, or damaged).
+    #[error("the root layer {path} cannot be used: {reason}")]
+    RootLayer {
+        /// The layer file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The sandbox definition is invalid.
     #[error("invalid sandbox configuration: {0}")]
     InvalidConfig(String),

@@ -15,7 +15,7 @@ use crate::control::{self, Control, Gone, Liveness};
 use crate::error::{Error, Result};
 use crate::process::{Command, Guest};
 use crate::protocol::{FrameDecoder, HostMessage, RootMount, Setup, WritableLayer};
-use crate::rootfs;
+use crate::rootfs::{self, Rootfs};
 use crate::vmm::{self, VmmConfig};
 
 /// A boot whose guest prints nothing at all (not even guest-init's first console line) for
@@ -74,8 +74,9 @@ struct Inner {
     network: Option<crate::net::service::NetService>,
     /// Serves the guest's mounts of host filesystems while the instance lives.
     _filesystems: Option<crate::fs::service::FsService>,
-    /// A writable root's layer (the helper holds it too; this one reports its usage).
-    layer: Option<rootfs::MemoryLayer>,
+    /// A writable root's layer while the VM runs (the helper holds it too; this one reports
+    /// its usage and holds a persistent layer's lock), `None` once the VM has stopped.
+    layer: Arc<std::sync::Mutex<Option<rootfs::Layer>>>,
     dir: tempfile::TempDir,
 }
 
@@ -143,6 +144,14 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     .map_err(|e| Error::io("verifying the root image")(std::io::Error::other(e)))??;
     tracing::debug!(image = %image.path.display(), sha256 = %image.sha256, "root image verified");
 
+    // A persistent root's layer: opened (made on first use) and locked for this instance, and
+    // checked to have been made over this very image.
+    let mut persistent = match &config.rootfs {
+        Rootfs::Persistent { path, .. } => {
+            Some(rootfs::PersistentLayer::open(path, &image.sha256).await?)
+        }
+        _ => None,
+    };
     let mut dir = tempfile::Builder::new()
         .prefix("krunbox-")
         .tempdir_in(crate::artifacts::runtime_dir())
@@ -183,7 +192,19 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             mac: n.addressing().guest_mac,
         }),
         virtiofs_passthrough: config.virtiofs_passthrough.clone(),
-        writable_layer: config.rootfs.layer_quota(),
+        writable_layer: match &config.rootfs {
+            Rootfs::Ephemeral {
+                max_dirty_bytes, ..
+            } => Some(vmm::LayerDisk {
+                max_file_bytes: *max_dirty_bytes,
+                qcow2: false,
+            }),
+            Rootfs::Persistent { .. } => Some(vmm::LayerDisk {
+                max_file_bytes: rootfs::PERSISTENT_LAYER_FILE_BYTES,
+                qcow2: true,
+            }),
+            _ => None,
+        },
     };
     // guest-init reaches the guest as bytes the helper serves from memory, never as a host path.
     let guest_init =
@@ -212,7 +233,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             device: "/dev/vda".into(),
             fstype: vmm_config.root_fstype.clone(),
             read_only: true,
-            writable_layer: config.rootfs.layer_quota().map(|_| WritableLayer {
+            writable_layer: config.rootfs.is_writable().then(|| WritableLayer {
                 device: "/dev/vdb".into(),
                 fstype: rootfs::LAYER_FSTYPE.into(),
             }),
@@ -233,15 +254,16 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     let console = dir.path().join("console.log");
     let mut attempt = 1;
     let (mut child, lifeline_write, stream, decoder, hello, report, console_log, net_socket, layer) = loop {
-        // A writable root's layer: fresh for every attempt, so a retried boot starts from the
-        // image again (formatting it runs mke2fs, off the async threads).
+        // A writable root's layer. An ephemeral one is fresh for every attempt, so a retried
+        // boot starts from the image again (formatting it runs mke2fs, off the async threads);
+        // a persistent one is opened (and locked) once and handed to each attempt.
         let layer = match config.rootfs.layer_quota() {
-            Some(quota) => Some(
+            Some(quota) => Some(rootfs::Layer::Memory(
                 tokio::task::spawn_blocking(move || rootfs::MemoryLayer::create(quota))
                     .await
                     .map_err(|e| Error::WritableLayer(e.to_string()))??,
-            ),
-            None => None,
+            )),
+            None => persistent.take().map(rootfs::Layer::Persistent),
         };
         let log = std::fs::File::create(dir.path().join("vmm.log"))
             .map_err(Error::io("creating the VMM log"))?;
@@ -366,6 +388,9 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
                 );
             }
             Ok(None) => {
+                if let Some(rootfs::Layer::Persistent(layer)) = layer {
+                    persistent = Some(layer);
+                }
                 tracing::warn!(
                     attempt,
                     "the guest kernel showed no sign of life within {BOOT_STALL:?} (guest-init never started); retrying the boot"
@@ -445,6 +470,11 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     let c = control.clone();
     let dir_path = dir.path().to_path_buf();
     let console = console_log.clone();
+    // The writable root's layer goes when the VM does (not when the last handle does): a
+    // persistent layer's lock must be free for the next boot once this one has shut down, and
+    // an ephemeral layer's memory comes back at once.
+    let layer = Arc::new(std::sync::Mutex::new(layer));
+    let layer_of_vm = layer.clone();
     tokio::spawn(async move {
         let status = loop {
             tokio::select! {
@@ -496,6 +526,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             }
         };
         c.fail_all(description.clone());
+        drop(layer_of_vm.lock().unwrap_or_else(|e| e.into_inner()).take());
         let _ = exited_tx.send(Some(description));
     });
 
@@ -594,9 +625,10 @@ impl Instance {
         &self.inner.kernel_release
     }
 
-    /// How much of a writable root's quota ([`Rootfs::ephemeral`](crate::Rootfs::ephemeral))
-    /// the guest's changes take now, as host memory; `None` for a read-only root. It never
-    /// passes [`RootUsage::max_bytes`](crate::RootUsage::max_bytes).
+    /// How much of a writable root ([`Rootfs::ephemeral`](crate::Rootfs::ephemeral),
+    /// [`Rootfs::persistent`](crate::Rootfs::persistent)) the guest's changes take now on
+    /// the host (memory, or the layer file's disk); `None` for a read-only root and once the
+    /// VM has stopped. It never passes [`RootUsage::max_bytes`](crate::RootUsage::max_bytes).
     ///
     /// ```no_run
     /// # async fn demo(vm: krunbox::Instance) -> krunbox::Result<()> {
@@ -607,7 +639,8 @@ impl Instance {
     /// # }
     /// ```
     pub fn root_usage(&self) -> Option<crate::RootUsage> {
-        self.inner.layer.as_ref().map(|layer| layer.usage())
+        let layer = self.inner.layer.lock().unwrap_or_else(|e| e.into_inner());
+        layer.as_ref().map(|layer| layer.usage())
     }
 
     /// The host pid of the process that runs this VM (for monitoring its CPU and memory), or

@@ -93,10 +93,18 @@ pub struct VmmConfig {
     /// (`SandboxBuilder::virtiofs_passthrough_for_benchmarks`).
     #[serde(default)]
     pub virtiofs_passthrough: Option<PassthroughShare>,
-    /// The size in bytes of a writable root's layer disk on [`WRITABLE_LAYER_FD`], or none
-    /// for a read-only root.
+    /// A writable root's layer disk on [`WRITABLE_LAYER_FD`], or none for a read-only root.
     #[serde(default)]
-    pub writable_layer: Option<u64>,
+    pub writable_layer: Option<LayerDisk>,
+}
+
+/// A writable root's layer disk, as the helper attaches it.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub struct LayerDisk {
+    /// The most bytes the disk's file may take on the host (the helper's `RLIMIT_FSIZE`).
+    pub max_file_bytes: u64,
+    /// qcow2 (a persistent layer) or raw (an ephemeral one).
+    pub qcow2: bool,
 }
 
 /// Benchmarks only: a host directory the guest can mount as virtio-fs `tag`, served by
@@ -209,11 +217,10 @@ pub fn helper_main() -> i32 {
         fs_socket: config.fs_socket.clone(),
         kernel: config.kernel.as_ref().map(|k| k.path.clone()),
         share: config.virtiofs_passthrough.as_ref().map(|s| s.dir.clone()),
-        layer: config.writable_layer.map(|bytes| {
-            (
-                PathBuf::from(format!("/proc/self/fd/{WRITABLE_LAYER_FD}")),
-                bytes,
-            )
+        layer: config.writable_layer.map(|disk| crate::jail::LayerPath {
+            path: PathBuf::from(format!("/proc/self/fd/{WRITABLE_LAYER_FD}")),
+            max_file_bytes: disk.max_file_bytes,
+            on_host_filesystem: disk.qcow2,
         }),
     };
     let root_started = std::time::Instant::now();
@@ -374,9 +381,14 @@ fn configure(
     }
     step(ctx.add_virtual_file(ROOT_FS_TAG, "init.krun", guest_init, 0o555))?;
     step(ctx.add_disk("root", image, true))?;
-    if let Some((layer, _)) = &paths.layer {
+    if let (Some(layer), Some(disk)) = (&paths.layer, &config.writable_layer) {
         // The guest's /dev/vdb: the upper layer of its overlay root.
-        step(ctx.add_disk("layer", layer, false))?;
+        let format = if disk.qcow2 {
+            krun_sys::DiskFormat::Qcow2
+        } else {
+            krun_sys::DiskFormat::Raw
+        };
+        step(ctx.add_disk_with_format("layer", &layer.path, format, false))?;
     }
     if let (Some(share), Some(dir)) = (&config.virtiofs_passthrough, &paths.share) {
         // Benchmarks only: libkrun's passthrough of a host directory, the baseline our own

@@ -1,5 +1,5 @@
 //! Writable roots: an image made writable for one boot (`Rootfs::ephemeral`), its changes on a
-//! layer in host memory. Every VM test boots its own VM; each writes as little as proves its
+//! layer in host memory, or across boots (`Rootfs::persistent`), its changes in a qcow2 file. Every VM test boots its own VM; each writes as little as proves its
 //! point (the nested emulation these run under faults more the more a guest writes).
 
 mod common;
@@ -123,4 +123,85 @@ fn bad_writable_roots_are_refused_when_built() {
             other => panic!("{rootfs:?} was not refused: {other:?}"),
         }
     }
+}
+
+fn persistent(base: BuiltinImage, path: &std::path::Path) -> Sandbox {
+    Sandbox::builder()
+        .rootfs(Rootfs::persistent(Rootfs::builtin(base), path))
+        .memory_mib(if base == BuiltinImage::Agent {
+            512
+        } else {
+            256
+        })
+        .build()
+        .expect("sandbox definition (run scripts/setup.sh)")
+}
+
+/// A persistent root keeps what the guest wrote for the next boot; while one sandbox runs on
+/// the layer a second boot is refused; after a clean shutdown the file is a clean qcow2 by
+/// qemu's own checker.
+#[test]
+fn a_persistent_root_keeps_its_changes_and_serves_one_sandbox_at_a_time() {
+    common::run(async {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("root.qcow2");
+        let sandbox = persistent(BuiltinImage::Busybox, &path);
+        let vm = sandbox.boot().await.expect("first boot");
+        let (out, _) = sh(
+            &vm,
+            "echo kept > /etc/krunbox-kept && mkdir -p /opt/tool && echo v1 > /opt/tool/version
+             rm -f /etc/hostname; echo written",
+            TIMEOUT,
+        )
+        .await;
+        assert_eq!(out, "written\n", "{out}");
+        match sandbox.boot().await {
+            Err(Error::RootInUse { path: refused }) => assert_eq!(refused, path),
+            Ok(_) => panic!("a second sandbox booted on a layer in use"),
+            Err(other) => panic!("a second boot failed otherwise: {other}"),
+        }
+        vm.shutdown().await.expect("shutdown");
+
+        let vm = sandbox.boot().await.expect("second boot");
+        let (out, _) = sh(
+            &vm,
+            "cat /etc/krunbox-kept /opt/tool/version; [ -e /etc/hostname ] || echo deleted",
+            TIMEOUT,
+        )
+        .await;
+        assert_eq!(out, "kept\nv1\ndeleted\n", "{out}");
+        vm.shutdown().await.expect("shutdown");
+        let check = std::process::Command::new("qemu-img")
+            .args(["check", "-f", "qcow2"])
+            .arg(&path)
+            .output()
+            .expect("qemu-img (Debian's qemu-utils; scripts/setup.sh installs it)");
+        assert!(
+            check.status.success(),
+            "{}{}",
+            String::from_utf8_lossy(&check.stdout),
+            String::from_utf8_lossy(&check.stderr)
+        );
+    });
+}
+
+/// A layer made over one image is refused over another, before anything boots.
+#[test]
+fn a_persistent_root_made_over_one_image_refuses_another() {
+    common::run(async {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("root.qcow2");
+        let vm = persistent(BuiltinImage::Busybox, &path)
+            .boot()
+            .await
+            .expect("boot over busybox");
+        vm.shutdown().await.expect("shutdown");
+        match persistent(BuiltinImage::Agent, &path).boot().await {
+            Err(Error::RootBaseMismatch {
+                expected, recorded, ..
+            }) => assert_ne!(expected, recorded),
+            Ok(_) => panic!("a layer made over busybox booted over the agent image"),
+            Err(other) => panic!("refused otherwise: {other}"),
+        }
+    });
 }

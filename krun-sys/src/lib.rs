@@ -85,6 +85,16 @@ fn cpath(call: &'static str, p: &Path) -> Result<CString, KrunError> {
     cstr(call, p.as_os_str().as_bytes())
 }
 
+/// A disk image's format (libkrun's `KRUN_DISK_FORMAT_*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum DiskFormat {
+    /// The bytes of the disk, as they are.
+    Raw = 0,
+    /// A qcow2 image (libkrun reads and writes it with the imago crate).
+    Qcow2 = 1,
+}
+
 /// libkrun's log verbosity.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u32)]
@@ -143,6 +153,31 @@ impl Context {
         // libkrun copies them.
         check("krun_add_disk", unsafe {
             krun::krun_add_disk(self.id, id.as_ptr(), path.as_ptr(), read_only)
+        })
+        .map(drop)
+    }
+
+    /// Attaches a disk image of `format` as a virtio-blk device (in order with
+    /// [`Context::add_disk`]'s).
+    pub fn add_disk_with_format(
+        &mut self,
+        block_id: &str,
+        path: &Path,
+        format: DiskFormat,
+        read_only: bool,
+    ) -> Result<(), KrunError> {
+        let id = cstr("krun_add_disk2", block_id)?;
+        let path = cpath("krun_add_disk2", path)?;
+        // SAFETY: both pointers are valid NUL-terminated strings for the duration of the call;
+        // libkrun copies them.
+        check("krun_add_disk2", unsafe {
+            krun::krun_add_disk2(
+                self.id,
+                id.as_ptr(),
+                path.as_ptr(),
+                format as u32,
+                read_only,
+            )
         })
         .map(drop)
     }

@@ -67,8 +67,12 @@ struct RunArgs {
     /// Make the root writable for this run: changes live in at most SIZE of host memory
     /// (`512M`, `2G`; at least 16M) and are gone when the command ends. A guest that fills it
     /// gets "no space left on device". Without it the root is read-only.
-    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    #[arg(long, value_name = "SIZE", value_parser = parse_size, conflicts_with = "persist")]
     ephemeral: Option<u64>,
+    /// Make the root writable and keep its changes in the qcow2 file PATH between runs (made
+    /// on first use, bound to the image it was made over; one run at a time).
+    #[arg(long, value_name = "PATH")]
+    persist: Option<PathBuf>,
     /// vCPUs.
     #[arg(long, default_value_t = 1)]
     cpus: u8,
@@ -256,9 +260,10 @@ fn rootfs(args: &RunArgs) -> Result<Rootfs, String> {
 /// `--image` and `--ephemeral` together: the image, writable for the run if asked.
 fn root(args: &RunArgs) -> Result<Rootfs, String> {
     let image = rootfs(args)?;
-    Ok(match args.ephemeral {
-        Some(bytes) => Rootfs::ephemeral(image, bytes),
-        None => image,
+    Ok(match (args.ephemeral, &args.persist) {
+        (Some(bytes), _) => Rootfs::ephemeral(image, bytes),
+        (None, Some(path)) => Rootfs::persistent(image, path),
+        (None, None) => image,
     })
 }
 
@@ -736,6 +741,12 @@ mod tests {
             Some(65536)
         );
         assert_eq!(args(&[]).unwrap().ephemeral, None);
+        let persist = args(&["--persist", "/var/lib/x/root.qcow2"])
+            .unwrap()
+            .persist;
+        assert_eq!(persist, Some(PathBuf::from("/var/lib/x/root.qcow2")));
+        let both = refused(&["--ephemeral", "1G", "--persist", "x.qcow2"]);
+        assert!(both.contains("cannot be used with"), "{both}");
         for bad in ["", "M", "12Q", "1.5G", "99999999999T"] {
             let message = refused(&["--ephemeral", bad]);
             assert!(

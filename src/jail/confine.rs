@@ -62,7 +62,19 @@ pub(crate) struct JailPaths {
     /// A writable root's layer disk, if any: its `/proc/self/fd/N` path (the layer is a memfd,
     /// which has no other name and cannot be bind-mounted; the jail binds the helper's
     /// `/proc/self/fd` instead) and its size in bytes.
-    pub layer: Option<(PathBuf, u64)>,
+    pub layer: Option<LayerPath>,
+}
+
+/// A writable root's layer disk, as libkrun opens it.
+#[derive(Debug, Clone)]
+pub(crate) struct LayerPath {
+    /// `/proc/self/fd/N`.
+    pub path: PathBuf,
+    /// The most bytes its file may take (the helper's `RLIMIT_FSIZE`).
+    pub max_file_bytes: u64,
+    /// A file on a host filesystem (a persistent layer's qcow2), which needs a Landlock rule;
+    /// a memfd cannot have one (Landlock refuses rules on kernel-internal files) and needs none.
+    pub on_host_filesystem: bool,
 }
 
 /// Where the helper's own `/proc/self/fd` is bound in the jail when a directory is shared
@@ -486,6 +498,12 @@ pub(crate) fn landlock(paths: &JailPaths, report: &mut Isolation) {
             if let Some(fs_socket) = &paths.fs_socket {
                 rules.push((fs_socket, AccessFs::ResolveUnix.into()));
             }
+            // A writable root's layer: a memfd needs no rule (Landlock does not check files
+            // on kernel-internal mounts), a persistent layer's qcow2 file does. The rule is on
+            // the file the descriptor's path resolves to, so it names that one file.
+            if let Some(layer) = paths.layer.as_ref().filter(|l| l.on_host_filesystem) {
+                rules.push((&layer.path, write | read));
+            }
             // Benchmarks only: what libkrun's passthrough does beneath the shared directory
             // (no devices, sockets, FIFOs or execution). Its /proc/self/fd needs no rule: the
             // server opens it `O_PATH`, which Landlock does not check, and a file reopened
@@ -603,7 +621,7 @@ pub(crate) fn build_root(
                     .find(|l| l.layer == Layer::MountNamespace)
                 {
                     l.detail.push_str(
-                        ", and the helper's /proc/self/fd (a writable root's layer is a memfd)",
+                        ", and the helper's /proc/self/fd (a writable root's layer disk is opened by it)",
                     );
                 }
             }
@@ -638,7 +656,7 @@ pub(crate) fn build_root(
 /// Everything after the root: rlimits, privileges, Landlock, seccomp, in that order (seccomp
 /// last, so the calls the others make need not be on its list).
 pub(crate) fn restrict(paths: &JailPaths, report: &mut Isolation) {
-    let layer_bytes = paths.layer.as_ref().map_or(0, |(_, bytes)| *bytes);
+    let layer_bytes = paths.layer.as_ref().map_or(0, |l| l.max_file_bytes);
     set_rlimits(report, MAX_LOG_BYTES.max(layer_bytes));
     drop_privileges(report);
     landlock(paths, report);

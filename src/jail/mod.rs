@@ -32,7 +32,7 @@ use serde::{Deserialize, Serialize};
 pub(crate) use canary::run as run_canaries;
 pub use confine::JailConfig;
 pub(crate) use confine::{
-    build_root, enter_namespaces, fork_into_pid_namespace, restrict, JailPaths,
+    build_root, enter_namespaces, fork_into_pid_namespace, restrict, JailPaths, LayerPath,
 };
 
 /// Why the helper must not start the VM, if it must not: a canary got through (whatever the

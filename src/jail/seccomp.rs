@@ -13,6 +13,7 @@
 //! modes libkrun's disk code (imago) uses on a raw disk: `PUNCH_HOLE | KEEP_SIZE` (the guest
 //! discards blocks: the layer's memory is given back) and `ZERO_RANGE` without `KEEP_SIZE`
 //! (which the kernel checks against `RLIMIT_FSIZE`); neither can grow a file past its limit.
+//! Such a helper may also `ftruncate` (a qcow2 layer grows its file; `RLIMIT_FSIZE` bounds it).
 //!
 //! Anything else fails with `EPERM` rather than killing the helper: a call libkrun makes on a
 //! rare path then fails like any refused call instead of taking the VM down, and what matters
@@ -178,6 +179,9 @@ fn allowlist(passthrough: bool, writable_layer: bool) -> BTreeMap<i64, Vec<Secco
         .collect(),
     );
     if writable_layer {
+        // A qcow2 layer grows its file (imago sets the length when it zeroes past the end);
+        // RLIMIT_FSIZE bounds how far.
+        rules.insert(libc::SYS_ftruncate, Vec::new());
         rules.insert(
             libc::SYS_fallocate,
             [

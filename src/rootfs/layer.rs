@@ -68,7 +68,7 @@ impl MemoryLayer {
             std::process::id(),
             file.as_raw_fd()
         ));
-        format_ext4(&path)?;
+        format_ext4(&path, Journal::Without)?;
         seal(&file)?;
         Ok(MemoryLayer { file, max_bytes })
     }
@@ -136,16 +136,28 @@ pub(crate) fn mke2fs() -> Result<PathBuf> {
     })
 }
 
+/// Whether a layer's ext4 gets a journal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Journal {
+    /// A persistent layer: it must come through a crash of the VM consistent.
+    With,
+    /// An ephemeral layer: it does not outlive the VM, so the journal's writes buy nothing.
+    Without,
+}
+
 /// Formats `path` (a fresh, all-zero file) as ext4 for a layer.
 ///
 /// Why these options: `assume_storage_prezeroed` (the file reads as zeros) lets mke2fs skip
 /// zeroing and marks the inode tables initialised, so neither mke2fs nor the guest kernel's
-/// lazy-init thread writes them: an untouched layer holds a few hundred KiB of host memory, not
-/// its inode tables. No journal: an ephemeral layer does not outlive a crash. `-m 0`: the
-/// quota is all the guest's (root is the guest's user). `-i 8192`: package trees are many
-/// small files, so twice ext4's default inodes.
-fn format_ext4(path: &Path) -> Result<()> {
+/// lazy-init thread writes them: an untouched layer holds a few hundred KiB of host memory (or
+/// disk), not its inode tables. `-m 0`: the space is all the guest's (root is the guest's
+/// user). `-i 8192`: package trees are many small files, so twice ext4's default inodes.
+pub(super) fn format_ext4(path: &Path, journal: Journal) -> Result<()> {
     let mke2fs = mke2fs()?;
+    let features = match journal {
+        Journal::With => "has_journal",
+        Journal::Without => "^has_journal",
+    };
     let output = Command::new(&mke2fs)
         .args([
             "-q",
@@ -159,7 +171,7 @@ fn format_ext4(path: &Path) -> Result<()> {
             "-m",
             "0",
             "-O",
-            "^has_journal",
+            features,
             "-E",
             "assume_storage_prezeroed=1,nodiscard,root_owner=0:0",
             "-L",

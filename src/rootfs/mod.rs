@@ -16,9 +16,38 @@ use crate::error::{Error, Result};
 pub use krunbox_rootfs::BuiltinImage;
 
 mod layer;
+mod persistent;
 
 pub use layer::RootUsage;
 pub(crate) use layer::{mke2fs, MemoryLayer, LAYER_FSTYPE};
+pub(crate) use persistent::{PersistentLayer, PERSISTENT_LAYER_FILE_BYTES};
+
+/// A writable root's layer, as an instance holds it.
+#[derive(Debug)]
+pub(crate) enum Layer {
+    /// [`Rootfs::Ephemeral`]'s.
+    Memory(MemoryLayer),
+    /// [`Rootfs::Persistent`]'s.
+    Persistent(PersistentLayer),
+}
+
+impl Layer {
+    /// The layer disk's descriptor, handed to the VMM helper.
+    pub(crate) fn file(&self) -> &File {
+        match self {
+            Layer::Memory(layer) => layer.file(),
+            Layer::Persistent(layer) => layer.file(),
+        }
+    }
+
+    /// What it holds on the host now, against the most it can.
+    pub(crate) fn usage(&self) -> RootUsage {
+        match self {
+            Layer::Memory(layer) => layer.usage(),
+            Layer::Persistent(layer) => layer.usage(),
+        }
+    }
+}
 
 /// The root filesystem of a sandbox.
 ///
@@ -62,6 +91,23 @@ pub enum Rootfs {
         /// between [`Rootfs::MIN_DIRTY_BYTES`] and [`Rootfs::MAX_DIRTY_BYTES`].
         max_dirty_bytes: u64,
     },
+    /// `base`, writable, its changes kept between boots in a qcow2 file at `path`: made on
+    /// first use (a disk of [`Rootfs::PERSISTENT_LAYER_BYTES`] that takes host disk only for what is
+    /// written), recording `base`'s digest, so that a boot over another base fails closed
+    /// ([`Error::RootBaseMismatch`](crate::Error::RootBaseMismatch)). One running sandbox at
+    /// a time: a second boot while one runs gets
+    /// [`Error::RootInUse`](crate::Error::RootInUse). The image itself is never written.
+    ///
+    /// What is durable: what the guest wrote before a clean shutdown (guest-init syncs
+    /// first), and what it `fsync`ed (the guest's flush reaches the file, which libkrun
+    /// syncs). A VM killed mid-write leaves a file that still opens, with the guest's
+    /// ext4 journal to replay.
+    Persistent {
+        /// The image underneath: [`Rootfs::Builtin`] or [`Rootfs::Image`].
+        base: Box<Rootfs>,
+        /// The layer's qcow2 file.
+        path: PathBuf,
+    },
 }
 
 impl Rootfs {
@@ -70,6 +116,10 @@ impl Rootfs {
 
     /// The largest quota of a writable root (1 TiB).
     pub const MAX_DIRTY_BYTES: u64 = layer::MAX_LAYER_BYTES;
+
+    /// The size of a persistent root's layer disk (32 GiB): what its changes can grow to. Its
+    /// file takes host disk only for what is written.
+    pub const PERSISTENT_LAYER_BYTES: u64 = persistent::PERSISTENT_LAYER_BYTES;
 
     /// A built-in image.
     pub fn builtin(image: BuiltinImage) -> Rootfs {
@@ -111,7 +161,31 @@ impl Rootfs {
         }
     }
 
-    /// The quota of a writable root's layer, or `None` for a read-only root.
+    /// `base` made writable with its changes kept in the qcow2 file at `path` between boots
+    /// (see [`Rootfs::Persistent`]).
+    ///
+    /// ```no_run
+    /// # async fn demo() -> krunbox::Result<()> {
+    /// use krunbox::{BuiltinImage, Rootfs, Sandbox};
+    ///
+    /// let base = Rootfs::builtin(BuiltinImage::Agent);
+    /// let sandbox = Sandbox::builder()
+    ///     .rootfs(Rootfs::persistent(base, "/var/lib/myagent/root.qcow2"))
+    ///     .build()?;
+    /// let vm = sandbox.boot().await?;
+    /// vm.command("pip").args(["install", "--user", "requests"]).status().await?;
+    /// vm.shutdown().await?; // the next boot of `sandbox` has it installed
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn persistent(base: Rootfs, path: impl Into<PathBuf>) -> Rootfs {
+        Rootfs::Persistent {
+            base: Box::new(base),
+            path: path.into(),
+        }
+    }
+
+    /// The quota of an ephemeral root's layer.
     pub(crate) fn layer_quota(&self) -> Option<u64> {
         match self {
             Rootfs::Ephemeral {
@@ -119,6 +193,11 @@ impl Rootfs {
             } => Some(*max_dirty_bytes),
             _ => None,
         }
+    }
+
+    /// Whether the root is writable (has a layer).
+    pub(crate) fn is_writable(&self) -> bool {
+        matches!(self, Rootfs::Ephemeral { .. } | Rootfs::Persistent { .. })
     }
 
     /// Checks the definition (digests are hex, a writable root is over an image and its quota
@@ -138,7 +217,7 @@ impl Rootfs {
                 base,
                 max_dirty_bytes,
             } => {
-                if matches!(**base, Rootfs::Ephemeral { .. }) {
+                if base.is_writable() {
                     return Err(Error::InvalidConfig(
                         "a writable root's base must be an image (Rootfs::builtin or \
                          Rootfs::image), not another writable root"
@@ -146,6 +225,22 @@ impl Rootfs {
                     ));
                 }
                 layer::check_quota(*max_dirty_bytes)?;
+                base.check()
+            }
+            Rootfs::Persistent { base, path } => {
+                if base.is_writable() {
+                    return Err(Error::InvalidConfig(
+                        "a writable root's base must be an image (Rootfs::builtin or \
+                         Rootfs::image), not another writable root"
+                            .into(),
+                    ));
+                }
+                if path.file_name().is_none() {
+                    return Err(Error::InvalidConfig(format!(
+                        "a persistent root's layer must be a file path, got {}",
+                        path.display()
+                    )));
+                }
                 base.check()
             }
         }
@@ -192,12 +287,14 @@ pub(crate) fn resolve(
             fstype,
             sha256,
         } => Ok((path.clone(), fstype.clone(), sha256.clone())),
-        Rootfs::Ephemeral { base, .. } => match **base {
-            Rootfs::Ephemeral { .. } => Err(Error::InvalidConfig(
-                "a writable root's base must be an image".into(),
-            )),
-            ref image => resolve(image, cache_dir, progress),
-        },
+        Rootfs::Ephemeral { base, .. } | Rootfs::Persistent { base, .. } => {
+            if base.is_writable() {
+                return Err(Error::InvalidConfig(
+                    "a writable root's base must be an image".into(),
+                ));
+            }
+            resolve(base, cache_dir, progress)
+        }
     }
 }
 

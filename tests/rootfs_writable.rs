@@ -205,3 +205,71 @@ fn a_persistent_root_made_over_one_image_refuses_another() {
         }
     });
 }
+
+/// The durability claim: a VMM killed while the guest writes leaves a layer file that checks
+/// clean and boots again, its journal replayed, with what the guest synced before the kill.
+#[test]
+fn a_persistent_root_keeps_what_was_synced_when_its_vmm_is_killed_mid_write() {
+    common::run(async {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("root.qcow2");
+        let sandbox = persistent(BuiltinImage::Busybox, &path);
+        let vm = sandbox.boot().await.expect("boot");
+        let (out, _) = sh(
+            &vm,
+            "echo durable > /etc/durable && sync /etc/durable && echo synced",
+            TIMEOUT,
+        )
+        .await;
+        assert_eq!(out, "synced\n", "{out}");
+        // Writes in flight: a writer that keeps going, then the VMM killed under it.
+        let writer = vm
+            .command("sh")
+            .args([
+                "-c",
+                "i=0; while :; do dd if=/dev/zero of=/churn-$i bs=65536 count=64 2>/dev/null; i=$((i+1)); done",
+            ])
+            .spawn()
+            .await
+            .expect("start the writer");
+        let (out, _) = sh(&vm, "sleep 2; ls / | grep -c churn", TIMEOUT).await;
+        assert!(
+            out.trim().parse::<u32>().unwrap_or(0) >= 1,
+            "no writes yet: {out}"
+        );
+        let pid = vm.vmm_pid().expect("the VMM runs") as i32;
+        // SAFETY: a signal to the VMM process this test's instance started.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+        drop(writer);
+        vm.shutdown()
+            .await
+            .expect("the instance notices its VMM is gone");
+        assert!(vm.vmm_pid().is_none());
+
+        let check = std::process::Command::new("qemu-img")
+            .args(["check", "-f", "qcow2"])
+            .arg(&path)
+            .output()
+            .expect("qemu-img (Debian's qemu-utils; scripts/setup.sh installs it)");
+        let report = format!(
+            "{}{}",
+            String::from_utf8_lossy(&check.stdout),
+            String::from_utf8_lossy(&check.stderr)
+        );
+        assert!(
+            check.status.success(),
+            "exit {:?}: {report}",
+            check.status.code()
+        );
+
+        let vm = sandbox.boot().await.expect("boot after the kill");
+        let (out, _) = sh(
+            &vm,
+            "cat /etc/durable; echo x > /etc/after && echo writable",
+            TIMEOUT,
+        )
+        .await;
+        assert_eq!(out, "durable\nwritable\n", "{out}");
+        vm.shutdown().await.expect("shutdown");
+    });
+}

@@ -1502,6 +1502,13 @@ pub fn fs_request(data: &[u8]) {
     crate::fs::fuse::fuzz::fuzz_session(data)
 }
 
+/// A persistent root's layer file as a compromised VMM helper could leave it
+/// (`src/rootfs/fuzz.rs`): its record read back through imago never panics, never opens another
+/// file, and gives a 64-hex digest or a typed error.
+pub fn layer_file(data: &[u8]) {
+    crate::rootfs::fuzz::fuzz_layer_file(data)
+}
+
 /// Replays every file of the committed corpus `fuzz/corpus/TARGET` through `property`, for
 /// the fuzz targets' corpus tests: a file that fails it fails the test, naming the file.
 #[cfg(test)]

@@ -15,6 +15,7 @@ use sha2::{Digest, Sha256};
 use crate::error::{Error, Result};
 pub use krunbox_rootfs::BuiltinImage;
 
+pub(crate) mod fuzz;
 mod layer;
 mod persistent;
 

@@ -118,7 +118,7 @@ fn lock(file: &File, path: &Path) -> Result<()> {
 }
 
 /// The record: the magic line and the base's digest, zero-padded to [`RECORD_BYTES`].
-fn record(base_sha256: &str) -> Vec<u8> {
+pub(super) fn record(base_sha256: &str) -> Vec<u8> {
     let mut bytes = format!("{RECORD_MAGIC}\nbase sha256:{base_sha256}\n").into_bytes();
     bytes.resize(RECORD_BYTES, 0);
     bytes
@@ -140,8 +140,107 @@ fn parse_record(bytes: &[u8]) -> std::result::Result<String, String> {
     Ok(digest.to_ascii_lowercase())
 }
 
+/// qcow2's header extension that names features (`0x6803f857`): entries of 48 bytes.
+const FEATURE_NAME_TABLE: u32 = 0x6803_f857;
+
+/// Checks the qcow2 header's extensions for what imago 0.2.6 does not survive: it indexes
+/// each 48-byte entry of the feature name table without checking that the last one is whole,
+/// and panics on a table whose length is not a multiple of 48 (found by the `layer_file` fuzz
+/// target). The helper, which may be compromised, writes this file, and the library opens it
+/// again at the next boot, so the header is walked here first (written by hand: it guards one
+/// crate's bug, which no other crate does). Also refuses extensions that run past the header's
+/// cluster.
+fn check_header_extensions(file: &File) -> std::result::Result<(), String> {
+    use std::os::unix::fs::FileExt;
+    let mut fixed = [0u8; 104];
+    file.read_exact_at(&mut fixed, 0)
+        .map_err(|e| format!("reading the qcow2 header: {e}"))?;
+    let be32 = |at: usize| u32::from_be_bytes(fixed[at..at + 4].try_into().expect("4 bytes"));
+    if &fixed[..4] != b"QFI\xfb" {
+        return Err("not a qcow2 file".into());
+    }
+    let version = be32(4);
+    let cluster_bits = be32(20);
+    if !(9..=21).contains(&cluster_bits) {
+        return Err(format!("cluster bits {cluster_bits} out of range"));
+    }
+    let start = match version {
+        2 => 72,
+        3 => be32(100) as u64,
+        other => return Err(format!("qcow2 version {other}")),
+    };
+    let end = 1u64 << cluster_bits;
+    if start > end {
+        return Err("the header is longer than its cluster".into());
+    }
+    let mut area = vec![0u8; (end - start) as usize];
+    let read = file
+        .read_at(&mut area, start)
+        .map_err(|e| format!("reading the header extensions: {e}"))?;
+    area.truncate(read);
+    let mut at = 0usize;
+    while at + 8 <= area.len() {
+        let kind = u32::from_be_bytes(area[at..at + 4].try_into().expect("4 bytes"));
+        let length = u32::from_be_bytes(area[at + 4..at + 8].try_into().expect("4 bytes")) as usize;
+        if kind == 0 {
+            return Ok(());
+        }
+        if kind == FEATURE_NAME_TABLE && !length.is_multiple_of(48) {
+            return Err(format!("a feature name table of {length} bytes"));
+        }
+        at = at
+            .checked_add(8 + length.div_ceil(8) * 8)
+            .filter(|&next| next <= area.len())
+            .ok_or("a header extension runs past the header's cluster")?;
+    }
+    Ok(())
+}
+
 /// Reads the record from the qcow2 at `path`.
-async fn read_record(path: &Path) -> Result<String> {
+pub(super) async fn read_record(path: &Path) -> Result<String> {
+    let broken = |e: std::io::Error| Error::RootLayer {
+        path: path.to_path_buf(),
+        reason: format!("not a readable qcow2 layer: {e}"),
+    };
+    let file = File::open(path).map_err(broken)?;
+    check_header_extensions(&file).map_err(|reason| Error::RootLayer {
+        path: path.to_path_buf(),
+        reason: format!("not a qcow2 layer krunbox made: {reason}"),
+    })?;
+    drop(file);
+    let owned = path.to_path_buf();
+    on_imago_thread(move || async move { read_record_with_imago(&owned).await })
+        .await
+        .unwrap_or_else(|reason| {
+            Err(Error::RootLayer {
+                path: path.to_path_buf(),
+                reason,
+            })
+        })
+}
+
+/// Runs imago's work on a blocking thread with a runtime of its own: imago's futures are not
+/// `Send` (so they cannot be part of `Sandbox::boot`'s future, which callers spawn), and a
+/// panic inside imago on bytes [`check_header_extensions`] does not foresee becomes an error
+/// here instead of unwinding through the caller's boot.
+async fn on_imago_thread<T, F, Fut>(work: F) -> std::result::Result<T, String>
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = T>,
+    T: Send + 'static,
+{
+    tokio::task::spawn_blocking(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| format!("starting a runtime for imago: {e}"))?;
+        Ok(runtime.block_on(work()))
+    })
+    .await
+    .map_err(|e| format!("imago failed on it: {e}"))?
+}
+
+async fn read_record_with_imago(path: &Path) -> Result<String> {
     let broken = |e: std::io::Error| Error::RootLayer {
         path: path.to_path_buf(),
         reason: format!("not a readable qcow2 layer: {e}"),
@@ -202,45 +301,45 @@ async fn create(path: &Path, base_sha256: &str) -> Result<()> {
 
     let new_path = dir.join(format!(".{}.krunbox-new", name.to_string_lossy()));
     let _ = std::fs::remove_file(&new_path);
+    let raw = scratch
+        .as_file()
+        .try_clone()
+        .map_err(layer_error("duplicating the scratch disk's descriptor"))?;
+    let target = new_path.clone();
+    let result = on_imago_thread(move || async move { write_qcow2(&target, &raw).await })
+        .await
+        .map_err(std::io::Error::other)
+        .and_then(|written| written);
+    if let Err(e) = result {
+        let _ = std::fs::remove_file(&new_path);
+        return Err(layer_error("writing the qcow2 layer")(e));
+    }
+    std::fs::rename(&new_path, path).map_err(layer_error("moving the layer into place"))?;
+    Ok(())
+}
+
+/// Makes a qcow2 of [`PERSISTENT_LAYER_BYTES`] at `new_path` holding `raw`'s written extents.
+async fn write_qcow2(new_path: &Path, raw: &File) -> std::io::Result<()> {
     ImagoFile::create(
         StorageCreateOptions::new()
-            .filename(&new_path)
+            .filename(new_path)
             .overwrite(true),
     )
-    .await
-    .map_err(layer_error("creating the qcow2 file"))?;
-    let storage = ImagoFile::open(StorageOpenOptions::new().filename(&new_path).write(true))
-        .await
-        .map_err(layer_error("opening the new qcow2 file"))?;
+    .await?;
+    let storage = ImagoFile::open(StorageOpenOptions::new().filename(new_path).write(true)).await?;
     Qcow2::<ImagoFile>::create_builder(storage)
         .size(PERSISTENT_LAYER_BYTES)
         .create()
-        .await
-        .map_err(layer_error("formatting the qcow2 file"))?;
-    let storage = ImagoFile::open(StorageOpenOptions::new().filename(&new_path).write(true))
-        .await
-        .map_err(layer_error("opening the new qcow2 file"))?;
+        .await?;
+    let storage = ImagoFile::open(StorageOpenOptions::new().filename(new_path).write(true)).await?;
     let qcow2 = Qcow2::<ImagoFile>::builder(storage)
         .write(true)
         .open(DenyImplicitOpenGate::default())
-        .await
-        .map_err(layer_error("opening the new qcow2 image"))?;
+        .await?;
     let qcow2 = FormatAccess::new(qcow2);
-    copy_written_extents(scratch.as_file(), &qcow2)
-        .await
-        .map_err(layer_error(
-            "copying the formatted disk into the qcow2 image",
-        ))?;
-    qcow2
-        .flush()
-        .await
-        .map_err(layer_error("flushing the qcow2 image"))?;
-    qcow2
-        .sync()
-        .await
-        .map_err(layer_error("syncing the qcow2 image"))?;
-    drop(qcow2);
-    std::fs::rename(&new_path, path).map_err(layer_error("moving the layer into place"))?;
+    copy_written_extents(raw, &qcow2).await?;
+    qcow2.flush().await?;
+    qcow2.sync().await?;
     Ok(())
 }
 

@@ -278,3 +278,58 @@ fn run_mounts_host_directories_and_memory_filesystems() {
     );
     assert!(!docs.path().join("new").exists());
 }
+
+/// `--persist PATH` makes the root writable and keeps it for the next run; `--ephemeral` makes
+/// it writable for one run only.
+#[test]
+fn run_persists_a_writable_root_between_runs_and_ephemeral_forgets() {
+    let dir = tempfile::tempdir().unwrap();
+    let layer = dir.path().join("root.qcow2");
+    let layer_flag = layer.display().to_string();
+    let first = krunbox(&[
+        "run",
+        "--image",
+        "busybox",
+        "--persist",
+        &layer_flag,
+        "--",
+        "sh",
+        "-c",
+        "echo kept > /etc/krunbox-cli && echo ok",
+    ]);
+    assert!(
+        first.status.success(),
+        "{}{}",
+        text(&first.stdout),
+        text(&first.stderr)
+    );
+    assert!(layer.is_file(), "no layer file was made");
+    let second = krunbox(&[
+        "run",
+        "--image",
+        "busybox",
+        "--persist",
+        &layer_flag,
+        "--",
+        "cat",
+        "/etc/krunbox-cli",
+    ]);
+    assert_eq!(text(&second.stdout), "kept\n", "{}", text(&second.stderr));
+    let ephemeral = krunbox(&[
+        "run",
+        "--image",
+        "busybox",
+        "--ephemeral",
+        "32M",
+        "--",
+        "sh",
+        "-c",
+        "cat /etc/krunbox-cli 2>/dev/null; echo fresh > /etc/krunbox-cli && cat /etc/krunbox-cli",
+    ]);
+    assert_eq!(
+        text(&ephemeral.stdout),
+        "fresh\n",
+        "{}",
+        text(&ephemeral.stderr)
+    );
+}

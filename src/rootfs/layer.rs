@@ -80,14 +80,19 @@ impl MemoryLayer {
 
     /// What the layer holds now: the bytes of host memory its pages take.
     pub(crate) fn usage(&self) -> RootUsage {
-        let held = nix::sys::stat::fstat(self.file.as_fd())
-            .map(|st| st.st_blocks as u64 * 512)
-            .unwrap_or(0);
         RootUsage {
-            held_bytes: held,
+            held_bytes: allocated_bytes(&self.file),
             max_bytes: self.max_bytes,
         }
     }
+}
+
+/// The bytes `file` takes where it lives (memory for a memfd, disk for a file): its allocated
+/// blocks, not its length, which counts holes.
+pub(super) fn allocated_bytes(file: &File) -> u64 {
+    nix::sys::stat::fstat(file.as_fd())
+        .map(|st| st.st_blocks as u64 * 512)
+        .unwrap_or(0)
 }
 
 /// How much of a writable root's quota is in use (see

@@ -24,7 +24,7 @@ use imago::qcow2::Qcow2;
 use imago::{DenyImplicitOpenGate, FormatAccess, FormatCreateBuilder, FormatDriverBuilder};
 use imago::{Storage, StorageCreateOptions, StorageOpenOptions};
 
-use super::layer::{format_ext4, Journal, RootUsage};
+use super::layer::{allocated_bytes, format_ext4, Journal, RootUsage};
 use crate::error::{Error, Result};
 
 /// The size of a persistent layer's disk: what the guest's changes can grow to. The qcow2 file
@@ -84,11 +84,8 @@ impl PersistentLayer {
 
     /// Host disk the layer's file takes now, against the most it can.
     pub(crate) fn usage(&self) -> RootUsage {
-        let held = nix::sys::stat::fstat(self.file.as_fd())
-            .map(|st| st.st_blocks as u64 * 512)
-            .unwrap_or(0);
         RootUsage {
-            held_bytes: held,
+            held_bytes: allocated_bytes(&self.file),
             max_bytes: PERSISTENT_LAYER_FILE_BYTES,
         }
     }

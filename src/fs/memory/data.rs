@@ -97,24 +97,33 @@ impl FileData {
             .sum()
     }
 
+    /// Chunk `index`, made and grown (with zeros) to hold at least `length` bytes, and how
+    /// many more bytes that made the buffers hold (not yet added to `charged`).
+    fn chunk_of_length(&mut self, index: u64, length: usize) -> (&mut Vec<u8>, u64) {
+        let mut added = 0;
+        let chunk = self.chunks.entry(index).or_insert_with(|| {
+            added += CHUNK_COST;
+            Vec::new()
+        });
+        let before = chunk.capacity();
+        if chunk.len() < length {
+            let capacity = grown(before, length);
+            chunk.reserve_exact(capacity - chunk.len());
+            chunk.resize(length, 0);
+        }
+        added += (chunk.capacity() - before) as u64;
+        (chunk, added)
+    }
+
     /// Writes `data` at `offset` (the caller checked the size and the cost) and returns how
     /// many more bytes the buffers hold.
     pub(super) fn write(&mut self, offset: u64, data: &[u8]) -> u64 {
         let end = offset + data.len() as u64;
         let mut added = 0;
         for (index, from, to, at) in spans(offset, end) {
-            let chunk = self.chunks.entry(index).or_insert_with(|| {
-                added += CHUNK_COST;
-                Vec::new()
-            });
-            let before = chunk.capacity();
-            if chunk.len() < to {
-                let capacity = grown(before, to);
-                chunk.reserve_exact(capacity - chunk.len());
-                chunk.resize(to, 0);
-            }
+            let (chunk, grew) = self.chunk_of_length(index, to);
             chunk[from..to].copy_from_slice(&data[at..at + (to - from)]);
-            added += (chunk.capacity() - before) as u64;
+            added += grew;
         }
         self.charged += added;
         self.size = self.size.max(end);
@@ -129,17 +138,7 @@ impl FileData {
         let end = if grow { end } else { end.min(self.size) };
         let mut added = 0;
         for (index, _, to, _) in spans(offset, end) {
-            let chunk = self.chunks.entry(index).or_insert_with(|| {
-                added += CHUNK_COST;
-                Vec::new()
-            });
-            let before = chunk.capacity();
-            if chunk.len() < to {
-                let capacity = grown(before, to);
-                chunk.reserve_exact(capacity - chunk.len());
-                chunk.resize(to, 0);
-            }
-            added += (chunk.capacity() - before) as u64;
+            added += self.chunk_of_length(index, to).1;
         }
         self.charged += added;
         if grow {

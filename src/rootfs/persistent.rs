@@ -206,15 +206,24 @@ pub(super) async fn read_record(path: &Path) -> Result<String> {
     })?;
     drop(file);
     let owned = path.to_path_buf();
-    on_imago_thread(move || async move { read_record_with_imago(&owned).await })
-        .await
-        .unwrap_or_else(|reason| {
-            Err(Error::RootLayer {
-                path: path.to_path_buf(),
-                reason,
-            })
-        })
+    // A deadline: the file may be hostile, and the boot waits on this before its own deadline
+    // starts. (The thread is left to finish; reading 1 KiB of a good layer takes milliseconds.)
+    let reading = on_imago_thread(move || async move { read_record_with_imago(&owned).await });
+    match tokio::time::timeout(RECORD_DEADLINE, reading).await {
+        Ok(Ok(result)) => result,
+        Ok(Err(reason)) => Err(Error::RootLayer {
+            path: path.to_path_buf(),
+            reason,
+        }),
+        Err(_) => Err(Error::RootLayer {
+            path: path.to_path_buf(),
+            reason: format!("reading its record took more than {RECORD_DEADLINE:?}"),
+        }),
+    }
 }
+
+/// How long reading a layer's record may take.
+const RECORD_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Runs imago's work on a blocking thread with a runtime of its own: imago's futures are not
 /// `Send` (so they cannot be part of `Sandbox::boot`'s future, which callers spawn), and a

@@ -145,13 +145,7 @@ fn mount_writable(root: &RootMount, layer: &WritableLayer) -> io::Result<()> {
         |what: String| move |e: io::Error| io::Error::new(e.kind(), format!("{what}: {e}"));
     let lower = format!("{LAYERS}/lower");
     let disk = format!("{LAYERS}/disk");
-    mount(
-        "layers",
-        LAYERS,
-        Some("tmpfs"),
-        libc::MS_NOSUID | libc::MS_NODEV,
-        Some("size=64k,mode=700"),
-    )?;
+    mount_layers("64k")?;
     for dir in [&lower, &disk] {
         std::fs::create_dir(dir)?;
     }
@@ -208,13 +202,7 @@ fn needs_creating_in_image(point: &str) -> bool {
 /// get their directories wherever the host asked.
 fn add_mount_points(flags: libc::c_ulong, points: &[&str]) -> io::Result<()> {
     let lower = format!("{LAYERS}/lower");
-    mount(
-        "layers",
-        LAYERS,
-        Some("tmpfs"),
-        libc::MS_NOSUID | libc::MS_NODEV,
-        Some("size=1m,mode=700"),
-    )?;
+    mount_layers("1m")?;
     for dir in ["lower", "upper", "work"] {
         std::fs::create_dir(format!("{LAYERS}/{dir}"))?;
     }
@@ -233,4 +221,16 @@ fn add_mount_points(flags: libc::c_ulong, points: &[&str]) -> io::Result<()> {
         })?;
     }
     mount("root", NEW_ROOT, None, libc::MS_REMOUNT | flags, None)
+}
+
+/// A private tmpfs of `size` on [`LAYERS`] (on the first root), for the layers of an overlay
+/// root: it holds their mount points, or a read-only root's few new directories.
+fn mount_layers(size: &str) -> io::Result<()> {
+    mount(
+        "layers",
+        LAYERS,
+        Some("tmpfs"),
+        libc::MS_NOSUID | libc::MS_NODEV,
+        Some(&format!("size={size},mode=700")),
+    )
 }

@@ -614,43 +614,35 @@ pub(crate) fn build_root(
     }
     match pivot_into_jail(&config.root_dir, &host) {
         Ok(inside) => {
-            if inside.layer.is_some() && inside.share.is_none() {
-                if let Some(l) = report
-                    .layers
-                    .iter_mut()
-                    .find(|l| l.layer == Layer::MountNamespace)
-                {
-                    l.detail.push_str(
-                        ", and the helper's /proc/self/fd (a writable root's layer disk is opened by it)",
-                    );
-                }
-            }
-            if inside.share.is_some() {
-                if let Some(l) = report
-                    .layers
-                    .iter_mut()
-                    .find(|l| l.layer == Layer::MountNamespace)
-                {
-                    l.detail.push_str(
-                        ", and (benchmarks only) a shared directory and the helper's /proc/self/fd",
-                    );
-                }
+            let also = if inside.share.is_some() {
+                Some(", and (benchmarks only) a shared directory and the helper's /proc/self/fd")
+            } else if inside.layer.is_some() {
+                Some(", and the helper's /proc/self/fd (a writable root's layer disk is opened by it)")
+            } else {
+                None
+            };
+            if let (Some(also), Some(l)) = (also, mount_namespace(report)) {
+                l.detail.push_str(also);
             }
             inside
         }
         Err(e) => {
             // Keep the namespace, but say the root could not be emptied.
-            if let Some(l) = report
-                .layers
-                .iter_mut()
-                .find(|l| l.layer == Layer::MountNamespace)
-            {
+            if let Some(l) = mount_namespace(report) {
                 l.enforced = false;
                 l.detail = format!("entered, but the empty root could not be built: {e}");
             }
             host
         }
     }
+}
+
+/// The report's mount-namespace layer, whose detail the root's contents complete.
+fn mount_namespace(report: &mut Isolation) -> Option<&mut crate::jail::LayerReport> {
+    report
+        .layers
+        .iter_mut()
+        .find(|l| l.layer == Layer::MountNamespace)
 }
 
 /// Everything after the root: rlimits, privileges, Landlock, seccomp, in that order (seccomp

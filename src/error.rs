@@ -65,6 +65,18 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// A copy-on-write root's [`BlockStore`](crate::rootfs::BlockStore) failed: at boot (it
+    /// refused the base or was in use: the boot fails), or while the guest ran (the guest got
+    /// `EIO`; [`Instance::shutdown`](crate::Instance::shutdown) reports the first failure).
+    /// Blocks it could not take are not silently dropped: they were offered again at each
+    /// sync and at shutdown, and this error says when they could not be stored.
+    #[error("the root's block store failed to {operation}: {source}")]
+    BlockStore {
+        /// What krunbox asked of the store (`attach`, `read`, `write`, `flush`, ...).
+        operation: &'static str,
+        /// The store's error.
+        source: crate::rootfs::StoreError,
+    },
     /// The sandbox definition is invalid.
     #[error("invalid sandbox configuration: {0}")]
     InvalidConfig(String),

@@ -1509,6 +1509,13 @@ pub fn layer_file(data: &[u8]) {
     crate::rootfs::fuzz::fuzz_layer_file(data)
 }
 
+/// A copy-on-write root's block I/O as a hostile guest drives it (`src/rootfs/fuzz.rs`): any
+/// offsets and lengths, syncs, a store that fails at times. Panics if the dirty bytes pass
+/// their bound, a read returns other than the model disk holds, or a write is lost.
+pub fn layer_block(data: &[u8]) {
+    crate::rootfs::fuzz::fuzz_layer_block(data)
+}
+
 /// Replays every file of the committed corpus `fuzz/corpus/TARGET` through `property`, for
 /// the fuzz targets' corpus tests: a file that fails it fails the test, naming the file.
 #[cfg(test)]

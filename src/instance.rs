@@ -14,7 +14,7 @@ use crate::config::SandboxConfig;
 use crate::control::{self, Control, Gone, Liveness};
 use crate::error::{Error, Result};
 use crate::process::{Command, Guest};
-use crate::protocol::{FrameDecoder, HostMessage, RootMount, Setup, WritableLayer};
+use crate::protocol::{FrameDecoder, HostMessage, LayerDevice, RootMount, Setup, WritableLayer};
 use crate::rootfs::{self, Rootfs};
 use crate::vmm::{self, VmmConfig};
 
@@ -77,6 +77,9 @@ struct Inner {
     /// A writable root's layer while the VM runs (the helper holds it too; this one reports
     /// its usage and holds a persistent layer's lock), `None` once the VM has stopped.
     layer: Arc<std::sync::Mutex<Option<rootfs::Layer>>>,
+    /// A copy-on-write root's attachment, for the store failures `shutdown` reports.
+    /// (In a mutex only to be unwind-safe, as `Inner` must be.)
+    cow: std::sync::Mutex<Option<Arc<rootfs::CowLayer>>>,
     dir: tempfile::TempDir,
 }
 
@@ -152,6 +155,15 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         }
         _ => None,
     };
+    // A copy-on-write root's store: attached (and its layer made on first use) for this
+    // instance; given back when the VM stops, or if the boot fails (the guard).
+    let cow = match config.rootfs.cow_store() {
+        Some((store, max_dirty_bytes)) => Some(std::sync::Arc::new(
+            store.attach(&image.sha256, max_dirty_bytes).await?,
+        )),
+        None => None,
+    };
+    let mut cow_guard = CowGuard(cow.clone());
     let mut dir = tempfile::Builder::new()
         .prefix("krunbox-")
         .tempdir_in(crate::artifacts::runtime_dir())
@@ -167,13 +179,23 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
 
     // Host filesystems: their own socket, served from now on (guest-init connects during
     // setup, before it reports ready).
-    let (fs_socket, fs_service) = if config.mounts.is_empty() {
+    // A copy-on-write root's layer disk is served the same way, as the connection after the
+    // mounts'.
+    let mut served = config.mounts.clone();
+    if let Some(cow) = &cow {
+        served.push(crate::fs::Mount {
+            guest_path: "(the writable root's layer disk)".into(),
+            fs: Arc::new(rootfs::LayerDiskFs(cow.clone())),
+            options: crate::fs::MountOptions::new(),
+        });
+    }
+    let (fs_socket, fs_service) = if served.is_empty() {
         (None, None)
     } else {
         let path = dir.path().join("fs.sock");
         let listener =
             UnixListener::bind(&path).map_err(Error::io(format!("binding {}", path.display())))?;
-        let service = crate::fs::service::FsService::start(config.mounts.clone(), listener);
+        let service = crate::fs::service::FsService::start(served, listener);
         (Some(path), Some(service))
     };
     let jail = crate::jail::host::prepare(dir.path(), &config.required_isolation)?;
@@ -234,7 +256,12 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             fstype: vmm_config.root_fstype.clone(),
             read_only: true,
             writable_layer: config.rootfs.is_writable().then(|| WritableLayer {
-                device: "/dev/vdb".into(),
+                device: match &cow {
+                    Some(_) => LayerDevice::HostFile {
+                        mount_index: config.mounts.len() as u32,
+                    },
+                    None => LayerDevice::Disk("/dev/vdb".into()),
+                },
                 fstype: rootfs::LAYER_FSTYPE.into(),
             }),
         },
@@ -257,13 +284,14 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         // A writable root's layer. An ephemeral one is fresh for every attempt, so a retried
         // boot starts from the image again (formatting it runs mke2fs, off the async threads);
         // a persistent one is opened (and locked) once and handed to each attempt.
-        let layer = match config.rootfs.layer_quota() {
-            Some(quota) => Some(rootfs::Layer::Memory(
+        let layer = match (config.rootfs.layer_quota(), &cow) {
+            (Some(quota), _) => Some(rootfs::Layer::Memory(
                 tokio::task::spawn_blocking(move || rootfs::MemoryLayer::create(quota))
                     .await
                     .map_err(|e| Error::WritableLayer(e.to_string()))??,
             )),
-            None => persistent.take().map(rootfs::Layer::Persistent),
+            (None, Some(cow)) => Some(rootfs::Layer::Cow(cow.clone())),
+            (None, None) => persistent.take().map(rootfs::Layer::Persistent),
         };
         let log = std::fs::File::create(dir.path().join("vmm.log"))
             .map_err(Error::io("creating the VMM log"))?;
@@ -302,8 +330,8 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             if let Some((_, helper_end)) = &net_pair {
                 inherited.push((helper_end.as_raw_fd(), vmm::NET_FD));
             }
-            if let Some(layer) = &layer {
-                inherited.push((layer.file().as_raw_fd(), vmm::WRITABLE_LAYER_FD));
+            if let Some(file) = layer.as_ref().and_then(|layer| layer.file()) {
+                inherited.push((file.as_raw_fd(), vmm::WRITABLE_LAYER_FD));
             }
             vmm::spawn(
                 &config.artifacts.vmm_helper,
@@ -474,6 +502,8 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     // persistent layer's lock must be free for the next boot once this one has shut down, and
     // an ephemeral layer's memory comes back at once.
     let layer = Arc::new(std::sync::Mutex::new(layer));
+    // From here the supervisor gives the store back when the VM stops.
+    cow_guard.0 = None;
     let layer_of_vm = layer.clone();
     tokio::spawn(async move {
         let status = loop {
@@ -526,7 +556,19 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             }
         };
         c.fail_all(description.clone());
-        drop(layer_of_vm.lock().unwrap_or_else(|e| e.into_inner()).take());
+        let layer = layer_of_vm.lock().unwrap_or_else(|e| e.into_inner()).take();
+        // A copy-on-write layer's last blocks go to its store before anyone hears the VM
+        // has stopped (so `shutdown` returns after they are stored).
+        if let Some(rootfs::Layer::Cow(cow)) = &layer {
+            // The store is the caller's code: a stalled one must not hold `shutdown` forever.
+            if tokio::time::timeout(STORE_FINISH_DEADLINE, cow.finish())
+                .await
+                .is_err()
+            {
+                cow.give_up(STORE_FINISH_DEADLINE);
+            }
+        }
+        drop(layer);
         let _ = exited_tx.send(Some(description));
     });
 
@@ -545,9 +587,25 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             network,
             _filesystems: fs_service,
             layer,
+            cow: std::sync::Mutex::new(cow),
             dir,
         }),
     })
+}
+
+/// How long a copy-on-write root's last blocks may take to reach its store when the VM stops.
+const STORE_FINISH_DEADLINE: Duration = Duration::from_secs(120);
+
+/// Gives a copy-on-write root's store back (what is dirty stored, then detached) if a boot
+/// fails after attaching it.
+struct CowGuard(Option<Arc<rootfs::CowLayer>>);
+
+impl Drop for CowGuard {
+    fn drop(&mut self) {
+        if let Some(cow) = self.0.take() {
+            tokio::spawn(async move { cow.finish().await });
+        }
+    }
 }
 
 impl Instance {
@@ -684,7 +742,12 @@ impl Instance {
             let _ = self.inner.kill.send(true);
             let _ = exited.wait_for(|e| e.is_some()).await;
         }
-        Ok(())
+        // The supervisor stored a copy-on-write root's last blocks before it said "exited".
+        let cow = self.inner.cow.lock().unwrap_or_else(|e| e.into_inner());
+        match cow.as_ref().and_then(|cow| cow.failure()) {
+            Some(failure) => Err(failure),
+            None => Ok(()),
+        }
     }
 
     pub(crate) fn control(&self) -> Result<Arc<Control>> {

@@ -52,7 +52,7 @@ mod limits;
 pub mod net;
 mod output_queue;
 mod process;
-mod rootfs;
+pub mod rootfs;
 mod sandbox;
 #[cfg(test)]
 mod scripted_guest;

@@ -33,7 +33,8 @@ pub fn mount_all(mounts: &[GuestMount]) -> Result<(), String> {
     Ok(())
 }
 
-fn mount_one(index: u32, target: &GuestMount) -> io::Result<()> {
+/// Mounts one host filesystem, connection `index`, at `target` and starts its relay.
+pub fn mount_one(index: u32, target: &GuestMount) -> io::Result<()> {
     std::fs::create_dir_all(&target.path)
         .map_err(|e| io::Error::new(e.kind(), format!("creating the mount point: {e}")))?;
     let device = OpenOptions::new()

@@ -15,6 +15,7 @@
 
 pub mod files;
 pub mod fuse;
+pub mod loop_device;
 pub mod mounts;
 pub mod net;
 pub mod outbox;

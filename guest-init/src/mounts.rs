@@ -2,7 +2,7 @@
 
 use std::io;
 
-use krunbox_protocol::{RootMount, WritableLayer};
+use krunbox_protocol::{GuestMount, LayerDevice, RootMount, WritableLayer, LAYER_FILE_NAME};
 
 use crate::sys::{c, check, mount};
 
@@ -157,17 +157,25 @@ fn mount_writable(root: &RootMount, layer: &WritableLayer) -> io::Result<()> {
         None,
     )
     .map_err(context(format!("mounting the image {}", root.device)))?;
-    mount(
-        &layer.device,
-        &disk,
-        Some(&layer.fstype),
-        libc::MS_NOATIME,
-        None,
-    )
-    .map_err(context(format!(
-        "mounting the writable layer {} ({})",
-        layer.device, layer.fstype
-    )))?;
+    let device = match &layer.device {
+        LayerDevice::Disk(device) => device.clone(),
+        LayerDevice::HostFile { mount_index } => {
+            // The host serves the layer disk as the one file of a FUSE mount of its own, kept
+            // on the layers tmpfs (gone from every path after the switch, alive while the loop
+            // device holds its file).
+            let served = format!("{LAYERS}/served");
+            let target = GuestMount {
+                path: served.clone(),
+                read_only: false,
+            };
+            crate::fuse::mount_one(*mount_index, &target)
+                .map_err(context("mounting the host-served layer".into()))?;
+            crate::loop_device::attach(&format!("{served}/{LAYER_FILE_NAME}"))?
+        }
+    };
+    mount(&device, &disk, Some(&layer.fstype), libc::MS_NOATIME, None).map_err(context(
+        format!("mounting the writable layer {device} ({})", layer.fstype),
+    ))?;
     for dir in ["upper", "work"] {
         std::fs::create_dir_all(format!("{disk}/{dir}"))
             .map_err(context(format!("making {dir}/ on the writable layer")))?;

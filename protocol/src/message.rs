@@ -110,11 +110,28 @@ pub struct RootMount {
 /// the read-only image (guest-init keeps `upper/` and `work/` at the device's top).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WritableLayer {
-    /// Guest block device, e.g. `/dev/vdb`.
-    pub device: String,
+    /// Where the device comes from.
+    pub device: LayerDevice,
     /// Filesystem type, e.g. `ext4`.
     pub fstype: String,
 }
+
+/// Where a writable layer's block device comes from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LayerDevice {
+    /// A disk of the VM, e.g. `/dev/vdb`.
+    Disk(String),
+    /// A file the host serves block by block: guest-init mounts the host filesystem of
+    /// connection index `mount_index` on [`FS_PORT`](crate::FS_PORT) (the index after
+    /// [`Setup::mounts`]'), attaches its file [`LAYER_FILE_NAME`] to a loop device and uses that.
+    HostFile {
+        /// The connection's index.
+        mount_index: u32,
+    },
+}
+
+/// The name of the one file a host-served layer's filesystem holds.
+pub const LAYER_FILE_NAME: &str = "disk";
 
 /// Boot parameters the host sends after [`Hello`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -905,7 +922,7 @@ mod tests {
                     fstype: "erofs".into(),
                     read_only: true,
                     writable_layer: Some(WritableLayer {
-                        device: "/dev/vdb".into(),
+                        device: LayerDevice::HostFile { mount_index: 2 },
                         fstype: "ext4".into(),
                     }),
                 },

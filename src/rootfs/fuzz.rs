@@ -1,9 +1,14 @@
-//! The `layer_file` fuzz target: a persistent layer's file as a compromised VMM helper could
-//! leave it (the helper writes that file; the library opens it again at the next boot).
+//! The rootfs fuzz targets.
 //!
-//! The property: reading the layer's record from any bytes never panics and never opens
-//! another file (a qcow2 naming a backing or data file is refused); it gives a base digest of
-//! 64 lowercase hex digits or a typed [`Error::RootLayer`].
+//! `layer_file`: a persistent layer's file as a compromised VMM helper could leave it (the
+//! helper writes that file; the library opens it again at the next boot). The property:
+//! reading the layer's record from any bytes never panics and never opens another file (a
+//! qcow2 naming a backing or data file is refused); it gives a base digest of 64 lowercase hex
+//! digits or a typed [`Error::RootLayer`].
+//!
+//! `layer_block`: a copy-on-write root's block I/O as the guest drives it (any offsets and
+//! lengths, syncs), over a store that fails when the script says so. See
+//! [`fuzz_layer_block`].
 
 use std::sync::OnceLock;
 
@@ -44,6 +49,223 @@ pub(crate) fn fuzz_layer_file(bytes: &[u8]) {
         Err(Error::RootLayer { .. }) => {}
         Err(other) => panic!("not a typed layer error: {other:?}"),
     }
+}
+
+/// The dirty bound of the `layer_block` harness: small, so the store is written often, and
+/// above the largest write of a script plus two blocks (so a write that fails changed nothing).
+const BLOCK_HARNESS_DIRTY: u64 = 128 << 10;
+
+/// A store whose every call fails while `failing` is set: blocks in a [`MemoryStore`].
+struct FlakyStore {
+    blocks: super::MemoryStore,
+    failing: std::sync::atomic::AtomicBool,
+}
+
+impl FlakyStore {
+    fn check(&self) -> Result<(), super::StoreError> {
+        if self.failing.load(std::sync::atomic::Ordering::SeqCst) {
+            Err(super::StoreError::Failed("failing on purpose".into()))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl super::BlockStore for FlakyStore {
+    fn block_size(&self) -> u32 {
+        self.blocks.block_size()
+    }
+    async fn written_blocks(&self) -> Result<Vec<u64>, super::StoreError> {
+        self.check()?;
+        self.blocks.written_blocks().await
+    }
+    async fn read_blocks(&self, first: u64, buf: &mut [u8]) -> Result<(), super::StoreError> {
+        self.check()?;
+        self.blocks.read_blocks(first, buf).await
+    }
+    async fn write_blocks(&self, first: u64, data: &[u8]) -> Result<(), super::StoreError> {
+        self.check()?;
+        self.blocks.write_blocks(first, data).await
+    }
+    async fn flush(&self) -> Result<(), super::StoreError> {
+        self.check()
+    }
+}
+
+/// The `layer_block` property. `data` is a script; each operation is a byte (modulo 4) and
+/// its arguments (missing bytes read as zero):
+///
+/// * write: a 5-byte offset (bit 0 of the first byte: counted back from the disk's end
+///   instead), a 2-byte length, a fill byte;
+/// * read: an offset as above and a 2-byte length;
+/// * sync;
+/// * the store starts or stops failing.
+///
+/// Checked after each: nothing panics; the dirty bytes held never pass the bound; a write
+/// that fails changed nothing and a write past the disk is `ENOSPC`; a read that succeeds
+/// returns exactly what a model disk holds (stopping at the disk's end); with the store
+/// failing, the guest gets `EIO` or success, never wrong data. At the end the store works
+/// again: a sync succeeds, leaves nothing dirty, and every byte written reads back.
+pub(crate) fn fuzz_layer_block(data: &[u8]) {
+    use super::cow::{CowLayer, COW_LAYER_BYTES};
+    use crate::fs::FsError;
+    use std::collections::BTreeMap;
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+
+    const PAGE: u64 = 4096;
+    let store = Arc::new(FlakyStore {
+        blocks: super::MemoryStore::with_block_size(8192).expect("a valid size"),
+        failing: false.into(),
+    });
+    let layer = CowLayer::unformatted(store.clone(), BLOCK_HARNESS_DIRTY);
+    // The model disk: written pages (all others are zeros).
+    let mut model: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
+    let model_read = |model: &BTreeMap<u64, Vec<u8>>, offset: u64, len: u64| -> Vec<u8> {
+        (offset..offset + len)
+            .map(|at| {
+                model
+                    .get(&(at / PAGE))
+                    .map_or(0, |p| p[(at % PAGE) as usize])
+            })
+            .collect()
+    };
+    let mut bytes = data.iter().copied();
+    let mut next = move || bytes.next().unwrap_or(0);
+    let offset = |next: &mut dyn FnMut() -> u8| {
+        let raw = (0..5).fold(0u64, |n, _| (n << 8) | u64::from(next()));
+        if raw & (1 << 32) != 0 {
+            COW_LAYER_BYTES.saturating_sub(raw & 0x1_ffff)
+        } else {
+            raw
+        }
+    };
+    runtime().block_on(async {
+        for _ in 0..64 {
+            if data.is_empty() {
+                break;
+            }
+            let op = next() % 4;
+            match op {
+                0 => {
+                    let at = offset(&mut next);
+                    let len = u64::from(u16::from_le_bytes([next(), next()]));
+                    let fill = next();
+                    let result = layer.write(at, &vec![fill; len as usize]).await;
+                    if at.saturating_add(len) > COW_LAYER_BYTES {
+                        assert_eq!(result, Err(FsError::NO_SPACE), "a write past the disk");
+                    } else if result.is_ok() {
+                        assert_eq!(result, Ok(len as u32));
+                        for byte in at..at + len {
+                            model
+                                .entry(byte / PAGE)
+                                .or_insert_with(|| vec![0; PAGE as usize])
+                                [(byte % PAGE) as usize] = fill;
+                        }
+                    } else {
+                        assert_eq!(result, Err(FsError::IO));
+                        assert!(
+                            store.failing.load(Ordering::SeqCst),
+                            "EIO from a working store"
+                        );
+                    }
+                }
+                1 => {
+                    let at = offset(&mut next);
+                    let len = u64::from(u16::from_le_bytes([next(), next()]));
+                    match layer.read(at, len as u32).await {
+                        Ok(back) => {
+                            let end = at.saturating_add(len).min(COW_LAYER_BYTES).max(at);
+                            assert_eq!(back, model_read(&model, at, end - at), "read at {at}");
+                        }
+                        Err(err) => {
+                            assert_eq!(err, FsError::IO);
+                            assert!(
+                                store.failing.load(Ordering::SeqCst),
+                                "EIO from a working store"
+                            );
+                        }
+                    }
+                }
+                2 => {
+                    if layer.sync().await.is_err() {
+                        assert!(
+                            store.failing.load(Ordering::SeqCst),
+                            "a working store's sync failed"
+                        );
+                    } else {
+                        assert_eq!(layer.usage().held_bytes, 0, "a sync left blocks dirty");
+                    }
+                }
+                _ => {
+                    store.failing.fetch_xor(true, Ordering::SeqCst);
+                }
+            }
+            assert!(
+                layer.usage().held_bytes <= BLOCK_HARNESS_DIRTY,
+                "{:?}",
+                layer.usage()
+            );
+        }
+        store.failing.store(false, Ordering::SeqCst);
+        layer.sync().await.expect("a working store syncs");
+        assert_eq!(layer.usage().held_bytes, 0);
+        for (&page, contents) in &model {
+            assert_eq!(
+                &layer.read(page * PAGE, PAGE as u32).await.unwrap(),
+                contents
+            );
+        }
+    });
+}
+
+/// Seeds for `layer_block`: writes across block edges, a read back, a sync; writes while the
+/// store fails, past the bound, then a sync after it recovers; writes and reads at the disk's
+/// end.
+#[cfg(test)]
+pub(crate) fn layer_block_seeds() -> Vec<Vec<u8>> {
+    let write = |at: [u8; 5], len: u16, fill: u8| {
+        let mut op = vec![0];
+        op.extend(at);
+        op.extend(len.to_le_bytes());
+        op.push(fill);
+        op
+    };
+    let read = |at: [u8; 5], len: u16| {
+        let mut op = vec![1];
+        op.extend(at);
+        op.extend(len.to_le_bytes());
+        op
+    };
+    let near_end = |back: u16| {
+        let [hi, lo] = back.to_be_bytes();
+        [1, 0, 0, hi, lo]
+    };
+    vec![
+        [
+            write([0, 0, 0, 0x1f, 0xf0], 9000, 7),
+            read([0, 0, 0, 0x1f, 0], 12000),
+            vec![2],
+        ]
+        .concat(),
+        [
+            vec![3],
+            write([0, 0, 1, 0, 0], 60000, 1),
+            write([0, 0, 2, 0, 0], 60000, 2),
+            write([0, 0, 3, 0, 0], 60000, 3),
+            vec![2, 3],
+            read([0, 0, 1, 0, 0], 60000),
+            vec![2],
+        ]
+        .concat(),
+        [
+            write(near_end(100), 50, 9),
+            write(near_end(10), 50, 9),
+            read(near_end(60), 200),
+        ]
+        .concat(),
+    ]
 }
 
 #[cfg(test)]
@@ -143,6 +365,23 @@ mod tests {
                 fuzz_layer_file(&bytes);
             }
         }
+    }
+
+    #[test]
+    fn the_layer_block_property_holds_on_its_seeds_and_their_mutations() {
+        let seeds = layer_block_seeds();
+        for seed in &seeds {
+            fuzz_layer_block(seed);
+        }
+        crate::fuzzing::mutate_seeds(&seeds, 300, 0x1a7e_b10c, fuzz_layer_block);
+        crate::fuzzing::replay_corpus("layer_block", fuzz_layer_block);
+    }
+
+    /// The seeds, committed as `fuzz/corpus/layer_block/seed-*`; write them with
+    /// `KRUNBOX_WRITE_FUZZ_SEEDS=1 cargo test --lib committed_layer_block_seeds`.
+    #[test]
+    fn committed_layer_block_seeds_are_the_generated_ones() {
+        crate::fuzzing::assert_committed_seeds("layer_block", &layer_block_seeds());
     }
 
     #[test]

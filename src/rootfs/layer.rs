@@ -53,22 +53,7 @@ impl MemoryLayer {
     pub(crate) fn create(max_bytes: u64) -> Result<MemoryLayer> {
         check_quota(max_bytes)?;
         let max_bytes = max_bytes & !4095;
-        let fd = nix::sys::memfd::memfd_create(
-            c"krunbox-layer",
-            nix::sys::memfd::MFdFlags::MFD_CLOEXEC | nix::sys::memfd::MFdFlags::MFD_ALLOW_SEALING,
-        )
-        .map_err(|e| layer_error("creating the memfd")(e.into()))?;
-        let file = File::from(fd);
-        file.set_len(max_bytes)
-            .map_err(layer_error("sizing the memfd"))?;
-        // The child reaches the memfd through this process's descriptor table (the memfd has
-        // no other name); it is close-on-exec, so the child holds nothing of ours after.
-        let path = PathBuf::from(format!(
-            "/proc/{}/fd/{}",
-            std::process::id(),
-            file.as_raw_fd()
-        ));
-        format_ext4(&path, Journal::Without)?;
+        let file = formatted_memfd(max_bytes, Journal::Without)?;
         seal(&file)?;
         Ok(MemoryLayer { file, max_bytes })
     }
@@ -89,6 +74,49 @@ impl MemoryLayer {
 
 /// The bytes `file` takes where it lives (memory for a memfd, disk for a file): its allocated
 /// blocks, not its length, which counts holes.
+/// A memfd of `bytes` (a multiple of 4 KiB) holding a fresh ext4 filesystem, formatted by
+/// `mke2fs`: an ephemeral layer's disk, or the first contents of a copy-on-write one. It holds
+/// only what `mke2fs` wrote (it assumes the storage reads as zeros).
+pub(super) fn formatted_memfd(bytes: u64, journal: Journal) -> Result<File> {
+    let fd = nix::sys::memfd::memfd_create(
+        c"krunbox-layer",
+        nix::sys::memfd::MFdFlags::MFD_CLOEXEC | nix::sys::memfd::MFdFlags::MFD_ALLOW_SEALING,
+    )
+    .map_err(|e| layer_error("creating the memfd")(e.into()))?;
+    let file = File::from(fd);
+    file.set_len(bytes)
+        .map_err(layer_error("sizing the memfd"))?;
+    // The child reaches the memfd through this process's descriptor table (the memfd has
+    // no other name); it is close-on-exec, so the child holds nothing of ours after.
+    let path = PathBuf::from(format!(
+        "/proc/{}/fd/{}",
+        std::process::id(),
+        file.as_raw_fd()
+    ));
+    format_ext4(&path, journal)?;
+    Ok(file)
+}
+
+/// The written extents (`start..end` byte ranges) of a sparse file, found with `SEEK_DATA` and
+/// `SEEK_HOLE`: what a freshly formatted layer disk holds, to copy into its real home.
+pub(super) fn data_extents(file: &File) -> std::io::Result<Vec<(u64, u64)>> {
+    use nix::unistd::{lseek, Whence};
+    let size = file.metadata()?.len() as i64;
+    let mut extents = Vec::new();
+    let mut at = 0i64;
+    while at < size {
+        let start = match lseek(file.as_fd(), at, Whence::SeekData) {
+            Ok(start) => start,
+            Err(nix::errno::Errno::ENXIO) => break, // only a hole is left
+            Err(e) => return Err(e.into()),
+        };
+        let end = lseek(file.as_fd(), start, Whence::SeekHole)?;
+        extents.push((start as u64, end as u64));
+        at = end;
+    }
+    Ok(extents)
+}
+
 pub(super) fn allocated_bytes(file: &File) -> u64 {
     nix::sys::stat::fstat(file.as_fd())
         .map(|st| st.st_blocks as u64 * 512)

@@ -1,5 +1,6 @@
 //! Root filesystems: which image a sandbox boots, proving it is the image expected, and the
-//! writable layer a writable root keeps its changes on (`layer.rs`).
+//! writable layer a writable root keeps its changes on (`layer.rs`, `persistent.rs`, `cow.rs`
+//! over a [`BlockStore`] of `store/`).
 //!
 //! Every root image is identified by its SHA-256. Before each boot the image file is opened,
 //! hashed, and compared with the expected digest; the *same open file descriptor* is then handed
@@ -15,13 +16,20 @@ use sha2::{Digest, Sha256};
 use crate::error::{Error, Result};
 pub use krunbox_rootfs::BuiltinImage;
 
+mod cow;
 pub(crate) mod fuzz;
 mod layer;
 mod persistent;
+mod store;
 
+pub(crate) use cow::{CowLayer, LayerDiskFs};
 pub use layer::RootUsage;
 pub(crate) use layer::{mke2fs, MemoryLayer, LAYER_FSTYPE};
 pub(crate) use persistent::{PersistentLayer, PERSISTENT_LAYER_FILE_BYTES};
+pub use store::{
+    async_trait, BlockStore, DirectoryStore, MemoryStore, StoreContext, StoreError, MAX_BLOCK_SIZE,
+    MIN_BLOCK_SIZE,
+};
 
 /// A writable root's layer, as an instance holds it.
 #[derive(Debug)]
@@ -30,14 +38,17 @@ pub(crate) enum Layer {
     Memory(MemoryLayer),
     /// [`Rootfs::Persistent`]'s.
     Persistent(PersistentLayer),
+    /// [`Rootfs::Cow`]'s: served by the library, no disk of the VMM's.
+    Cow(std::sync::Arc<CowLayer>),
 }
 
 impl Layer {
-    /// The layer disk's descriptor, handed to the VMM helper.
-    pub(crate) fn file(&self) -> &File {
+    /// The layer disk's descriptor, handed to the VMM helper (none for a served layer).
+    pub(crate) fn file(&self) -> Option<&File> {
         match self {
-            Layer::Memory(layer) => layer.file(),
-            Layer::Persistent(layer) => layer.file(),
+            Layer::Memory(layer) => Some(layer.file()),
+            Layer::Persistent(layer) => Some(layer.file()),
+            Layer::Cow(_) => None,
         }
     }
 
@@ -46,9 +57,64 @@ impl Layer {
         match self {
             Layer::Memory(layer) => layer.usage(),
             Layer::Persistent(layer) => layer.usage(),
+            Layer::Cow(layer) => layer.usage(),
         }
     }
 }
+
+/// A [`BlockStore`] as a root definition holds it: clones share the store, and the mark that
+/// one running sandbox has it attached (a second boot while one runs is refused with
+/// [`StoreError::InUse`]). Two handles are equal when they share the store.
+///
+/// ```
+/// use krunbox::rootfs::{MemoryStore, StoreHandle};
+///
+/// let handle = StoreHandle::new(MemoryStore::new());
+/// assert_eq!(handle.clone(), handle);
+/// assert_ne!(StoreHandle::new(MemoryStore::new()), handle);
+/// ```
+#[derive(Clone)]
+pub struct StoreHandle {
+    store: std::sync::Arc<dyn BlockStore>,
+    attached: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl StoreHandle {
+    /// Wraps a store.
+    pub fn new(store: impl BlockStore) -> Self {
+        StoreHandle {
+            store: std::sync::Arc::new(store),
+            attached: Default::default(),
+        }
+    }
+
+    /// The store.
+    pub fn store(&self) -> &dyn BlockStore {
+        &*self.store
+    }
+}
+
+impl<S: BlockStore> From<S> for StoreHandle {
+    fn from(store: S) -> Self {
+        StoreHandle::new(store)
+    }
+}
+
+impl std::fmt::Debug for StoreHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreHandle")
+            .field("block_size", &self.store.block_size())
+            .finish_non_exhaustive()
+    }
+}
+
+impl PartialEq for StoreHandle {
+    fn eq(&self, other: &Self) -> bool {
+        std::sync::Arc::ptr_eq(&self.attached, &other.attached)
+    }
+}
+
+impl Eq for StoreHandle {}
 
 /// The root filesystem of a sandbox.
 ///
@@ -95,9 +161,9 @@ pub enum Rootfs {
     /// `base`, writable, its changes kept between boots in a qcow2 file at `path`: made on
     /// first use (a disk of [`Rootfs::PERSISTENT_LAYER_BYTES`] that takes host disk only for what is
     /// written), recording `base`'s digest, so that a boot over another base fails closed
-    /// ([`Error::RootBaseMismatch`](crate::Error::RootBaseMismatch)). One running sandbox at
+    /// ([`Error::RootBaseMismatch`]). One running sandbox at
     /// a time: a second boot while one runs gets
-    /// [`Error::RootInUse`](crate::Error::RootInUse). The image itself is never written.
+    /// [`Error::RootInUse`]. The image itself is never written.
     ///
     /// What is durable: what the guest wrote before a clean shutdown (guest-init syncs
     /// first), and what it `fsync`ed (the guest's flush reaches the file, which libkrun
@@ -108,6 +174,33 @@ pub enum Rootfs {
         base: Box<Rootfs>,
         /// The layer's qcow2 file.
         path: PathBuf,
+    },
+    /// `base`, writable, its changes kept block by block in a [`BlockStore`] the program
+    /// supplies (a layer disk of [`Rootfs::COW_LAYER_BYTES`], made in the store on first use
+    /// and bound to `base`'s digest: another base fails closed). The guest's writes collect in
+    /// at most `max_dirty_bytes` of host memory, and reach the store:
+    ///
+    /// * when that much is dirty (stored, not yet flushed);
+    /// * when the guest syncs (`fsync`, `fdatasync`, `sync`, and its ext4 journal's commits,
+    ///   every 5 seconds while it writes): everything dirty is stored, then
+    ///   [`BlockStore::flush`]ed, and only then does the guest's call return;
+    /// * when the VM stops, however it stops (shut down, crashed, its VMM killed): stored and
+    ///   flushed before [`Instance::shutdown`](crate::Instance::shutdown) returns.
+    ///
+    /// So what the guest synced is durable in the store when its sync returns, and everything
+    /// it wrote is once the instance has stopped; if this process dies, the store holds at
+    /// least what was synced, and the guest's journal makes it consistent. A store failure is
+    /// `EIO` in the guest and [`Error::BlockStore`] from
+    /// `shutdown`; the blocks it could not take are never silently dropped. One running
+    /// sandbox per store.
+    Cow {
+        /// The image underneath: [`Rootfs::Builtin`] or [`Rootfs::Image`].
+        base: Box<Rootfs>,
+        /// Where the layer's blocks live.
+        store: StoreHandle,
+        /// The most dirty bytes held in host memory, between [`Rootfs::MIN_DIRTY_BYTES`] and
+        /// [`Rootfs::MAX_DIRTY_BYTES`].
+        max_dirty_bytes: u64,
     },
 }
 
@@ -121,6 +214,10 @@ impl Rootfs {
     /// The size of a persistent root's layer disk (32 GiB): what its changes can grow to. Its
     /// file takes host disk only for what is written.
     pub const PERSISTENT_LAYER_BYTES: u64 = persistent::PERSISTENT_LAYER_BYTES;
+
+    /// The size of a copy-on-write root's layer disk (32 GiB): what its changes can grow to.
+    /// Its store holds only the blocks written.
+    pub const COW_LAYER_BYTES: u64 = cow::COW_LAYER_BYTES;
 
     /// A built-in image.
     pub fn builtin(image: BuiltinImage) -> Rootfs {
@@ -186,6 +283,34 @@ impl Rootfs {
         }
     }
 
+    /// `base` made writable with its changes kept in `store` between boots, at most
+    /// `max_dirty_bytes` of them in host memory at a time (see [`Rootfs::Cow`] for when they
+    /// reach the store).
+    ///
+    /// ```no_run
+    /// # async fn demo() -> krunbox::Result<()> {
+    /// use krunbox::rootfs::DirectoryStore;
+    /// use krunbox::{BuiltinImage, Rootfs, Sandbox};
+    ///
+    /// let store = DirectoryStore::open("/var/lib/myagent/root")?;
+    /// let base = Rootfs::builtin(BuiltinImage::Agent);
+    /// let sandbox = Sandbox::builder()
+    ///     .rootfs(Rootfs::cow(base, store, 64 << 20))
+    ///     .build()?;
+    /// let vm = sandbox.boot().await?;
+    /// vm.command("sh").args(["-c", "echo kept > /etc/motd"]).status().await?;
+    /// vm.shutdown().await?; // everything is in the store now
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn cow(base: Rootfs, store: impl Into<StoreHandle>, max_dirty_bytes: u64) -> Rootfs {
+        Rootfs::Cow {
+            base: Box::new(base),
+            store: store.into(),
+            max_dirty_bytes,
+        }
+    }
+
     /// The quota of an ephemeral root's layer.
     pub(crate) fn layer_quota(&self) -> Option<u64> {
         match self {
@@ -198,7 +323,10 @@ impl Rootfs {
 
     /// Whether the root is writable (has a layer).
     pub(crate) fn is_writable(&self) -> bool {
-        matches!(self, Rootfs::Ephemeral { .. } | Rootfs::Persistent { .. })
+        matches!(
+            self,
+            Rootfs::Ephemeral { .. } | Rootfs::Persistent { .. } | Rootfs::Cow { .. }
+        )
     }
 
     /// Checks the definition (digests are hex, a writable root is over an image and its quota
@@ -244,7 +372,48 @@ impl Rootfs {
                 }
                 base.check()
             }
+            Rootfs::Cow {
+                base,
+                store,
+                max_dirty_bytes,
+            } => {
+                if base.is_writable() {
+                    return Err(Error::InvalidConfig(
+                        "a writable root's base must be an image (Rootfs::builtin or \
+                         Rootfs::image), not another writable root"
+                            .into(),
+                    ));
+                }
+                layer::check_quota(*max_dirty_bytes)?;
+                store::check_block_size(store.store.block_size()).map_err(Error::InvalidConfig)?;
+                base.check()
+            }
         }
+    }
+
+    /// A copy-on-write root's store and its bound on dirty bytes.
+    pub(crate) fn cow_store(&self) -> Option<(&StoreHandle, u64)> {
+        match self {
+            Rootfs::Cow {
+                store,
+                max_dirty_bytes,
+                ..
+            } => Some((store, *max_dirty_bytes)),
+            _ => None,
+        }
+    }
+}
+
+impl StoreHandle {
+    /// Attaches the store for one boot over `base_sha256` (see [`CowLayer::attach`]).
+    pub(crate) async fn attach(&self, base_sha256: &str, max_dirty_bytes: u64) -> Result<CowLayer> {
+        CowLayer::attach(
+            self.store.clone(),
+            self.attached.clone(),
+            base_sha256,
+            max_dirty_bytes,
+        )
+        .await
     }
 }
 
@@ -288,7 +457,9 @@ pub(crate) fn resolve(
             fstype,
             sha256,
         } => Ok((path.clone(), fstype.clone(), sha256.clone())),
-        Rootfs::Ephemeral { base, .. } | Rootfs::Persistent { base, .. } => {
+        Rootfs::Ephemeral { base, .. }
+        | Rootfs::Persistent { base, .. }
+        | Rootfs::Cow { base, .. } => {
             if base.is_writable() {
                 return Err(Error::InvalidConfig(
                     "a writable root's base must be an image".into(),

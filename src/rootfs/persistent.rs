@@ -16,7 +16,6 @@
 //! against mistakes, not a boundary.
 
 use std::fs::File;
-use std::os::fd::AsFd;
 use std::path::Path;
 
 use imago::file::File as ImagoFile;
@@ -24,7 +23,7 @@ use imago::qcow2::Qcow2;
 use imago::{DenyImplicitOpenGate, FormatAccess, FormatCreateBuilder, FormatDriverBuilder};
 use imago::{Storage, StorageCreateOptions, StorageOpenOptions};
 
-use super::layer::{allocated_bytes, format_ext4, Journal, RootUsage};
+use super::layer::{allocated_bytes, data_extents, format_ext4, Journal, RootUsage};
 use crate::error::{Error, Result};
 
 /// The size of a persistent layer's disk: what the guest's changes can grow to. The qcow2 file
@@ -122,7 +121,7 @@ pub(super) fn record(base_sha256: &str) -> Vec<u8> {
 }
 
 /// The base digest a record names, or why it is not a record.
-fn parse_record(bytes: &[u8]) -> std::result::Result<String, String> {
+pub(super) fn parse_record(bytes: &[u8]) -> std::result::Result<String, String> {
     let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
     let text = std::str::from_utf8(&bytes[..end]).map_err(|_| "not text".to_string())?;
     let mut lines = text.lines();
@@ -352,26 +351,16 @@ async fn write_qcow2(new_path: &Path, raw: &File) -> std::io::Result<()> {
 /// Copies every written extent of the sparse `raw` file (found with `SEEK_DATA`/`SEEK_HOLE`)
 /// into `qcow2` at the same offsets: holes stay unallocated there too.
 async fn copy_written_extents(raw: &File, qcow2: &FormatAccess<ImagoFile>) -> std::io::Result<()> {
-    use nix::unistd::{lseek, Whence};
     use std::os::unix::fs::FileExt;
-    let size = raw.metadata()?.len() as i64;
     let mut buffer = vec![0u8; 1 << 20];
-    let mut at = 0i64;
-    while at < size {
-        let start = match lseek(raw.as_fd(), at, Whence::SeekData) {
-            Ok(start) => start,
-            Err(nix::errno::Errno::ENXIO) => break, // only a hole is left
-            Err(e) => return Err(e.into()),
-        };
-        let end = lseek(raw.as_fd(), start, Whence::SeekHole)?;
+    for (start, end) in data_extents(raw)? {
         let mut offset = start;
         while offset < end {
             let n = ((end - offset) as usize).min(buffer.len());
-            raw.read_exact_at(&mut buffer[..n], offset as u64)?;
-            qcow2.write(&buffer[..n], offset as u64).await?;
-            offset += n as i64;
+            raw.read_exact_at(&mut buffer[..n], offset)?;
+            qcow2.write(&buffer[..n], offset).await?;
+            offset += n as u64;
         }
-        at = end;
     }
     Ok(())
 }

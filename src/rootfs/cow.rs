@@ -1,0 +1,748 @@
+//! A copy-on-write root's layer disk, served block by block from a [`BlockStore`].
+//!
+//! libkrun's disks are files it opens itself, so a disk whose every write the host sees would
+//! need a block device of our own in the VMM. Instead the guest builds it: the host serves the
+//! layer disk as the one file of a FUSE mount over the workspace transport (`src/fs/`), and
+//! guest-init attaches that file to a loop device with direct I/O, formats nothing, mounts the
+//! ext4 on it as the overlay's upper layer. Every block the guest's kernel writes arrives here
+//! as a FUSE write; a guest `fsync` (its filesystem's flush, which the loop device turns into
+//! an `fsync` of the file) arrives as a FUSE fsync. docs/architecture.md has the alternatives.
+//!
+//! Here: blocks the guest writes are kept in memory (dirty), whole blocks of the store's size,
+//! at most `max_dirty_bytes` of them. They go to the store:
+//! * when the next write would pass the bound (written, not flushed: like a disk's cache);
+//! * on a guest sync: every dirty block written, then [`BlockStore::flush`], and only then
+//!   does the guest's `fsync` return;
+//! * when the VM stops, however it stops (written and flushed), before
+//!   [`Instance::shutdown`](crate::Instance::shutdown) returns.
+//!
+//! A store that fails keeps its blocks dirty (offered again at the next sync), fails the
+//! guest's I/O with `EIO`, and is reported by `shutdown` as [`Error::BlockStore`]: never a
+//! silent loss.
+
+use std::collections::BTreeMap;
+use std::ffi::OsStr;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+
+use krunbox_protocol::LAYER_FILE_NAME;
+
+use super::layer::{data_extents, formatted_memfd, Journal, RootUsage};
+use super::persistent::{parse_record, record};
+use super::store::{check_block_size, BlockStore, StoreContext, StoreError};
+use crate::error::{Error, Result};
+use crate::fs::{
+    async_trait, Attr, Caller, DirEntry, Entry, FileHandle, FileKind, FsError, FsResult, InodeId,
+    OpenFlags, SetAttr, VirtualFs,
+};
+
+/// The size of a copy-on-write root's layer disk (32 GiB): what its changes can grow to.
+pub(crate) const COW_LAYER_BYTES: u64 = 32 << 30;
+
+/// The disk file's inode in the served filesystem (the root directory is 1).
+const DISK_INODE: InodeId = InodeId(2);
+
+/// A store and what a block index's bit says: written to the store.
+#[derive(Debug)]
+struct Written(Vec<u64>);
+
+impl Written {
+    fn new(blocks: u64) -> Self {
+        Written(vec![0; blocks.div_ceil(64) as usize])
+    }
+    fn get(&self, index: u64) -> bool {
+        self.0[(index / 64) as usize] & (1 << (index % 64)) != 0
+    }
+    fn set(&mut self, index: u64) {
+        self.0[(index / 64) as usize] |= 1 << (index % 64);
+    }
+}
+
+/// The blocks of one boot: which the store holds, and the dirty ones.
+#[derive(Debug)]
+struct Blocks {
+    written: Written,
+    dirty: BTreeMap<u64, Box<[u8]>>,
+    /// The VM has stopped and everything went to the store (or failed to): no more I/O.
+    finished: bool,
+}
+
+/// One boot's attachment to a store: the layer disk the guest sees, served from it.
+pub(crate) struct CowLayer {
+    store: Arc<dyn BlockStore>,
+    /// The store handle's "attached" flag: cleared when this boot is done with it.
+    attached: Arc<AtomicBool>,
+    blocks: tokio::sync::Mutex<Blocks>,
+    /// Dirty bytes now (read without the lock, for [`CowLayer::usage`]).
+    dirty_bytes: std::sync::atomic::AtomicU64,
+    block_size: u64,
+    blocks_on_disk: u64,
+    max_dirty_bytes: u64,
+    /// The first store failure, as `(operation, message)`, for `shutdown` to report.
+    failure: Mutex<Option<(&'static str, String)>>,
+}
+
+impl std::fmt::Debug for CowLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CowLayer")
+            .field("block_size", &self.block_size)
+            .field("max_dirty_bytes", &self.max_dirty_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+fn store_error(operation: &'static str) -> impl Fn(StoreError) -> Error {
+    move |source| Error::BlockStore { operation, source }
+}
+
+impl CowLayer {
+    /// Attaches `store` for one boot over the base with digest `base_sha256`: claims the
+    /// handle (`attached`; another running sandbox holds it: [`StoreError::InUse`]), asks the
+    /// store, checks the layer's record of its base, and formats a fresh layer into an empty
+    /// store.
+    pub(crate) async fn attach(
+        store: Arc<dyn BlockStore>,
+        attached: Arc<AtomicBool>,
+        base_sha256: &str,
+        max_dirty_bytes: u64,
+    ) -> Result<CowLayer> {
+        let block_size = store.block_size();
+        check_block_size(block_size).map_err(Error::InvalidConfig)?;
+        if attached
+            .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
+            .is_err()
+        {
+            return Err(store_error("attach")(StoreError::InUse));
+        }
+        let block_size = u64::from(block_size);
+        let layer = CowLayer {
+            store,
+            attached,
+            blocks: tokio::sync::Mutex::new(Blocks {
+                written: Written::new(COW_LAYER_BYTES / block_size),
+                dirty: BTreeMap::new(),
+                finished: false,
+            }),
+            dirty_bytes: 0.into(),
+            block_size,
+            blocks_on_disk: COW_LAYER_BYTES / block_size,
+            max_dirty_bytes,
+            failure: Mutex::new(None),
+        };
+        let context = StoreContext {
+            base_sha256: base_sha256.to_string(),
+            disk_bytes: COW_LAYER_BYTES,
+        };
+        if let Err(source) = layer.store.attach(&context).await {
+            layer.attached.store(false, Ordering::SeqCst);
+            return Err(store_error("attach")(source));
+        }
+        match layer.load(base_sha256).await {
+            Ok(()) => Ok(layer),
+            Err(err) => {
+                let _ = layer.store.detach().await;
+                layer.attached.store(false, Ordering::SeqCst);
+                Err(err)
+            }
+        }
+    }
+
+    /// A layer over `store` as if attached to an empty store, without the format (for the
+    /// fuzz harness: every block reads as zeros until written).
+    pub(crate) fn unformatted(store: Arc<dyn BlockStore>, max_dirty_bytes: u64) -> CowLayer {
+        let block_size = u64::from(store.block_size());
+        CowLayer {
+            store,
+            attached: Arc::new(AtomicBool::new(true)),
+            blocks: tokio::sync::Mutex::new(Blocks {
+                written: Written::new(COW_LAYER_BYTES / block_size),
+                dirty: BTreeMap::new(),
+                finished: false,
+            }),
+            dirty_bytes: 0.into(),
+            block_size,
+            blocks_on_disk: COW_LAYER_BYTES / block_size,
+            max_dirty_bytes,
+            failure: Mutex::new(None),
+        }
+    }
+
+    /// Learns which blocks the store holds; checks the record of an existing layer, or
+    /// formats a new one into an empty store.
+    async fn load(&self, base_sha256: &str) -> Result<()> {
+        let written = self
+            .store
+            .written_blocks()
+            .await
+            .map_err(store_error("list its blocks"))?;
+        let mut blocks = self.blocks.lock().await;
+        for index in &written {
+            if *index >= self.blocks_on_disk {
+                return Err(store_error("list its blocks")(StoreError::Failed(format!(
+                    "it lists block {index}, past the layer disk's {} blocks",
+                    self.blocks_on_disk
+                ))));
+            }
+            blocks.written.set(*index);
+        }
+        if written.is_empty() {
+            drop(blocks);
+            return self.format(base_sha256).await;
+        }
+        let mut first = vec![0u8; self.block_size as usize];
+        if blocks.written.get(0) {
+            self.store
+                .read_blocks(0, &mut first)
+                .await
+                .map_err(store_error("read"))?;
+        }
+        match parse_record(&first[..1024]) {
+            Ok(recorded) if recorded == base_sha256 => Ok(()),
+            Ok(recorded) => Err(store_error("attach")(StoreError::BaseMismatch {
+                expected: base_sha256.to_string(),
+                recorded,
+            })),
+            Err(reason) => Err(store_error("attach")(StoreError::Failed(format!(
+                "its blocks hold no krunbox layer ({reason})"
+            )))),
+        }
+    }
+
+    /// A fresh layer: `mke2fs` into a sparse memfd of the disk's size (with a journal: the
+    /// store keeps it across crashes), the record in its first KiB, and every block it wrote
+    /// stored and flushed.
+    async fn format(&self, base_sha256: &str) -> Result<()> {
+        let disk = tokio::task::spawn_blocking(move || -> Result<_> {
+            let file = formatted_memfd(COW_LAYER_BYTES, Journal::With)?;
+            Ok(file)
+        })
+        .await
+        .map_err(|e| Error::WritableLayer(e.to_string()))??;
+        disk.write_all_at(&record(base_sha256), 0)
+            .map_err(Error::io("writing the layer's record"))?;
+        let extents = data_extents(&disk).map_err(Error::io("finding the fresh layer's data"))?;
+        // The blocks covering each extent; all-zero ones are skipped (an unwritten block reads
+        // as zeros). A fresh layer is a few hundred KiB: block by block is quick enough.
+        let size = self.block_size;
+        let mut chunk = vec![0u8; size as usize];
+        let mut indexes: Vec<u64> = extents
+            .iter()
+            .flat_map(|&(start, end)| (start / size)..end.div_ceil(size))
+            .collect();
+        indexes.dedup();
+        let mut blocks = self.blocks.lock().await;
+        for index in indexes {
+            disk.read_exact_at(&mut chunk, index * size)
+                .map_err(Error::io("reading the fresh layer"))?;
+            if chunk.iter().all(|b| *b == 0) {
+                continue;
+            }
+            self.store
+                .write_blocks(index, &chunk)
+                .await
+                .map_err(store_error("write"))?;
+            blocks.written.set(index);
+        }
+        self.store.flush().await.map_err(store_error("flush"))
+    }
+
+    /// What the layer holds in host memory now (its dirty blocks), against the bound.
+    pub(crate) fn usage(&self) -> RootUsage {
+        RootUsage {
+            held_bytes: self.dirty_bytes.load(Ordering::Relaxed),
+            max_bytes: self.max_dirty_bytes,
+        }
+    }
+
+    fn fail(&self, operation: &'static str, err: &StoreError) {
+        tracing::warn!(target: "krunbox::rootfs", %err, "the root's block store failed to {operation}");
+        let mut failure = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+        failure.get_or_insert_with(|| (operation, err.to_string()));
+    }
+
+    /// The first store failure of this boot, if any.
+    pub(crate) fn failure(&self) -> Option<Error> {
+        let failure = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+        failure
+            .as_ref()
+            .map(|(operation, message)| Error::BlockStore {
+                operation,
+                source: StoreError::Failed(message.clone()),
+            })
+    }
+
+    /// Reads `size` bytes at `offset` of the disk (fewer at its end).
+    pub(crate) async fn read(&self, offset: u64, size: u32) -> FsResult<Vec<u8>> {
+        let disk = self.blocks_on_disk * self.block_size;
+        let end = offset.saturating_add(u64::from(size)).min(disk);
+        if offset >= end {
+            return Ok(Vec::new());
+        }
+        let blocks = self.blocks.lock().await;
+        if blocks.finished {
+            return Err(FsError::IO);
+        }
+        let bs = self.block_size;
+        let (first, last) = (offset / bs, (end - 1) / bs);
+        let mut data = vec![0u8; ((last - first + 1) * bs) as usize];
+        let mut index = first;
+        while index <= last {
+            let at = ((index - first) * bs) as usize;
+            if let Some(block) = blocks.dirty.get(&index) {
+                data[at..at + bs as usize].copy_from_slice(block);
+                index += 1;
+            } else if blocks.written.get(index) {
+                // A run of stored blocks that are not dirty: one store read.
+                let mut run = 1;
+                while index + run <= last
+                    && blocks.written.get(index + run)
+                    && !blocks.dirty.contains_key(&(index + run))
+                {
+                    run += 1;
+                }
+                let span = &mut data[at..at + (run * bs) as usize];
+                if let Err(err) = self.store.read_blocks(index, span).await {
+                    self.fail("read", &err);
+                    return Err(FsError::IO);
+                }
+                index += run;
+            } else {
+                index += 1; // never written: zeros
+            }
+        }
+        let skip = (offset - first * bs) as usize;
+        data.drain(..skip);
+        data.truncate((end - offset) as usize);
+        Ok(data)
+    }
+
+    /// Writes `data` at `offset` of the disk into dirty blocks, first storing the dirty ones
+    /// if it would pass the bound.
+    pub(crate) async fn write(&self, offset: u64, data: &[u8]) -> FsResult<u32> {
+        let disk = self.blocks_on_disk * self.block_size;
+        let end = offset
+            .checked_add(data.len() as u64)
+            .filter(|end| *end <= disk)
+            .ok_or(FsError::NO_SPACE)?;
+        if data.is_empty() {
+            return Ok(0);
+        }
+        let mut blocks = self.blocks.lock().await;
+        if blocks.finished {
+            return Err(FsError::IO);
+        }
+        let bs = self.block_size;
+        let (first, last) = (offset / bs, (end - 1) / bs);
+        let new_blocks = (first..=last)
+            .filter(|i| !blocks.dirty.contains_key(i))
+            .count() as u64;
+        let dirty = blocks.dirty.len() as u64 * bs;
+        if dirty + new_blocks * bs > self.max_dirty_bytes {
+            self.store_dirty(&mut blocks).await?;
+        }
+        // The blocks this write changes only in part, as they are now: read first, so that a
+        // failing store leaves the write undone rather than half done.
+        let mut fresh: Vec<(u64, Box<[u8]>)> = Vec::new();
+        for index in first..=last {
+            let block_start = index * bs;
+            let whole = offset <= block_start && end >= block_start + bs;
+            if blocks.dirty.contains_key(&index) {
+                continue;
+            }
+            let mut block = vec![0u8; bs as usize].into_boxed_slice();
+            if !whole && blocks.written.get(index) {
+                if let Err(err) = self.store.read_blocks(index, &mut block).await {
+                    self.fail("read", &err);
+                    return Err(FsError::IO);
+                }
+            }
+            fresh.push((index, block));
+        }
+        blocks.dirty.extend(fresh);
+        for index in first..=last {
+            let block_start = index * bs;
+            let from = offset.max(block_start);
+            let to = end.min(block_start + bs);
+            let source = &data[(from - offset) as usize..(to - offset) as usize];
+            let block = blocks.dirty.get_mut(&index).expect("made dirty above");
+            let at = (from - block_start) as usize;
+            block[at..at + source.len()].copy_from_slice(source);
+        }
+        self.dirty_bytes
+            .store(blocks.dirty.len() as u64 * bs, Ordering::Relaxed);
+        // One write larger than the bound (never from the guest's kernel, whose writes are at
+        // most 1 MiB against a bound of at least 16 MiB) goes straight through.
+        if blocks.dirty.len() as u64 * bs > self.max_dirty_bytes {
+            self.store_dirty(&mut blocks).await?;
+        }
+        Ok(data.len() as u32)
+    }
+
+    /// Writes every dirty block to the store, in runs of consecutive blocks (at most 1 MiB
+    /// each). A failure keeps the blocks not yet stored dirty.
+    async fn store_dirty(&self, blocks: &mut Blocks) -> FsResult<()> {
+        let bs = self.block_size;
+        let per_run = ((1u64 << 20) / bs).max(1);
+        while let Some((&start, _)) = blocks.dirty.first_key_value() {
+            let mut run = Vec::new();
+            let mut next = start;
+            while run.len() < per_run as usize {
+                match blocks.dirty.get(&next) {
+                    Some(block) => run.extend_from_slice(block),
+                    None => break,
+                }
+                next += 1;
+            }
+            if let Err(err) = self.store.write_blocks(start, &run).await {
+                self.fail("write", &err);
+                return Err(FsError::IO);
+            }
+            for index in start..next {
+                blocks.dirty.remove(&index);
+                blocks.written.set(index);
+            }
+            self.dirty_bytes
+                .store(blocks.dirty.len() as u64 * bs, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// The guest synced: everything dirty to the store, then the store's flush.
+    pub(crate) async fn sync(&self) -> FsResult<()> {
+        let mut blocks = self.blocks.lock().await;
+        if blocks.finished {
+            return Err(FsError::IO);
+        }
+        self.store_dirty(&mut blocks).await?;
+        if let Err(err) = self.store.flush().await {
+            self.fail("flush", &err);
+            return Err(FsError::IO);
+        }
+        Ok(())
+    }
+
+    /// The VM has stopped: stores and flushes what is dirty, detaches the store and frees the
+    /// handle for the next boot. Failures are kept for [`CowLayer::failure`].
+    pub(crate) async fn finish(&self) {
+        let mut blocks = self.blocks.lock().await;
+        if blocks.finished {
+            return;
+        }
+        blocks.finished = true;
+        if self.store_dirty(&mut blocks).await.is_ok() {
+            if let Err(err) = self.store.flush().await {
+                self.fail("flush", &err);
+            }
+        }
+        let left = blocks.dirty.len();
+        if left > 0 {
+            self.fail(
+                "write",
+                &StoreError::Failed(format!(
+                    "{left} blocks the guest wrote could not be stored when the VM stopped"
+                )),
+            );
+        }
+        blocks.dirty.clear();
+        self.dirty_bytes.store(0, Ordering::Relaxed);
+        if let Err(err) = self.store.detach().await {
+            self.fail("detach", &err);
+        }
+        self.attached.store(false, Ordering::SeqCst);
+    }
+}
+
+impl CowLayer {
+    /// Storing the last blocks took longer than `deadline`: recorded as this boot's failure
+    /// (if none came first), and the handle freed. The store was not detached: its calls
+    /// were still running.
+    pub(crate) fn give_up(&self, deadline: std::time::Duration) {
+        self.fail(
+            "write",
+            &StoreError::Failed(format!(
+                "storing the blocks the guest wrote did not finish within {deadline:?} of the VM stopping"
+            )),
+        );
+        self.attached.store(false, Ordering::SeqCst);
+    }
+}
+
+/// The filesystem the guest mounts to reach the layer disk: a root directory holding the one
+/// file [`LAYER_FILE_NAME`], the disk, readable and writable only by the guest's root.
+pub(crate) struct LayerDiskFs(pub Arc<CowLayer>);
+
+impl LayerDiskFs {
+    fn attr(&self, ino: InodeId) -> FsResult<Attr> {
+        let (kind, perm, size) = match ino {
+            InodeId::ROOT => (FileKind::Directory, 0o700, 0),
+            DISK_INODE => (
+                FileKind::File,
+                0o600,
+                self.0.blocks_on_disk * self.0.block_size,
+            ),
+            _ => return Err(FsError::NOT_FOUND),
+        };
+        Ok(Attr {
+            ino,
+            kind,
+            perm,
+            nlink: 1,
+            uid: 0,
+            gid: 0,
+            size,
+            blocks: 0,
+            atime: SystemTime::UNIX_EPOCH,
+            mtime: SystemTime::UNIX_EPOCH,
+            ctime: SystemTime::UNIX_EPOCH,
+            rdev: 0,
+        })
+    }
+
+    fn disk(ino: InodeId) -> FsResult<()> {
+        if ino == DISK_INODE {
+            Ok(())
+        } else {
+            Err(FsError::IS_DIRECTORY)
+        }
+    }
+}
+
+#[async_trait]
+impl VirtualFs for LayerDiskFs {
+    async fn lookup(&self, parent: InodeId, name: &OsStr) -> FsResult<Entry> {
+        if parent != InodeId::ROOT {
+            return Err(FsError::NOT_DIRECTORY);
+        }
+        if name != OsStr::new(LAYER_FILE_NAME) {
+            return Err(FsError::NOT_FOUND);
+        }
+        Ok(Entry {
+            attr: self.attr(DISK_INODE)?,
+            generation: 0,
+        })
+    }
+
+    async fn getattr(&self, ino: InodeId) -> FsResult<Attr> {
+        self.attr(ino)
+    }
+
+    async fn setattr(&self, ino: InodeId, change: SetAttr, _caller: Caller) -> FsResult<Attr> {
+        // The disk's size and owner are fixed; time updates are accepted and forgotten.
+        if change.size.is_some() || change.perm.is_some() || change.uid.is_some() {
+            return Err(FsError::NOT_PERMITTED);
+        }
+        self.attr(ino)
+    }
+
+    async fn open(&self, ino: InodeId, _flags: OpenFlags) -> FsResult<FileHandle> {
+        Self::disk(ino)?;
+        Ok(FileHandle(0))
+    }
+
+    async fn read(
+        &self,
+        ino: InodeId,
+        _handle: FileHandle,
+        offset: u64,
+        size: u32,
+    ) -> FsResult<Vec<u8>> {
+        Self::disk(ino)?;
+        self.0.read(offset, size).await
+    }
+
+    async fn write(
+        &self,
+        ino: InodeId,
+        _handle: FileHandle,
+        offset: u64,
+        data: &[u8],
+    ) -> FsResult<u32> {
+        Self::disk(ino)?;
+        self.0.write(offset, data).await
+    }
+
+    async fn fsync(&self, ino: InodeId, _handle: FileHandle, _data_only: bool) -> FsResult<()> {
+        Self::disk(ino)?;
+        self.0.sync().await
+    }
+
+    async fn readdir(
+        &self,
+        ino: InodeId,
+        _handle: FileHandle,
+        offset: u64,
+    ) -> FsResult<Vec<DirEntry>> {
+        if ino != InodeId::ROOT {
+            return Err(FsError::NOT_DIRECTORY);
+        }
+        if offset > 0 {
+            return Ok(Vec::new());
+        }
+        Ok(vec![DirEntry {
+            ino: DISK_INODE,
+            offset: 1,
+            kind: FileKind::File,
+            name: LAYER_FILE_NAME.into(),
+        }])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rootfs::MemoryStore;
+
+    const BASE: &str = "abababababababababababababababababababababababababababababababab";
+
+    async fn attach(store: &MemoryStore, max_dirty_bytes: u64) -> Result<CowLayer> {
+        CowLayer::attach(
+            Arc::new(store.clone()),
+            Arc::new(AtomicBool::new(false)),
+            BASE,
+            max_dirty_bytes,
+        )
+        .await
+    }
+
+    /// A first attach formats the layer into the store: ext4 with the record in its first
+    /// KiB, a few hundred KiB of blocks, all flushed.
+    #[tokio::test]
+    async fn a_first_attach_formats_a_recorded_ext4_into_the_store() {
+        let store = MemoryStore::with_block_size(4096).unwrap();
+        let layer = attach(&store, 1 << 20).await.unwrap();
+        let stored = store.stored_bytes();
+        assert!(stored > 0 && stored < 16 << 20, "{stored} bytes stored");
+        let head = layer.read(0, 4096).await.unwrap();
+        assert_eq!(parse_record(&head[..1024]).unwrap(), BASE);
+        assert_eq!(u16::from_le_bytes([head[1080], head[1081]]), 0xEF53);
+        layer.finish().await;
+        assert!(layer.failure().is_none());
+        // Attached again: the record is read back, nothing is formatted anew.
+        let again = attach(&store, 1 << 20).await.unwrap();
+        assert_eq!(store.stored_bytes(), stored);
+        again.finish().await;
+        let other = CowLayer::attach(
+            Arc::new(store.clone()),
+            Arc::new(AtomicBool::new(false)),
+            &"cd".repeat(32),
+            1 << 20,
+        )
+        .await;
+        assert!(matches!(
+            other,
+            Err(Error::BlockStore {
+                source: StoreError::BaseMismatch { .. },
+                ..
+            })
+        ));
+    }
+
+    /// Reads see every write, whole or partial, dirty or stored; the dirty bytes never pass
+    /// the bound (the store takes them first); a sync leaves nothing dirty.
+    #[tokio::test]
+    async fn reads_see_writes_and_dirty_blocks_stay_within_the_bound() {
+        let store = MemoryStore::with_block_size(16384).unwrap();
+        let bound = 64 << 10;
+        let layer = attach(&store, bound).await.unwrap();
+        let base = 1 << 30; // past the fresh filesystem's blocks
+        let mut model = vec![0u8; 1 << 20];
+        let mut seed = 7u64;
+        for round in 0..200u64 {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let offset = (seed >> 20) % (model.len() as u64 - 70000);
+            let len = 1 + (seed >> 45) as usize % 70000;
+            let data: Vec<u8> = (0..len)
+                .map(|i| (round as u8).wrapping_add(i as u8))
+                .collect();
+            assert_eq!(layer.write(base + offset, &data).await.unwrap(), len as u32);
+            model[offset as usize..offset as usize + len].copy_from_slice(&data);
+            assert!(layer.usage().held_bytes <= bound, "{:?}", layer.usage());
+            let check = (seed >> 12) % (model.len() as u64 - 9000);
+            let back = layer.read(base + check, 9000).await.unwrap();
+            assert_eq!(back, &model[check as usize..check as usize + 9000]);
+        }
+        layer.sync().await.unwrap();
+        assert_eq!(layer.usage().held_bytes, 0);
+        assert_eq!(layer.read(base, 1 << 20).await.unwrap(), model);
+        // The end of the disk: reads stop there, writes past it fail.
+        assert!(layer.read(COW_LAYER_BYTES, 10).await.unwrap().is_empty());
+        assert_eq!(layer.read(COW_LAYER_BYTES - 4, 10).await.unwrap().len(), 4);
+        assert_eq!(
+            layer.write(COW_LAYER_BYTES - 4, &[1; 10]).await,
+            Err(FsError::NO_SPACE)
+        );
+        layer.finish().await;
+        assert_eq!(layer.read(0, 10).await, Err(FsError::IO));
+    }
+
+    /// A store that fails: the guest's I/O gets EIO, the blocks stay dirty (within the bound)
+    /// and are offered again, and the failure is kept for shutdown.
+    #[tokio::test]
+    async fn a_failing_store_is_eio_and_a_kept_failure_never_a_silent_loss() {
+        struct Failing(MemoryStore, AtomicBool);
+        #[async_trait]
+        impl BlockStore for Failing {
+            fn block_size(&self) -> u32 {
+                self.0.block_size()
+            }
+            async fn written_blocks(&self) -> std::result::Result<Vec<u64>, StoreError> {
+                self.0.written_blocks().await
+            }
+            async fn read_blocks(
+                &self,
+                first: u64,
+                buf: &mut [u8],
+            ) -> std::result::Result<(), StoreError> {
+                self.0.read_blocks(first, buf).await
+            }
+            async fn write_blocks(
+                &self,
+                first: u64,
+                data: &[u8],
+            ) -> std::result::Result<(), StoreError> {
+                if self.1.load(Ordering::SeqCst) {
+                    return Err(StoreError::Failed("down".into()));
+                }
+                self.0.write_blocks(first, data).await
+            }
+            async fn flush(&self) -> std::result::Result<(), StoreError> {
+                Ok(())
+            }
+        }
+        let store = Arc::new(Failing(
+            MemoryStore::with_block_size(4096).unwrap(),
+            AtomicBool::new(false),
+        ));
+        let attached = Arc::new(AtomicBool::new(false));
+        let layer = CowLayer::attach(store.clone(), attached.clone(), BASE, 8192)
+            .await
+            .unwrap();
+        assert!(attached.load(Ordering::SeqCst));
+        store.1.store(true, Ordering::SeqCst);
+        let at = 1 << 30;
+        layer.write(at, &[1; 8192]).await.unwrap();
+        assert_eq!(layer.write(at + 8192, &[2; 4096]).await, Err(FsError::IO));
+        assert_eq!(layer.sync().await, Err(FsError::IO));
+        assert_eq!(layer.read(at, 4).await.unwrap(), [1; 4]);
+        assert!(layer.failure().is_some());
+        // The store comes back: the next sync stores what was kept.
+        store.1.store(false, Ordering::SeqCst);
+        layer.sync().await.unwrap();
+        let mut block = vec![0u8; 4096];
+        store.0.read_blocks(at / 4096, &mut block).await.unwrap();
+        assert_eq!(block, [1; 4096]);
+        layer.finish().await;
+        assert!(!attached.load(Ordering::SeqCst), "the handle is free again");
+        assert!(matches!(
+            layer.failure(),
+            Some(Error::BlockStore {
+                operation: "write",
+                ..
+            })
+        ));
+    }
+}

@@ -332,4 +332,24 @@ fn run_persists_a_writable_root_between_runs_and_ephemeral_forgets() {
         "{}",
         text(&ephemeral.stderr)
     );
+    // A block store in a directory keeps changes too.
+    let store = dir.path().join("blocks");
+    let store_flag = store.display().to_string();
+    let run = |script: &str| {
+        krunbox(&[
+            "run",
+            "--image",
+            "busybox",
+            "--store",
+            &store_flag,
+            "--",
+            "sh",
+            "-c",
+            script,
+        ])
+    };
+    let first = run("echo stored > /etc/krunbox-cli && echo ok");
+    assert_eq!(text(&first.stdout), "ok\n", "{}", text(&first.stderr));
+    let second = run("cat /etc/krunbox-cli");
+    assert_eq!(text(&second.stdout), "stored\n", "{}", text(&second.stderr));
 }

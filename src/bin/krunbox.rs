@@ -67,12 +67,21 @@ struct RunArgs {
     /// Make the root writable for this run: changes live in at most SIZE of host memory
     /// (`512M`, `2G`; at least 16M) and are gone when the command ends. A guest that fills it
     /// gets "no space left on device". Without it the root is read-only.
-    #[arg(long, value_name = "SIZE", value_parser = parse_size, conflicts_with = "persist")]
+    #[arg(long, value_name = "SIZE", value_parser = parse_size, conflicts_with_all = ["persist", "store"])]
     ephemeral: Option<u64>,
     /// Make the root writable and keep its changes in the qcow2 file PATH between runs (made
     /// on first use, bound to the image it was made over; one run at a time).
-    #[arg(long, value_name = "PATH")]
+    #[arg(long, value_name = "PATH", conflicts_with = "store")]
     persist: Option<PathBuf>,
+    /// Make the root writable and keep its changes, block by block, in a block store in the
+    /// directory DIR between runs (made on first use, bound to the image it was made over; one
+    /// run at a time). What the command syncs is in DIR when its sync returns; everything is
+    /// when the run ends.
+    #[arg(long, value_name = "DIR")]
+    store: Option<PathBuf>,
+    /// With --store: the most changes held in host memory before they go to the store.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size, default_value = "64M", requires = "store")]
+    max_dirty: u64,
     /// vCPUs.
     #[arg(long, default_value_t = 1)]
     cpus: u8,
@@ -257,13 +266,17 @@ fn rootfs(args: &RunArgs) -> Result<Rootfs, String> {
     Ok(Rootfs::image(&args.image, &args.image_fstype, sha))
 }
 
-/// `--image` and `--ephemeral` together: the image, writable for the run if asked.
+/// `--image` with `--ephemeral`, `--persist` or `--store`: the image, writable if asked.
 fn root(args: &RunArgs) -> Result<Rootfs, String> {
     let image = rootfs(args)?;
-    Ok(match (args.ephemeral, &args.persist) {
-        (Some(bytes), _) => Rootfs::ephemeral(image, bytes),
-        (None, Some(path)) => Rootfs::persistent(image, path),
-        (None, None) => image,
+    Ok(match (args.ephemeral, &args.persist, &args.store) {
+        (Some(bytes), _, _) => Rootfs::ephemeral(image, bytes),
+        (None, Some(path), _) => Rootfs::persistent(image, path),
+        (None, None, Some(dir)) => {
+            let store = krunbox::rootfs::DirectoryStore::open(dir).map_err(|e| e.to_string())?;
+            Rootfs::cow(image, store, args.max_dirty)
+        }
+        (None, None, None) => image,
     })
 }
 
@@ -747,6 +760,13 @@ mod tests {
         assert_eq!(persist, Some(PathBuf::from("/var/lib/x/root.qcow2")));
         let both = refused(&["--ephemeral", "1G", "--persist", "x.qcow2"]);
         assert!(both.contains("cannot be used with"), "{both}");
+        let both = refused(&["--persist", "x.qcow2", "--store", "blocks"]);
+        assert!(both.contains("cannot be used with"), "{both}");
+        let alone = refused(&["--max-dirty", "64M"]);
+        assert!(alone.contains("--store"), "{alone}");
+        let store = args(&["--store", "/var/lib/x/blocks", "--max-dirty", "32M"]).unwrap();
+        assert_eq!(store.store, Some(PathBuf::from("/var/lib/x/blocks")));
+        assert_eq!(store.max_dirty, 32 << 20);
         for bad in ["", "M", "12Q", "1.5G", "99999999999T"] {
             let message = refused(&["--ephemeral", bad]);
             assert!(

@@ -185,7 +185,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     if let Some(cow) = &cow {
         served.push(crate::fs::Mount {
             guest_path: "(the writable root's layer disk)".into(),
-            fs: Arc::new(rootfs::LayerDiskFs(cow.clone())),
+            fs: Arc::new(rootfs::DiskFs(cow.clone())),
             options: crate::fs::MountOptions::new(),
         });
     }
@@ -203,6 +203,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         cpus: config.cpus,
         memory_mib: config.memory_mib,
         root_fstype: image.fstype.clone(),
+        root_qcow2: image.qcow2,
         root_image: image.path.clone(),
         control_socket: socket.clone(),
         fs_socket,

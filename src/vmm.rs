@@ -70,6 +70,10 @@ pub struct VmmConfig {
     pub memory_mib: u32,
     /// Filesystem type of the root image (on fd [`ROOT_IMAGE_FD`]).
     pub root_fstype: String,
+    /// The root image is a qcow2 (a flattened root), not a raw filesystem image. The library
+    /// checked that it names no other file.
+    #[serde(default)]
+    pub root_qcow2: bool,
     /// The root image's path, only to find it again inside the helper's mount namespace: the
     /// file opened there must be the very file of [`ROOT_IMAGE_FD`] (same device and inode).
     pub root_image: PathBuf,
@@ -380,7 +384,11 @@ fn configure(
         step(ctx.add_virtual_dir(ROOT_FS_TAG, dir, 0o755))?;
     }
     step(ctx.add_virtual_file(ROOT_FS_TAG, "init.krun", guest_init, 0o555))?;
-    step(ctx.add_disk("root", image, true))?;
+    if config.root_qcow2 {
+        step(ctx.add_disk_with_format("root", image, krun_sys::DiskFormat::Qcow2, true))?;
+    } else {
+        step(ctx.add_disk("root", image, true))?;
+    }
     if let (Some(layer), Some(disk)) = (&paths.layer, &config.writable_layer) {
         // The guest's /dev/vdb: the upper layer of its overlay root.
         let format = if disk.qcow2 {

@@ -266,3 +266,50 @@ fn assert_qcow2_is_clean(path: &std::path::Path) {
         String::from_utf8_lossy(&check.stderr)
     );
 }
+
+/// `flatten` merges a persistent root (a file added, a file of the image deleted) into one
+/// standalone qcow2 that `qemu-img check` finds clean and that boots on its own, read-only,
+/// with the changes and without the deleted file.
+#[test]
+fn a_flattened_persistent_root_boots_alone_with_its_changes() {
+    common::run(async {
+        let dir = tempfile::tempdir().unwrap();
+        let layer = dir.path().join("root.qcow2");
+        let root = Rootfs::persistent(Rootfs::builtin(BuiltinImage::Busybox), &layer);
+        let vm = persistent(BuiltinImage::Busybox, &layer)
+            .boot()
+            .await
+            .expect("boot");
+        let (out, _) = sh(
+            &vm,
+            "echo flat > /etc/flat && rm /bin/true && echo changed",
+            TIMEOUT,
+        )
+        .await;
+        assert_eq!(out, "changed\n", "{out}");
+        vm.shutdown().await.expect("shutdown");
+
+        let flat = krunbox::rootfs::flatten(&root, dir.path().join("flat.qcow2"))
+            .await
+            .expect("flatten");
+        assert_eq!(flat.sha256.len(), 64);
+        assert_qcow2_is_clean(&flat.path);
+        let vm = Sandbox::builder()
+            .rootfs(flat.rootfs())
+            .memory_mib(256)
+            .build()
+            .unwrap()
+            .boot()
+            .await
+            .expect("boot the flattened image");
+        let (out, _) = sh(
+            &vm,
+            "cat /etc/flat; [ -e /bin/true ] && echo present || echo gone; \
+             touch /etc/new 2>&1 | grep -c 'Read-only'",
+            TIMEOUT,
+        )
+        .await;
+        assert_eq!(out, "flat\ngone\n1\n", "{out}");
+        vm.shutdown().await.expect("shutdown");
+    });
+}

@@ -118,6 +118,7 @@ pub(crate) async fn probe(
         cpus: 1,
         memory_mib: 128,
         root_fstype: "erofs".into(),
+        root_qcow2: false,
         root_image: "/dev/null".into(),
         control_socket: socket,
         fs_socket: None,

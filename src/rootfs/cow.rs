@@ -21,28 +21,19 @@
 //! silent loss.
 
 use std::collections::BTreeMap;
-use std::ffi::OsStr;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::SystemTime;
-
-use krunbox_protocol::LAYER_FILE_NAME;
 
 use super::layer::{data_extents, formatted_memfd, Journal, RootUsage};
 use super::persistent::{parse_record, record};
+use super::served::ServedDisk;
 use super::store::{check_block_size, BlockStore, StoreContext, StoreError};
 use crate::error::{Error, Result};
-use crate::fs::{
-    async_trait, Attr, Caller, DirEntry, Entry, FileHandle, FileKind, FsError, FsResult, InodeId,
-    OpenFlags, SetAttr, VirtualFs,
-};
+use crate::fs::{async_trait, FsError, FsResult};
 
 /// The size of a copy-on-write root's layer disk (32 GiB): what its changes can grow to.
 pub(crate) const COW_LAYER_BYTES: u64 = 32 << 30;
-
-/// The disk file's inode in the served filesystem (the root directory is 1).
-const DISK_INODE: InodeId = InodeId(2);
 
 /// A store and what a block index's bit says: written to the store.
 #[derive(Debug)]
@@ -469,123 +460,19 @@ impl CowLayer {
     }
 }
 
-/// The filesystem the guest mounts to reach the layer disk: a root directory holding the one
-/// file [`LAYER_FILE_NAME`], the disk, readable and writable only by the guest's root.
-pub(crate) struct LayerDiskFs(pub Arc<CowLayer>);
-
-impl LayerDiskFs {
-    fn attr(&self, ino: InodeId) -> FsResult<Attr> {
-        let (kind, perm, size) = match ino {
-            InodeId::ROOT => (FileKind::Directory, 0o700, 0),
-            DISK_INODE => (
-                FileKind::File,
-                0o600,
-                self.0.blocks_on_disk * self.0.block_size,
-            ),
-            _ => return Err(FsError::NOT_FOUND),
-        };
-        Ok(Attr {
-            ino,
-            kind,
-            perm,
-            nlink: 1,
-            uid: 0,
-            gid: 0,
-            size,
-            blocks: 0,
-            atime: SystemTime::UNIX_EPOCH,
-            mtime: SystemTime::UNIX_EPOCH,
-            ctime: SystemTime::UNIX_EPOCH,
-            rdev: 0,
-        })
-    }
-
-    fn disk(ino: InodeId) -> FsResult<()> {
-        if ino == DISK_INODE {
-            Ok(())
-        } else {
-            Err(FsError::IS_DIRECTORY)
-        }
-    }
-}
-
 #[async_trait]
-impl VirtualFs for LayerDiskFs {
-    async fn lookup(&self, parent: InodeId, name: &OsStr) -> FsResult<Entry> {
-        if parent != InodeId::ROOT {
-            return Err(FsError::NOT_DIRECTORY);
-        }
-        if name != OsStr::new(LAYER_FILE_NAME) {
-            return Err(FsError::NOT_FOUND);
-        }
-        Ok(Entry {
-            attr: self.attr(DISK_INODE)?,
-            generation: 0,
-        })
+impl ServedDisk for CowLayer {
+    fn size(&self) -> u64 {
+        self.blocks_on_disk * self.block_size
     }
-
-    async fn getattr(&self, ino: InodeId) -> FsResult<Attr> {
-        self.attr(ino)
+    async fn read(&self, offset: u64, size: u32) -> FsResult<Vec<u8>> {
+        CowLayer::read(self, offset, size).await
     }
-
-    async fn setattr(&self, ino: InodeId, change: SetAttr, _caller: Caller) -> FsResult<Attr> {
-        // The disk's size and owner are fixed; time updates are accepted and forgotten.
-        if change.size.is_some() || change.perm.is_some() || change.uid.is_some() {
-            return Err(FsError::NOT_PERMITTED);
-        }
-        self.attr(ino)
+    async fn write(&self, offset: u64, data: &[u8]) -> FsResult<u32> {
+        CowLayer::write(self, offset, data).await
     }
-
-    async fn open(&self, ino: InodeId, _flags: OpenFlags) -> FsResult<FileHandle> {
-        Self::disk(ino)?;
-        Ok(FileHandle(0))
-    }
-
-    async fn read(
-        &self,
-        ino: InodeId,
-        _handle: FileHandle,
-        offset: u64,
-        size: u32,
-    ) -> FsResult<Vec<u8>> {
-        Self::disk(ino)?;
-        self.0.read(offset, size).await
-    }
-
-    async fn write(
-        &self,
-        ino: InodeId,
-        _handle: FileHandle,
-        offset: u64,
-        data: &[u8],
-    ) -> FsResult<u32> {
-        Self::disk(ino)?;
-        self.0.write(offset, data).await
-    }
-
-    async fn fsync(&self, ino: InodeId, _handle: FileHandle, _data_only: bool) -> FsResult<()> {
-        Self::disk(ino)?;
-        self.0.sync().await
-    }
-
-    async fn readdir(
-        &self,
-        ino: InodeId,
-        _handle: FileHandle,
-        offset: u64,
-    ) -> FsResult<Vec<DirEntry>> {
-        if ino != InodeId::ROOT {
-            return Err(FsError::NOT_DIRECTORY);
-        }
-        if offset > 0 {
-            return Ok(Vec::new());
-        }
-        Ok(vec![DirEntry {
-            ino: DISK_INODE,
-            offset: 1,
-            kind: FileKind::File,
-            name: LAYER_FILE_NAME.into(),
-        }])
+    async fn sync(&self) -> FsResult<()> {
+        CowLayer::sync(self).await
     }
 }
 

@@ -384,6 +384,21 @@ mod tests {
         crate::fuzzing::assert_committed_seeds("layer_block", &layer_block_seeds());
     }
 
+    /// A qcow2 root image must stand alone: one naming a backing file is refused before it
+    /// could boot, one made the way layers and flattened images are is accepted.
+    #[test]
+    fn only_standalone_qcow2_images_are_accepted_as_roots() {
+        let seeds = seeds();
+        let file = |bytes: &[u8]| {
+            let mut file = tempfile::tempfile().unwrap();
+            std::io::Write::write_all(&mut file, bytes).unwrap();
+            file
+        };
+        super::super::persistent::check_standalone_qcow2(&file(&seeds[0])).unwrap();
+        let refused = super::super::persistent::check_standalone_qcow2(&file(&seeds[2]));
+        assert_eq!(refused, Err("it names a backing file".to_string()));
+    }
+
     #[test]
     fn the_layer_file_corpus_holds_the_property() {
         crate::fuzzing::replay_corpus("layer_file", fuzz_layer_file);

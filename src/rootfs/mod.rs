@@ -17,15 +17,19 @@ use crate::error::{Error, Result};
 pub use krunbox_rootfs::BuiltinImage;
 
 mod cow;
+mod flatten;
 pub(crate) mod fuzz;
 mod layer;
 mod persistent;
+mod served;
 mod store;
 
-pub(crate) use cow::{CowLayer, LayerDiskFs};
+pub(crate) use cow::CowLayer;
+pub use flatten::{flatten, FlatImage};
 pub use layer::RootUsage;
 pub(crate) use layer::{mke2fs, MemoryLayer, LAYER_FSTYPE};
 pub(crate) use persistent::{PersistentLayer, PERSISTENT_LAYER_FILE_BYTES};
+pub(crate) use served::DiskFs;
 pub use store::{
     async_trait, BlockStore, DirectoryStore, MemoryStore, StoreContext, StoreError, MAX_BLOCK_SIZE,
     MIN_BLOCK_SIZE,
@@ -424,6 +428,8 @@ pub(crate) struct VerifiedImage {
     pub path: PathBuf,
     pub fstype: String,
     pub sha256: String,
+    /// A qcow2 image (a flattened root) rather than a raw filesystem image.
+    pub qcow2: bool,
 }
 
 /// Makes sure a built-in image exists (building it if needed, with progress through
@@ -493,11 +499,25 @@ pub(crate) fn verify(path: &Path, fstype: &str, expected: &str) -> Result<Verifi
             actual,
         });
     }
+    // A qcow2 (what `flatten` makes) boots as one, if it stands alone: a backing or data file
+    // would be a second, unverified source of the root's bytes.
+    let mut magic = [0u8; 4];
+    let qcow2 = std::os::unix::fs::FileExt::read_exact_at(&file, &mut magic, 0).is_ok()
+        && &magic == b"QFI\xfb";
+    if qcow2 {
+        persistent::check_standalone_qcow2(&file).map_err(|reason| {
+            Error::InvalidConfig(format!(
+                "the root image {} is a qcow2 krunbox cannot boot: {reason}",
+                path.display()
+            ))
+        })?;
+    }
     Ok(VerifiedImage {
         file,
         path: path.to_path_buf(),
         fstype: fstype.to_string(),
         sha256: actual,
+        qcow2,
     })
 }
 

@@ -146,7 +146,7 @@ const FEATURE_NAME_TABLE: u32 = 0x6803_f857;
 /// again at the next boot, so the header is walked here first (written by hand: it guards one
 /// crate's bug, which no other crate does). Also refuses extensions that run past the header's
 /// cluster.
-fn check_header_extensions(file: &File) -> std::result::Result<(), String> {
+pub(super) fn check_header_extensions(file: &File) -> std::result::Result<(), String> {
     use std::os::unix::fs::FileExt;
     let mut fixed = [0u8; 104];
     file.read_exact_at(&mut fixed, 0)
@@ -192,6 +192,26 @@ fn check_header_extensions(file: &File) -> std::result::Result<(), String> {
     Ok(())
 }
 
+/// Checks that a qcow2 stands alone: it names no backing file (header offset 8) and keeps its
+/// data in itself (incompatible feature bit 2, an external data file, clear), and its header
+/// extensions are whole (see [`check_header_extensions`]).
+pub(super) fn check_standalone_qcow2(file: &File) -> std::result::Result<(), String> {
+    use std::os::unix::fs::FileExt;
+    check_header_extensions(file)?;
+    let mut fixed = [0u8; 80];
+    file.read_exact_at(&mut fixed, 0)
+        .map_err(|e| format!("reading the qcow2 header: {e}"))?;
+    let be64 = |at: usize| u64::from_be_bytes(fixed[at..at + 8].try_into().expect("8 bytes"));
+    if be64(8) != 0 {
+        return Err("it names a backing file".into());
+    }
+    let version = u32::from_be_bytes(fixed[4..8].try_into().expect("4 bytes"));
+    if version >= 3 && be64(72) & (1 << 2) != 0 {
+        return Err("it keeps its data in an external file".into());
+    }
+    Ok(())
+}
+
 /// Reads the record from the qcow2 at `path`.
 pub(super) async fn read_record(path: &Path) -> Result<String> {
     let broken = |e: std::io::Error| Error::RootLayer {
@@ -228,7 +248,7 @@ const RECORD_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
 /// `Send` (so they cannot be part of `Sandbox::boot`'s future, which callers spawn), and a
 /// panic inside imago on bytes [`check_header_extensions`] does not foresee becomes an error
 /// here instead of unwinding through the caller's boot.
-async fn on_imago_thread<T, F, Fut>(work: F) -> std::result::Result<T, String>
+pub(super) async fn on_imago_thread<T, F, Fut>(work: F) -> std::result::Result<T, String>
 where
     F: FnOnce() -> Fut + Send + 'static,
     Fut: std::future::Future<Output = T>,
@@ -323,8 +343,9 @@ async fn create(path: &Path, base_sha256: &str) -> Result<()> {
     Ok(())
 }
 
-/// Makes a qcow2 of [`PERSISTENT_LAYER_BYTES`] at `new_path` holding `raw`'s written extents.
-async fn write_qcow2(new_path: &Path, raw: &File) -> std::io::Result<()> {
+/// Makes a qcow2 of `raw`'s size at `new_path` holding `raw`'s written extents.
+pub(super) async fn write_qcow2(new_path: &Path, raw: &File) -> std::io::Result<()> {
+    let size = raw.metadata()?.len();
     ImagoFile::create(
         StorageCreateOptions::new()
             .filename(new_path)
@@ -333,7 +354,7 @@ async fn write_qcow2(new_path: &Path, raw: &File) -> std::io::Result<()> {
     .await?;
     let storage = ImagoFile::open(StorageOpenOptions::new().filename(new_path).write(true)).await?;
     Qcow2::<ImagoFile>::create_builder(storage)
-        .size(PERSISTENT_LAYER_BYTES)
+        .size(size)
         .create()
         .await?;
     let storage = ImagoFile::open(StorageOpenOptions::new().filename(new_path).write(true)).await?;

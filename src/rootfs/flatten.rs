@@ -1,0 +1,283 @@
+//! Flattening: a writable root's base and changes merged into one standalone image.
+//!
+//! The merge is done by the guest kernel, which already shows the merged tree as the root's
+//! overlay: a VM boots the root with an output disk, an empty ext4 the host formats and serves
+//! as a file (`served.rs`), and copies its whole root into it with `tar` (as root: owners,
+//! modes, links and hard links kept; extended attributes where the image's tar can carry them).
+//! Doing it in the guest means no host code reads the layer's filesystem or needs privileges to
+//! make files of other owners. The host then writes the output disk's written extents into a
+//! qcow2: a disk of its own that krunbox boots (`Rootfs::image`) and plain libkrun too.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+
+use super::layer::{format_ext4, Journal};
+use super::persistent::{on_imago_thread, write_qcow2};
+use super::served::{DiskFs, ServedDisk};
+use super::Rootfs;
+use crate::error::{Error, Result};
+use crate::fs::{async_trait, FsError, FsResult};
+
+/// The size of a flattened image's filesystem (32 GiB): what a root can hold to be flattened.
+/// The qcow2 takes host disk only for what is written.
+pub(crate) const FLAT_DISK_BYTES: u64 = 32 << 30;
+
+/// Where the flattening VM sees the output disk's file, and where it mounts the disk (both in
+/// `/tmp`, which the copy leaves out).
+const SERVED_AT: &str = "/tmp/.krunbox-flatten";
+const MOUNTED_AT: &str = "/tmp/.krunbox-flat";
+
+/// How long the copy may take.
+const COPY_DEADLINE: Duration = Duration::from_secs(3600);
+
+/// A flattened image: an ext4 filesystem in a standalone qcow2 (no backing file), and its
+/// SHA-256.
+///
+/// ```no_run
+/// # async fn demo() -> krunbox::Result<()> {
+/// use krunbox::{BuiltinImage, Rootfs, Sandbox};
+///
+/// let root = Rootfs::persistent(Rootfs::builtin(BuiltinImage::Agent), "/var/lib/a/root.qcow2");
+/// let flat = krunbox::rootfs::flatten(&root, "/var/lib/a/flat.qcow2").await?;
+/// // Boots on its own, read-only, with every change the persistent root had.
+/// let vm = Sandbox::builder().rootfs(flat.rootfs()).build()?.boot().await?;
+/// # let _ = vm; Ok(()) }
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FlatImage {
+    /// The qcow2 file.
+    pub path: PathBuf,
+    /// Its SHA-256, lowercase hex.
+    pub sha256: String,
+}
+
+impl FlatImage {
+    /// The image as a root for a sandbox (read-only; make it writable with
+    /// [`Rootfs::ephemeral`] and friends, as any image).
+    pub fn rootfs(&self) -> Rootfs {
+        Rootfs::image(&self.path, "ext4", &self.sha256)
+    }
+
+    /// The image's bytes as a stream, to upload it somewhere.
+    ///
+    /// ```no_run
+    /// # async fn demo(flat: krunbox::rootfs::FlatImage) -> std::io::Result<()> {
+    /// let mut bytes = flat.stream().await?;
+    /// let mut copy = tokio::fs::File::create("/tmp/upload.qcow2").await?;
+    /// tokio::io::copy(&mut bytes, &mut copy).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn stream(&self) -> std::io::Result<impl tokio::io::AsyncRead + Unpin> {
+        tokio::fs::File::open(&self.path).await
+    }
+}
+
+/// Merges `root` (a writable root: its base image and its changes) into one standalone
+/// image at `output` (a qcow2, replaced if it exists): see [`FlatImage`]. Boots `root` once to
+/// do it (so a persistent root or a store must not be in use). What is merged is the root's
+/// whole tree but `/proc`, `/sys`, `/dev`, `/tmp` and `/run` (left as empty directories): owners,
+/// modes, symbolic and hard links; extended attributes only where the image's `tar` carries
+/// them (GNU tar does, busybox's does not).
+pub async fn flatten(root: &Rootfs, output: impl AsRef<Path>) -> Result<FlatImage> {
+    let output = output.as_ref();
+    if !root.is_writable() {
+        return Err(Error::InvalidConfig(
+            "flatten merges a writable root's changes into its base: this root is an image \
+             already (boot it as it is)"
+                .into(),
+        ));
+    }
+    let dir = output
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = output
+        .file_name()
+        .ok_or_else(|| Error::InvalidConfig(format!("{} names no file", output.display())))?;
+    let failed = |what: &str| {
+        let what = format!("flattening into {}: {what}", output.display());
+        move |e: std::io::Error| Error::Io {
+            context: what.clone(),
+            source: e,
+        }
+    };
+    let scratch = tempfile::Builder::new()
+        .prefix(".krunbox-flat-")
+        .tempfile_in(dir)
+        .map_err(failed("making the scratch disk"))?;
+    scratch
+        .as_file()
+        .set_len(FLAT_DISK_BYTES)
+        .map_err(failed("sizing the scratch disk"))?;
+    let scratch_path = scratch.path().to_path_buf();
+    tokio::task::spawn_blocking(move || format_ext4(&scratch_path, Journal::Without))
+        .await
+        .map_err(|e| Error::WritableLayer(e.to_string()))??;
+    let disk = Arc::new(RawDisk {
+        file: Arc::new(
+            scratch
+                .as_file()
+                .try_clone()
+                .map_err(failed("opening the scratch disk"))?,
+        ),
+        size: FLAT_DISK_BYTES,
+    });
+
+    let sandbox = crate::Sandbox::builder()
+        .rootfs(root.clone())
+        .memory_mib(512)
+        .mount(SERVED_AT, DiskFs(disk))
+        .build()?;
+    let vm = sandbox.boot().await?;
+    let copied = vm
+        .command("sh")
+        .args(["-c", &copy_script()])
+        .timeout(COPY_DEADLINE)
+        .output()
+        .await;
+    let shutdown = vm.shutdown().await;
+    let copied = copied?;
+    if !copied.status.success() {
+        return Err(Error::WritableLayer(format!(
+            "flattening: copying the root in the guest failed ({}): {}{}",
+            copied.status,
+            copied.stdout_text(),
+            copied.stderr_text()
+        )));
+    }
+    shutdown?;
+
+    let new_path = dir.join(format!(".{}.krunbox-new", name.to_string_lossy()));
+    let _ = std::fs::remove_file(&new_path);
+    let raw = scratch
+        .as_file()
+        .try_clone()
+        .map_err(failed("opening the scratch disk"))?;
+    let target = new_path.clone();
+    let written = on_imago_thread(move || async move { write_qcow2(&target, &raw).await })
+        .await
+        .map_err(std::io::Error::other)
+        .and_then(|written| written);
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&new_path);
+        return Err(failed("writing the qcow2")(e));
+    }
+    std::fs::rename(&new_path, output).map_err(failed("moving the image into place"))?;
+    let sha256 = tokio::task::spawn_blocking({
+        let output = output.to_path_buf();
+        move || sha256_of(&output)
+    })
+    .await
+    .map_err(|e| Error::WritableLayer(e.to_string()))?
+    .map_err(failed("hashing the image"))?;
+    Ok(FlatImage {
+        path: output.to_path_buf(),
+        sha256,
+    })
+}
+
+/// The guest's part: mount the output disk, copy the root into it with the image's `tar`
+/// (leaving out the kernel's and the scratch filesystems: named one by one, as busybox's tar
+/// has no `--exclude`; as root, both tars keep owners and modes), make their mount points,
+/// unmount.
+fn copy_script() -> String {
+    format!(
+        r#"set -e
+mkdir -p {MOUNTED_AT}
+mount -o loop {SERVED_AT}/{file} {MOUNTED_AT}
+cd /
+xattrs=
+if tar --help 2>&1 | grep -q -- --xattrs; then xattrs="--xattrs --xattrs-include=*"; fi
+set --
+for entry in .[!.]* ..?* *; do
+  case $entry in
+    proc|sys|dev|tmp|run) ;;
+    *) if [ -e "$entry" ] || [ -L "$entry" ]; then set -- "$@" "$entry"; fi ;;
+  esac
+done
+tar -c $xattrs -f - "$@" | tar -x $xattrs -f - -C {MOUNTED_AT}
+for d in proc sys dev run; do mkdir -p {MOUNTED_AT}/$d; done
+mkdir -p {MOUNTED_AT}/tmp && chmod 1777 {MOUNTED_AT}/tmp
+umount {MOUNTED_AT}
+sync
+"#,
+        file = krunbox_protocol::LAYER_FILE_NAME
+    )
+}
+
+fn sha256_of(path: &Path) -> std::io::Result<String> {
+    let file = File::open(path)?;
+    let mut hasher = Sha256::new();
+    let mut buffer = vec![0u8; 1 << 20];
+    let mut at = 0;
+    loop {
+        let n = file.read_at(&mut buffer, at)?;
+        if n == 0 {
+            return Ok(hex::encode(hasher.finalize()));
+        }
+        hasher.update(&buffer[..n]);
+        at += n as u64;
+    }
+}
+
+/// The output disk: a sparse host file, read and written at the guest's offsets.
+struct RawDisk {
+    file: Arc<File>,
+    size: u64,
+}
+
+impl RawDisk {
+    /// Runs blocking file work off the async threads.
+    async fn blocking<T: Send + 'static>(
+        &self,
+        work: impl FnOnce(&File) -> std::io::Result<T> + Send + 'static,
+    ) -> FsResult<T> {
+        let file = self.file.clone();
+        tokio::task::spawn_blocking(move || work(&file))
+            .await
+            .map_err(|_| FsError::IO)?
+            .map_err(|_| FsError::IO)
+    }
+}
+
+#[async_trait]
+impl ServedDisk for RawDisk {
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    async fn read(&self, offset: u64, size: u32) -> FsResult<Vec<u8>> {
+        let end = offset.saturating_add(u64::from(size)).min(self.size);
+        if offset >= end {
+            return Ok(Vec::new());
+        }
+        let len = (end - offset) as usize;
+        self.blocking(move |file| {
+            let mut data = vec![0u8; len];
+            file.read_exact_at(&mut data, offset)?;
+            Ok(data)
+        })
+        .await
+    }
+
+    async fn write(&self, offset: u64, data: &[u8]) -> FsResult<u32> {
+        if offset.saturating_add(data.len() as u64) > self.size {
+            return Err(FsError::NO_SPACE);
+        }
+        let data = data.to_vec();
+        self.blocking(move |file| {
+            file.write_all_at(&data, offset)?;
+            Ok(data.len() as u32)
+        })
+        .await
+    }
+
+    async fn sync(&self) -> FsResult<()> {
+        self.blocking(|file| file.sync_data()).await
+    }
+}

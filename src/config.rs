@@ -39,4 +39,6 @@ pub(crate) struct SandboxConfig {
     /// Benchmarks only: a host directory served by libkrun's own virtio-fs passthrough
     /// (`SandboxBuilder::virtiofs_passthrough_for_benchmarks`), checked: absolute, a directory.
     pub virtiofs_passthrough: Option<crate::vmm::PassthroughShare>,
+    /// An image's configuration: defaults for commands, the entrypoint.
+    pub image_config: Option<crate::rootfs::oci::ImageConfig>,
 }

@@ -77,6 +77,15 @@ pub enum Error {
         /// The store's error.
         source: crate::rootfs::StoreError,
     },
+    /// An image archive (`docker save`, an OCI layout) is not one krunbox can import: unreadable,
+    /// a blob whose digest does not match, a layer that leaves the tree, another platform.
+    #[error("the image archive {path} cannot be imported: {reason}")]
+    ImageArchive {
+        /// The archive.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The sandbox definition is invalid.
     #[error("invalid sandbox configuration: {0}")]
     InvalidConfig(String),

@@ -1516,6 +1516,14 @@ pub fn layer_block(data: &[u8]) {
     crate::rootfs::fuzz::fuzz_layer_block(data)
 }
 
+/// An image's layers as a registry or archive could hand them over (`src/rootfs/oci/merge.rs`):
+/// tar streams merged with whiteouts and opaque directories. Panics if the merge panics or
+/// writes a stream with a path twice, a whiteout, a path out of the tree, or a hard link to a
+/// path not written before it.
+pub fn oci_layers(data: &[u8]) {
+    crate::rootfs::oci::merge::fuzz_oci_layers(data)
+}
+
 /// Replays every file of the committed corpus `fuzz/corpus/TARGET` through `property`, for
 /// the fuzz targets' corpus tests: a file that fails it fails the test, naming the file.
 #[cfg(test)]

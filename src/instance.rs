@@ -60,6 +60,8 @@ struct Inner {
     shutdown_requested: Arc<AtomicBool>,
     next_id: AtomicU32,
     kernel_release: String,
+    /// The image's configuration, for commands' defaults and the entrypoint.
+    image_config: Option<crate::rootfs::oci::ImageConfig>,
     /// `Some(description)` once the VMM helper has exited.
     exited: watch::Receiver<Option<String>>,
     /// Asks the supervisor task to kill the VMM helper.
@@ -580,6 +582,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             shutdown_requested,
             next_id: AtomicU32::new(1),
             kernel_release: hello.kernel_release,
+            image_config: config.image_config.clone(),
             exited,
             kill,
             _lifeline: lifeline_write,
@@ -676,7 +679,48 @@ impl Instance {
     /// # Ok(()) }
     /// ```
     pub fn command(&self, program: impl AsRef<OsStr>) -> Command {
-        Command::new(self.inner.clone(), program.as_ref())
+        let mut command = Command::new(self.inner.clone(), program.as_ref());
+        if let Some(config) = &self.inner.image_config {
+            for (key, value) in &config.env {
+                command.env(key, value);
+            }
+            if let Some(dir) = &config.working_dir {
+                command.current_dir(dir);
+            }
+            if let Some((uid, gid)) = config.user {
+                command.uid(uid).gid(gid);
+            }
+        }
+        command
+    }
+
+    /// The image's entrypoint with its default arguments (its `Entrypoint` then `Cmd`, as a
+    /// container runtime runs them), with the image's environment, directory and user (see
+    /// [`SandboxBuilder::image_config`](crate::SandboxBuilder::image_config)). Add arguments
+    /// with [`Command::arg`]. Fails when the sandbox was given no image configuration, or one
+    /// with neither.
+    ///
+    /// ```no_run
+    /// # async fn demo(vm: krunbox::Instance) -> krunbox::Result<()> {
+    /// let status = vm.entrypoint()?.status().await?;
+    /// # let _ = status; Ok(()) }
+    /// ```
+    pub fn entrypoint(&self) -> Result<Command> {
+        let config = self.inner.image_config.as_ref();
+        let mut words = config
+            .map(|c| c.entrypoint.iter().chain(&c.cmd))
+            .into_iter()
+            .flatten();
+        let Some(program) = words.next() else {
+            return Err(Error::InvalidConfig(
+                "the sandbox's image names no entrypoint or command \
+                 (SandboxBuilder::image_config)"
+                    .into(),
+            ));
+        };
+        let mut command = self.command(program);
+        command.args(words);
+        Ok(command)
     }
 
     /// The guest kernel's release (`uname -r` inside the VM), as reported at boot.

@@ -95,6 +95,7 @@ pub struct SandboxBuilder {
     network_backend: Option<PathBuf>,
     mounts: Vec<crate::fs::Mount>,
     virtiofs_passthrough: Option<(PathBuf, String)>,
+    image_config: Option<crate::rootfs::oci::ImageConfig>,
 }
 
 impl Default for SandboxBuilder {
@@ -122,6 +123,7 @@ impl Default for SandboxBuilder {
             network_backend: None,
             mounts: Vec::new(),
             virtiofs_passthrough: None,
+            image_config: None,
         }
     }
 }
@@ -142,6 +144,28 @@ impl SandboxBuilder {
     /// Guest memory in MiB (at least 128).
     pub fn memory_mib(mut self, mib: u32) -> Self {
         self.memory_mib = mib;
+        self
+    }
+
+    /// The image's configuration (from [`oci::import`](crate::rootfs::oci::import)): every
+    /// [`Instance::command`](crate::Instance::command) gets its environment, working
+    /// directory and user unless the command sets them itself, and
+    /// [`Instance::entrypoint`](crate::Instance::entrypoint) runs its entrypoint.
+    ///
+    /// ```
+    /// use krunbox::rootfs::oci::ImageConfig;
+    /// use krunbox::Sandbox;
+    ///
+    /// let config = ImageConfig {
+    ///     cmd: vec!["python3".into(), "app.py".into()],
+    ///     working_dir: Some("/app".into()),
+    ///     ..Default::default()
+    /// };
+    /// let builder = Sandbox::builder().image_config(config);
+    /// # let _ = builder;
+    /// ```
+    pub fn image_config(mut self, config: crate::rootfs::oci::ImageConfig) -> Self {
+        self.image_config = Some(config);
         self
     }
 
@@ -470,6 +494,7 @@ impl SandboxBuilder {
                 network_backend: self.network_backend,
                 mounts,
                 virtiofs_passthrough,
+                image_config: self.image_config,
             }),
         })
     }

@@ -29,8 +29,8 @@ pub(crate) const FLAT_DISK_BYTES: u64 = 32 << 30;
 
 /// Where the flattening VM sees the output disk's file, and where it mounts the disk (both in
 /// `/tmp`, which the copy leaves out).
-const SERVED_AT: &str = "/tmp/.krunbox-flatten";
-const MOUNTED_AT: &str = "/tmp/.krunbox-flat";
+pub(crate) const SERVED_AT: &str = "/tmp/.krunbox-flatten";
+pub(crate) const MOUNTED_AT: &str = "/tmp/.krunbox-flat";
 
 /// How long the copy may take.
 const COPY_DEADLINE: Duration = Duration::from_secs(3600);
@@ -92,46 +92,11 @@ pub async fn flatten(root: &Rootfs, output: impl AsRef<Path>) -> Result<FlatImag
                 .into(),
         ));
     }
-    let dir = output
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = output
-        .file_name()
-        .ok_or_else(|| Error::InvalidConfig(format!("{} names no file", output.display())))?;
-    let failed = |what: &str| {
-        let what = format!("flattening into {}: {what}", output.display());
-        move |e: std::io::Error| Error::Io {
-            context: what.clone(),
-            source: e,
-        }
-    };
-    let scratch = tempfile::Builder::new()
-        .prefix(".krunbox-flat-")
-        .tempfile_in(dir)
-        .map_err(failed("making the scratch disk"))?;
-    scratch
-        .as_file()
-        .set_len(FLAT_DISK_BYTES)
-        .map_err(failed("sizing the scratch disk"))?;
-    let scratch_path = scratch.path().to_path_buf();
-    tokio::task::spawn_blocking(move || format_ext4(&scratch_path, Journal::Without))
-        .await
-        .map_err(|e| Error::WritableLayer(e.to_string()))??;
-    let disk = Arc::new(RawDisk {
-        file: Arc::new(
-            scratch
-                .as_file()
-                .try_clone()
-                .map_err(failed("opening the scratch disk"))?,
-        ),
-        size: FLAT_DISK_BYTES,
-    });
-
+    let build = ImageBuild::start(output).await?;
     let sandbox = crate::Sandbox::builder()
         .rootfs(root.clone())
         .memory_mib(512)
-        .mount(SERVED_AT, DiskFs(disk))
+        .mount(SERVED_AT, build.disk())
         .build()?;
     let vm = sandbox.boot().await?;
     let copied = vm
@@ -151,34 +116,129 @@ pub async fn flatten(root: &Rootfs, output: impl AsRef<Path>) -> Result<FlatImag
         )));
     }
     shutdown?;
+    build.finish().await
+}
 
-    let new_path = dir.join(format!(".{}.krunbox-new", name.to_string_lossy()));
-    let _ = std::fs::remove_file(&new_path);
-    let raw = scratch
-        .as_file()
-        .try_clone()
-        .map_err(failed("opening the scratch disk"))?;
-    let target = new_path.clone();
-    let written = on_imago_thread(move || async move { write_qcow2(&target, &raw).await })
-        .await
-        .map_err(std::io::Error::other)
-        .and_then(|written| written);
-    if let Err(e) = written {
-        let _ = std::fs::remove_file(&new_path);
-        return Err(failed("writing the qcow2")(e));
+/// An image being built: an empty ext4 (journal-less) in a sparse scratch file beside the
+/// output, which a VM fills through [`ImageBuild::disk`] (the guest mounts the served file with
+/// `mount -o loop`, see [`MOUNT_OUTPUT`] and [`UNMOUNT_OUTPUT`]); then [`ImageBuild::finish`]
+/// writes its extents into a standalone qcow2 at the output path.
+pub(crate) struct ImageBuild {
+    output: PathBuf,
+    scratch: tempfile::NamedTempFile,
+    disk: Arc<RawDisk>,
+}
+
+/// The guest's script to mount a build's output disk at [`MOUNTED_AT`] (`set -e` first).
+pub(crate) const MOUNT_OUTPUT: &str = "set -e
+mkdir -p /tmp/.krunbox-flat
+mount -o loop /tmp/.krunbox-flatten/disk /tmp/.krunbox-flat
+";
+
+/// The guest's script to give the image the mount points guest-init needs, and unmount it.
+pub(crate) const UNMOUNT_OUTPUT: &str =
+    "for d in proc sys dev run; do mkdir -p /tmp/.krunbox-flat/$d; done
+mkdir -p /tmp/.krunbox-flat/tmp && chmod 1777 /tmp/.krunbox-flat/tmp
+umount /tmp/.krunbox-flat
+sync
+";
+
+impl ImageBuild {
+    /// Formats the scratch disk for an image that will be at `output`.
+    pub(crate) async fn start(output: &Path) -> Result<ImageBuild> {
+        let dir = output
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        if output.file_name().is_none() {
+            return Err(Error::InvalidConfig(format!(
+                "{} names no file",
+                output.display()
+            )));
+        }
+        let failed = failed_at(output);
+        let scratch = tempfile::Builder::new()
+            .prefix(".krunbox-image-")
+            .tempfile_in(dir)
+            .map_err(failed("making the scratch disk"))?;
+        scratch
+            .as_file()
+            .set_len(FLAT_DISK_BYTES)
+            .map_err(failed("sizing the scratch disk"))?;
+        let scratch_path = scratch.path().to_path_buf();
+        tokio::task::spawn_blocking(move || format_ext4(&scratch_path, Journal::Without))
+            .await
+            .map_err(|e| Error::WritableLayer(e.to_string()))??;
+        let disk = Arc::new(RawDisk {
+            file: Arc::new(
+                scratch
+                    .as_file()
+                    .try_clone()
+                    .map_err(failed("opening the scratch disk"))?,
+            ),
+            size: FLAT_DISK_BYTES,
+        });
+        Ok(ImageBuild {
+            output: output.to_path_buf(),
+            scratch,
+            disk,
+        })
     }
-    std::fs::rename(&new_path, output).map_err(failed("moving the image into place"))?;
-    let sha256 = tokio::task::spawn_blocking({
-        let output = output.to_path_buf();
-        move || sha256_of(&output)
-    })
-    .await
-    .map_err(|e| Error::WritableLayer(e.to_string()))?
-    .map_err(failed("hashing the image"))?;
-    Ok(FlatImage {
-        path: output.to_path_buf(),
-        sha256,
-    })
+
+    /// The filesystem to mount at [`SERVED_AT`] in the building VM.
+    pub(crate) fn disk(&self) -> DiskFs<RawDisk> {
+        DiskFs(self.disk.clone())
+    }
+
+    /// Writes the filled disk's extents into a qcow2 at the output path (whole or absent:
+    /// written beside it, then renamed) and hashes it.
+    pub(crate) async fn finish(self) -> Result<FlatImage> {
+        let output = self.output;
+        let failed = failed_at(&output);
+        let dir = output
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let name = output.file_name().expect("checked at start");
+        let new_path = dir.join(format!(".{}.krunbox-new", name.to_string_lossy()));
+        let _ = std::fs::remove_file(&new_path);
+        let raw = self
+            .scratch
+            .as_file()
+            .try_clone()
+            .map_err(failed("opening the scratch disk"))?;
+        let target = new_path.clone();
+        let written = on_imago_thread(move || async move { write_qcow2(&target, &raw).await })
+            .await
+            .map_err(std::io::Error::other)
+            .and_then(|written| written);
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&new_path);
+            return Err(failed("writing the qcow2")(e));
+        }
+        std::fs::rename(&new_path, &output).map_err(failed("moving the image into place"))?;
+        let sha256 = tokio::task::spawn_blocking({
+            let output = output.clone();
+            move || sha256_of(&output)
+        })
+        .await
+        .map_err(|e| Error::WritableLayer(e.to_string()))?
+        .map_err(failed("hashing the image"))?;
+        Ok(FlatImage {
+            path: output.clone(),
+            sha256,
+        })
+    }
+}
+
+fn failed_at(output: &Path) -> impl Fn(&str) -> Box<dyn Fn(std::io::Error) -> Error> + '_ {
+    move |what: &str| {
+        let context = format!("making the image {}: {what}", output.display());
+        Box::new(move |source| Error::Io {
+            context: context.clone(),
+            source,
+        })
+    }
 }
 
 /// The guest's part: mount the output disk, copy the root into it with the image's `tar`
@@ -187,9 +247,7 @@ pub async fn flatten(root: &Rootfs, output: impl AsRef<Path>) -> Result<FlatImag
 /// unmount.
 fn copy_script() -> String {
     format!(
-        r#"set -e
-mkdir -p {MOUNTED_AT}
-mount -o loop {SERVED_AT}/{file} {MOUNTED_AT}
+        r#"{MOUNT_OUTPUT}
 cd /
 xattrs=
 if tar --help 2>&1 | grep -q -- --xattrs; then xattrs="--xattrs --xattrs-include=*"; fi
@@ -201,12 +259,7 @@ for entry in .[!.]* ..?* *; do
   esac
 done
 tar -c $xattrs -f - "$@" | tar -x $xattrs -f - -C {MOUNTED_AT}
-for d in proc sys dev run; do mkdir -p {MOUNTED_AT}/$d; done
-mkdir -p {MOUNTED_AT}/tmp && chmod 1777 {MOUNTED_AT}/tmp
-umount {MOUNTED_AT}
-sync
-"#,
-        file = krunbox_protocol::LAYER_FILE_NAME
+{UNMOUNT_OUTPUT}"#
     )
 }
 
@@ -226,7 +279,7 @@ fn sha256_of(path: &Path) -> std::io::Result<String> {
 }
 
 /// The output disk: a sparse host file, read and written at the guest's offsets.
-struct RawDisk {
+pub(crate) struct RawDisk {
     file: Arc<File>,
     size: u64,
 }

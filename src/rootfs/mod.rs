@@ -20,6 +20,7 @@ mod cow;
 mod flatten;
 pub(crate) mod fuzz;
 mod layer;
+pub mod oci;
 mod persistent;
 mod served;
 mod store;

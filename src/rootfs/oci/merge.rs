@@ -1,0 +1,440 @@
+//! Merging an image's layers into one tar stream: what a container runtime's overlay would show.
+//!
+//! OCI layers are tar streams applied in order; a later layer's file replaces an earlier one's,
+//! a whiteout `DIR/.wh.NAME` deletes `DIR/NAME` (and all under it) from the layers below, an
+//! opaque marker `DIR/.wh..wh..opq` hides everything the layers below had under `DIR`. The merge
+//! reads each layer twice: top-down first, deciding which entry of which layer is visible; then
+//! bottom-up, writing only those, parents before children, as one tar that a plain `tar -x`
+//! makes into the image's tree. Layers come from registries and archives we do not trust:
+//! paths are normalised and anything that would climb out of the tree is refused, and the entry
+//! count and path length are bounded.
+
+use std::collections::{HashMap, HashSet};
+use std::io::{Read, Write};
+
+/// The most entries one layer may have.
+pub(crate) const MAX_ENTRIES: usize = 1 << 20;
+
+/// The longest path an entry may have.
+pub(crate) const MAX_PATH: usize = 4096;
+
+/// Why a merge failed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum MergeError {
+    /// A layer is not a readable tar stream.
+    #[error("layer {layer}: {source}")]
+    Read {
+        layer: usize,
+        source: std::io::Error,
+    },
+    /// A layer holds an entry that cannot be part of an image's tree.
+    #[error("layer {layer}: {reason}")]
+    Refused { layer: usize, reason: String },
+    /// Writing the merged stream failed.
+    #[error("writing the merged layers: {0}")]
+    Write(std::io::Error),
+}
+
+/// What a merge wrote.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Merged {
+    /// Entries written.
+    pub entries: usize,
+    /// Entries of lower layers that upper layers replaced or deleted.
+    pub hidden: usize,
+}
+
+/// An entry's path inside the image: relative, `/`-separated, no `.`/`..`/empty components;
+/// the empty string is the root itself. `None` for a path that climbs out.
+pub(crate) fn normalise(raw: &[u8]) -> Option<String> {
+    let text = std::str::from_utf8(raw).ok()?;
+    let mut parts = Vec::new();
+    for part in text.split('/') {
+        match part {
+            "" | "." => {}
+            ".." => return None,
+            other => parts.push(other),
+        }
+    }
+    Some(parts.join("/"))
+}
+
+/// Every strict ancestor of `path` ("a/b/c": "a", "a/b").
+fn ancestors(path: &str) -> impl Iterator<Item = &str> {
+    path.match_indices('/').map(move |(at, _)| &path[..at])
+}
+
+/// What a whiteout entry says, if it is one: `Opaque(dir)` or `Deleted(path)`.
+enum Whiteout {
+    Opaque(String),
+    Deleted(String),
+}
+
+fn whiteout(path: &str) -> Option<Whiteout> {
+    let (dir, name) = match path.rsplit_once('/') {
+        Some((dir, name)) => (dir, name),
+        None => ("", path),
+    };
+    if name == ".wh..wh..opq" {
+        return Some(Whiteout::Opaque(dir.to_string()));
+    }
+    let deleted = name.strip_prefix(".wh.")?;
+    Some(Whiteout::Deleted(if dir.is_empty() {
+        deleted.to_string()
+    } else {
+        format!("{dir}/{deleted}")
+    }))
+}
+
+/// Merges `layers` (bottom first; `open(i)` gives a fresh reader of layer `i`'s uncompressed
+/// tar stream, and is called twice per layer) into `out` as one tar stream.
+pub(crate) fn merge<R: Read>(
+    count: usize,
+    mut open: impl FnMut(usize) -> std::io::Result<R>,
+    out: impl Write,
+) -> Result<Merged, MergeError> {
+    let read = |layer| move |source| MergeError::Read { layer, source };
+    let refused = |layer, reason: String| MergeError::Refused { layer, reason };
+
+    // Top-down: which entry (by its ordinal in its layer) is visible.
+    let mut keep: Vec<HashSet<usize>> = vec![HashSet::new(); count];
+    let mut deleted: HashSet<String> = HashSet::new();
+    let mut opaque: HashSet<String> = HashSet::new();
+    // Paths an upper layer provides: the layer, and whether it is a directory.
+    let mut taken: HashMap<String, (usize, bool)> = HashMap::new();
+    let mut hidden = 0;
+    for layer in (0..count).rev() {
+        let mut archive = tar::Archive::new(open(layer).map_err(read(layer))?);
+        let mut this_layer: HashMap<String, (usize, bool)> = HashMap::new();
+        let (mut layer_deleted, mut layer_opaque) = (Vec::new(), Vec::new());
+        for (ordinal, entry) in archive.entries().map_err(read(layer))?.enumerate() {
+            if ordinal >= MAX_ENTRIES {
+                return Err(refused(layer, format!("more than {MAX_ENTRIES} entries")));
+            }
+            let entry = entry.map_err(read(layer))?;
+            let raw = entry.path_bytes();
+            if raw.len() > MAX_PATH {
+                return Err(refused(layer, format!("a path of {} bytes", raw.len())));
+            }
+            let path = normalise(&raw).ok_or_else(|| {
+                refused(
+                    layer,
+                    format!(
+                        "the path {:?} leaves the tree",
+                        String::from_utf8_lossy(&raw)
+                    ),
+                )
+            })?;
+            let kind = entry.header().entry_type();
+            if path.is_empty()
+                || kind.is_pax_global_extensions()
+                || kind.is_pax_local_extensions()
+                || kind.is_gnu_longname()
+                || kind.is_gnu_longlink()
+            {
+                // The root itself (the tree's top exists already), or metadata of the stream.
+                continue;
+            }
+            if let Some(link) = entry.link_name_bytes() {
+                if kind.is_hard_link() && normalise(&link).is_none_or(|l| l.is_empty()) {
+                    return Err(refused(
+                        layer,
+                        format!("the hard link {path} leaves the tree"),
+                    ));
+                }
+            }
+            match whiteout(&path) {
+                Some(Whiteout::Opaque(dir)) => {
+                    layer_opaque.push(dir);
+                    continue;
+                }
+                Some(Whiteout::Deleted(gone)) => {
+                    layer_deleted.push(gone);
+                    continue;
+                }
+                None => {}
+            }
+            // A root-level opaque marker hides every path of the layers below.
+            let shadowed = opaque.contains("")
+                || taken.contains_key(&path)
+                || deleted.contains(&path)
+                || ancestors(&path).any(|a| {
+                    deleted.contains(a)
+                        || opaque.contains(a)
+                        || taken.get(a).is_some_and(|(_, is_dir)| !is_dir)
+                });
+            if shadowed {
+                hidden += 1;
+                continue;
+            }
+            // Within one layer the later of two entries for a path is the one that counts.
+            if this_layer.insert(path, (ordinal, kind.is_dir())).is_some() {
+                hidden += 1;
+            }
+        }
+        for (path, (ordinal, is_dir)) in this_layer {
+            keep[layer].insert(ordinal);
+            taken.insert(path, (layer, is_dir));
+        }
+        deleted.extend(layer_deleted);
+        opaque.extend(layer_opaque);
+    }
+
+    // Bottom-up: write the visible entries, lower layers first.
+    let mut builder = tar::Builder::new(out);
+    builder.follow_symlinks(false);
+    let mut entries = 0;
+    let mut written_paths: HashSet<String> = HashSet::new();
+    for (layer, keep) in keep.iter().enumerate() {
+        let mut archive = tar::Archive::new(open(layer).map_err(read(layer))?);
+        for (ordinal, entry) in archive.entries().map_err(read(layer))?.enumerate() {
+            let mut entry = entry.map_err(read(layer))?;
+            if !keep.contains(&ordinal) {
+                continue;
+            }
+            let path = normalise(&entry.path_bytes()).expect("checked in the first pass");
+            let mut header = entry.header().clone();
+            let kind = header.entry_type();
+            let written = if kind.is_symlink() || kind.is_hard_link() {
+                use std::os::unix::ffi::OsStrExt;
+                let target = entry
+                    .link_name_bytes()
+                    .map(|l| l.into_owned())
+                    .unwrap_or_default();
+                let target = if kind.is_hard_link() {
+                    let target = normalise(&target).expect("checked in the first pass");
+                    // A hard link needs its target written before it. A target an upper layer
+                    // deleted or replaced, or one that comes later in the stream, is not (rare:
+                    // tar writers put a link after its target), and neither is the link then.
+                    if !written_paths.contains(&target) {
+                        continue;
+                    }
+                    target.into_bytes()
+                } else {
+                    target
+                };
+                header.set_size(0);
+                builder.append_link(
+                    &mut header,
+                    &path,
+                    std::path::Path::new(std::ffi::OsStr::from_bytes(&target)),
+                )
+            } else {
+                builder.append_data(&mut header, &path, &mut entry)
+            };
+            written.map_err(MergeError::Write)?;
+            written_paths.insert(path);
+            entries += 1;
+        }
+    }
+    builder.into_inner().map_err(MergeError::Write)?;
+    Ok(Merged { entries, hidden })
+}
+
+/// The `oci_layers` fuzz property: `data` cut into layers (at each `\n--layer--\n`, at most 4),
+/// each a tar stream, merged. Never panics; a merge that succeeds writes a tar stream that reads
+/// back whole, holding no path twice, no whiteout, nothing absolute or climbing out, and no
+/// hard link to a path not written before it.
+pub(crate) fn fuzz_oci_layers(data: &[u8]) {
+    let separator = b"\n--layer--\n";
+    let mut layers: Vec<&[u8]> = Vec::new();
+    let mut rest = data;
+    while layers.len() < 3 {
+        match rest.windows(separator.len()).position(|w| w == separator) {
+            Some(at) => {
+                layers.push(&rest[..at]);
+                rest = &rest[at + separator.len()..];
+            }
+            None => break,
+        }
+    }
+    layers.push(rest);
+    let mut out = Vec::new();
+    let merged = merge(layers.len(), |i| Ok(layers[i]), &mut out);
+    let Ok(merged) = merged else {
+        return;
+    };
+    let mut archive = tar::Archive::new(&out[..]);
+    let mut seen = HashSet::new();
+    let mut count = 0;
+    for entry in archive.entries().expect("the merged stream reads") {
+        let entry = entry.expect("every merged entry reads");
+        let raw = entry.path_bytes().into_owned();
+        let path = normalise(&raw).expect("no merged path climbs out");
+        assert!(!raw.starts_with(b"/"), "an absolute path {path}");
+        assert!(!path.is_empty(), "the root written as an entry");
+        assert!(whiteout(&path).is_none(), "a whiteout written: {path}");
+        if entry.header().entry_type().is_hard_link() {
+            let target = entry.link_name_bytes().expect("a link has a target");
+            let target = normalise(&target).expect("no link climbs out");
+            assert!(
+                seen.contains(&target),
+                "{path} links to {target}, not written before"
+            );
+        }
+        assert!(seen.insert(path.clone()), "{path} written twice");
+        count += 1;
+    }
+    assert_eq!(count, merged.entries);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layer(entries: &[(&str, tar::EntryType, &[u8])]) -> Vec<u8> {
+        let mut builder = tar::Builder::new(Vec::new());
+        for (path, kind, data) in entries {
+            let mut header = tar::Header::new_gnu();
+            header.set_entry_type(*kind);
+            header.set_mode(0o644);
+            header.set_size(if kind.is_file() { data.len() as u64 } else { 0 });
+            if kind.is_hard_link() || kind.is_symlink() {
+                let target = std::str::from_utf8(data).unwrap();
+                builder.append_link(&mut header, path, target).unwrap();
+            } else {
+                builder.append_data(&mut header, path, *data).unwrap();
+            }
+        }
+        builder.into_inner().unwrap()
+    }
+
+    fn merged(layers: &[Vec<u8>]) -> Result<Vec<(String, Vec<u8>)>, MergeError> {
+        let mut out = Vec::new();
+        merge(layers.len(), |i| Ok(&layers[i][..]), &mut out)?;
+        let mut archive = tar::Archive::new(&out[..]);
+        Ok(archive
+            .entries()
+            .unwrap()
+            .map(|e| {
+                let mut e = e.unwrap();
+                let path = String::from_utf8(e.path_bytes().into_owned()).unwrap();
+                let mut data = Vec::new();
+                std::io::Read::read_to_end(&mut e, &mut data).unwrap();
+                (path.trim_end_matches('/').to_string(), data)
+            })
+            .collect())
+    }
+
+    use tar::EntryType as T;
+
+    /// Upper files replace lower ones, whiteouts delete (with everything under them), an
+    /// opaque directory hides what lower layers had in it but not its own files, a file
+    /// replacing a directory hides the directory's contents; lower layers come first.
+    #[test]
+    fn whiteouts_opaque_directories_and_replacements_merge_as_an_overlay_shows_them() {
+        let lower = layer(&[
+            ("etc", T::Directory, b""),
+            ("etc/keep", T::Regular, b"old"),
+            ("etc/gone", T::Regular, b"x"),
+            ("var", T::Directory, b""),
+            ("var/lib", T::Directory, b""),
+            ("var/lib/deep", T::Regular, b"x"),
+            ("opt", T::Directory, b""),
+            ("opt/a", T::Regular, b"x"),
+            ("srv", T::Directory, b""),
+            ("srv/inside", T::Regular, b"x"),
+        ]);
+        let upper = layer(&[
+            ("etc/keep", T::Regular, b"new"),
+            ("etc/.wh.gone", T::Regular, b""),
+            ("var/.wh.lib", T::Regular, b""),
+            ("opt/.wh..wh..opq", T::Regular, b""),
+            ("opt/b", T::Regular, b"b"),
+            ("srv", T::Regular, b"now a file"),
+        ]);
+        let out = merged(&[lower, upper]).unwrap();
+        let paths: Vec<&str> = out.iter().map(|(p, _)| p.as_str()).collect();
+        assert_eq!(paths, ["etc", "var", "opt", "etc/keep", "opt/b", "srv"]);
+        let get = |p: &str| &out.iter().find(|(q, _)| q == p).unwrap().1;
+        assert_eq!(get("etc/keep"), b"new");
+        assert_eq!(get("srv"), b"now a file");
+    }
+
+    /// A one-entry tar stream whose header holds `name` (and `link`) as raw bytes, which the
+    /// tar crate's builder would refuse to write.
+    fn raw_entry(name: &str, kind: tar::EntryType, link: &str) -> Vec<u8> {
+        let mut header = tar::Header::new_old();
+        header.set_size(0);
+        header.set_entry_type(kind);
+        let mut raw = header.as_bytes().to_vec();
+        raw[..name.len()].copy_from_slice(name.as_bytes());
+        raw[157..157 + link.len()].copy_from_slice(link.as_bytes());
+        let mut header = tar::Header::from_byte_slice(&raw).clone();
+        header.set_cksum();
+        let mut bytes = header.as_bytes().to_vec();
+        bytes.extend([0u8; 1024]);
+        bytes
+    }
+
+    #[test]
+    fn paths_that_leave_the_tree_are_refused() {
+        for bad in ["../etc/passwd", "a/../../b"] {
+            let bytes = raw_entry(bad, T::Regular, "");
+            assert!(
+                matches!(merged(&[bytes]), Err(MergeError::Refused { .. })),
+                "{bad}"
+            );
+        }
+        let link_out = raw_entry("evil", T::Link, "../../etc/shadow");
+        assert!(matches!(
+            merged(&[link_out]),
+            Err(MergeError::Refused { .. })
+        ));
+        // "/abs" is taken as "abs" inside the tree, as tar -x does.
+        let out = merged(&[raw_entry("/abs", T::Regular, "")]).unwrap();
+        assert_eq!(out[0].0, "abs");
+    }
+
+    /// A hard link whose target an upper layer deleted is left out (it could not be made).
+    #[test]
+    fn a_hard_link_to_a_deleted_target_is_left_out() {
+        let lower = layer(&[("a", T::Regular, b"x"), ("b", T::Link, b"a")]);
+        let upper = layer(&[(".wh.a", T::Regular, b"")]);
+        let out = merged(&[lower.clone(), upper]).unwrap();
+        assert!(out.is_empty(), "{out:?}");
+        let out = merged(&[lower]).unwrap();
+        assert_eq!(out.len(), 2);
+    }
+
+    #[test]
+    fn the_fuzz_property_holds_on_seeds_and_their_mutations() {
+        let seeds = seeds();
+        for seed in &seeds {
+            fuzz_oci_layers(seed);
+        }
+        crate::fuzzing::mutate_seeds(&seeds, 500, 0x0c1_1a7e, fuzz_oci_layers);
+        crate::fuzzing::replay_corpus("oci_layers", fuzz_oci_layers);
+    }
+
+    /// `KRUNBOX_WRITE_FUZZ_SEEDS=1 cargo test --lib committed_oci_layers_seeds` writes them.
+    #[test]
+    fn committed_oci_layers_seeds_are_the_generated_ones() {
+        crate::fuzzing::assert_committed_seeds("oci_layers", &seeds());
+    }
+
+    /// Seeds: two layers with a whiteout, an opaque directory and a hard link; one layer with a
+    /// symbolic link and a long name.
+    fn seeds() -> Vec<Vec<u8>> {
+        let join = |layers: &[Vec<u8>]| layers.join(&b"\n--layer--\n"[..]);
+        vec![
+            join(&[
+                layer(&[
+                    ("etc", T::Directory, b""),
+                    ("etc/a", T::Regular, b"a"),
+                    ("etc/h", T::Link, b"etc/a"),
+                    ("opt/x", T::Regular, b"x"),
+                ]),
+                layer(&[
+                    ("etc/.wh.a", T::Regular, b""),
+                    ("opt/.wh..wh..opq", T::Regular, b""),
+                    ("opt/y", T::Regular, b"y"),
+                ]),
+            ]),
+            layer(&[
+                ("bin/sh", T::Symlink, b"busybox"),
+                (&"d/".repeat(60), T::Directory, b""),
+            ]),
+        ]
+    }
+}

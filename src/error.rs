@@ -69,7 +69,9 @@ pub enum Error {
     /// refused the base or was in use: the boot fails), or while the guest ran (the guest got
     /// `EIO`; [`Instance::shutdown`](crate::Instance::shutdown) reports the first failure).
     /// Blocks it could not take are not silently dropped: they were offered again at each
-    /// sync and at shutdown, and this error says when they could not be stored.
+    /// sync and at shutdown, and this error says when they could not be stored. `shutdown`
+    /// reports the run's first failure even when a later retry stored everything (the guest
+    /// saw `EIO` then, and may have acted on it); the store's error comes as its message.
     #[error("the root's block store failed to {operation}: {source}")]
     BlockStore {
         /// What krunbox asked of the store (`attach`, `read`, `write`, `flush`, ...).

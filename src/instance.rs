@@ -564,7 +564,13 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         // has stopped (so `shutdown` returns after they are stored).
         if let Some(rootfs::Layer::Cow(cow)) = &layer {
             // The store is the caller's code: a stalled one must not hold `shutdown` forever.
-            if tokio::time::timeout(STORE_FINISH_DEADLINE, cow.finish())
+            // In a task of its own: past the deadline it still runs to its end (and detaches
+            // the store); only the wait for it stops.
+            let finishing = tokio::spawn({
+                let cow = cow.clone();
+                async move { cow.finish().await }
+            });
+            if tokio::time::timeout(STORE_FINISH_DEADLINE, finishing)
                 .await
                 .is_err()
             {
@@ -694,11 +700,12 @@ impl Instance {
         command
     }
 
-    /// The image's entrypoint with its default arguments (its `Entrypoint` then `Cmd`, as a
-    /// container runtime runs them), with the image's environment, directory and user (see
-    /// [`SandboxBuilder::image_config`](crate::SandboxBuilder::image_config)). Add arguments
-    /// with [`Command::arg`]. Fails when the sandbox was given no image configuration, or one
-    /// with neither.
+    /// The image's entrypoint with its default arguments (its `Entrypoint` then its `Cmd`),
+    /// with the image's environment, directory and user (see
+    /// [`SandboxBuilder::image_config`](crate::SandboxBuilder::image_config)): what `docker run
+    /// IMAGE` runs. Arguments added with [`Command::arg`] come after `Cmd`; to replace `Cmd`, as
+    /// `docker run IMAGE ARGS...` does, use [`Instance::entrypoint_with`]. Fails when the
+    /// sandbox was given no image configuration, or one with neither.
     ///
     /// ```no_run
     /// # async fn demo(vm: krunbox::Instance) -> krunbox::Result<()> {
@@ -706,15 +713,41 @@ impl Instance {
     /// # let _ = status; Ok(()) }
     /// ```
     pub fn entrypoint(&self) -> Result<Command> {
-        let config = self.inner.image_config.as_ref();
-        let mut words = config
-            .map(|c| c.entrypoint.iter().chain(&c.cmd))
+        let cmd = self
+            .inner
+            .image_config
+            .as_ref()
+            .map(|c| c.cmd.clone())
+            .unwrap_or_default();
+        self.entrypoint_with(cmd)
+    }
+
+    /// The image's `Entrypoint` with `args` in place of its `Cmd` (what `docker run IMAGE
+    /// ARGS...` runs); without an `Entrypoint`, `args` are the command itself.
+    ///
+    /// ```no_run
+    /// # async fn demo(vm: krunbox::Instance) -> krunbox::Result<()> {
+    /// let out = vm.entrypoint_with(["--version"])?.output().await?;
+    /// # let _ = out; Ok(()) }
+    /// ```
+    pub fn entrypoint_with<I, S>(&self, args: I) -> Result<Command>
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        let entrypoint = self
+            .inner
+            .image_config
+            .as_ref()
+            .map(|c| c.entrypoint.clone())
+            .unwrap_or_default();
+        let mut words = entrypoint
             .into_iter()
-            .flatten();
+            .chain(args.into_iter().map(Into::into));
         let Some(program) = words.next() else {
             return Err(Error::InvalidConfig(
                 "the sandbox's image names no entrypoint or command \
-                 (SandboxBuilder::image_config)"
+                 (SandboxBuilder::image_config), and no arguments were given"
                     .into(),
             ));
         };

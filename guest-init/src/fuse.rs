@@ -63,6 +63,7 @@ pub fn mount_one(index: u32, target: &GuestMount) -> io::Result<()> {
     std::thread::Builder::new()
         .name(format!("fuse-in-{index}"))
         .spawn(move || {
+            io_flusher();
             let (device, connection) = to_host;
             if let Err(err) = requests_to_host(device, connection) {
                 eprintln!("guest-init: the mount {path} stopped relaying requests: {err}");
@@ -72,6 +73,7 @@ pub fn mount_one(index: u32, target: &GuestMount) -> io::Result<()> {
     std::thread::Builder::new()
         .name(format!("fuse-out-{index}"))
         .spawn(move || {
+            io_flusher();
             let (connection, device) = from_host;
             if let Err(err) = replies_to_kernel(connection, device) {
                 eprintln!("guest-init: the mount {path} stopped relaying replies: {err}");
@@ -80,6 +82,17 @@ pub fn mount_one(index: u32, target: &GuestMount) -> io::Result<()> {
     // After the relay runs: finding the mount's device asks the host for its root's attributes.
     raise_readahead(&target.path);
     Ok(())
+}
+
+/// Marks the calling relay thread as one that block I/O depends on (`PR_SET_IO_FLUSHER`): a
+/// loop device over a FUSE file (a copy-on-write root's layer) writes through this relay, so
+/// the kernel must not make the relay itself wait for that writeback when it reclaims memory
+/// for it. Best effort (it needs `CAP_SYS_RESOURCE`, which guest-init has).
+fn io_flusher() {
+    /// `PR_SET_IO_FLUSHER` from linux/prctl.h (the libc crate's musl target lacks it).
+    const PR_SET_IO_FLUSHER: libc::c_int = 57;
+    // SAFETY: prctl with integer arguments only.
+    unsafe { libc::prctl(PR_SET_IO_FLUSHER, 1, 0, 0, 0) };
 }
 
 /// The readahead a mount gets, in KiB: a sequential read then asks the host for 1 MiB at a

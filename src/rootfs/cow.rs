@@ -60,6 +60,41 @@ struct Blocks {
     finished: bool,
 }
 
+/// A store handle taken by an attach that has not finished: dropped armed (the attach failed,
+/// or the boot awaiting it was dropped), it detaches the store (in a task: `Drop` cannot wait)
+/// and frees the handle.
+struct Claim {
+    attached: Arc<AtomicBool>,
+    /// The store, once its `attach` succeeded (then it needs a `detach`).
+    store: Option<Arc<dyn BlockStore>>,
+    armed: bool,
+}
+
+impl Claim {
+    /// The layer is ready and owns the handle now.
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let attached = self.attached.clone();
+        match (self.store.take(), tokio::runtime::Handle::try_current()) {
+            (Some(store), Ok(runtime)) => {
+                runtime.spawn(async move {
+                    let _ = store.detach().await;
+                    attached.store(false, Ordering::SeqCst);
+                });
+            }
+            _ => attached.store(false, Ordering::SeqCst),
+        }
+    }
+}
+
 /// One boot's attachment to a store: the layer disk the guest sees, served from it.
 pub(crate) struct CowLayer {
     store: Arc<dyn BlockStore>,
@@ -107,6 +142,12 @@ impl CowLayer {
         {
             return Err(store_error("attach")(StoreError::InUse));
         }
+        // Until the layer is ready, a boot that fails or is dropped gives the store back.
+        let mut claim = Claim {
+            attached: attached.clone(),
+            store: None,
+            armed: true,
+        };
         let block_size = u64::from(block_size);
         let layer = CowLayer {
             store,
@@ -126,18 +167,15 @@ impl CowLayer {
             base_sha256: base_sha256.to_string(),
             disk_bytes: COW_LAYER_BYTES,
         };
-        if let Err(source) = layer.store.attach(&context).await {
-            layer.attached.store(false, Ordering::SeqCst);
-            return Err(store_error("attach")(source));
-        }
-        match layer.load(base_sha256).await {
-            Ok(()) => Ok(layer),
-            Err(err) => {
-                let _ = layer.store.detach().await;
-                layer.attached.store(false, Ordering::SeqCst);
-                Err(err)
-            }
-        }
+        layer
+            .store
+            .attach(&context)
+            .await
+            .map_err(store_error("attach"))?;
+        claim.store = Some(layer.store.clone());
+        layer.load(base_sha256).await?;
+        claim.disarm();
+        Ok(layer)
     }
 
     /// A layer over `store` as if attached to an empty store, without the format (for the
@@ -196,7 +234,8 @@ impl CowLayer {
                 recorded,
             })),
             Err(reason) => Err(store_error("attach")(StoreError::Failed(format!(
-                "its blocks hold no krunbox layer ({reason})"
+                "its blocks hold no krunbox layer ({reason}; a first format that failed halfway \
+                 leaves this: empty the store and boot again)"
             )))),
         }
     }
@@ -223,12 +262,21 @@ impl CowLayer {
             .flat_map(|&(start, end)| (start / size)..end.div_ceil(size))
             .collect();
         indexes.dedup();
+        // Block 0 (the record and the superblock) last, after everything else is flushed: a
+        // store whose format failed halfway holds no record and is refused at the next attach
+        // (formatting over its blocks again would trust stale ones as zeros), never taken for
+        // a whole layer.
+        indexes.retain(|&i| i != 0);
+        indexes.push(0);
         let mut blocks = self.blocks.lock().await;
         for index in indexes {
             disk.read_exact_at(&mut chunk, index * size)
                 .map_err(Error::io("reading the fresh layer"))?;
-            if chunk.iter().all(|b| *b == 0) {
+            if index != 0 && chunk.iter().all(|b| *b == 0) {
                 continue;
+            }
+            if index == 0 {
+                self.store.flush().await.map_err(store_error("flush"))?;
             }
             self.store
                 .write_blocks(index, &chunk)
@@ -447,8 +495,8 @@ impl CowLayer {
 
 impl CowLayer {
     /// Storing the last blocks took longer than `deadline`: recorded as this boot's failure
-    /// (if none came first), and the handle freed. The store was not detached: its calls
-    /// were still running.
+    /// (if none came first). The handle stays taken until [`CowLayer::finish`], still
+    /// running, detaches the store: a store still busy is not free for another boot.
     pub(crate) fn give_up(&self, deadline: std::time::Duration) {
         self.fail(
             "write",
@@ -456,7 +504,6 @@ impl CowLayer {
                 "storing the blocks the guest wrote did not finish within {deadline:?} of the VM stopping"
             )),
         );
-        self.attached.store(false, Ordering::SeqCst);
     }
 }
 

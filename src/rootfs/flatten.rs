@@ -258,7 +258,11 @@ for entry in .[!.]* ..?* *; do
     *) if [ -e "$entry" ] || [ -L "$entry" ]; then set -- "$@" "$entry"; fi ;;
   esac
 done
-tar -c $xattrs -f - "$@" | tar -x $xattrs -f - -C {MOUNTED_AT}
+# No pipefail in every sh (dash has none): the reading tar's status is kept by hand, so a
+# read error in the root (EIO from a failing store) fails the flatten, not only a write error.
+{{ tar -c $xattrs -f - "$@"; echo $? > /tmp/.krunbox-read-status; }} | tar -x $xattrs -f - -C {MOUNTED_AT}
+read -r status < /tmp/.krunbox-read-status
+[ "$status" = 0 ] || {{ echo "reading the root failed (tar exit $status)" >&2; exit 1; }}
 {UNMOUNT_OUTPUT}"#
     )
 }

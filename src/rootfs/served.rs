@@ -26,6 +26,15 @@ pub(crate) trait ServedDisk: Send + Sync + 'static {
     async fn sync(&self) -> FsResult<()>;
 }
 
+/// Runs one disk operation in a task of its own, so that it runs to its end even when the
+/// request that asked for it is dropped (its connection closed, the instance going): a disk's
+/// calls into a store then never overlap or stop halfway.
+async fn run_whole<T: Send + 'static>(
+    operation: impl std::future::Future<Output = FsResult<T>> + Send + 'static,
+) -> FsResult<T> {
+    tokio::spawn(operation).await.unwrap_or(Err(FsError::IO))
+}
+
 /// The disk file's inode in the served filesystem (the root directory is 1).
 const DISK_INODE: InodeId = InodeId(2);
 
@@ -105,7 +114,8 @@ impl<D: ServedDisk> VirtualFs for DiskFs<D> {
         size: u32,
     ) -> FsResult<Vec<u8>> {
         Self::disk(ino)?;
-        self.0.read(offset, size).await
+        let disk = self.0.clone();
+        run_whole(async move { disk.read(offset, size).await }).await
     }
 
     async fn write(
@@ -116,12 +126,15 @@ impl<D: ServedDisk> VirtualFs for DiskFs<D> {
         data: &[u8],
     ) -> FsResult<u32> {
         Self::disk(ino)?;
-        self.0.write(offset, data).await
+        let disk = self.0.clone();
+        let data = data.to_vec();
+        run_whole(async move { disk.write(offset, &data).await }).await
     }
 
     async fn fsync(&self, ino: InodeId, _handle: FileHandle, _data_only: bool) -> FsResult<()> {
         Self::disk(ino)?;
-        self.0.sync().await
+        let disk = self.0.clone();
+        run_whole(async move { disk.sync().await }).await
     }
 
     async fn readdir(

@@ -18,6 +18,23 @@ pub(crate) const MAX_ENTRIES: usize = 1 << 20;
 /// The longest path an entry may have.
 pub(crate) const MAX_PATH: usize = 4096;
 
+/// The most file data the merged stream may carry: what an image's disk holds.
+pub(crate) const MAX_MERGED_BYTES: u64 = crate::rootfs::flatten::FLAT_DISK_BYTES;
+
+/// The most path bytes the merge remembers over all layers (its maps of visible and deleted
+/// paths).
+pub(crate) const MAX_PATH_BYTES: usize = 256 << 20;
+
+/// The most bytes of hard-linked files (replaced by upper layers) held to give their links
+/// their contents.
+const MAX_STASHED: u64 = 256 << 20;
+
+/// Files whose merged contents are kept for the caller (the image's users and groups).
+pub(crate) const CAPTURED: [&str; 2] = ["etc/passwd", "etc/group"];
+
+/// The largest captured file.
+const MAX_CAPTURED: u64 = 1 << 20;
+
 /// Why a merge failed.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum MergeError {
@@ -42,6 +59,8 @@ pub(crate) struct Merged {
     pub entries: usize,
     /// Entries of lower layers that upper layers replaced or deleted.
     pub hidden: usize,
+    /// The merged contents of the [`CAPTURED`] files the image has (at most 1 MiB each).
+    pub captured: HashMap<String, Vec<u8>>,
 }
 
 /// An entry's path inside the image: relative, `/`-separated, no `.`/`..`/empty components;
@@ -98,14 +117,19 @@ pub(crate) fn merge<R: Read>(
 
     // Top-down: which entry (by its ordinal in its layer) is visible.
     let mut keep: Vec<HashSet<usize>> = vec![HashSet::new(); count];
+    // The targets of each layer's visible hard links: a target an upper layer replaced or
+    // deleted is not written itself, and its links get its contents instead.
+    let mut link_targets: Vec<HashSet<String>> = vec![HashSet::new(); count];
     let mut deleted: HashSet<String> = HashSet::new();
     let mut opaque: HashSet<String> = HashSet::new();
     // Paths an upper layer provides: the layer, and whether it is a directory.
     let mut taken: HashMap<String, (usize, bool)> = HashMap::new();
     let mut hidden = 0;
+    let mut path_bytes = 0usize;
     for layer in (0..count).rev() {
         let mut archive = tar::Archive::new(open(layer).map_err(read(layer))?);
-        let mut this_layer: HashMap<String, (usize, bool)> = HashMap::new();
+        // path -> (ordinal, is a directory, a hard link's target)
+        let mut this_layer: HashMap<String, (usize, bool, Option<String>)> = HashMap::new();
         let (mut layer_deleted, mut layer_opaque) = (Vec::new(), Vec::new());
         for (ordinal, entry) in archive.entries().map_err(read(layer))?.enumerate() {
             if ordinal >= MAX_ENTRIES {
@@ -126,6 +150,17 @@ pub(crate) fn merge<R: Read>(
                 )
             })?;
             let kind = entry.header().entry_type();
+            if kind.is_gnu_sparse() {
+                // Its stored size is not its size: refused rather than misframed.
+                return Err(refused(layer, format!("{path} is a sparse file")));
+            }
+            path_bytes += path.len();
+            if path_bytes > MAX_PATH_BYTES {
+                return Err(refused(
+                    layer,
+                    format!("more than {MAX_PATH_BYTES} bytes of paths"),
+                ));
+            }
             if path.is_empty()
                 || kind.is_pax_global_extensions()
                 || kind.is_pax_local_extensions()
@@ -135,12 +170,13 @@ pub(crate) fn merge<R: Read>(
                 // The root itself (the tree's top exists already), or metadata of the stream.
                 continue;
             }
+            let mut link_target = None;
             if let Some(link) = entry.link_name_bytes() {
-                if kind.is_hard_link() && normalise(&link).is_none_or(|l| l.is_empty()) {
-                    return Err(refused(
-                        layer,
-                        format!("the hard link {path} leaves the tree"),
-                    ));
+                if kind.is_hard_link() {
+                    let target = normalise(&link).filter(|l| !l.is_empty()).ok_or_else(|| {
+                        refused(layer, format!("the hard link {path} leaves the tree"))
+                    })?;
+                    link_target = Some(target);
                 }
             }
             match whiteout(&path) {
@@ -168,13 +204,17 @@ pub(crate) fn merge<R: Read>(
                 continue;
             }
             // Within one layer the later of two entries for a path is the one that counts.
-            if this_layer.insert(path, (ordinal, kind.is_dir())).is_some() {
+            if this_layer
+                .insert(path, (ordinal, kind.is_dir(), link_target))
+                .is_some()
+            {
                 hidden += 1;
             }
         }
-        for (path, (ordinal, is_dir)) in this_layer {
+        for (path, (ordinal, is_dir, link_target)) in this_layer {
             keep[layer].insert(ordinal);
             taken.insert(path, (layer, is_dir));
+            link_targets[layer].extend(link_target);
         }
         deleted.extend(layer_deleted);
         opaque.extend(layer_opaque);
@@ -184,12 +224,35 @@ pub(crate) fn merge<R: Read>(
     let mut builder = tar::Builder::new(out);
     builder.follow_symlinks(false);
     let mut entries = 0;
+    let mut data_bytes = 0u64;
+    let mut captured = HashMap::new();
     let mut written_paths: HashSet<String> = HashSet::new();
+    let mut stashed_bytes = 0u64;
     for (layer, keep) in keep.iter().enumerate() {
+        // This layer's hidden link targets (header and contents), and the path each one's
+        // contents went to first.
+        let mut stash: HashMap<String, (tar::Header, Vec<u8>)> = HashMap::new();
+        let mut materialised: HashMap<String, String> = HashMap::new();
         let mut archive = tar::Archive::new(open(layer).map_err(read(layer))?);
         for (ordinal, entry) in archive.entries().map_err(read(layer))?.enumerate() {
             let mut entry = entry.map_err(read(layer))?;
             if !keep.contains(&ordinal) {
+                let kind = entry.header().entry_type();
+                let path = normalise(&entry.path_bytes()).unwrap_or_default();
+                if kind.is_file() && link_targets[layer].contains(&path) {
+                    stashed_bytes += entry.size();
+                    if stashed_bytes > MAX_STASHED {
+                        return Err(refused(
+                            layer,
+                            format!(
+                                "more than {MAX_STASHED} bytes of hard-linked files replaced above"
+                            ),
+                        ));
+                    }
+                    let mut data = Vec::new();
+                    entry.read_to_end(&mut data).map_err(read(layer))?;
+                    stash.insert(path, (entry.header().clone(), data));
+                }
                 continue;
             }
             let path = normalise(&entry.path_bytes()).expect("checked in the first pass");
@@ -207,9 +270,28 @@ pub(crate) fn merge<R: Read>(
                     // deleted or replaced, or one that comes later in the stream, is not (rare:
                     // tar writers put a link after its target), and neither is the link then.
                     if !written_paths.contains(&target) {
-                        continue;
+                        // Its target was replaced or deleted above: the link keeps the old
+                        // contents, as the overlay would show it.
+                        if let Some(first) = materialised.get(&target) {
+                            first.clone().into_bytes()
+                        } else if let Some((target_header, data)) = stash.get(&target) {
+                            let mut file = target_header.clone();
+                            builder
+                                .append_data(&mut file, &path, &data[..])
+                                .map_err(MergeError::Write)?;
+                            materialised.insert(target, path.clone());
+                            written_paths.insert(path);
+                            entries += 1;
+                            continue;
+                        } else {
+                            return Err(refused(
+                                layer,
+                                format!("the hard link {path} names {target}, which comes after it or nowhere"),
+                            ));
+                        }
+                    } else {
+                        target.into_bytes()
                     }
-                    target.into_bytes()
                 } else {
                     target
                 };
@@ -220,7 +302,24 @@ pub(crate) fn merge<R: Read>(
                     std::path::Path::new(std::ffi::OsStr::from_bytes(&target)),
                 )
             } else {
-                builder.append_data(&mut header, &path, &mut entry)
+                data_bytes += header.size().unwrap_or(0);
+                if data_bytes > MAX_MERGED_BYTES {
+                    return Err(refused(
+                        layer,
+                        format!("more than {MAX_MERGED_BYTES} bytes of files"),
+                    ));
+                }
+                if kind.is_file()
+                    && CAPTURED.contains(&path.as_str())
+                    && entry.size() <= MAX_CAPTURED
+                {
+                    let mut data = Vec::new();
+                    entry.read_to_end(&mut data).map_err(read(layer))?;
+                    captured.insert(path.clone(), data.clone());
+                    builder.append_data(&mut header, &path, &data[..])
+                } else {
+                    builder.append_data(&mut header, &path, &mut entry)
+                }
             };
             written.map_err(MergeError::Write)?;
             written_paths.insert(path);
@@ -228,7 +327,11 @@ pub(crate) fn merge<R: Read>(
         }
     }
     builder.into_inner().map_err(MergeError::Write)?;
-    Ok(Merged { entries, hidden })
+    Ok(Merged {
+        entries,
+        hidden,
+        captured,
+    })
 }
 
 /// The `oci_layers` fuzz property: `data` cut into layers (at each `\n--layer--\n`, at most 4),
@@ -386,15 +489,56 @@ mod tests {
         assert_eq!(out[0].0, "abs");
     }
 
-    /// A hard link whose target an upper layer deleted is left out (it could not be made).
+    /// Hard links whose target an upper layer deleted or replaced keep the old contents (as the
+    /// overlay shows them): the first becomes a file, the others links to it. A link to nothing
+    /// is refused.
     #[test]
-    fn a_hard_link_to_a_deleted_target_is_left_out() {
-        let lower = layer(&[("a", T::Regular, b"x"), ("b", T::Link, b"a")]);
-        let upper = layer(&[(".wh.a", T::Regular, b"")]);
-        let out = merged(&[lower.clone(), upper]).unwrap();
-        assert!(out.is_empty(), "{out:?}");
+    fn hard_links_to_replaced_targets_keep_the_old_contents() {
+        let lower = layer(&[
+            ("a", T::Regular, b"old"),
+            ("b", T::Link, b"a"),
+            ("c", T::Link, b"a"),
+        ]);
+        let out = merged(&[lower.clone(), layer(&[(".wh.a", T::Regular, b"")])]).unwrap();
+        assert_eq!(
+            out,
+            [
+                ("b".to_string(), b"old".to_vec()),
+                ("c".to_string(), Vec::new())
+            ]
+        );
+        let out = merged(&[lower.clone(), layer(&[("a", T::Regular, b"new")])]).unwrap();
+        let get = |p: &str| out.iter().find(|(q, _)| q == p).unwrap().1.clone();
+        assert_eq!(get("a"), b"new");
+        assert_eq!(get("b"), b"old");
         let out = merged(&[lower]).unwrap();
-        assert_eq!(out.len(), 2);
+        assert_eq!(out.len(), 3);
+        let dangling = layer(&[("b", T::Link, b"nowhere")]);
+        assert!(matches!(
+            merged(&[dangling]),
+            Err(MergeError::Refused { .. })
+        ));
+    }
+
+    #[test]
+    fn sparse_entries_are_refused() {
+        let mut header = tar::Header::new_gnu();
+        header.set_entry_type(T::GNUSparse);
+        header.set_size(0);
+        let gnu = header.as_gnu_mut().unwrap();
+        gnu.set_real_size(1 << 31);
+        // One chunk of 0 bytes at 2 GiB (octal, NUL-terminated, as GNU tar writes them).
+        gnu.sparse[0].offset = *b"20000000000\0";
+        gnu.sparse[0].numbytes = *b"00000000000\0";
+        header.set_path("s").unwrap();
+        header.set_cksum();
+        let mut sparse = header.as_bytes().to_vec();
+        sparse.extend([0u8; 1024]);
+        let result = merged(&[sparse]);
+        assert!(
+            matches!(result, Err(MergeError::Refused { .. })),
+            "{result:?}"
+        );
     }
 
     #[test]

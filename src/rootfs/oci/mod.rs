@@ -8,7 +8,10 @@
 //! of the built-in busybox image extracts that stream as root into an empty ext4 the host
 //! serves (as `flatten` does), so owners and modes are the image's without host privileges.
 
+mod local;
 pub(crate) mod merge;
+
+pub use local::LocalImages;
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -38,7 +41,7 @@ const LAYERS_AT: &str = "/tmp/.krunbox-layers";
 /// [`Instance::command`](crate::Instance::command) uses by default in a sandbox given it with
 /// [`SandboxBuilder::image_config`](crate::SandboxBuilder::image_config), and what
 /// [`Instance::entrypoint`](crate::Instance::entrypoint) runs.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, Deserialize)]
 pub struct ImageConfig {
     /// The program and first arguments of the image's entrypoint (may be empty).
     pub entrypoint: Vec<String>,
@@ -48,7 +51,9 @@ pub struct ImageConfig {
     pub env: Vec<(String, String)>,
     /// The directory commands start in, if the image names one.
     pub working_dir: Option<String>,
-    /// The user (uid) and group (gid) commands run as, if the image names them.
+    /// The user (uid) and group (gid) commands run as, if the image names them: a name is
+    /// looked up in the image's `/etc/passwd` (and `/etc/group`), and a user without a group
+    /// gets its primary group there, or 0, as a container runtime does.
     pub user: Option<(u32, u32)>,
 }
 
@@ -165,7 +170,7 @@ fn prepare(
 ) -> std::result::Result<(ImageConfig, String), String> {
     let source = Source::open(archive)?;
     let parts = source.parts()?;
-    let config = parse_config(&parts.config)?;
+    let (mut config, _, user) = parse_config(&parts.config)?;
     if let Some(diff_ids) = &parts.diff_ids_required {
         if diff_ids.len() != parts.layers.len() {
             return Err(format!(
@@ -200,7 +205,7 @@ fn prepare(
         }
     }
     let out = File::create(merged_path).map_err(|e| format!("staging the merge: {e}"))?;
-    merge::merge(
+    let merged = merge::merge(
         parts.layers.len(),
         |i| {
             source
@@ -211,7 +216,17 @@ fn prepare(
         std::io::BufWriter::new(out),
     )
     .map_err(|e| e.to_string())?;
-    Ok((config.0, parts.config_digest))
+    if let Some(user) = user {
+        let text = |path: &str| {
+            String::from_utf8_lossy(merged.captured.get(path).map_or(&[][..], |d| d)).into_owned()
+        };
+        config.user = Some(resolve_user(
+            &user,
+            &text("etc/passwd"),
+            &text("etc/group"),
+        )?);
+    }
+    Ok((config, parts.config_digest))
 }
 
 /// An archive: a directory, or a tar file read in place (members found by one scan).
@@ -278,21 +293,35 @@ impl Source {
         let file = File::open(path).map_err(|e| format!("opening it: {e}"))?;
         let mut archive = tar::Archive::new(file);
         let mut members = HashMap::new();
-        for entry in archive
+        // Older `docker save` writes a layer it has written before as a symbolic link to it.
+        let mut links = Vec::new();
+        for (count, entry) in archive
             .entries()
             .map_err(|e| format!("not a tar archive: {e}"))?
+            .enumerate()
         {
             let entry = entry.map_err(|e| format!("not a readable tar archive: {e}"))?;
-            if members.len() >= MAX_MEMBERS {
+            if count >= MAX_MEMBERS {
                 return Err(format!("more than {MAX_MEMBERS} members"));
-            }
-            if !entry.header().entry_type().is_file() {
-                continue;
             }
             let Some(name) = merge::normalise(&entry.path_bytes()) else {
                 continue;
             };
-            members.insert(name, (entry.raw_file_position(), entry.size()));
+            let kind = entry.header().entry_type();
+            if kind.is_symlink() {
+                if let Some(target) = entry.link_name_bytes() {
+                    if let Some(target) = resolve_link(&name, &target) {
+                        links.push((name, target));
+                    }
+                }
+            } else if kind.is_file() {
+                members.insert(name, (entry.raw_file_position(), entry.size()));
+            }
+        }
+        for (name, target) in links {
+            if let Some(&found) = members.get(&target) {
+                members.insert(name, found);
+            }
         }
         Ok(Source::Tar {
             path: path.to_path_buf(),
@@ -431,6 +460,27 @@ impl Source {
     }
 }
 
+/// Where a symbolic link member `name` pointing at `target` leads, relative to the link's
+/// directory (`..` steps up; `None` past the archive's top or for an absolute target).
+fn resolve_link(name: &str, target: &[u8]) -> Option<String> {
+    let target = std::str::from_utf8(target).ok()?;
+    if target.starts_with('/') {
+        return None;
+    }
+    let mut parts: Vec<&str> = name.split('/').collect();
+    parts.pop(); // the link's own name
+    for part in target.split('/') {
+        match part {
+            "" | "." => {}
+            ".." => {
+                parts.pop()?;
+            }
+            other => parts.push(other),
+        }
+    }
+    Some(parts.join("/"))
+}
+
 /// The blob path of a `sha256:` digest.
 fn blob_name(digest: &str) -> std::result::Result<String, String> {
     let hex = digest
@@ -462,8 +512,11 @@ fn json<T: serde::de::DeserializeOwned>(
     serde_json::from_slice(bytes).map_err(|e| format!("{what}: {e}"))
 }
 
-/// The image's configuration and its layers' content digests.
-fn parse_config(bytes: &[u8]) -> std::result::Result<(ImageConfig, Vec<String>), String> {
+/// The image's configuration (its user not resolved yet), its layers' content digests, and
+/// the user it names.
+fn parse_config(
+    bytes: &[u8],
+) -> std::result::Result<(ImageConfig, Vec<String>, Option<String>), String> {
     #[derive(Deserialize)]
     struct File {
         #[serde(default)]
@@ -509,39 +562,67 @@ fn parse_config(bytes: &[u8]) -> std::result::Result<(ImageConfig, Vec<String>),
             None => (pair, String::new()),
         })
         .collect();
-    let user = match config.user.as_deref() {
-        None | Some("") => None,
-        Some(user) => Some(parse_user(user)?),
-    };
     Ok((
         ImageConfig {
             entrypoint: config.entrypoint.unwrap_or_default(),
             cmd: config.cmd.unwrap_or_default(),
             env,
             working_dir: config.working_dir.filter(|d| !d.is_empty()),
-            user,
+            user: None,
         },
         file.rootfs.diff_ids,
+        config.user.filter(|u| !u.is_empty()),
     ))
 }
 
-/// `uid`, `uid:gid`, or `root`: names other than root are not looked up yet.
-fn parse_user(user: &str) -> std::result::Result<(u32, u32), String> {
-    let id = |text: &str| {
-        match text {
-        "root" => Ok(0),
-        number => number.parse::<u32>().map_err(|_| {
-            format!("the image's user {user:?} names a user or group by name (only numbers and root are supported)")
-        }),
-    }
+/// The image's `User` (`user`, `uid`, `user:group`, `uid:gid`, ...) as numbers, looked up in
+/// the image's own `/etc/passwd` and `/etc/group` as a container runtime does: a user without a
+/// group gets its primary group from `passwd`, or 0 when `passwd` does not list it.
+fn resolve_user(user: &str, passwd: &str, group: &str) -> std::result::Result<(u32, u32), String> {
+    // name:password:uid:gid:...
+    let users: Vec<(&str, u32, u32)> = passwd
+        .lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split(':').collect();
+            Some((
+                *fields.first()?,
+                fields.get(2)?.parse().ok()?,
+                fields.get(3)?.parse().ok()?,
+            ))
+        })
+        .collect();
+    // name:password:gid:members
+    let groups: Vec<(&str, u32)> = group
+        .lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split(':').collect();
+            Some((*fields.first()?, fields.get(2)?.parse().ok()?))
+        })
+        .collect();
+    let (user_part, group_part) = match user.split_once(':') {
+        Some((u, g)) => (u, Some(g)),
+        None => (user, None),
     };
-    match user.split_once(':') {
-        Some((u, g)) => Ok((id(u)?, id(g)?)),
-        None => {
-            let uid = id(user)?;
-            Ok((uid, uid))
-        }
-    }
+    let (uid, primary) = match user_part.parse::<u32>() {
+        Ok(uid) => (uid, users.iter().find(|u| u.1 == uid).map_or(0, |u| u.2)),
+        Err(_) => users
+            .iter()
+            .find(|u| u.0 == user_part)
+            .map(|u| (u.1, u.2))
+            .ok_or_else(|| format!("the image's user {user_part:?} is not in its /etc/passwd"))?,
+    };
+    let gid = match group_part {
+        None => primary,
+        Some(g) => match g.parse::<u32>() {
+            Ok(gid) => gid,
+            Err(_) => groups
+                .iter()
+                .find(|x| x.0 == g)
+                .map(|x| x.1)
+                .ok_or_else(|| format!("the image's group {g:?} is not in its /etc/group"))?,
+        },
+    };
+    Ok((uid, gid))
 }
 
 /// The layer's tar stream, decompressed by what its first bytes say it is.
@@ -550,12 +631,18 @@ fn decompress(reader: Box<dyn Read + Send>) -> std::result::Result<Box<dyn Read 
     let head = reader
         .fill_buf()
         .map_err(|e| format!("reading a layer: {e}"))?;
+    // However it unpacks, a layer larger than an image's disk (twice over, for headers) is
+    // cut short, and its tar stream then fails to read: a compression bomb costs time, never
+    // memory or disk.
+    let bound = 2 * merge::MAX_MERGED_BYTES;
     if head.starts_with(&[0x1f, 0x8b]) {
-        Ok(Box::new(flate2::read::MultiGzDecoder::new(reader)))
+        Ok(Box::new(
+            flate2::read::MultiGzDecoder::new(reader).take(bound),
+        ))
     } else if head.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
         Err("a zstd-compressed layer (not supported yet: only gzip and uncompressed)".into())
     } else {
-        Ok(Box::new(reader))
+        Ok(Box::new(reader.take(bound)))
     }
 }
 
@@ -563,4 +650,56 @@ fn sha256_hex(mut reader: impl Read) -> std::result::Result<String, String> {
     let mut hasher = Sha256::new();
     std::io::copy(&mut reader, &mut hasher).map_err(|e| format!("reading a layer: {e}"))?;
     Ok(hex::encode(hasher.finalize()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Older `docker save` writes a repeated layer as a symbolic link to the first: it reads as
+    /// its target. A link out of the archive reads as nothing.
+    #[test]
+    fn an_archive_member_written_as_a_symbolic_link_reads_as_its_target() {
+        let mut builder = tar::Builder::new(Vec::new());
+        let mut header = tar::Header::new_gnu();
+        header.set_size(5);
+        header.set_entry_type(tar::EntryType::Regular);
+        builder
+            .append_data(&mut header, "aaa/layer.tar", &b"layer"[..])
+            .unwrap();
+        for (name, target) in [
+            ("bbb/layer.tar", "../aaa/layer.tar"),
+            ("ccc/layer.tar", "../../etc/passwd"),
+        ] {
+            let mut header = tar::Header::new_gnu();
+            header.set_size(0);
+            header.set_entry_type(tar::EntryType::Symlink);
+            builder.append_link(&mut header, name, target).unwrap();
+        }
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(file.path(), builder.into_inner().unwrap()).unwrap();
+        let source = Source::open(file.path()).unwrap();
+        let mut read = String::new();
+        source
+            .read("bbb/layer.tar")
+            .unwrap()
+            .read_to_string(&mut read)
+            .unwrap();
+        assert_eq!(read, "layer");
+        assert!(source.read("ccc/layer.tar").is_err());
+    }
+
+    #[test]
+    fn users_resolve_as_a_container_runtime_resolves_them() {
+        let passwd = "root:x:0:0:root:/root:/bin/sh\napp:x:1000:1002::/app:/bin/sh\n";
+        let group = "root:x:0:\napp:x:1002:\nstaff:x:50:\n";
+        let resolve = |user| resolve_user(user, passwd, group);
+        assert_eq!(resolve("app"), Ok((1000, 1002)));
+        assert_eq!(resolve("1000"), Ok((1000, 1002)));
+        assert_eq!(resolve("4242"), Ok((4242, 0)));
+        assert_eq!(resolve("app:staff"), Ok((1000, 50)));
+        assert_eq!(resolve("0:7"), Ok((0, 7)));
+        assert!(resolve("nobody").unwrap_err().contains("passwd"));
+        assert!(resolve("app:nogroup").unwrap_err().contains("group"));
+    }
 }

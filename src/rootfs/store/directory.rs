@@ -56,6 +56,8 @@ pub struct DirectoryStore {
 struct State {
     /// Written since the last flush (in `pending/`).
     pending: HashSet<u64>,
+    /// Blocks were renamed into `blocks/` by a flush that failed before syncing the renames.
+    renamed_unsynced: bool,
     /// The lock file, locked, while attached.
     lock: Option<nix::fcntl::Flock<File>>,
 }
@@ -139,6 +141,7 @@ impl DirectoryStore {
         Ok(DirectoryStore {
             state: Arc::new(Mutex::new(State {
                 pending: HashSet::new(),
+                renamed_unsynced: false,
                 lock: None,
             })),
             dir,
@@ -192,6 +195,12 @@ impl DirectoryStore {
             };
         let meta_text = std::fs::read_to_string(self.dir.join(META))?;
         let mut meta = Meta::parse(&meta_text).map_err(StoreError::Failed)?;
+        if meta.block_size != self.block_size {
+            return Err(StoreError::Failed(format!(
+                "the store's description says blocks of {} bytes, this handle uses {}",
+                meta.block_size, self.block_size
+            )));
+        }
         match &meta.base {
             Some(recorded) if *recorded != context.base_sha256 => {
                 return Err(StoreError::BaseMismatch {
@@ -243,12 +252,23 @@ impl DirectoryStore {
         for (i, block) in buf.chunks_mut(size).enumerate() {
             let index = first + i as u64;
             let pending = self.lock().pending.contains(&index);
-            let path = if pending {
-                self.pending_path(index)
-            } else {
-                self.block_path(index)
+            let (path, opened) = match pending.then(|| self.pending_path(index)) {
+                Some(path) => match File::open(&path) {
+                    // Renamed by a flush since we looked.
+                    Err(e) if e.kind() == ErrorKind::NotFound => {
+                        let path = self.block_path(index);
+                        let opened = File::open(&path);
+                        (path, opened)
+                    }
+                    opened => (path, opened),
+                },
+                None => {
+                    let path = self.block_path(index);
+                    let opened = File::open(&path);
+                    (path, opened)
+                }
             };
-            match File::open(&path) {
+            match opened {
                 Ok(mut file) => {
                     let mut at = 0;
                     while at < size {
@@ -284,26 +304,32 @@ impl DirectoryStore {
     }
 
     fn flush_blocking(&self) -> Result<(), StoreError> {
-        let pending: Vec<u64> = self.lock().pending.iter().copied().collect();
-        if pending.is_empty() {
+        let (pending, renamed_unsynced) = {
+            let state = self.lock();
+            let pending: Vec<u64> = state.pending.iter().copied().collect();
+            (pending, state.renamed_unsynced)
+        };
+        if pending.is_empty() && !renamed_unsynced {
             return Ok(());
         }
         let dir = File::open(&self.dir)?;
         // The pending files' data first, so that a rename never exposes a block that is not
-        // on disk; then the renames themselves.
+        // on disk; then the renames themselves. Each block leaves `pending` as soon as it is
+        // renamed, so a flush that fails halfway leaves every block readable where it is, and
+        // the next flush syncs the renames this one could not.
         nix::unistd::syncfs(dir.as_fd()).map_err(std::io::Error::from)?;
-        for index in &pending {
-            let target = self.block_path(*index);
+        for index in pending {
+            let target = self.block_path(index);
             if let Some(parent) = target.parent() {
                 std::fs::create_dir_all(parent)?;
             }
-            std::fs::rename(self.pending_path(*index), target)?;
+            std::fs::rename(self.pending_path(index), target)?;
+            let mut state = self.lock();
+            state.pending.remove(&index);
+            state.renamed_unsynced = true;
         }
         nix::unistd::syncfs(dir.as_fd()).map_err(std::io::Error::from)?;
-        let mut state = self.lock();
-        for index in pending {
-            state.pending.remove(&index);
-        }
+        self.lock().renamed_unsynced = false;
         Ok(())
     }
 }
@@ -397,11 +423,13 @@ impl Meta {
 /// Replaces `dir/name` with `bytes`, durably: a temporary file, synced, renamed, and the
 /// directory synced.
 fn write_durably(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
-    let temp = dir.join(format!(".{name}.new"));
-    let mut file = File::create(&temp)?;
-    file.write_all(bytes)?;
-    file.sync_all()?;
-    std::fs::rename(&temp, dir.join(name))?;
+    // A temporary file of its own: two processes making a store at once do not share one.
+    let mut temp = tempfile::Builder::new()
+        .prefix(&format!(".{name}."))
+        .tempfile_in(dir)?;
+    temp.write_all(bytes)?;
+    temp.as_file().sync_all()?;
+    temp.persist(dir.join(name)).map_err(|e| e.error)?;
     File::open(dir)?.sync_all()
 }
 

@@ -1,0 +1,210 @@
+//! [`LocalImages`]: imported images kept under names in the cache directory.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::{import, ImageConfig, OciImage};
+use crate::error::{Error, Result};
+use crate::rootfs::FlatImage;
+
+/// The longest image name.
+const MAX_NAME: usize = 128;
+
+/// Imported images kept by name: `DIR/NAME.qcow2` and `DIR/NAME.json` (its digest and
+/// configuration), `DIR` being `$KRUNBOX_IMAGE_DIR`, or `oci/` in krunbox's cache directory.
+/// Names are letters, digits and `.`, `_`, `-`, `:` (like `myapp:1.2`).
+///
+/// ```no_run
+/// # async fn demo() -> krunbox::Result<()> {
+/// use krunbox::rootfs::oci::LocalImages;
+/// use krunbox::Sandbox;
+///
+/// let images = LocalImages::default_location();
+/// images.import("myapp:latest", "myapp.tar").await?; // docker save myapp > myapp.tar
+/// let image = images.get("myapp:latest")?.expect("just imported");
+/// let vm = Sandbox::builder()
+///     .rootfs(image.rootfs())
+///     .image_config(image.config.clone())
+///     .build()?
+///     .boot()
+///     .await?;
+/// # let _ = vm; Ok(()) }
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalImages {
+    dir: PathBuf,
+}
+
+/// What `NAME.json` holds.
+#[derive(Serialize, Deserialize)]
+struct Record {
+    sha256: String,
+    config_digest: String,
+    config: ImageConfig,
+}
+
+impl LocalImages {
+    /// The images in `dir`.
+    pub fn at(dir: impl Into<PathBuf>) -> Self {
+        LocalImages { dir: dir.into() }
+    }
+
+    /// The images in `$KRUNBOX_IMAGE_DIR` if it is set, else in `oci/` of krunbox's cache
+    /// directory ([`crate::cache_dir`]).
+    pub fn default_location() -> Self {
+        match std::env::var_os("KRUNBOX_IMAGE_DIR") {
+            Some(dir) if !dir.is_empty() => Self::at(dir),
+            _ => Self::at(crate::cache_dir().join("oci")),
+        }
+    }
+
+    /// Where the images are.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Imports the archive at `archive` (see [`import`]) as `name`, replacing an image of that
+    /// name.
+    pub async fn import(&self, name: &str, archive: impl AsRef<Path>) -> Result<OciImage> {
+        check_name(name)?;
+        std::fs::create_dir_all(&self.dir).map_err(Error::io(format!(
+            "making the image directory {}",
+            self.dir.display()
+        )))?;
+        let image = import(archive, self.dir.join(format!("{name}.qcow2"))).await?;
+        let record = Record {
+            sha256: image.image.sha256.clone(),
+            config_digest: image.config_digest.clone(),
+            config: image.config.clone(),
+        };
+        let temp = self.dir.join(format!(".{name}.json.new"));
+        std::fs::write(
+            &temp,
+            serde_json::to_vec_pretty(&record).expect("a record serialises"),
+        )
+        .and_then(|()| std::fs::rename(&temp, self.dir.join(format!("{name}.json"))))
+        .map_err(Error::io(format!("recording the image {name}")))?;
+        Ok(image)
+    }
+
+    /// The image called `name`, if there is one.
+    pub fn get(&self, name: &str) -> Result<Option<OciImage>> {
+        check_name(name)?;
+        let record_path = self.dir.join(format!("{name}.json"));
+        let bytes = match std::fs::read(&record_path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(Error::io(format!("reading {}", record_path.display()))(e)),
+        };
+        let record: Record = serde_json::from_slice(&bytes).map_err(|e| Error::ImageArchive {
+            path: record_path.clone(),
+            reason: format!("not an image record: {e}"),
+        })?;
+        Ok(Some(OciImage {
+            image: FlatImage {
+                path: self.dir.join(format!("{name}.qcow2")),
+                sha256: record.sha256,
+            },
+            config: record.config,
+            config_digest: record.config_digest,
+        }))
+    }
+
+    /// Every image, by name.
+    pub fn list(&self) -> Result<Vec<(String, OciImage)>> {
+        let entries = match std::fs::read_dir(&self.dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(Error::io(format!("listing {}", self.dir.display()))(e)),
+        };
+        let mut images = Vec::new();
+        for entry in entries {
+            let entry = entry.map_err(Error::io(format!("listing {}", self.dir.display())))?;
+            let file = entry.file_name();
+            let Some(name) = file.to_str().and_then(|f| f.strip_suffix(".json")) else {
+                continue;
+            };
+            if check_name(name).is_err() {
+                continue;
+            }
+            if let Some(image) = self.get(name)? {
+                images.push((name.to_string(), image));
+            }
+        }
+        images.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(images)
+    }
+
+    /// Removes the image called `name`; `false` if there was none.
+    pub fn remove(&self, name: &str) -> Result<bool> {
+        check_name(name)?;
+        let mut removed = false;
+        for file in [format!("{name}.json"), format!("{name}.qcow2")] {
+            match std::fs::remove_file(self.dir.join(&file)) {
+                Ok(()) => removed = true,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(Error::io(format!("removing {file}"))(e)),
+            }
+        }
+        Ok(removed)
+    }
+}
+
+fn check_name(name: &str) -> Result<()> {
+    let valid = !name.is_empty()
+        && name.len() <= MAX_NAME
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-:".contains(&b));
+    if valid {
+        Ok(())
+    } else {
+        Err(Error::InvalidConfig(format!(
+            "an image name is 1-{MAX_NAME} letters, digits, '.', '_', '-' and ':', not starting \
+             with '.'; got {name:?}"
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_checked_and_records_read_back() {
+        for bad in ["", ".hidden", "a/b", "../x", &"n".repeat(129), "sp ace"] {
+            assert!(check_name(bad).is_err(), "{bad:?}");
+        }
+        check_name("myapp:1.2-rc_1").unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let images = LocalImages::at(dir.path());
+        assert!(images.get("none").unwrap().is_none());
+        assert!(images.list().unwrap().is_empty());
+        let record = Record {
+            sha256: "a".repeat(64),
+            config_digest: format!("sha256:{}", "b".repeat(64)),
+            config: ImageConfig {
+                cmd: vec!["sh".into()],
+                ..Default::default()
+            },
+        };
+        std::fs::write(
+            dir.path().join("app:1.json"),
+            serde_json::to_vec(&record).unwrap(),
+        )
+        .unwrap();
+        std::fs::write(dir.path().join("app:1.qcow2"), b"").unwrap();
+        let listed = images.list().unwrap();
+        assert_eq!(listed.len(), 1);
+        assert_eq!(listed[0].0, "app:1");
+        assert_eq!(listed[0].1.config.cmd, ["sh"]);
+        assert_eq!(listed[0].1.image.path, dir.path().join("app:1.qcow2"));
+        assert!(images.remove("app:1").unwrap());
+        assert!(!images.remove("app:1").unwrap());
+        assert!(images.list().unwrap().is_empty());
+        std::fs::write(dir.path().join("bad.json"), b"{").unwrap();
+        assert!(matches!(images.get("bad"), Err(Error::ImageArchive { .. })));
+    }
+}

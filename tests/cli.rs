@@ -5,6 +5,9 @@ use std::time::{Duration, Instant};
 
 #[path = "common/kernel.rs"]
 mod kernel;
+#[allow(dead_code)] // the OCI layout is for tests/rootfs_oci.rs
+#[path = "common/oci.rs"]
+mod oci;
 
 fn krunbox(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_krunbox"))
@@ -352,4 +355,49 @@ fn run_persists_a_writable_root_between_runs_and_ephemeral_forgets() {
     assert_eq!(text(&first.stdout), "ok\n", "{}", text(&first.stderr));
     let second = run("cat /etc/krunbox-cli");
     assert_eq!(text(&second.stdout), "stored\n", "{}", text(&second.stderr));
+}
+
+/// `krunbox image import` keeps a `docker save` archive under a name, `image ls` lists it,
+/// `run --image NAME` without a command runs its entrypoint (as its user, in its directory,
+/// with its variables), `image rm` removes it.
+#[test]
+fn image_import_ls_run_and_rm() {
+    let dir = tempfile::tempdir().unwrap();
+    let archive = dir.path().join("app.tar");
+    std::fs::write(&archive, oci::docker_save()).unwrap();
+    let images = dir.path().join("images");
+    let krunbox = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_krunbox"))
+            .args(args)
+            .env("KRUNBOX_IMAGE_DIR", &images)
+            .output()
+            .expect("running krunbox")
+    };
+    let name = "app:1";
+    let archive_flag = archive.display().to_string();
+    let imported = krunbox(&["image", "import", &archive_flag, "--name", name]);
+    assert!(imported.status.success(), "{}", text(&imported.stderr));
+    assert!(images.join("app:1.qcow2").is_file());
+    let listed = krunbox(&["image", "ls"]);
+    assert!(
+        text(&listed.stdout).contains(name),
+        "{}",
+        text(&listed.stdout)
+    );
+    let run = krunbox(&["run", "--image", name]);
+    assert_eq!(
+        text(&run.stdout),
+        oci::ENTRYPOINT_OUTPUT,
+        "{}",
+        text(&run.stderr)
+    );
+    let removed = krunbox(&["image", "rm", name]);
+    assert!(removed.status.success(), "{}", text(&removed.stderr));
+    let listed = krunbox(&["image", "ls"]);
+    assert!(
+        !text(&listed.stdout).contains(name),
+        "{}",
+        text(&listed.stdout)
+    );
+    assert!(!krunbox(&["image", "rm", name]).status.success());
 }

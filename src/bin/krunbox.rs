@@ -45,6 +45,12 @@ enum Cmd {
     /// Example: krunbox run --dns-static api.test=127.0.0.1 --allow-domain api.test:8080
     /// --allow-domain '*.pythonhosted.org:443' -- curl http://api.test:8080/
     Run(Box<RunArgs>),
+    /// Import, list and remove images (kept by name in $KRUNBOX_IMAGE_DIR, or in oci/ of
+    /// krunbox's cache directory).
+    Image {
+        #[command(subcommand)]
+        action: ImageCmd,
+    },
     /// Report what this host can do: KVM (by a real probe), run-time files, images.
     Doctor {
         /// Exit 0 only if microVMs boot natively on this host (3 otherwise).
@@ -53,9 +59,31 @@ enum Cmd {
     },
 }
 
+#[derive(Subcommand)]
+enum ImageCmd {
+    /// Make a `docker save` tarball or an OCI image layout (a directory or a tar) into an
+    /// image called NAME, for `krunbox run --image NAME` (which runs the image's entrypoint
+    /// when no command is given, with its environment, working directory and user).
+    Import {
+        /// The archive.
+        archive: PathBuf,
+        /// The name to keep it under (like `myapp:latest`).
+        #[arg(long)]
+        name: String,
+    },
+    /// List the built-in and imported images.
+    Ls,
+    /// Remove an imported image.
+    Rm {
+        /// Its name.
+        name: String,
+    },
+}
+
 #[derive(clap::Args)]
 struct RunArgs {
-    /// Built-in image (`busybox`, `agent`) or a path to an image file.
+    /// Built-in image (`busybox`, `agent`), an imported image's name (`krunbox image ls`), or a
+    /// path to an image file.
     #[arg(long, default_value = "agent")]
     image: String,
     /// SHA-256 the image file must have (required with an image path).
@@ -157,8 +185,9 @@ struct RunArgs {
     /// Repeatable.
     #[arg(long, value_name = "GUEST_PATH")]
     memfs: Vec<String>,
-    /// The command and its arguments.
-    #[arg(last = true, required = true)]
+    /// The command and its arguments (optional with an imported image that has an
+    /// entrypoint or command).
+    #[arg(last = true)]
     command: Vec<String>,
 }
 
@@ -187,6 +216,13 @@ fn main() -> ExitCode {
         match cli.command {
             Cmd::Run(args) => match run(*args).await {
                 Ok(code) => code,
+                Err(e) => {
+                    eprintln!("krunbox: {e}");
+                    ExitCode::from(KRUNBOX_FAILED)
+                }
+            },
+            Cmd::Image { action } => match image(action).await {
+                Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("krunbox: {e}");
                     ExitCode::from(KRUNBOX_FAILED)
@@ -253,9 +289,61 @@ fn terminal_size() -> Option<(u16, u16)> {
     None
 }
 
+/// `krunbox image ...`.
+async fn image(action: ImageCmd) -> Result<(), Box<dyn std::error::Error>> {
+    let images = krunbox::rootfs::oci::LocalImages::default_location();
+    match action {
+        ImageCmd::Import { archive, name } => {
+            let spinner = indicatif::ProgressBar::new_spinner().with_message(format!(
+                "importing {} as {name} (checking digests, merging layers, building the image in a VM)",
+                archive.display()
+            ));
+            spinner.enable_steady_tick(std::time::Duration::from_millis(120));
+            let imported = images.import(&name, &archive).await;
+            spinner.finish_and_clear();
+            let image = imported?;
+            println!(
+                "{name}: {} (sha256 {}, config {})",
+                image.image.path.display(),
+                image.image.sha256,
+                image.config_digest
+            );
+        }
+        ImageCmd::Ls => {
+            let cache = krunbox::cache_dir();
+            for builtin in [BuiltinImage::Busybox, BuiltinImage::Agent] {
+                let state = match krunbox_rootfs::load(&cache, builtin) {
+                    Ok(Some(manifest)) => format!("built, sha256 {}", manifest.sha256),
+                    Ok(None) => "not built yet (built on first use)".to_string(),
+                    Err(e) => format!("unreadable: {e}"),
+                };
+                println!("{:<24} built-in  {state}", builtin.name());
+            }
+            for (name, image) in images.list()? {
+                let size = std::fs::metadata(&image.image.path)
+                    .map(|m| format!("{} MiB", m.len() >> 20))
+                    .unwrap_or_else(|_| "missing".into());
+                println!(
+                    "{name:<24} imported  sha256 {}, {size}, config {}",
+                    image.image.sha256, image.config_digest
+                );
+            }
+        }
+        ImageCmd::Rm { name } => {
+            if !images.remove(&name)? {
+                return Err(format!("there is no imported image called {name}").into());
+            }
+        }
+    }
+    Ok(())
+}
+
 fn rootfs(args: &RunArgs) -> Result<Rootfs, String> {
     if let Ok(image) = args.image.parse::<BuiltinImage>() {
         return Ok(Rootfs::builtin(image));
+    }
+    if let Some(image) = imported(args)? {
+        return Ok(image.rootfs());
     }
     let sha = args.image_sha256.as_deref().ok_or_else(|| {
         format!(
@@ -264,6 +352,19 @@ fn rootfs(args: &RunArgs) -> Result<Rootfs, String> {
         )
     })?;
     Ok(Rootfs::image(&args.image, &args.image_fstype, sha))
+}
+
+/// The imported image `--image` names, if it names one (and is not a path).
+fn imported(args: &RunArgs) -> Result<Option<krunbox::rootfs::oci::OciImage>, String> {
+    if args.image.contains('/') || args.image_sha256.is_some() {
+        return Ok(None);
+    }
+    match krunbox::rootfs::oci::LocalImages::default_location().get(&args.image) {
+        Ok(found) => Ok(found),
+        // Not a name an image could have: a file name, then.
+        Err(krunbox::Error::InvalidConfig(_)) => Ok(None),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 /// `--image` with `--ephemeral`, `--persist` or `--store`: the image, writable if asked.
@@ -493,6 +594,9 @@ async fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         .rootfs(root(&args)?)
         .cpus(args.cpus)
         .memory_mib(args.memory);
+    if let Some(image) = imported(&args)? {
+        sandbox = sandbox.image_config(image.config);
+    }
     if let Some(network) = network(&args)? {
         sandbox = sandbox.network(network);
     }
@@ -520,8 +624,16 @@ async fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         }
     }
 
-    let mut cmd = vm.command(&args.command[0]);
-    cmd.args(&args.command[1..]);
+    let mut cmd = match args.command.split_first() {
+        Some((program, rest)) => {
+            let mut cmd = vm.command(program);
+            cmd.args(rest);
+            cmd
+        }
+        None => vm.entrypoint().map_err(|_| {
+            "no command given (after --), and the image names no entrypoint or command".to_string()
+        })?,
+    };
     for kv in &args.env {
         let (k, v) = kv
             .split_once('=')
@@ -645,7 +757,7 @@ mod tests {
             .copied();
         match Cli::try_parse_from(argv)?.command {
             Cmd::Run(args) => Ok(*args),
-            Cmd::Doctor { .. } => unreachable!(),
+            Cmd::Doctor { .. } | Cmd::Image { .. } => unreachable!(),
         }
     }
 

@@ -148,21 +148,7 @@ impl CowLayer {
             store: None,
             armed: true,
         };
-        let block_size = u64::from(block_size);
-        let layer = CowLayer {
-            store,
-            attached,
-            blocks: tokio::sync::Mutex::new(Blocks {
-                written: Written::new(COW_LAYER_BYTES / block_size),
-                dirty: BTreeMap::new(),
-                finished: false,
-            }),
-            dirty_bytes: 0.into(),
-            block_size,
-            blocks_on_disk: COW_LAYER_BYTES / block_size,
-            max_dirty_bytes,
-            failure: Mutex::new(None),
-        };
+        let layer = CowLayer::new(store, attached, max_dirty_bytes);
         let context = StoreContext {
             base_sha256: base_sha256.to_string(),
             disk_bytes: COW_LAYER_BYTES,
@@ -181,10 +167,15 @@ impl CowLayer {
     /// A layer over `store` as if attached to an empty store, without the format (for the
     /// fuzz harness: every block reads as zeros until written).
     pub(crate) fn unformatted(store: Arc<dyn BlockStore>, max_dirty_bytes: u64) -> CowLayer {
+        CowLayer::new(store, Arc::new(AtomicBool::new(true)), max_dirty_bytes)
+    }
+
+    /// A layer over `store` holding nothing yet (no block known written, none dirty).
+    fn new(store: Arc<dyn BlockStore>, attached: Arc<AtomicBool>, max_dirty_bytes: u64) -> Self {
         let block_size = u64::from(store.block_size());
         CowLayer {
             store,
-            attached: Arc::new(AtomicBool::new(true)),
+            attached,
             blocks: tokio::sync::Mutex::new(Blocks {
                 written: Written::new(COW_LAYER_BYTES / block_size),
                 dirty: BTreeMap::new(),

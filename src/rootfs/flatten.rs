@@ -17,7 +17,7 @@ use std::time::Duration;
 use sha2::{Digest, Sha256};
 
 use super::layer::{format_ext4, Journal};
-use super::persistent::{on_imago_thread, write_qcow2};
+use super::persistent::qcow2_into_place;
 use super::served::{DiskFs, ServedDisk};
 use super::Rootfs;
 use crate::error::{Error, Result};
@@ -195,28 +195,14 @@ impl ImageBuild {
     pub(crate) async fn finish(self) -> Result<FlatImage> {
         let output = self.output;
         let failed = failed_at(&output);
-        let dir = output
-            .parent()
-            .filter(|d| !d.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
-        let name = output.file_name().expect("checked at start");
-        let new_path = dir.join(format!(".{}.krunbox-new", name.to_string_lossy()));
-        let _ = std::fs::remove_file(&new_path);
         let raw = self
             .scratch
             .as_file()
             .try_clone()
             .map_err(failed("opening the scratch disk"))?;
-        let target = new_path.clone();
-        let written = on_imago_thread(move || async move { write_qcow2(&target, &raw).await })
+        qcow2_into_place(raw, &output)
             .await
-            .map_err(std::io::Error::other)
-            .and_then(|written| written);
-        if let Err(e) = written {
-            let _ = std::fs::remove_file(&new_path);
-            return Err(failed("writing the qcow2")(e));
-        }
-        std::fs::rename(&new_path, &output).map_err(failed("moving the image into place"))?;
+            .map_err(failed("writing the qcow2"))?;
         let sha256 = tokio::task::spawn_blocking({
             let output = output.clone();
             move || sha256_of(&output)

@@ -351,49 +351,41 @@ impl Rootfs {
                 base,
                 max_dirty_bytes,
             } => {
-                if base.is_writable() {
-                    return Err(Error::InvalidConfig(
-                        "a writable root's base must be an image (Rootfs::builtin or \
-                         Rootfs::image), not another writable root"
-                            .into(),
-                    ));
-                }
-                layer::check_quota(*max_dirty_bytes)?;
-                base.check()
+                base.check_as_base()?;
+                layer::check_quota(*max_dirty_bytes)
             }
             Rootfs::Persistent { base, path } => {
-                if base.is_writable() {
-                    return Err(Error::InvalidConfig(
-                        "a writable root's base must be an image (Rootfs::builtin or \
-                         Rootfs::image), not another writable root"
-                            .into(),
-                    ));
-                }
+                base.check_as_base()?;
                 if path.file_name().is_none() {
                     return Err(Error::InvalidConfig(format!(
                         "a persistent root's layer must be a file path, got {}",
                         path.display()
                     )));
                 }
-                base.check()
+                Ok(())
             }
             Rootfs::Cow {
                 base,
                 store,
                 max_dirty_bytes,
             } => {
-                if base.is_writable() {
-                    return Err(Error::InvalidConfig(
-                        "a writable root's base must be an image (Rootfs::builtin or \
-                         Rootfs::image), not another writable root"
-                            .into(),
-                    ));
-                }
+                base.check_as_base()?;
                 layer::check_quota(*max_dirty_bytes)?;
-                store::check_block_size(store.store.block_size()).map_err(Error::InvalidConfig)?;
-                base.check()
+                store::check_block_size(store.store.block_size()).map_err(Error::InvalidConfig)
             }
         }
+    }
+
+    /// Checks a writable root's base: an image (not another writable root), itself valid.
+    fn check_as_base(&self) -> Result<()> {
+        if self.is_writable() {
+            return Err(Error::InvalidConfig(
+                "a writable root's base must be an image (Rootfs::builtin or Rootfs::image), \
+                 not another writable root"
+                    .into(),
+            ));
+        }
+        self.check()
     }
 
     /// A copy-on-write root's store and its bound on dirty bytes.

@@ -296,9 +296,12 @@ async fn create(path: &Path, base_sha256: &str) -> Result<()> {
         .parent()
         .filter(|d| !d.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .ok_or_else(|| Error::InvalidConfig(format!("{} names no file", path.display())))?;
+    if path.file_name().is_none() {
+        return Err(Error::InvalidConfig(format!(
+            "{} names no file",
+            path.display()
+        )));
+    }
     let scratch = tempfile::Builder::new()
         .prefix(".krunbox-layer-")
         .tempfile_in(dir)
@@ -324,23 +327,35 @@ async fn create(path: &Path, base_sha256: &str) -> Result<()> {
     std::os::unix::fs::FileExt::write_all_at(scratch.as_file(), &record(base_sha256), 0)
         .map_err(layer_error("writing the layer's record"))?;
 
-    let new_path = dir.join(format!(".{}.krunbox-new", name.to_string_lossy()));
-    let _ = std::fs::remove_file(&new_path);
     let raw = scratch
         .as_file()
         .try_clone()
         .map_err(layer_error("duplicating the scratch disk's descriptor"))?;
+    qcow2_into_place(raw, path)
+        .await
+        .map_err(layer_error("writing the qcow2 layer"))
+}
+
+/// Writes `raw`'s extents into a qcow2 beside `path` and renames it to `path`: the file there
+/// is whole or absent.
+pub(super) async fn qcow2_into_place(raw: File, path: &Path) -> std::io::Result<()> {
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let new_path = dir.join(format!(".{name}.krunbox-new"));
+    let _ = std::fs::remove_file(&new_path);
     let target = new_path.clone();
-    let result = on_imago_thread(move || async move { write_qcow2(&target, &raw).await })
+    let written = on_imago_thread(move || async move { write_qcow2(&target, &raw).await })
         .await
         .map_err(std::io::Error::other)
         .and_then(|written| written);
-    if let Err(e) = result {
+    if let Err(e) = written {
         let _ = std::fs::remove_file(&new_path);
-        return Err(layer_error("writing the qcow2 layer")(e));
+        return Err(e);
     }
-    std::fs::rename(&new_path, path).map_err(layer_error("moving the layer into place"))?;
-    Ok(())
+    std::fs::rename(&new_path, path)
 }
 
 /// Makes a qcow2 of `raw`'s size at `new_path` holding `raw`'s written extents.

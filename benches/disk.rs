@@ -32,7 +32,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{env_or, median};
+use common::{checked_output, env_or, median};
 use krunbox::rootfs::DirectoryStore;
 use krunbox::{BuiltinImage, Instance, Rootfs, Sandbox};
 
@@ -125,21 +125,11 @@ struct Side {
 }
 
 async fn measure(vm: &Instance, what: &str, dir: &str, mib: usize, ops: usize) -> [f64; 4] {
-    let out = vm
-        .command("python3")
+    let mut command = vm.command("python3");
+    command
         .args(["-c", SCRIPT, dir, &mib.to_string(), &ops.to_string()])
-        .timeout(COMMAND_TIMEOUT)
-        .output()
-        .await
-        .unwrap_or_else(|e| panic!("{what}: {e}"));
-    assert!(
-        out.status.success(),
-        "{what}: {}\n{}{}",
-        out.status,
-        out.stdout_text(),
-        out.stderr_text()
-    );
-    let text = out.stdout_text();
+        .timeout(COMMAND_TIMEOUT);
+    let text = checked_output(&mut command, what).await.stdout_text();
     let numbers: Vec<f64> = text
         .split_whitespace()
         .map(|n| n.parse().unwrap_or_else(|_| panic!("{what}: {text:?}")))

@@ -58,7 +58,7 @@
 
 mod common;
 
-use common::{env_or, median};
+use common::{checked_output, env_or, median};
 use std::time::Duration;
 
 use krunbox::fs::{HostDir, MemoryFs};
@@ -222,21 +222,9 @@ struct Side {
 /// Runs `script` in the guest's shell and returns its stdout; a failure panics with the
 /// command's status and output.
 async fn guest_sh(vm: &Instance, what: &str, script: &str) -> String {
-    let out = vm
-        .command("sh")
-        .args(["-c", script])
-        .timeout(COMMAND_TIMEOUT)
-        .output()
-        .await
-        .unwrap_or_else(|e| panic!("{what}: {e}"));
-    assert!(
-        out.status.success(),
-        "{what}: {}\n{}{}",
-        out.status,
-        out.stdout_text(),
-        out.stderr_text()
-    );
-    out.stdout_text()
+    let mut command = vm.command("sh");
+    command.args(["-c", script]).timeout(COMMAND_TIMEOUT);
+    checked_output(&mut command, what).await.stdout_text()
 }
 
 /// One round: each workload on every side in `order`, one side right after the other (so

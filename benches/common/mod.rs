@@ -8,6 +8,24 @@ pub fn median<T: PartialOrd + Copy>(mut values: Vec<T>) -> T {
     values[values.len() / 2]
 }
 
+/// Runs `command` in the guest and returns its output; a failure to run or an unsuccessful
+/// status stops the bench, saying `what` with the command's status and output.
+#[allow(dead_code)] // boot.rs, exec.rs and net.rs run their own commands
+pub async fn checked_output(command: &mut krunbox::Command, what: &str) -> krunbox::Output {
+    let out = command
+        .output()
+        .await
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(
+        out.status.success(),
+        "{what}: {}\n{}{}",
+        out.status,
+        out.stdout_text(),
+        out.stderr_text()
+    );
+    out
+}
+
 /// The positive integer in the environment variable `name`, or `default` when it is unset;
 /// anything else stops the bench, naming the variable.
 #[allow(dead_code)] // boot.rs has no knobs

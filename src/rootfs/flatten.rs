@@ -14,8 +14,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use sha2::{Digest, Sha256};
-
 use super::layer::{format_ext4, Journal};
 use super::persistent::qcow2_into_place;
 use super::served::{DiskFs, ServedDisk};
@@ -121,7 +119,7 @@ pub async fn flatten(root: &Rootfs, output: impl AsRef<Path>) -> Result<FlatImag
 
 /// An image being built: an empty ext4 (journal-less) in a sparse scratch file beside the
 /// output, which a VM fills through [`ImageBuild::disk`] (the guest mounts the served file with
-/// `mount -o loop`, see [`MOUNT_OUTPUT`] and [`UNMOUNT_OUTPUT`]); then [`ImageBuild::finish`]
+/// `mount -o loop`, see [`mount_output`] and [`unmount_output`]); then [`ImageBuild::finish`]
 /// writes its extents into a standalone qcow2 at the output path.
 pub(crate) struct ImageBuild {
     output: PathBuf,
@@ -130,26 +128,28 @@ pub(crate) struct ImageBuild {
 }
 
 /// The guest's script to mount a build's output disk at [`MOUNTED_AT`] (`set -e` first).
-pub(crate) const MOUNT_OUTPUT: &str = "set -e
-mkdir -p /tmp/.krunbox-flat
-mount -o loop /tmp/.krunbox-flatten/disk /tmp/.krunbox-flat
-";
+pub(crate) fn mount_output() -> String {
+    format!(
+        "set -e\nmkdir -p {MOUNTED_AT}\nmount -o loop {SERVED_AT}/{} {MOUNTED_AT}\n",
+        krunbox_protocol::LAYER_FILE_NAME
+    )
+}
 
 /// The guest's script to give the image the mount points guest-init needs, and unmount it.
-pub(crate) const UNMOUNT_OUTPUT: &str =
-    "for d in proc sys dev run; do mkdir -p /tmp/.krunbox-flat/$d; done
-mkdir -p /tmp/.krunbox-flat/tmp && chmod 1777 /tmp/.krunbox-flat/tmp
-umount /tmp/.krunbox-flat
+pub(crate) fn unmount_output() -> String {
+    format!(
+        "for d in proc sys dev run; do mkdir -p {MOUNTED_AT}/$d; done
+mkdir -p {MOUNTED_AT}/tmp && chmod 1777 {MOUNTED_AT}/tmp
+umount {MOUNTED_AT}
 sync
-";
+"
+    )
+}
 
 impl ImageBuild {
     /// Formats the scratch disk for an image that will be at `output`.
     pub(crate) async fn start(output: &Path) -> Result<ImageBuild> {
-        let dir = output
-            .parent()
-            .filter(|d| !d.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
+        let dir = super::dir_of(output);
         if output.file_name().is_none() {
             return Err(Error::InvalidConfig(format!(
                 "{} names no file",
@@ -205,7 +205,7 @@ impl ImageBuild {
             .map_err(failed("writing the qcow2"))?;
         let sha256 = tokio::task::spawn_blocking({
             let output = output.clone();
-            move || sha256_of(&output)
+            move || File::open(&output).and_then(super::sha256_hex)
         })
         .await
         .map_err(|e| Error::WritableLayer(e.to_string()))?
@@ -233,7 +233,7 @@ fn failed_at(output: &Path) -> impl Fn(&str) -> Box<dyn Fn(std::io::Error) -> Er
 /// unmount.
 fn copy_script() -> String {
     format!(
-        r#"{MOUNT_OUTPUT}
+        r#"{mount}
 cd /
 xattrs=
 if tar --help 2>&1 | grep -q -- --xattrs; then xattrs="--xattrs --xattrs-include=*"; fi
@@ -249,23 +249,10 @@ done
 {{ tar -c $xattrs -f - "$@"; echo $? > /tmp/.krunbox-read-status; }} | tar -x $xattrs -f - -C {MOUNTED_AT}
 read -r status < /tmp/.krunbox-read-status
 [ "$status" = 0 ] || {{ echo "reading the root failed (tar exit $status)" >&2; exit 1; }}
-{UNMOUNT_OUTPUT}"#
+{unmount}"#,
+        mount = mount_output(),
+        unmount = unmount_output()
     )
-}
-
-fn sha256_of(path: &Path) -> std::io::Result<String> {
-    let file = File::open(path)?;
-    let mut hasher = Sha256::new();
-    let mut buffer = vec![0u8; 1 << 20];
-    let mut at = 0;
-    loop {
-        let n = file.read_at(&mut buffer, at)?;
-        if n == 0 {
-            return Ok(hex::encode(hasher.finalize()));
-        }
-        hasher.update(&buffer[..n]);
-        at += n as u64;
-    }
 }
 
 /// The output disk: a sparse host file, read and written at the guest's offsets.

@@ -469,22 +469,26 @@ pub(crate) fn resolve(
     }
 }
 
+/// The SHA-256 (lowercase hex) of everything `reader` gives.
+pub(crate) fn sha256_hex(mut reader: impl Read) -> std::io::Result<String> {
+    let mut hasher = Sha256::new();
+    std::io::copy(&mut reader, &mut hasher)?;
+    Ok(hex::encode(hasher.finalize()))
+}
+
+/// The directory a file at `path` goes in (`.` for a bare file name).
+pub(crate) fn dir_of(path: &Path) -> &Path {
+    path.parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+}
+
 /// Opens `path`, hashes the open file, and fails closed on a mismatch.
 pub(crate) fn verify(path: &Path, fstype: &str, expected: &str) -> Result<VerifiedImage> {
     let mut file =
         File::open(path).map_err(Error::io(format!("opening root image {}", path.display())))?;
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = file
-            .read(&mut buf)
-            .map_err(Error::io(format!("reading root image {}", path.display())))?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-    }
-    let actual = hex::encode(hasher.finalize());
+    let actual = sha256_hex(&mut file)
+        .map_err(Error::io(format!("reading root image {}", path.display())))?;
     if !actual.eq_ignore_ascii_case(expected) {
         return Err(Error::ImageDigestMismatch {
             path: path.to_path_buf(),

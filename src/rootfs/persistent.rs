@@ -292,10 +292,7 @@ async fn read_record_with_imago(path: &Path) -> Result<String> {
 /// Makes the layer at `path`: ext4 in a sparse scratch file beside it, the record, then a
 /// qcow2 holding the scratch file's written extents, renamed into place.
 async fn create(path: &Path, base_sha256: &str) -> Result<()> {
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
+    let dir = super::dir_of(path);
     if path.file_name().is_none() {
         return Err(Error::InvalidConfig(format!(
             "{} names no file",
@@ -339,10 +336,7 @@ async fn create(path: &Path, base_sha256: &str) -> Result<()> {
 /// Writes `raw`'s extents into a qcow2 beside `path` and renames it to `path`: the file there
 /// is whole or absent.
 pub(super) async fn qcow2_into_place(raw: File, path: &Path) -> std::io::Result<()> {
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
+    let dir = super::dir_of(path);
     let name = path.file_name().unwrap_or_default().to_string_lossy();
     let new_path = dir.join(format!(".{name}.krunbox-new"));
     let _ = std::fs::remove_file(&new_path);

@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use super::flatten::{FlatImage, ImageBuild, MOUNTED_AT, MOUNT_OUTPUT, UNMOUNT_OUTPUT};
+use super::flatten::{mount_output, unmount_output, FlatImage, ImageBuild, MOUNTED_AT};
 use super::Rootfs;
 use crate::error::{Error, Result};
 
@@ -104,12 +104,7 @@ pub async fn import(archive: impl AsRef<Path>, output: impl AsRef<Path>) -> Resu
     // Reading, checking and merging are blocking work.
     let staging = tempfile::Builder::new()
         .prefix(".krunbox-import-")
-        .tempdir_in(
-            output
-                .parent()
-                .filter(|d| !d.as_os_str().is_empty())
-                .unwrap_or(Path::new(".")),
-        )
+        .tempdir_in(super::dir_of(&output))
         .map_err(Error::io("making a staging directory for the import"))?;
     let merged_path = staging.path().join("merged.tar");
     let (config, config_digest) = tokio::task::spawn_blocking({
@@ -136,7 +131,9 @@ pub async fn import(archive: impl AsRef<Path>, output: impl AsRef<Path>) -> Resu
         .build()?;
     let vm = sandbox.boot().await?;
     let script = format!(
-        "{MOUNT_OUTPUT}tar -x --numeric-owner -f {LAYERS_AT}/merged.tar -C {MOUNTED_AT}\n{UNMOUNT_OUTPUT}"
+        "{}tar -x --numeric-owner -f {LAYERS_AT}/merged.tar -C {MOUNTED_AT}\n{}",
+        mount_output(),
+        unmount_output()
     );
     let extracted = vm
         .command("sh")
@@ -646,10 +643,8 @@ fn decompress(reader: Box<dyn Read + Send>) -> std::result::Result<Box<dyn Read 
     }
 }
 
-fn sha256_hex(mut reader: impl Read) -> std::result::Result<String, String> {
-    let mut hasher = Sha256::new();
-    std::io::copy(&mut reader, &mut hasher).map_err(|e| format!("reading a layer: {e}"))?;
-    Ok(hex::encode(hasher.finalize()))
+fn sha256_hex(reader: impl Read) -> std::result::Result<String, String> {
+    super::sha256_hex(reader).map_err(|e| format!("reading a layer: {e}"))
 }
 
 #[cfg(test)]

@@ -4,7 +4,9 @@
 #   Debian packages   erofs-utils, mmdebstrap, busybox-static (image building), python3,
 #                     passt (the baseline benches/net.rs measures our network against),
 #                     e2fsprogs (mke2fs formats writable roots' layers), qemu-utils
-#                     (the tests check persistent layers with qemu-img check)
+#                     (the tests check persistent layers with qemu-img check),
+#                     docker-registry and skopeo (the pull tests' registry on loopback, and
+#                     the pushes of the images they build)
 #   Rust target       x86_64-unknown-linux-musl (guest-init is a static binary)
 #   cargo-nextest     runs the VM tests, one process per test (from crates.io if missing)
 #   libkrunfw         the guest kernel, Debian sid's libkrunfw5, into the krunbox cache
@@ -21,7 +23,8 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/lib.sh"
 cd "$here/.."
 
-need_apt erofs-utils mmdebstrap busybox-static python3 passt e2fsprogs qemu-utils
+need_apt erofs-utils mmdebstrap busybox-static python3 passt e2fsprogs qemu-utils \
+    docker-registry skopeo
 
 musl=x86_64-unknown-linux-musl
 if ! rustup target list --installed | grep -qx "$musl"; then

@@ -88,6 +88,18 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// Pulling an image from a registry failed ([`oci::pull`](crate::rootfs::oci::pull)):
+    /// `kind` says which way, so a caller can ask for credentials on
+    /// [`PullFailure::Unauthorized`](crate::rootfs::oci::PullFailure::Unauthorized).
+    #[error("pulling {reference} failed: {reason}")]
+    Registry {
+        /// The image reference, as given.
+        reference: String,
+        /// What kind of failure it is.
+        kind: crate::rootfs::oci::PullFailure,
+        /// What happened, with what the registry said.
+        reason: String,
+    },
     /// The sandbox definition is invalid.
     #[error("invalid sandbox configuration: {0}")]
     InvalidConfig(String),

@@ -8,6 +8,8 @@ mod kernel;
 #[allow(dead_code)] // the OCI layout is for tests/rootfs_oci.rs
 #[path = "common/oci.rs"]
 mod oci;
+#[path = "common/registry.rs"]
+mod registry;
 
 fn krunbox(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_krunbox"))
@@ -400,4 +402,64 @@ fn image_import_ls_run_and_rm() {
         text(&listed.stdout)
     );
     assert!(!krunbox(&["image", "rm", name]).status.success());
+}
+
+/// `krunbox image pull` with a password on stdin keeps a private image from a registry (on
+/// loopback, token authentication) under its default name, `run --image NAME` runs its
+/// entrypoint, `image rm` removes it and the blobs it was pulled from.
+#[test]
+fn image_pull_run_and_rm() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let registry = runtime.block_on(registry::Registry::start());
+    let layout = tempfile::tempdir().unwrap();
+    oci::oci_layout_dir(layout.path(), oci::Image::App);
+    runtime.block_on(registry.push(layout.path(), "private/app", "1"));
+    let dir = tempfile::tempdir().unwrap();
+    let images = dir.path().join("images");
+    let krunbox = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_krunbox"))
+            .args(args)
+            .env("KRUNBOX_IMAGE_DIR", &images)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("running krunbox")
+    };
+    let reference = format!("{}/private/app:1", registry.host);
+    let mut pull = krunbox(&[
+        "image",
+        "pull",
+        "--plain-http",
+        "--username",
+        "reader",
+        "--password-stdin",
+        &reference,
+    ]);
+    use std::io::Write;
+    writeln!(pull.stdin.take().unwrap(), "{}", registry::READER_PASSWORD).unwrap();
+    let pulled = pull.wait_with_output().unwrap();
+    assert!(pulled.status.success(), "{}", text(&pulled.stderr));
+    assert!(images.join("app:1.qcow2").is_file());
+    let blobs = || {
+        std::fs::read_dir(images.join("blobs/sha256"))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    };
+    assert_eq!(blobs(), 3, "two layers and the config");
+
+    let run = krunbox(&["run", "--image", "app:1"])
+        .wait_with_output()
+        .unwrap();
+    assert_eq!(
+        text(&run.stdout),
+        oci::ENTRYPOINT_OUTPUT,
+        "{}",
+        text(&run.stderr)
+    );
+    let removed = krunbox(&["image", "rm", "app:1"])
+        .wait_with_output()
+        .unwrap();
+    assert!(removed.status.success(), "{}", text(&removed.stderr));
+    assert_eq!(blobs(), 0);
 }

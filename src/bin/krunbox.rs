@@ -11,6 +11,7 @@ use krunbox::net::{
     DomainPattern, Flow, HeaderName, HeaderValue, Network, Ports, Protocol, Rule, RuleError, Rules,
     Verdict,
 };
+use krunbox::rootfs::oci::{Credentials, PullOptions};
 use krunbox::{BuiltinImage, HostCapabilities, Rootfs, Sandbox, Stdio};
 use tokio::io::AsyncWriteExt;
 
@@ -45,8 +46,8 @@ enum Cmd {
     /// Example: krunbox run --dns-static api.test=127.0.0.1 --allow-domain api.test:8080
     /// --allow-domain '*.pythonhosted.org:443' -- curl http://api.test:8080/
     Run(Box<RunArgs>),
-    /// Import, list and remove images (kept by name in $KRUNBOX_IMAGE_DIR, or in oci/ of
-    /// krunbox's cache directory).
+    /// Pull, import, list and remove images (kept by name in $KRUNBOX_IMAGE_DIR, or in oci/
+    /// of krunbox's cache directory; pulled layers in its blobs/).
     Image {
         #[command(subcommand)]
         action: ImageCmd,
@@ -70,6 +71,30 @@ enum ImageCmd {
         /// The name to keep it under (like `myapp:latest`).
         #[arg(long)]
         name: String,
+    },
+    /// Pull an image from a registry (REF like `registry.example.com/team/app:1`, or
+    /// `name@sha256:…`; a bare `alpine` means Docker Hub's `library/alpine`) and keep it as
+    /// NAME. Layers are checked against their digests and kept in a cache beside the images,
+    /// so another image sharing them does not download them again.
+    Pull {
+        /// The image reference.
+        reference: String,
+        /// The name to keep it under (default: the reference's last path part and tag, like
+        /// `app:1`).
+        #[arg(long)]
+        name: Option<String>,
+        /// Log in as USER (with --password-stdin, or $KRUNBOX_REGISTRY_PASSWORD).
+        #[arg(long, value_name = "USER")]
+        username: Option<String>,
+        /// Read the password (or access token) from the first line of stdin.
+        #[arg(long, requires = "username")]
+        password_stdin: bool,
+        /// Talk to the registry over plain HTTP (a registry on loopback or a private network).
+        #[arg(long)]
+        plain_http: bool,
+        /// Also trust the PEM certificates in FILE for the registry's HTTPS (a private CA).
+        #[arg(long, value_name = "FILE")]
+        ca_file: Option<PathBuf>,
     },
     /// List the built-in and imported images.
     Ls,
@@ -309,6 +334,85 @@ async fn image(action: ImageCmd) -> Result<(), Box<dyn std::error::Error>> {
                 image.config_digest
             );
         }
+        ImageCmd::Pull {
+            reference,
+            name,
+            username,
+            password_stdin,
+            plain_http,
+            ca_file,
+        } => {
+            let name = match name {
+                Some(name) => name,
+                None => default_image_name(&reference)?,
+            };
+            let mut options = PullOptions::new().plain_http(plain_http);
+            if let Some(username) = username {
+                let password = if password_stdin {
+                    let mut line = String::new();
+                    std::io::stdin().read_line(&mut line)?;
+                    line.trim_end_matches(['\r', '\n']).to_string()
+                } else {
+                    std::env::var("KRUNBOX_REGISTRY_PASSWORD").map_err(|_| {
+                        "--username needs --password-stdin or $KRUNBOX_REGISTRY_PASSWORD"
+                    })?
+                };
+                options = options.credentials(Credentials::Basic { username, password });
+            }
+            if let Some(file) = ca_file {
+                let pem = std::fs::read(&file)
+                    .map_err(|e| format!("reading --ca-file {}: {e}", file.display()))?;
+                options = options.root_certificate_pem(pem);
+            }
+            // One bar per layer as it downloads, then a spinner while a VM builds the image.
+            let bars = indicatif::MultiProgress::new();
+            let style = indicatif::ProgressStyle::with_template(
+                "{msg:19} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec}",
+            )
+            .expect("a valid template")
+            .progress_chars("=> ");
+            let by_layer = std::sync::Mutex::new(std::collections::HashMap::new());
+            let fetched = krunbox::rootfs::oci::fetch(
+                &reference,
+                &options.clone().on_progress({
+                    let bars = bars.clone();
+                    move |p| {
+                        let mut by_layer = by_layer.lock().expect("not poisoned");
+                        let bar = by_layer.entry(p.digest.clone()).or_insert_with(|| {
+                            let bar = bars.add(indicatif::ProgressBar::new(p.size));
+                            bar.set_style(style.clone());
+                            bar.set_message(p.digest.chars().take(19).collect::<String>());
+                            bar
+                        });
+                        bar.set_position(p.received);
+                    }
+                }),
+            )
+            .await;
+            bars.clear()?;
+            let fetched = fetched?;
+            eprintln!(
+                "{reference}: {} layers, {} downloaded ({} MiB), {} cached",
+                fetched.layers.len(),
+                fetched.layers_fetched,
+                fetched.bytes_fetched >> 20,
+                fetched.layers_cached
+            );
+            let spinner = indicatif::ProgressBar::new_spinner().with_message(format!(
+                "building {name} (merging layers, extracting in a VM)"
+            ));
+            spinner.enable_steady_tick(std::time::Duration::from_millis(120));
+            // The layers are cached now: this asks the registry for the manifest again only.
+            let pulled = images.pull(&name, &reference, &options).await;
+            spinner.finish_and_clear();
+            let image = pulled?.image;
+            println!(
+                "{name}: {} (sha256 {}, config {})",
+                image.image.path.display(),
+                image.image.sha256,
+                image.config_digest
+            );
+        }
         ImageCmd::Ls => {
             let cache = krunbox::cache_dir();
             for builtin in [BuiltinImage::Busybox, BuiltinImage::Agent] {
@@ -336,6 +440,24 @@ async fn image(action: ImageCmd) -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     Ok(())
+}
+
+/// The name `image pull` keeps REF under by default: its last path part and its tag (`app:1`
+/// for `registry.example.com/team/app:1`), `latest` without one.
+fn default_image_name(reference: &str) -> Result<String, String> {
+    let without_digest = reference.split('@').next().unwrap_or(reference);
+    let last = without_digest.rsplit('/').next().unwrap_or(without_digest);
+    let name = if last.contains(':') {
+        last.to_string()
+    } else {
+        format!("{last}:latest")
+    };
+    if name.starts_with(':') || name.starts_with('.') {
+        return Err(format!(
+            "cannot name an image after `{reference}`: give --name"
+        ));
+    }
+    Ok(name)
 }
 
 fn rootfs(args: &RunArgs) -> Result<Rootfs, String> {
@@ -731,6 +853,20 @@ fn exit_code(code: Option<i32>, signal: Option<i32>) -> u8 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pulled_images_are_named_after_their_last_path_part_and_tag() {
+        assert_eq!(
+            default_image_name("registry.example.com:5000/team/app:1").unwrap(),
+            "app:1"
+        );
+        assert_eq!(default_image_name("alpine").unwrap(), "alpine:latest");
+        assert_eq!(
+            default_image_name("ghcr.io/a/tools@sha256:abc").unwrap(),
+            "tools:latest"
+        );
+        assert!(default_image_name("host/:tag").is_err());
+    }
 
     #[test]
     fn exit_codes_follow_the_shell_and_forged_numbers_are_failures() {

@@ -103,6 +103,7 @@ fn config(layers: &[Vec<u8>]) -> Vec<u8> {
 }
 
 /// A tar archive of `members`.
+#[allow(dead_code)] // each test binary uses some
 fn archive(members: &[(String, Vec<u8>)]) -> Vec<u8> {
     let mut out = Layer::new();
     for (name, data) in members {
@@ -112,6 +113,7 @@ fn archive(members: &[(String, Vec<u8>)]) -> Vec<u8> {
 }
 
 /// `docker save`'s legacy layout: manifest.json, the config named by its digest, layer tars.
+#[allow(dead_code)]
 pub fn docker_save() -> Vec<u8> {
     let layers = layers();
     let config = config(&layers);
@@ -133,9 +135,45 @@ pub fn docker_save() -> Vec<u8> {
 
 /// An OCI image layout (as a tar): gzip'd layers, the config and manifest as blobs. `tamper`:
 /// the second layer's blob has a byte changed after the manifest named its digest.
+#[allow(dead_code)]
 pub fn oci_layout(tamper: bool) -> Vec<u8> {
-    let layers = layers();
-    let config = config(&layers);
+    archive(&oci_layout_members(&layers(), tamper).0)
+}
+
+/// Which image an OCI layout directory holds.
+#[allow(dead_code)] // each test binary uses some
+#[derive(Clone, Copy)]
+pub enum Image {
+    /// Only the first layer (busybox and a few files): what the app is built on.
+    Base,
+    /// Both layers, the entrypoint printing [`ENTRYPOINT_OUTPUT`].
+    App,
+}
+
+/// Writes an OCI image layout of `image` into `dir`, its manifest tagged `latest` (for
+/// `skopeo copy oci:DIR:latest ...`); returns the digests of its config and of its layers'
+/// blobs.
+#[allow(dead_code)] // each test binary uses some
+pub fn oci_layout_dir(dir: &std::path::Path, image: Image) -> (String, Vec<String>) {
+    let mut layers = layers().to_vec();
+    if let Image::Base = image {
+        layers.truncate(1);
+    }
+    let (members, config_digest, layer_digests) = oci_layout_members(&layers, false);
+    for (name, data) in members {
+        let path = dir.join(name);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, data).unwrap();
+    }
+    (config_digest, layer_digests)
+}
+
+/// An archive's members: names and contents.
+type Members = Vec<(String, Vec<u8>)>;
+
+/// The members of an OCI layout of `layers`, the config's digest and the layer blobs' digests.
+fn oci_layout_members(layers: &[Vec<u8>], tamper: bool) -> (Members, String, Vec<String>) {
+    let config = config(layers);
     let gzipped: Vec<Vec<u8>> = layers
         .iter()
         .map(|l| {
@@ -166,9 +204,15 @@ pub fn oci_layout(tamper: bool) -> Vec<u8> {
             "digest": format!("sha256:{}", sha(&manifest)),
             "size": manifest.len(),
             "platform": { "architecture": "amd64", "os": "linux" },
+            "annotations": { "org.opencontainers.image.ref.name": "latest" },
         }],
     }))
     .unwrap();
+    let config_digest = format!("sha256:{}", sha(&config));
+    let layer_digests = gzipped
+        .iter()
+        .map(|g| format!("sha256:{}", sha(g)))
+        .collect();
     let mut members = vec![
         (
             "oci-layout".to_string(),
@@ -186,7 +230,7 @@ pub fn oci_layout(tamper: bool) -> Vec<u8> {
         }
         members.push((name, g));
     }
-    archive(&members)
+    (members, config_digest, layer_digests)
 }
 
 /// What the entrypoint prints, run as the image's user in its directory with its variables.

@@ -1,18 +1,20 @@
-//! [`LocalImages`]: imported images kept under names in the cache directory.
+//! [`LocalImages`]: imported and pulled images kept under names in the cache directory.
 
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::{import, ImageConfig, OciImage};
+use super::{import, pull, ImageConfig, LayerCache, OciImage, PullOptions, Pulled};
 use crate::error::{Error, Result};
 use crate::rootfs::FlatImage;
 
 /// The longest image name.
 const MAX_NAME: usize = 128;
 
-/// Imported images kept by name: `DIR/NAME.qcow2` and `DIR/NAME.json` (its digest and
-/// configuration), `DIR` being `$KRUNBOX_IMAGE_DIR`, or `oci/` in krunbox's cache directory.
+/// Imported and pulled images kept by name: `DIR/NAME.qcow2` and `DIR/NAME.json` (its digest,
+/// configuration and the cached blobs it was pulled from), pulled blobs in `DIR/blobs`
+/// ([`LocalImages::layer_cache`]), `DIR` being `$KRUNBOX_IMAGE_DIR`, or `oci/` in krunbox's
+/// cache directory.
 /// Names are letters, digits and `.`, `_`, `-`, `:` (like `myapp:1.2`).
 ///
 /// ```no_run
@@ -42,6 +44,10 @@ struct Record {
     sha256: String,
     config_digest: String,
     config: ImageConfig,
+    /// The blobs of `DIR/blobs` a pulled image was built from (its config and layers): kept
+    /// while an image names them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    blobs: Vec<String>,
 }
 
 impl LocalImages {
@@ -67,16 +73,59 @@ impl LocalImages {
     /// Imports the archive at `archive` (see [`import`]) as `name`, replacing an image of that
     /// name.
     pub async fn import(&self, name: &str, archive: impl AsRef<Path>) -> Result<OciImage> {
+        let output = self.prepare(name)?;
+        let image = import(archive, output).await?;
+        self.record(name, &image, Vec::new())?;
+        Ok(image)
+    }
+
+    /// Pulls `reference` (see [`pull`]) as `name`, replacing an image of that name. Its blobs
+    /// go to this directory's layer cache, [`LocalImages::layer_cache`], whatever cache
+    /// `options` name, and stay there while an image here needs them.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> krunbox::Result<()> {
+    /// use krunbox::rootfs::oci::{LocalImages, PullOptions};
+    ///
+    /// let images = LocalImages::default_location();
+    /// let pulled = images
+    ///     .pull("tools", "registry.example.com/team/tools:3", &PullOptions::new())
+    ///     .await?;
+    /// println!("{} of {} layers downloaded", pulled.fetched.layers_fetched, pulled.fetched.layers.len());
+    /// # Ok(()) }
+    /// ```
+    pub async fn pull(&self, name: &str, reference: &str, options: &PullOptions) -> Result<Pulled> {
+        let output = self.prepare(name)?;
+        let options = options.clone().cache(self.layer_cache());
+        let pulled = pull(reference, output, &options).await?;
+        let mut blobs = pulled.fetched.layers.clone();
+        blobs.push(pulled.fetched.config_digest.clone());
+        self.record(name, &pulled.image, blobs)?;
+        Ok(pulled)
+    }
+
+    /// The layer cache of the images here: `DIR/blobs`.
+    pub fn layer_cache(&self) -> LayerCache {
+        LayerCache::at(self.dir.join("blobs"))
+    }
+
+    /// Checks `name` and makes the directory; where the image file goes.
+    fn prepare(&self, name: &str) -> Result<PathBuf> {
         check_name(name)?;
         std::fs::create_dir_all(&self.dir).map_err(Error::io(format!(
             "making the image directory {}",
             self.dir.display()
         )))?;
-        let image = import(archive, self.dir.join(format!("{name}.qcow2"))).await?;
+        Ok(self.dir.join(format!("{name}.qcow2")))
+    }
+
+    /// Writes `NAME.json` for `image` (atomically: a reader sees the old record or the new).
+    fn record(&self, name: &str, image: &OciImage, blobs: Vec<String>) -> Result<()> {
         let record = Record {
             sha256: image.image.sha256.clone(),
             config_digest: image.config_digest.clone(),
             config: image.config.clone(),
+            blobs,
         };
         let temp = self.dir.join(format!(".{name}.json.new"));
         std::fs::write(
@@ -84,24 +133,12 @@ impl LocalImages {
             serde_json::to_vec_pretty(&record).expect("a record serialises"),
         )
         .and_then(|()| std::fs::rename(&temp, self.dir.join(format!("{name}.json"))))
-        .map_err(Error::io(format!("recording the image {name}")))?;
-        Ok(image)
+        .map_err(Error::io(format!("recording the image {name}")))
     }
 
     /// The image called `name`, if there is one.
     pub fn get(&self, name: &str) -> Result<Option<OciImage>> {
-        check_name(name)?;
-        let record_path = self.dir.join(format!("{name}.json"));
-        let bytes = match std::fs::read(&record_path) {
-            Ok(bytes) => bytes,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(Error::io(format!("reading {}", record_path.display()))(e)),
-        };
-        let record: Record = serde_json::from_slice(&bytes).map_err(|e| Error::ImageArchive {
-            path: record_path.clone(),
-            reason: format!("not an image record: {e}"),
-        })?;
-        Ok(Some(OciImage {
+        Ok(self.read_record(name)?.map(|record| OciImage {
             image: FlatImage {
                 path: self.dir.join(format!("{name}.qcow2")),
                 sha256: record.sha256,
@@ -109,6 +146,22 @@ impl LocalImages {
             config: record.config,
             config_digest: record.config_digest,
         }))
+    }
+
+    fn read_record(&self, name: &str) -> Result<Option<Record>> {
+        check_name(name)?;
+        let record_path = self.dir.join(format!("{name}.json"));
+        let bytes = match std::fs::read(&record_path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(Error::io(format!("reading {}", record_path.display()))(e)),
+        };
+        serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| Error::ImageArchive {
+                path: record_path.clone(),
+                reason: format!("not an image record: {e}"),
+            })
     }
 
     /// Every image, by name.
@@ -136,7 +189,8 @@ impl LocalImages {
         Ok(images)
     }
 
-    /// Removes the image called `name`; `false` if there was none.
+    /// Removes the image called `name`, and the cached blobs no other image here needs;
+    /// `false` if there was no such image.
     pub fn remove(&self, name: &str) -> Result<bool> {
         check_name(name)?;
         let mut removed = false;
@@ -147,6 +201,13 @@ impl LocalImages {
                 Err(e) => return Err(Error::io(format!("removing {file}"))(e)),
             }
         }
+        let mut needed = Vec::new();
+        for (other, _) in self.list()? {
+            if let Some(record) = self.read_record(&other)? {
+                needed.extend(record.blobs);
+            }
+        }
+        self.layer_cache().retain(&needed)?;
         Ok(removed)
     }
 }
@@ -189,6 +250,7 @@ mod tests {
                 cmd: vec!["sh".into()],
                 ..Default::default()
             },
+            blobs: Vec::new(),
         };
         std::fs::write(
             dir.path().join("app:1.json"),
@@ -204,6 +266,35 @@ mod tests {
         assert!(images.remove("app:1").unwrap());
         assert!(!images.remove("app:1").unwrap());
         assert!(images.list().unwrap().is_empty());
+
+        // Removing a pulled image removes the blobs no other image names.
+        let shared = format!("sha256:{}", "1".repeat(64));
+        let own = format!("sha256:{}", "2".repeat(64));
+        for (name, blobs) in [
+            ("a", vec![shared.clone(), own.clone()]),
+            ("b", vec![shared.clone()]),
+        ] {
+            let record = Record {
+                blobs,
+                ..serde_json::from_slice(&serde_json::to_vec(&record).unwrap()).unwrap()
+            };
+            std::fs::write(
+                dir.path().join(format!("{name}.json")),
+                serde_json::to_vec(&record).unwrap(),
+            )
+            .unwrap();
+        }
+        let cache = images.layer_cache();
+        for digest in [&shared, &own] {
+            let path = cache.path(digest).unwrap();
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, b"blob").unwrap();
+        }
+        assert!(images.remove("a").unwrap());
+        assert!(cache.contains(&shared) && !cache.contains(&own));
+        assert!(images.remove("b").unwrap());
+        assert!(!cache.contains(&shared));
+
         std::fs::write(dir.path().join("bad.json"), b"{").unwrap();
         assert!(matches!(images.get("bad"), Err(Error::ImageArchive { .. })));
     }

@@ -1,0 +1,666 @@
+//! Pulling images from an OCI registry (the distribution API, through `oci-client`): the
+//! manifest for linux/amd64, then the config and layers into a [`LayerCache`], each checked
+//! against its digest as it arrives, then the same build an archive import does.
+
+use std::fmt;
+use std::path::Path;
+use std::sync::Arc;
+
+use oci_client::client::{Certificate, CertificateEncoding, ClientConfig, ClientProtocol};
+use oci_client::errors::{OciDistributionError, OciErrorCode};
+use oci_client::manifest::OciDescriptor;
+use oci_client::secrets::RegistryAuth;
+use oci_client::{Client, Reference, RegistryOperation};
+
+use super::{build, decompress, BuildFailure, LayerCache, Layers, OciImage, MAX_JSON, MAX_LAYERS};
+use crate::error::{Error, Result};
+
+/// The largest layer a registry may send (compressed): the image disk's size.
+const MAX_LAYER_BYTES: u64 = super::merge::MAX_MERGED_BYTES;
+
+/// How many layers download at once.
+const PARALLEL_DOWNLOADS: usize = 3;
+
+/// Media types of image configs (OCI's, and Docker's image manifest v2 schema 2).
+const CONFIG_TYPES: [&str; 2] = [
+    "application/vnd.oci.image.config.v1+json",
+    "application/vnd.docker.container.image.v1+json",
+];
+
+/// How krunbox identifies itself to registries.
+const USER_AGENT: &str = concat!("krunbox/", env!("CARGO_PKG_VERSION"));
+
+/// Who a pull is made as.
+///
+/// Registries with token authentication (Docker Hub, GHCR, the distribution registry with
+/// `auth: token`) answer with a challenge, and krunbox asks the token service it names for a
+/// token, anonymously or with these credentials; registries with basic authentication get the
+/// credentials on each request.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub enum Credentials {
+    /// No credentials: public images.
+    #[default]
+    Anonymous,
+    /// A user name and password (or access token used as one).
+    Basic {
+        /// The user name.
+        username: String,
+        /// The password or access token.
+        password: String,
+    },
+    /// A bearer token the caller got itself, sent as it is.
+    Bearer(String),
+}
+
+impl fmt::Debug for Credentials {
+    // Secrets never reach logs.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Credentials::Anonymous => f.write_str("Anonymous"),
+            Credentials::Basic { username, .. } => f
+                .debug_struct("Basic")
+                .field("username", username)
+                .field("password", &"<redacted>")
+                .finish(),
+            Credentials::Bearer(_) => f.write_str("Bearer(<redacted>)"),
+        }
+    }
+}
+
+/// How far a pull is: one report per chunk of a layer received.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PullProgress {
+    /// The layer's digest.
+    pub digest: String,
+    /// Bytes of it received so far.
+    pub received: u64,
+    /// Its size, as the manifest gives it.
+    pub size: u64,
+}
+
+type ProgressFn = dyn Fn(&PullProgress) + Send + Sync;
+
+/// How to pull: credentials, the registry's transport, the layer cache, progress.
+///
+/// ```
+/// use krunbox::rootfs::oci::{Credentials, LayerCache, PullOptions};
+///
+/// let options = PullOptions::new()
+///     .credentials(Credentials::Basic {
+///         username: "ci".into(),
+///         password: std::env::var("REGISTRY_TOKEN").unwrap_or_default(),
+///     })
+///     .cache(LayerCache::at("/var/cache/agents/blobs"))
+///     .on_progress(|p| eprintln!("{}: {}/{}", p.digest, p.received, p.size));
+/// # let _ = options;
+/// ```
+#[derive(Clone)]
+pub struct PullOptions {
+    credentials: Credentials,
+    plain_http: bool,
+    root_certificates: Vec<Vec<u8>>,
+    cache: LayerCache,
+    progress: Option<Arc<ProgressFn>>,
+}
+
+impl fmt::Debug for PullOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PullOptions")
+            .field("credentials", &self.credentials)
+            .field("plain_http", &self.plain_http)
+            .field("root_certificates", &self.root_certificates.len())
+            .field("cache", &self.cache)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for PullOptions {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl PullOptions {
+    /// Anonymous, over HTTPS verified against the host's roots, into
+    /// [`LayerCache::default_location`].
+    pub fn new() -> Self {
+        PullOptions {
+            credentials: Credentials::Anonymous,
+            plain_http: false,
+            root_certificates: Vec::new(),
+            cache: LayerCache::default_location(),
+            progress: None,
+        }
+    }
+
+    /// Pull as `credentials`.
+    pub fn credentials(mut self, credentials: Credentials) -> Self {
+        self.credentials = credentials;
+        self
+    }
+
+    /// Talk to the registry over plain HTTP instead of HTTPS (a registry on loopback or a
+    /// private network, like Docker's "insecure registries"). Credentials then cross the
+    /// network in the clear; digests are still checked.
+    pub fn plain_http(mut self, plain_http: bool) -> Self {
+        self.plain_http = plain_http;
+        self
+    }
+
+    /// Trust `pem` (one or more PEM certificates) as roots for the registry's HTTPS, beside
+    /// the host's roots: a registry with a private CA.
+    pub fn root_certificate_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.root_certificates.push(pem.into());
+        self
+    }
+
+    /// Keep blobs in `cache` (by default [`LayerCache::default_location`]).
+    pub fn cache(mut self, cache: LayerCache) -> Self {
+        self.cache = cache;
+        self
+    }
+
+    /// Call `report` as layers arrive (from the download tasks: keep it quick).
+    pub fn on_progress(mut self, report: impl Fn(&PullProgress) + Send + Sync + 'static) -> Self {
+        self.progress = Some(Arc::new(report));
+        self
+    }
+}
+
+/// Which way a pull failed, for [`Error::Registry`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PullFailure {
+    /// The reference is not an image reference.
+    InvalidReference,
+    /// The registry or its token service refused the credentials, or they allow no pull of
+    /// this repository: give (other) [`Credentials`].
+    Unauthorized,
+    /// The registry has no such repository, tag or digest.
+    NotFound,
+    /// Content did not match its digest, or broke a bound: the registry (or what lies between)
+    /// sent something else than the image it names.
+    Unverified,
+    /// The image is not one krunbox runs: another platform, an artifact that is not a container
+    /// image, a layer format krunbox does not read.
+    Unsupported,
+    /// The registry could not be reached or answered with an error.
+    Unreachable,
+    /// The layer cache could not be written.
+    Cache,
+}
+
+/// What [`fetch`] brought into the cache.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fetched {
+    /// The digest of the image's manifest (for linux/amd64, when the reference names an index).
+    pub manifest_digest: String,
+    /// The digest of its config blob: the image's identity.
+    pub config_digest: String,
+    /// Its layers' digests, bottom first.
+    pub layers: Vec<String>,
+    /// How many layers were downloaded.
+    pub layers_fetched: usize,
+    /// How many layers the cache had already.
+    pub layers_cached: usize,
+    /// How many bytes were downloaded (layers and config).
+    pub bytes_fetched: u64,
+}
+
+/// What [`pull`] made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pulled {
+    /// The image, ready to boot.
+    pub image: OciImage,
+    /// What was downloaded for it.
+    pub fetched: Fetched,
+}
+
+/// Pulls `reference` (`registry/repository:tag` or `…@sha256:…`; a bare `name` means Docker
+/// Hub's `library/name`) and makes it a bootable image at `output` (a qcow2, replaced if it
+/// exists), as [`import`](super::import) does for an archive.
+///
+/// Every blob is checked against its digest as it arrives, and layers are hashed again before
+/// the image is built from them. Layers the cache holds are not downloaded again.
+///
+/// ```no_run
+/// # async fn demo() -> krunbox::Result<()> {
+/// use krunbox::rootfs::oci::{pull, PullOptions};
+/// use krunbox::Sandbox;
+///
+/// let pulled = pull("ghcr.io/acme/agent-tools:1.4", "/var/lib/a/tools.qcow2", &PullOptions::new())
+///     .await?;
+/// let vm = Sandbox::builder()
+///     .rootfs(pulled.image.rootfs())
+///     .image_config(pulled.image.config.clone())
+///     .build()?
+///     .boot()
+///     .await?;
+/// let out = vm.entrypoint()?.output().await?;
+/// # let _ = out; Ok(()) }
+/// ```
+pub async fn pull(
+    reference: &str,
+    output: impl AsRef<Path>,
+    options: &PullOptions,
+) -> Result<Pulled> {
+    let fetched = fetch(reference, options).await?;
+    let failed = |kind, reason| Error::Registry {
+        reference: reference.to_string(),
+        kind,
+        reason,
+    };
+    let cache = options.cache.clone();
+    let config_digest = fetched.config_digest.clone();
+    let digests = fetched.layers.clone();
+    // Hashed again now, on disk, just before use: a blob changed in the cache since it was
+    // stored is refused.
+    let config = tokio::task::spawn_blocking(move || {
+        for digest in digests.iter().chain([&config_digest]) {
+            cache.verify(digest)?;
+        }
+        let config = std::fs::read(cache.path(&config_digest)?)
+            .map_err(|e| format!("reading the cached config: {e}"))?;
+        Ok::<_, String>((config, digests, cache))
+    })
+    .await
+    .map_err(|e| failed(PullFailure::Cache, e.to_string()))?
+    .map_err(|e| failed(PullFailure::Unverified, e))?;
+    let (config, digests, cache) = config;
+    let layers = Layers {
+        config,
+        config_digest: fetched.config_digest.clone(),
+        count: digests.len(),
+        open: Box::new(move |i| {
+            let path = cache.path(&digests[i]).map_err(std::io::Error::other)?;
+            let file = std::fs::File::open(path)?;
+            decompress(Box::new(file)).map_err(std::io::Error::other)
+        }),
+    };
+    let image = build(layers, output.as_ref())
+        .await
+        .map_err(|failure| match failure {
+            BuildFailure::Content(reason) => failed(PullFailure::Unsupported, reason),
+            BuildFailure::Other(e) => e,
+        })?;
+    Ok(Pulled { image, fetched })
+}
+
+/// Downloads `reference`'s config and layers into the options' cache (skipping layers it holds
+/// already), without building an image: to warm a cache, or to learn an image's digests.
+///
+/// ```no_run
+/// # async fn demo() -> krunbox::Result<()> {
+/// use krunbox::rootfs::oci::{fetch, PullOptions};
+///
+/// let fetched = fetch("registry.example.com/team/base:1", &PullOptions::new()).await?;
+/// println!("{} layers, {} downloaded", fetched.layers.len(), fetched.layers_fetched);
+/// # Ok(()) }
+/// ```
+pub async fn fetch(reference: &str, options: &PullOptions) -> Result<Fetched> {
+    let failed = |kind, reason: String| Error::Registry {
+        reference: reference.to_string(),
+        kind,
+        reason,
+    };
+    let parsed: Reference = reference
+        .parse()
+        .map_err(|e| failed(PullFailure::InvalidReference, format!("{e}")))?;
+    let client = client(options).map_err(|e| failed(PullFailure::Unreachable, e))?;
+    let auth = match &options.credentials {
+        Credentials::Anonymous => RegistryAuth::Anonymous,
+        Credentials::Basic { username, password } => {
+            RegistryAuth::Basic(username.clone(), password.clone())
+        }
+        Credentials::Bearer(token) => RegistryAuth::Bearer(token.clone()),
+    };
+    // Asked for first, on its own: the client's later requests would drop a token service's
+    // refusal and go on unauthenticated, and the registry's answer would then say less.
+    client
+        .auth(&parsed, &auth, RegistryOperation::Pull)
+        .await
+        .map_err(|e| classify(reference, e))?;
+    let (manifest, manifest_digest) = client
+        .pull_image_manifest(&parsed, &auth)
+        .await
+        .map_err(|e| classify(reference, e))?;
+    if manifest.layers.len() > MAX_LAYERS {
+        return Err(failed(
+            PullFailure::Unsupported,
+            format!("{} layers, more than {MAX_LAYERS}", manifest.layers.len()),
+        ));
+    }
+    let config_type = manifest.config.media_type.as_str();
+    if !CONFIG_TYPES.contains(&config_type) {
+        return Err(failed(
+            PullFailure::Unsupported,
+            format!("an artifact of type {config_type:?}, not a container image"),
+        ));
+    }
+    for layer in &manifest.layers {
+        if !layer.media_type.contains("tar") {
+            return Err(failed(
+                PullFailure::Unsupported,
+                format!(
+                    "the layer {} is a {:?}, not a tar layer",
+                    layer.digest, layer.media_type
+                ),
+            ));
+        }
+    }
+
+    let cache = &options.cache;
+    let mut bytes_fetched = 0;
+    if !cache.contains(&manifest.config.digest) {
+        bytes_fetched += download(&client, &parsed, &manifest.config, MAX_JSON, options, false)
+            .await
+            .map_err(|e| e.into_error(reference))?;
+    }
+    let mut layers_cached = 0;
+    let mut missing = Vec::new();
+    for layer in &manifest.layers {
+        if cache.contains(&layer.digest) {
+            layers_cached += 1;
+        } else if !missing
+            .iter()
+            .any(|m: &OciDescriptor| m.digest == layer.digest)
+        {
+            missing.push(layer.clone());
+        }
+    }
+    let layers_fetched = missing.len();
+    let permits = Arc::new(tokio::sync::Semaphore::new(PARALLEL_DOWNLOADS));
+    let mut downloads = tokio::task::JoinSet::new();
+    for layer in missing {
+        let (client, parsed, options, permits) = (
+            client.clone(),
+            parsed.clone(),
+            options.clone(),
+            permits.clone(),
+        );
+        downloads.spawn(async move {
+            let _permit = permits.acquire_owned().await;
+            download(&client, &parsed, &layer, MAX_LAYER_BYTES, &options, true).await
+        });
+    }
+    while let Some(done) = downloads.join_next().await {
+        match done {
+            Ok(Ok(bytes)) => bytes_fetched += bytes,
+            Ok(Err(e)) => return Err(e.into_error(reference)),
+            Err(e) => {
+                return Err(failed(
+                    PullFailure::Cache,
+                    format!("a download failed: {e}"),
+                ))
+            }
+        }
+    }
+    Ok(Fetched {
+        manifest_digest,
+        config_digest: manifest.config.digest.clone(),
+        layers: manifest.layers.iter().map(|l| l.digest.clone()).collect(),
+        layers_fetched,
+        layers_cached,
+        bytes_fetched,
+    })
+}
+
+/// A download's failure, kept apart until the reference is at hand.
+struct DownloadError(PullFailure, String);
+
+impl DownloadError {
+    fn into_error(self, reference: &str) -> Error {
+        Error::Registry {
+            reference: reference.to_string(),
+            kind: self.0,
+            reason: self.1,
+        }
+    }
+}
+
+/// Downloads the blob `descriptor` into the cache (at most `limit` bytes, and no more than
+/// the descriptor's size); how many bytes came.
+async fn download(
+    client: &Client,
+    reference: &Reference,
+    descriptor: &OciDescriptor,
+    limit: u64,
+    options: &PullOptions,
+    report: bool,
+) -> std::result::Result<u64, DownloadError> {
+    let size = u64::try_from(descriptor.size)
+        .ok()
+        .filter(|&size| size <= limit)
+        .ok_or_else(|| {
+            DownloadError(
+                PullFailure::Unsupported,
+                format!(
+                    "the blob {} is {} bytes, more than the {limit} krunbox takes",
+                    descriptor.digest, descriptor.size
+                ),
+            )
+        })?;
+    let writer = options
+        .cache
+        .writer(&descriptor.digest, size)
+        .await
+        .map_err(|e| DownloadError(PullFailure::Cache, e))?;
+    let progress = report.then(|| options.progress.clone()).flatten();
+    let mut writer = Reporting {
+        inner: writer,
+        digest: &descriptor.digest,
+        size,
+        progress,
+    };
+    let pulled = client.pull_blob(reference, descriptor, &mut writer).await;
+    let writer = writer.inner;
+    let written = writer.written();
+    match pulled {
+        Ok(()) => {}
+        Err(OciDistributionError::IoError(e)) => {
+            // Our writer's refusals (too many bytes) and the cache's own failures.
+            let kind = if e.to_string().contains("larger than") {
+                PullFailure::Unverified
+            } else {
+                PullFailure::Cache
+            };
+            return Err(DownloadError(kind, e.to_string()));
+        }
+        Err(e) => {
+            let Error::Registry { kind, reason, .. } = classify("", e) else {
+                unreachable!("classify makes registry errors")
+            };
+            return Err(DownloadError(kind, reason));
+        }
+    }
+    if written != size {
+        return Err(DownloadError(
+            PullFailure::Unverified,
+            format!(
+                "the blob {} arrived with {written} bytes, not the {size} its manifest gives",
+                descriptor.digest
+            ),
+        ));
+    }
+    writer
+        .commit()
+        .await
+        .map_err(|e| DownloadError(PullFailure::Unverified, e))?;
+    Ok(written)
+}
+
+/// The cache's writer, reporting progress as bytes arrive.
+struct Reporting<'a> {
+    inner: super::blobs::BlobWriter,
+    digest: &'a str,
+    size: u64,
+    progress: Option<Arc<ProgressFn>>,
+}
+
+impl tokio::io::AsyncWrite for Reporting<'_> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let this = &mut *self;
+        let written = std::task::ready!(std::pin::Pin::new(&mut this.inner).poll_write(cx, buf))?;
+        if let Some(report) = &this.progress {
+            report(&PullProgress {
+                digest: this.digest.to_string(),
+                received: this.inner.written(),
+                size: this.size,
+            });
+        }
+        std::task::Poll::Ready(Ok(written))
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// The registry client for these options.
+fn client(options: &PullOptions) -> std::result::Result<Client, String> {
+    // reqwest needs a process-wide rustls provider (krunbox builds rustls with ring only). If
+    // the program installed one already, that one stays.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mut config = ClientConfig {
+        protocol: if options.plain_http {
+            ClientProtocol::Http
+        } else {
+            ClientProtocol::Https
+        },
+        user_agent: USER_AGENT,
+        // An index resolves to linux/amd64, the only platform krunbox boots.
+        platform_resolver: Some(Box::new(oci_client::client::linux_amd64_resolver)),
+        max_concurrent_download: PARALLEL_DOWNLOADS,
+        connect_timeout: Some(std::time::Duration::from_secs(30)),
+        read_timeout: Some(std::time::Duration::from_secs(300)),
+        ..ClientConfig::default()
+    };
+    for pem in &options.root_certificates {
+        check_certificates(pem)?;
+        config.extra_root_certificates.push(Certificate {
+            encoding: CertificateEncoding::Pem,
+            data: pem.clone(),
+        });
+    }
+    // Not Client::new, which falls back to a default client (HTTPS, no extra roots) on error.
+    Client::try_from(config).map_err(|e| format!("setting up the registry client: {e}"))
+}
+
+/// Checks that `pem` holds certificates and nothing unreadable: reqwest would take a file of
+/// none as an empty bundle, and the registry's TLS would then fail with less to say.
+fn check_certificates(pem: &[u8]) -> std::result::Result<(), String> {
+    use rustls::pki_types::pem::PemObject;
+    let certificates = rustls::pki_types::CertificateDer::pem_slice_iter(pem)
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| format!("a root certificate given is not readable PEM: {e}"))?;
+    if certificates.is_empty() {
+        return Err("a root certificate given holds no PEM certificate".into());
+    }
+    Ok(())
+}
+
+/// The typed error for what the registry client reported.
+fn classify(reference: &str, error: OciDistributionError) -> Error {
+    use OciDistributionError as E;
+    let reason = error.to_string();
+    let kind = match &error {
+        E::AuthenticationFailure(_) | E::UnauthorizedError { .. } => PullFailure::Unauthorized,
+        E::RegistryError { envelope, .. } => {
+            if envelope
+                .errors
+                .iter()
+                .any(|e| matches!(e.code, OciErrorCode::Unauthorized | OciErrorCode::Denied))
+            {
+                PullFailure::Unauthorized
+            } else if envelope.errors.iter().any(|e| {
+                matches!(
+                    e.code,
+                    OciErrorCode::ManifestUnknown
+                        | OciErrorCode::NameUnknown
+                        | OciErrorCode::BlobUnknown
+                        | OciErrorCode::NotFound
+                )
+            }) {
+                PullFailure::NotFound
+            } else {
+                PullFailure::Unreachable
+            }
+        }
+        E::ServerError { code: 404, .. } | E::ImageManifestNotFoundError(_) => {
+            PullFailure::NotFound
+        }
+        E::ServerError {
+            code: 401 | 403, ..
+        } => PullFailure::Unauthorized,
+        E::DigestError(_) | E::SpecViolationError(_) => PullFailure::Unverified,
+        E::UnsupportedMediaTypeError(_)
+        | E::UnsupportedSchemaVersionError(_)
+        | E::IncompatibleLayerMediaTypeError(_)
+        | E::ManifestParsingError(_)
+        | E::VersionedParsingError(_) => PullFailure::Unsupported,
+        _ => PullFailure::Unreachable,
+    };
+    Error::Registry {
+        reference: reference.to_string(),
+        kind,
+        reason,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_never_print_their_secrets() {
+        let basic = Credentials::Basic {
+            username: "ci".into(),
+            password: "hunter2".into(),
+        };
+        let bearer = Credentials::Bearer("tok-123".into());
+        let shown = format!(
+            "{basic:?} {bearer:?} {:?}",
+            PullOptions::new().credentials(basic.clone())
+        );
+        assert!(shown.contains("ci"), "{shown}");
+        assert!(
+            !shown.contains("hunter2") && !shown.contains("tok-123"),
+            "{shown}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_reference_that_is_not_one_is_refused_before_any_request() {
+        let options = PullOptions::new().cache(LayerCache::at("/nonexistent"));
+        // None of these reaches the network: each fails to parse.
+        for bad in ["", "name@sha256:short", "a b", "name:", ":tag"] {
+            match fetch(bad, &options).await {
+                Err(Error::Registry {
+                    kind: PullFailure::InvalidReference,
+                    ..
+                }) => {}
+                other => panic!("{bad:?}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_root_certificate_must_be_pem() {
+        let options = PullOptions::new().root_certificate_pem(b"not a certificate".to_vec());
+        assert!(client(&options).is_err());
+    }
+}

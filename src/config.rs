@@ -14,7 +14,7 @@ use crate::vmm::KernelConfig;
 
 /// A definition as [`SandboxBuilder::build`](crate::SandboxBuilder::build) checked it, with the
 /// run-time files found; shared, unchanged, by every boot of it.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct SandboxConfig {
     pub rootfs: Rootfs,
     pub cpus: u8,

@@ -100,6 +100,17 @@ pub enum Error {
         /// What happened, with what the registry said.
         reason: String,
     },
+    /// A step of an image build ([`oci::build`](crate::rootfs::oci::build)) failed: the image
+    /// was not made.
+    #[error("the build step `{step}` failed ({status}); its output ended with:\n{output}")]
+    BuildStep {
+        /// The step, as given.
+        step: String,
+        /// How it ended.
+        status: String,
+        /// The end of what it printed (stdout, then stderr; at most 8 KiB).
+        output: String,
+    },
     /// The sandbox definition is invalid.
     #[error("invalid sandbox configuration: {0}")]
     InvalidConfig(String),

@@ -56,6 +56,21 @@ impl Sandbox {
         SandboxBuilder::default()
     }
 
+    /// The definition's image configuration, if it has one.
+    pub(crate) fn image_config(&self) -> Option<&crate::rootfs::oci::ImageConfig> {
+        self.config.image_config.as_ref()
+    }
+
+    /// This definition with `rootfs` as its root (an image build's writable root over the
+    /// definition's image).
+    pub(crate) fn with_rootfs(&self, rootfs: Rootfs) -> Sandbox {
+        let mut config = (*self.config).clone();
+        config.rootfs = rootfs;
+        Sandbox {
+            config: Arc::new(config),
+        }
+    }
+
     /// Boots a new microVM from this definition and waits until it accepts commands.
     ///
     /// The root image's SHA-256 is checked first (a built-in image is built on first use);

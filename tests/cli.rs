@@ -463,3 +463,34 @@ fn image_pull_run_and_rm() {
     assert!(removed.status.success(), "{}", text(&removed.stderr));
     assert_eq!(blobs(), 0);
 }
+
+/// `krunbox image build` runs its steps on the --from image and keeps the result by name;
+/// `run --image NAME` boots it with the changes.
+#[test]
+fn image_build_then_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let images = dir.path().join("images");
+    let krunbox = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_krunbox"))
+            .args(args)
+            .env("KRUNBOX_IMAGE_DIR", &images)
+            .output()
+            .expect("running krunbox")
+    };
+    let built = krunbox(&[
+        "image",
+        "build",
+        "tools",
+        "--from",
+        "busybox",
+        "--memory",
+        "256",
+        "--run",
+        "echo one > /etc/steps",
+        "--run",
+        "echo two >> /etc/steps",
+    ]);
+    assert!(built.status.success(), "{}", text(&built.stderr));
+    let run = krunbox(&["run", "--image", "tools", "--", "cat", "/etc/steps"]);
+    assert_eq!(text(&run.stdout), "one\ntwo\n", "{}", text(&run.stderr));
+}

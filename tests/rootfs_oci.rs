@@ -7,8 +7,8 @@ mod common;
 #[path = "common/oci.rs"]
 mod oci;
 
-use krunbox::rootfs::oci::{import, ImageConfig};
-use krunbox::{Error, Sandbox};
+use krunbox::rootfs::oci::{build, import, ImageConfig};
+use krunbox::{BuiltinImage, Error, Rootfs, Sandbox};
 use oci::{docker_save, oci_layout, ENTRYPOINT_OUTPUT};
 
 /// Imports `archive_bytes`, boots the image with its configuration, runs the entrypoint.
@@ -88,5 +88,86 @@ fn a_tampered_layer_is_refused() {
             other => panic!("expected the tampered layer refused, got {other:?}"),
         }
         assert!(!dir.path().join("image.qcow2").exists());
+    });
+}
+
+/// `oci::build` runs its steps on a sandbox's image (as the image's user: root here) and makes
+/// an image that boots alone with their changes and keeps the sandbox's image configuration.
+#[test]
+fn an_image_built_by_steps_keeps_their_changes_and_its_config() {
+    common::run(async {
+        let config = ImageConfig {
+            entrypoint: vec!["/bin/sh".into(), "-c".into()],
+            cmd: vec!["cat /etc/marker; ls /opt".into()],
+            working_dir: Some("/etc".into()),
+            ..Default::default()
+        };
+        let base = Sandbox::builder()
+            .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
+            .image_config(config.clone())
+            .memory_mib(256)
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let image = build(
+            &base,
+            &[
+                "echo \"built in $(pwd) as $(id -u)\" > /etc/marker",
+                "mkdir -p /opt/tool && touch /opt/tool/bin",
+            ],
+            dir.path().join("built.qcow2"),
+        )
+        .await
+        .expect("build");
+        assert_eq!(image.config, config);
+        let vm = Sandbox::builder()
+            .rootfs(image.rootfs())
+            .image_config(image.config.clone())
+            .memory_mib(256)
+            .build()
+            .unwrap()
+            .boot()
+            .await
+            .expect("boot the built image");
+        let out = vm.entrypoint().unwrap().output().await.unwrap();
+        assert_eq!(
+            out.stdout_text(),
+            "built in /etc as 0\ntool\n",
+            "{}",
+            out.stderr_text()
+        );
+        vm.shutdown().await.unwrap();
+    });
+}
+
+/// A step that fails stops the build with its exit status and output; no image is made.
+#[test]
+fn a_failing_build_step_stops_the_build_with_its_output() {
+    common::run(async {
+        let base = Sandbox::builder()
+            .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
+            .memory_mib(256)
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let output = dir.path().join("built.qcow2");
+        let steps = [
+            "true",
+            "echo half done; echo broken >&2; exit 3",
+            "touch /never",
+        ];
+        match build(&base, &steps, &output).await {
+            Err(Error::BuildStep {
+                step,
+                status,
+                output,
+            }) => {
+                assert_eq!(step, steps[1]);
+                assert!(status.contains('3'), "{status}");
+                assert_eq!(output, "half done\nbroken\n");
+            }
+            other => panic!("expected the step's failure, got {other:?}"),
+        }
+        assert!(!output.exists());
     });
 }

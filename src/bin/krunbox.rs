@@ -96,6 +96,28 @@ enum ImageCmd {
         #[arg(long, value_name = "FILE")]
         ca_file: Option<PathBuf>,
     },
+    /// Build an image called NAME from the image --from (built-in, or one of `image ls`) by
+    /// running each --run step in it with `sh -c`, in order, in one VM (as a Dockerfile's RUN
+    /// lines: as the image's user, in its directory). The result keeps --from's entrypoint
+    /// and configuration. Network flags as for `run` (none: no network).
+    ///
+    /// Example: krunbox image build tools --from agent --allow-domain deb.debian.org
+    /// --run 'apt-get update' --run 'apt-get install -y ripgrep'
+    Build {
+        /// The name to keep it under.
+        name: String,
+        /// The image to start from.
+        #[arg(long, default_value = "agent")]
+        from: String,
+        /// A step (repeatable, at least one).
+        #[arg(long = "run", value_name = "STEP", required = true)]
+        steps: Vec<String>,
+        /// Guest memory in MiB while building.
+        #[arg(long, default_value_t = 1024)]
+        memory: u32,
+        #[command(flatten)]
+        net: Box<NetworkArgs>,
+    },
     /// List the built-in and imported images.
     Ls,
     /// Remove an imported image.
@@ -157,6 +179,26 @@ struct RunArgs {
     /// shell; window resizes follow).
     #[arg(short = 't', long)]
     tty: bool,
+    #[command(flatten)]
+    net: NetworkArgs,
+    /// Mount the host directory HOST_DIR at GUEST_PATH in the guest (created if missing),
+    /// read-write, or read-only with `:ro`. The guest cannot reach anything outside HOST_DIR,
+    /// through `..`, symlinks or hard links. Example: --mount ./project:/workspace. Repeatable.
+    #[arg(long, value_name = "HOST_DIR:GUEST_PATH[:ro]", value_parser = parse_mount)]
+    mount: Vec<HostMount>,
+    /// Mount an empty in-memory filesystem at GUEST_PATH (gone when the command ends).
+    /// Repeatable.
+    #[arg(long, value_name = "GUEST_PATH")]
+    memfs: Vec<String>,
+    /// The command and its arguments (optional with an imported image that has an
+    /// entrypoint or command).
+    #[arg(last = true)]
+    command: Vec<String>,
+}
+
+/// The network flags (`run`, `image build`).
+#[derive(clap::Args)]
+struct NetworkArgs {
     /// Allow DNS for, and connections to, the names PATTERN matches, on PORT (or a range
     /// FIRST-LAST; without it, any port).
     ///
@@ -201,19 +243,6 @@ struct RunArgs {
     /// if HOST is left out; the address is printed on stderr). Repeatable.
     #[arg(long, value_name = "GUEST[:HOST]", value_parser = parse_publish)]
     publish: Vec<(u16, u16)>,
-    /// Mount the host directory HOST_DIR at GUEST_PATH in the guest (created if missing),
-    /// read-write, or read-only with `:ro`. The guest cannot reach anything outside HOST_DIR,
-    /// through `..`, symlinks or hard links. Example: --mount ./project:/workspace. Repeatable.
-    #[arg(long, value_name = "HOST_DIR:GUEST_PATH[:ro]", value_parser = parse_mount)]
-    mount: Vec<HostMount>,
-    /// Mount an empty in-memory filesystem at GUEST_PATH (gone when the command ends).
-    /// Repeatable.
-    #[arg(long, value_name = "GUEST_PATH")]
-    memfs: Vec<String>,
-    /// The command and its arguments (optional with an imported image that has an
-    /// entrypoint or command).
-    #[arg(last = true)]
-    command: Vec<String>,
 }
 
 fn main() -> ExitCode {
@@ -411,6 +440,39 @@ async fn image(action: ImageCmd) -> Result<(), Box<dyn std::error::Error>> {
                 image.image.path.display(),
                 image.image.sha256,
                 image.config_digest
+            );
+        }
+        ImageCmd::Build {
+            name,
+            from,
+            steps,
+            memory,
+            net,
+        } => {
+            let mut sandbox = Sandbox::builder().memory_mib(memory);
+            if let Ok(builtin) = from.parse::<BuiltinImage>() {
+                sandbox = sandbox.rootfs(Rootfs::builtin(builtin));
+            } else {
+                let base = images.get(&from)?.ok_or_else(|| {
+                    format!("--from {from}: neither a built-in image nor one of `image ls`")
+                })?;
+                sandbox = sandbox.rootfs(base.rootfs()).image_config(base.config);
+            }
+            if let Some(network) = network(&net)? {
+                sandbox = sandbox.network(network);
+            }
+            let spinner = indicatif::ProgressBar::new_spinner().with_message(format!(
+                "building {name} from {from}: {} step(s) in a VM, then flattening",
+                steps.len()
+            ));
+            spinner.enable_steady_tick(std::time::Duration::from_millis(120));
+            let built = images.build(&name, &sandbox.build()?, &steps).await;
+            spinner.finish_and_clear();
+            let image = built?;
+            println!(
+                "{name}: {} (sha256 {})",
+                image.image.path.display(),
+                image.image.sha256
             );
         }
         ImageCmd::Ls => {
@@ -647,7 +709,7 @@ fn parse_publish(value: &str) -> Result<(u16, u16), String> {
 /// The network the flags describe: the rules, with connections to a domain of an
 /// --inject-header intercepted to add its headers (after the rules' own middleware, which
 /// refuses requests by method, if they intercept it); published ports. `None`: no network.
-fn network(args: &RunArgs) -> Result<Option<Network>, RuleError> {
+fn network(args: &NetworkArgs) -> Result<Option<Network>, RuleError> {
     let rules = network_rules(args)?;
     if rules.is_none() && args.publish.is_empty() && args.inject_header.is_empty() {
         return Ok(None);
@@ -690,7 +752,7 @@ fn parse_rules_file(path: &str) -> Result<Rules, String> {
 
 /// The rules the network flags give, in the documented order: `None` without any (then the
 /// guest has no network).
-fn network_rules(args: &RunArgs) -> Result<Option<Rules>, RuleError> {
+fn network_rules(args: &NetworkArgs) -> Result<Option<Rules>, RuleError> {
     if args.dns_static.is_empty()
         && args.rules.is_empty()
         && args.allow_domain.is_empty()
@@ -719,7 +781,7 @@ async fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if let Some(image) = imported(&args)? {
         sandbox = sandbox.image_config(image.config);
     }
-    if let Some(network) = network(&args)? {
+    if let Some(network) = network(&args.net)? {
         sandbox = sandbox.network(network);
     }
     for mount in &args.mount {
@@ -740,7 +802,7 @@ async fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     }
     let sandbox = sandbox.build()?;
     let vm = sandbox.boot().await?;
-    for (guest, _) in &args.publish {
+    for (guest, _) in &args.net.publish {
         if let Some(address) = vm.published_address(*guest) {
             eprintln!("krunbox: the guest's port {guest} is published at {address}");
         }
@@ -909,7 +971,7 @@ mod tests {
 
     #[test]
     fn no_network_flag_means_no_network() {
-        assert!(network_rules(&args(&[]).unwrap()).unwrap().is_none());
+        assert!(network_rules(&args(&[]).unwrap().net).unwrap().is_none());
     }
 
     #[test]
@@ -933,7 +995,12 @@ mod tests {
             "api.test=::1",
         ])
         .unwrap();
-        let domains: Vec<String> = args.allow_domain.iter().map(|r| r.to_string()).collect();
+        let domains: Vec<String> = args
+            .net
+            .allow_domain
+            .iter()
+            .map(|r| r.to_string())
+            .collect();
         assert_eq!(
             domains,
             [
@@ -942,7 +1009,7 @@ mod tests {
                 "allow domain ports.test port 8000-8100",
             ]
         );
-        let tcp: Vec<String> = args.allow_tcp.iter().map(|r| r.to_string()).collect();
+        let tcp: Vec<String> = args.net.allow_tcp.iter().map(|r| r.to_string()).collect();
         assert_eq!(
             tcp,
             [
@@ -951,7 +1018,7 @@ mod tests {
                 "allow address 192.0.2.7/32 port 22",
             ]
         );
-        assert_eq!(network_rules(&args).unwrap().unwrap().len(), 7);
+        assert_eq!(network_rules(&args.net).unwrap().unwrap().len(), 7);
     }
 
     #[test]
@@ -974,7 +1041,7 @@ mod tests {
             "a.test=127.0.0.1",
         ])
         .unwrap();
-        let rules = network_rules(&args).unwrap().unwrap();
+        let rules = network_rules(&args.net).unwrap().unwrap();
         let order: Vec<String> = rules.rules().iter().map(|r| r.to_string()).collect();
         assert_eq!(
             order,
@@ -1070,16 +1137,16 @@ mod tests {
             "8001:18001",
         ])
         .unwrap();
-        assert_eq!(parsed.inject_header.len(), 1);
-        let injection = &parsed.inject_header[0];
+        assert_eq!(parsed.net.inject_header.len(), 1);
+        let injection = &parsed.net.inject_header[0];
         assert_eq!(injection.header, "authorization");
         assert_eq!(injection.value, "Bearer from-the-host");
         assert!(injection.value.is_sensitive());
         assert!(injection.domain.matches("api.example.com"));
-        assert_eq!(parsed.publish, [(8000, 0), (8001, 18001)]);
+        assert_eq!(parsed.net.publish, [(8000, 0), (8001, 18001)]);
         // Either flag alone gives a network (deny-all rules otherwise).
-        assert!(network(&parsed).unwrap().is_some());
-        assert!(network(&args(&[]).unwrap()).unwrap().is_none());
+        assert!(network(&parsed.net).unwrap().is_some());
+        assert!(network(&args(&[]).unwrap().net).unwrap().is_none());
         let cases: [(&[&str], &str); 6] = [
             (&["--inject-header", "api.test"], "DOMAIN:HEADER=ENVVAR"),
             (
@@ -1162,7 +1229,7 @@ mod tests {
         )
         .unwrap();
         let args = args(&["--rules", file.to_str().unwrap()]).unwrap();
-        let rules = network_rules(&args).unwrap().unwrap();
+        let rules = network_rules(&args.net).unwrap().unwrap();
         let order: Vec<String> = rules.rules().iter().map(|r| r.to_string()).collect();
         assert_eq!(
             order,
@@ -1171,6 +1238,6 @@ mod tests {
                 "allow domain api.test port 443 methods GET",
             ]
         );
-        assert!(network(&args).unwrap().is_some());
+        assert!(network(&args.net).unwrap().is_some());
     }
 }

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::{import, pull, ImageConfig, LayerCache, OciImage, PullOptions, Pulled};
+use super::{build, import, pull, ImageConfig, LayerCache, OciImage, PullOptions, Pulled};
 use crate::error::{Error, Result};
 use crate::rootfs::FlatImage;
 
@@ -102,6 +102,32 @@ impl LocalImages {
         blobs.push(pulled.fetched.config_digest.clone());
         self.record(name, &pulled.image, blobs)?;
         Ok(pulled)
+    }
+
+    /// Builds `name` (replacing an image of that name) from `sandbox`'s image by running
+    /// `steps` in it: see [`build`].
+    ///
+    /// ```no_run
+    /// # async fn demo() -> krunbox::Result<()> {
+    /// use krunbox::rootfs::oci::LocalImages;
+    /// use krunbox::{BuiltinImage, Rootfs, Sandbox};
+    ///
+    /// let base = Sandbox::builder().rootfs(Rootfs::builtin(BuiltinImage::Agent)).build()?;
+    /// LocalImages::default_location()
+    ///     .build("with-venv", &base, &["python3 -m venv /opt/venv"])
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn build(
+        &self,
+        name: &str,
+        sandbox: &crate::Sandbox,
+        steps: &[impl AsRef<str>],
+    ) -> Result<OciImage> {
+        let output = self.prepare(name)?;
+        let image = build(sandbox, steps, output).await?;
+        self.record(name, &image, Vec::new())?;
+        Ok(image)
     }
 
     /// The layer cache of the images here: `DIR/blobs`.

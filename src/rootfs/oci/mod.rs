@@ -10,11 +10,13 @@
 
 mod archive;
 mod blobs;
+mod build;
 mod local;
 pub(crate) mod merge;
 mod registry;
 
 pub use blobs::LayerCache;
+pub use build::build;
 pub use local::LocalImages;
 pub use registry::{
     fetch, pull, Credentials, Fetched, PullFailure, PullOptions, PullProgress, Pulled,
@@ -116,7 +118,7 @@ pub async fn import(archive: impl AsRef<Path>, output: impl AsRef<Path>) -> Resu
         count: checked.layer_count(),
         open: Box::new(move |i| checked.open_layer(i)),
     };
-    build(layers, output.as_ref())
+    assemble(layers, output.as_ref())
         .await
         .map_err(|failure| match failure {
             BuildFailure::Content(reason) => broken(reason),
@@ -148,7 +150,7 @@ impl From<Error> for BuildFailure {
 }
 
 /// Merges `layers` on the host and has a busybox VM extract them into the image at `output`.
-async fn build(layers: Layers, output: &Path) -> std::result::Result<OciImage, BuildFailure> {
+async fn assemble(layers: Layers, output: &Path) -> std::result::Result<OciImage, BuildFailure> {
     let staging = tempfile::Builder::new()
         .prefix(".krunbox-import-")
         .tempdir_in(super::dir_of(output))

@@ -12,7 +12,9 @@ use oci_client::manifest::OciDescriptor;
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference, RegistryOperation};
 
-use super::{build, decompress, BuildFailure, LayerCache, Layers, OciImage, MAX_JSON, MAX_LAYERS};
+use super::{
+    assemble, decompress, BuildFailure, LayerCache, Layers, OciImage, MAX_JSON, MAX_LAYERS,
+};
 use crate::error::{Error, Result};
 
 /// The largest layer a registry may send (compressed): the image disk's size.
@@ -277,7 +279,7 @@ pub async fn pull(
             decompress(Box::new(file)).map_err(std::io::Error::other)
         }),
     };
-    let image = build(layers, output.as_ref())
+    let image = assemble(layers, output.as_ref())
         .await
         .map_err(|failure| match failure {
             BuildFailure::Content(reason) => failed(PullFailure::Unsupported, reason),

@@ -1524,6 +1524,13 @@ pub fn oci_layers(data: &[u8]) {
     crate::rootfs::oci::merge::fuzz_oci_layers(data)
 }
 
+/// A layer's bytes as a registry or archive could hand them over (`src/rootfs/oci/zstd.rs` and
+/// `decompress`): gzip, zstd (every frame, skippable frames skipped) or plain. Panics if
+/// decompressing panics.
+pub fn layer_stream(data: &[u8]) {
+    crate::rootfs::oci::zstd::fuzz_layer_stream(data)
+}
+
 /// Replays every file of the committed corpus `fuzz/corpus/TARGET` through `property`, for
 /// the fuzz targets' corpus tests: a file that fails it fails the test, naming the file.
 #[cfg(test)]

@@ -133,7 +133,8 @@ pub fn docker_save() -> Vec<u8> {
     ])
 }
 
-/// An OCI image layout (as a tar): gzip'd layers, the config and manifest as blobs. `tamper`:
+/// An OCI image layout (as a tar): a gzip'd and a zstd'd layer, the config and manifest as
+/// blobs. `tamper`:
 /// the second layer's blob has a byte changed after the manifest named its digest.
 #[allow(dead_code)]
 pub fn oci_layout(tamper: bool) -> Vec<u8> {
@@ -174,12 +175,25 @@ type Members = Vec<(String, Vec<u8>)>;
 /// The members of an OCI layout of `layers`, the config's digest and the layer blobs' digests.
 fn oci_layout_members(layers: &[Vec<u8>], tamper: bool) -> (Members, String, Vec<String>) {
     let config = config(layers);
-    let gzipped: Vec<Vec<u8>> = layers
+    // The first layer gzip'd, the second zstd'd: both kinds registries serve.
+    let compressed: Vec<(Vec<u8>, &str)> = layers
         .iter()
-        .map(|l| {
-            let mut gz = GzEncoder::new(Vec::new(), flate2::Compression::fast());
-            gz.write_all(l).unwrap();
-            gz.finish().unwrap()
+        .enumerate()
+        .map(|(i, l)| {
+            if i == 0 {
+                let mut gz = GzEncoder::new(Vec::new(), flate2::Compression::fast());
+                gz.write_all(l).unwrap();
+                (
+                    gz.finish().unwrap(),
+                    "application/vnd.oci.image.layer.v1.tar+gzip",
+                )
+            } else {
+                let zstd = ruzstd::encoding::compress_to_vec(
+                    &l[..],
+                    ruzstd::encoding::CompressionLevel::Fastest,
+                );
+                (zstd, "application/vnd.oci.image.layer.v1.tar+zstd")
+            }
         })
         .collect();
     let manifest = serde_json::to_vec(&serde_json::json!({
@@ -190,10 +204,10 @@ fn oci_layout_members(layers: &[Vec<u8>], tamper: bool) -> (Members, String, Vec
             "digest": format!("sha256:{}", sha(&config)),
             "size": config.len(),
         },
-        "layers": gzipped.iter().map(|g| serde_json::json!({
-            "mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
-            "digest": format!("sha256:{}", sha(g)),
-            "size": g.len(),
+        "layers": compressed.iter().map(|(blob, media_type)| serde_json::json!({
+            "mediaType": media_type,
+            "digest": format!("sha256:{}", sha(blob)),
+            "size": blob.len(),
         })).collect::<Vec<_>>(),
     }))
     .unwrap();
@@ -209,9 +223,9 @@ fn oci_layout_members(layers: &[Vec<u8>], tamper: bool) -> (Members, String, Vec
     }))
     .unwrap();
     let config_digest = format!("sha256:{}", sha(&config));
-    let layer_digests = gzipped
+    let layer_digests = compressed
         .iter()
-        .map(|g| format!("sha256:{}", sha(g)))
+        .map(|(blob, _)| format!("sha256:{}", sha(blob)))
         .collect();
     let mut members = vec![
         (
@@ -222,7 +236,7 @@ fn oci_layout_members(layers: &[Vec<u8>], tamper: bool) -> (Members, String, Vec
         (format!("blobs/sha256/{}", sha(&manifest)), manifest),
         (format!("blobs/sha256/{}", sha(&config)), config),
     ];
-    for (i, mut g) in gzipped.into_iter().enumerate() {
+    for (i, (mut g, _)) in compressed.into_iter().enumerate() {
         let name = format!("blobs/sha256/{}", sha(&g));
         if tamper && i == 1 {
             let middle = g.len() / 2;

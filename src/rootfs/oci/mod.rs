@@ -14,6 +14,7 @@ mod build;
 mod local;
 pub(crate) mod merge;
 mod registry;
+pub(crate) mod zstd;
 
 pub use blobs::LayerCache;
 pub use build::build;
@@ -372,7 +373,7 @@ fn decompress(reader: Box<dyn Read + Send>) -> std::result::Result<Box<dyn Read 
             flate2::read::MultiGzDecoder::new(reader).take(bound),
         ))
     } else if head.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
-        Err("a zstd-compressed layer (not supported yet: only gzip and uncompressed)".into())
+        Ok(Box::new(zstd::Frames::new(reader).take(bound)))
     } else {
         Ok(Box::new(reader.take(bound)))
     }

@@ -494,3 +494,50 @@ fn image_build_then_run() {
     let run = krunbox(&["run", "--image", "tools", "--", "cat", "/etc/steps"]);
     assert_eq!(text(&run.stdout), "one\ntwo\n", "{}", text(&run.stderr));
 }
+
+/// `krunbox run --image HOST/REPO:TAG` pulls a registry reference it does not have (here
+/// anonymously, from a registry on loopback), runs its entrypoint, and runs the local copy the
+/// next time without pulling again.
+#[test]
+fn run_pulls_a_registry_reference_once() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let registry = runtime.block_on(registry::Registry::start());
+    let layout = tempfile::tempdir().unwrap();
+    oci::oci_layout_dir(layout.path(), oci::Image::App);
+    runtime.block_on(registry.push(layout.path(), "public/app", "7"));
+    let dir = tempfile::tempdir().unwrap();
+    let images = dir.path().join("images");
+    let reference = format!("{}/public/app:7", registry.host);
+    let run = || {
+        Command::new(env!("CARGO_BIN_EXE_krunbox"))
+            .args(["run", "--plain-http", "--image", &reference])
+            .env("KRUNBOX_IMAGE_DIR", &images)
+            .output()
+            .expect("running krunbox")
+    };
+    let first = run();
+    assert_eq!(
+        text(&first.stdout),
+        oci::ENTRYPOINT_OUTPUT,
+        "{}",
+        text(&first.stderr)
+    );
+    assert!(
+        text(&first.stderr).contains("pulled"),
+        "{}",
+        text(&first.stderr)
+    );
+    assert!(images.join("app:7.qcow2").is_file());
+    let second = run();
+    assert_eq!(
+        text(&second.stdout),
+        oci::ENTRYPOINT_OUTPUT,
+        "{}",
+        text(&second.stderr)
+    );
+    assert!(
+        !text(&second.stderr).contains("pulled"),
+        "{}",
+        text(&second.stderr)
+    );
+}

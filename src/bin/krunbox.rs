@@ -1,7 +1,7 @@
 //! The `krunbox` command line: run an isolated command in a microVM, or check the host.
 
 use std::net::IpAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -11,7 +11,7 @@ use krunbox::net::{
     DomainPattern, Flow, HeaderName, HeaderValue, Network, Ports, Protocol, Rule, RuleError, Rules,
     Verdict,
 };
-use krunbox::rootfs::oci::{Credentials, PullOptions};
+use krunbox::rootfs::oci::{Credentials, ImageConfig, LocalImages, PullOptions};
 use krunbox::{BuiltinImage, HostCapabilities, Rootfs, Sandbox, Stdio};
 use tokio::io::AsyncWriteExt;
 
@@ -129,10 +129,16 @@ enum ImageCmd {
 
 #[derive(clap::Args)]
 struct RunArgs {
-    /// Built-in image (`busybox`, `agent`), an imported image's name (`krunbox image ls`), or a
-    /// path to an image file.
+    /// Built-in image (`busybox`, `agent`), an image's name (`krunbox image ls`), a path to an
+    /// image file (with --image-sha256), or a registry reference starting with its host
+    /// (`registry.example.com/team/app:1`), pulled on first use (as `image pull` would name it;
+    /// with $KRUNBOX_REGISTRY_USERNAME and $KRUNBOX_REGISTRY_PASSWORD if set).
     #[arg(long, default_value = "agent")]
     image: String,
+    /// Pull --image's registry reference over plain HTTP (a registry on loopback or a private
+    /// network).
+    #[arg(long)]
+    plain_http: bool,
     /// SHA-256 the image file must have (required with an image path).
     #[arg(long)]
     image_sha256: Option<String>,
@@ -522,38 +528,72 @@ fn default_image_name(reference: &str) -> Result<String, String> {
     Ok(name)
 }
 
-fn rootfs(args: &RunArgs) -> Result<Rootfs, String> {
+/// The image `--image` names, and its configuration if it has one: a built-in image, an image
+/// of `image ls` by name, an image file (with --image-sha256), or a registry reference (its
+/// first part a host: `registry.example.com/team/app:1`, `localhost:5000/app`), pulled the
+/// first time and run from the local copy after.
+async fn image_of(args: &RunArgs) -> Result<(Rootfs, Option<ImageConfig>), String> {
     if let Ok(image) = args.image.parse::<BuiltinImage>() {
-        return Ok(Rootfs::builtin(image));
+        return Ok((Rootfs::builtin(image), None));
     }
-    if let Some(image) = imported(args)? {
-        return Ok(image.rootfs());
+    if let Some(sha) = &args.image_sha256 {
+        return Ok((Rootfs::image(&args.image, &args.image_fstype, sha), None));
     }
-    let sha = args.image_sha256.as_deref().ok_or_else(|| {
-        format!(
-            "`{}` is not a built-in image (busybox, agent); an image file needs --image-sha256",
+    let images = LocalImages::default_location();
+    let found = if args.image.contains('/') {
+        images
+            .pulled_from(&args.image)
+            .map(|f| f.map(|(_, image)| image))
+    } else {
+        images.get(&args.image)
+    };
+    match found {
+        Ok(Some(image)) => return Ok((image.rootfs(), Some(image.config))),
+        Ok(None) | Err(krunbox::Error::InvalidConfig(_)) => {}
+        Err(e) => return Err(e.to_string()),
+    }
+    if !names_a_registry(&args.image) {
+        return Err(format!(
+            "`{}` is not a built-in image (busybox, agent), an image of `krunbox image ls`, or \
+             a registry reference (like registry.example.com/team/app:1); an image file needs \
+             --image-sha256",
             args.image
-        )
-    })?;
-    Ok(Rootfs::image(&args.image, &args.image_fstype, sha))
+        ));
+    }
+    let name = default_image_name(&args.image)?;
+    let mut options = PullOptions::new().plain_http(args.plain_http);
+    if let (Ok(username), Ok(password)) = (
+        std::env::var("KRUNBOX_REGISTRY_USERNAME"),
+        std::env::var("KRUNBOX_REGISTRY_PASSWORD"),
+    ) {
+        options = options.credentials(Credentials::Basic { username, password });
+    }
+    let spinner = indicatif::ProgressBar::new_spinner()
+        .with_message(format!("pulling {} as {name}", args.image));
+    spinner.enable_steady_tick(std::time::Duration::from_millis(120));
+    let pulled = images.pull(&name, &args.image, &options).await;
+    spinner.finish_and_clear();
+    let image = pulled.map_err(|e| e.to_string())?.image;
+    eprintln!("krunbox: pulled {} as {name}", args.image);
+    Ok((image.rootfs(), Some(image.config)))
 }
 
-/// The imported image `--image` names, if it names one (and is not a path).
-fn imported(args: &RunArgs) -> Result<Option<krunbox::rootfs::oci::OciImage>, String> {
-    if args.image.contains('/') || args.image_sha256.is_some() {
-        return Ok(None);
-    }
-    match krunbox::rootfs::oci::LocalImages::default_location().get(&args.image) {
-        Ok(found) => Ok(found),
-        // Not a name an image could have: a file name, then.
-        Err(krunbox::Error::InvalidConfig(_)) => Ok(None),
-        Err(e) => Err(e.to_string()),
+/// Whether `reference` starts with a registry host (a name with a dot or a port, or
+/// `localhost`), as `docker` tells a registry from a Docker Hub user. A bare name never goes
+/// to a registry by itself.
+fn names_a_registry(reference: &str) -> bool {
+    match reference.split_once('/') {
+        Some((host, rest)) => {
+            !rest.is_empty()
+                && (host.contains('.') || host.contains(':') || host == "localhost")
+                && !Path::new(reference).exists()
+        }
+        None => false,
     }
 }
 
 /// `--image` with `--ephemeral`, `--persist` or `--store`: the image, writable if asked.
-fn root(args: &RunArgs) -> Result<Rootfs, String> {
-    let image = rootfs(args)?;
+fn root(args: &RunArgs, image: Rootfs) -> Result<Rootfs, String> {
     Ok(match (args.ephemeral, &args.persist, &args.store) {
         (Some(bytes), _, _) => Rootfs::ephemeral(image, bytes),
         (None, Some(path), _) => Rootfs::persistent(image, path),
@@ -774,12 +814,13 @@ fn network_rules(args: &NetworkArgs) -> Result<Option<Rules>, RuleError> {
 }
 
 async fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    let (image, config) = image_of(&args).await?;
     let mut sandbox = Sandbox::builder()
-        .rootfs(root(&args)?)
+        .rootfs(root(&args, image)?)
         .cpus(args.cpus)
         .memory_mib(args.memory);
-    if let Some(image) = imported(&args)? {
-        sandbox = sandbox.image_config(image.config);
+    if let Some(config) = config {
+        sandbox = sandbox.image_config(config);
     }
     if let Some(network) = network(&args.net)? {
         sandbox = sandbox.network(network);
@@ -915,6 +956,18 @@ fn exit_code(code: Option<i32>, signal: Option<i32>) -> u8 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_references_that_start_with_a_host_go_to_a_registry() {
+        assert!(names_a_registry("registry.example.com/team/app:1"));
+        assert!(names_a_registry("127.0.0.1:5000/public/app:1"));
+        assert!(names_a_registry("localhost/app"));
+        // A bare name, a Docker Hub user's image, a file: never pulled by themselves.
+        assert!(!names_a_registry("alpine:3"));
+        assert!(!names_a_registry("library/alpine"));
+        assert!(!names_a_registry("no-such-image"));
+        assert!(!names_a_registry("host.example/"));
+    }
 
     #[test]
     fn pulled_images_are_named_after_their_last_path_part_and_tag() {

@@ -198,10 +198,14 @@ impl AsyncWrite for BlobWriter {
     ) -> Poll<std::io::Result<usize>> {
         let room = self.limit.saturating_sub(self.written);
         if buf.len() as u64 > room {
-            return Poll::Ready(Err(std::io::Error::other(format!(
-                "the blob {} is larger than the {} bytes its manifest gives",
-                self.digest, self.limit
-            ))));
+            // InvalidData: the sender's fault, told apart from the cache's own failures.
+            return Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!(
+                    "the blob {} is larger than the {} bytes its manifest gives",
+                    self.digest, self.limit
+                ),
+            )));
         }
         let this = &mut *self;
         let written = std::task::ready!(Pin::new(&mut this.file).poll_write(cx, buf))?;
@@ -243,7 +247,8 @@ mod tests {
 
         // More than the manifest's size is refused as it arrives.
         let mut writer = cache.writer(&digest, 4).await.unwrap();
-        assert!(writer.write_all(&good).await.is_err());
+        let refused = writer.write_all(&good).await.unwrap_err();
+        assert_eq!(refused.kind(), std::io::ErrorKind::InvalidData);
         drop(writer);
         assert!(!cache.contains(&digest));
 

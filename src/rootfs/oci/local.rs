@@ -48,6 +48,9 @@ struct Record {
     /// while an image names them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     blobs: Vec<String>,
+    /// The reference a pulled image was pulled from, as given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    reference: Option<String>,
 }
 
 impl LocalImages {
@@ -75,7 +78,7 @@ impl LocalImages {
     pub async fn import(&self, name: &str, archive: impl AsRef<Path>) -> Result<OciImage> {
         let output = self.prepare(name)?;
         let image = import(archive, output).await?;
-        self.record(name, &image, Vec::new())?;
+        self.record(name, &image, Vec::new(), None)?;
         Ok(image)
     }
 
@@ -100,7 +103,7 @@ impl LocalImages {
         let pulled = pull(reference, output, &options).await?;
         let mut blobs = pulled.fetched.layers.clone();
         blobs.push(pulled.fetched.config_digest.clone());
-        self.record(name, &pulled.image, blobs)?;
+        self.record(name, &pulled.image, blobs, Some(reference))?;
         Ok(pulled)
     }
 
@@ -126,7 +129,7 @@ impl LocalImages {
     ) -> Result<OciImage> {
         let output = self.prepare(name)?;
         let image = build(sandbox, steps, output).await?;
-        self.record(name, &image, Vec::new())?;
+        self.record(name, &image, Vec::new(), None)?;
         Ok(image)
     }
 
@@ -146,12 +149,19 @@ impl LocalImages {
     }
 
     /// Writes `NAME.json` for `image` (atomically: a reader sees the old record or the new).
-    fn record(&self, name: &str, image: &OciImage, blobs: Vec<String>) -> Result<()> {
+    fn record(
+        &self,
+        name: &str,
+        image: &OciImage,
+        blobs: Vec<String>,
+        reference: Option<&str>,
+    ) -> Result<()> {
         let record = Record {
             sha256: image.image.sha256.clone(),
             config_digest: image.config_digest.clone(),
             config: image.config.clone(),
             blobs,
+            reference: reference.map(str::to_string),
         };
         let temp = self.dir.join(format!(".{name}.json.new"));
         std::fs::write(
@@ -188,6 +198,31 @@ impl LocalImages {
                 path: record_path.clone(),
                 reason: format!("not an image record: {e}"),
             })
+    }
+
+    /// The image pulled from `reference` (exactly as it was given to [`LocalImages::pull`]),
+    /// and its name, if there is one: to run a reference without pulling it again.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> krunbox::Result<()> {
+    /// use krunbox::rootfs::oci::{LocalImages, PullOptions};
+    ///
+    /// let images = LocalImages::default_location();
+    /// let reference = "registry.example.com/team/tools:3";
+    /// let image = match images.pulled_from(reference)? {
+    ///     Some((_, image)) => image,
+    ///     None => images.pull("tools:3", reference, &PullOptions::new()).await?.image,
+    /// };
+    /// # let _ = image; Ok(()) }
+    /// ```
+    pub fn pulled_from(&self, reference: &str) -> Result<Option<(String, OciImage)>> {
+        for (name, image) in self.list()? {
+            let from = self.read_record(&name)?.and_then(|r| r.reference);
+            if from.as_deref() == Some(reference) {
+                return Ok(Some((name, image)));
+            }
+        }
+        Ok(None)
     }
 
     /// Every image, by name.
@@ -277,6 +312,7 @@ mod tests {
                 ..Default::default()
             },
             blobs: Vec::new(),
+            reference: None,
         };
         std::fs::write(
             dir.path().join("app:1.json"),

@@ -460,8 +460,9 @@ async fn download(
     match pulled {
         Ok(()) => {}
         Err(OciDistributionError::IoError(e)) => {
-            // Our writer's refusals (too many bytes) and the cache's own failures.
-            let kind = if e.to_string().contains("larger than") {
+            // Our writer's refusal of more bytes than the manifest gives (InvalidData), or the
+            // cache's own failures.
+            let kind = if e.kind() == std::io::ErrorKind::InvalidData {
                 PullFailure::Unverified
             } else {
                 PullFailure::Cache

@@ -386,7 +386,11 @@ async fn image(action: ImageCmd) -> Result<(), Box<dyn std::error::Error>> {
                 let password = if password_stdin {
                     let mut line = String::new();
                     std::io::stdin().read_line(&mut line)?;
-                    line.trim_end_matches(['\r', '\n']).to_string()
+                    let password = line.trim_end_matches(['\r', '\n']).to_string();
+                    if password.is_empty() {
+                        return Err("--password-stdin read no password".into());
+                    }
+                    password
                 } else {
                     std::env::var("KRUNBOX_REGISTRY_PASSWORD").map_err(|_| {
                         "--username needs --password-stdin or $KRUNBOX_REGISTRY_PASSWORD"
@@ -399,33 +403,37 @@ async fn image(action: ImageCmd) -> Result<(), Box<dyn std::error::Error>> {
                     .map_err(|e| format!("reading --ca-file {}: {e}", file.display()))?;
                 options = options.root_certificate_pem(pem);
             }
-            // One bar per layer as it downloads, then a spinner while a VM builds the image.
+            // One pull (one manifest: what is downloaded is what is kept), a bar per layer as it
+            // downloads, and a spinner line for the whole, which goes on while a VM builds.
             let bars = indicatif::MultiProgress::new();
+            let spinner = bars.add(indicatif::ProgressBar::new_spinner().with_message(format!(
+                "pulling {reference} as {name} (downloading layers, then building in a VM)"
+            )));
+            spinner.enable_steady_tick(std::time::Duration::from_millis(120));
             let style = indicatif::ProgressStyle::with_template(
                 "{msg:19} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec}",
             )
             .expect("a valid template")
             .progress_chars("=> ");
             let by_layer = std::sync::Mutex::new(std::collections::HashMap::new());
-            let fetched = krunbox::rootfs::oci::fetch(
-                &reference,
-                &options.clone().on_progress({
-                    let bars = bars.clone();
-                    move |p| {
-                        let mut by_layer = by_layer.lock().expect("not poisoned");
-                        let bar = by_layer.entry(p.digest.clone()).or_insert_with(|| {
-                            let bar = bars.add(indicatif::ProgressBar::new(p.size));
-                            bar.set_style(style.clone());
-                            bar.set_message(p.digest.chars().take(19).collect::<String>());
-                            bar
-                        });
-                        bar.set_position(p.received);
-                    }
-                }),
-            )
-            .await;
+            let options = options.on_progress({
+                let bars = bars.clone();
+                move |p| {
+                    let mut by_layer = by_layer.lock().expect("not poisoned");
+                    let bar = by_layer.entry(p.digest.clone()).or_insert_with(|| {
+                        let bar = bars.add(indicatif::ProgressBar::new(p.size));
+                        bar.set_style(style.clone());
+                        bar.set_message(p.digest.chars().take(19).collect::<String>());
+                        bar
+                    });
+                    bar.set_position(p.received);
+                }
+            });
+            let pulled = images.pull(&name, &reference, &options).await;
+            spinner.finish_and_clear();
             bars.clear()?;
-            let fetched = fetched?;
+            let pulled = pulled?;
+            let fetched = &pulled.fetched;
             eprintln!(
                 "{reference}: {} layers, {} downloaded ({} MiB), {} cached",
                 fetched.layers.len(),
@@ -433,14 +441,7 @@ async fn image(action: ImageCmd) -> Result<(), Box<dyn std::error::Error>> {
                 fetched.bytes_fetched >> 20,
                 fetched.layers_cached
             );
-            let spinner = indicatif::ProgressBar::new_spinner().with_message(format!(
-                "building {name} (merging layers, extracting in a VM)"
-            ));
-            spinner.enable_steady_tick(std::time::Duration::from_millis(120));
-            // The layers are cached now: this asks the registry for the manifest again only.
-            let pulled = images.pull(&name, &reference, &options).await;
-            spinner.finish_and_clear();
-            let image = pulled?.image;
+            let image = pulled.image;
             println!(
                 "{name}: {} (sha256 {}, config {})",
                 image.image.path.display(),

@@ -32,6 +32,12 @@ impl Checked {
         &self.parts.config_digest
     }
 
+    /// Whether the layers' uncompressed bytes were checked against the config's `diff_ids`
+    /// (a legacy archive's are; an OCI layout's were checked by their compressed bytes).
+    pub(super) fn diff_ids_checked(&self) -> bool {
+        self.parts.diff_ids_required.is_some()
+    }
+
     /// How many layers the image has.
     pub(super) fn layer_count(&self) -> usize {
         self.parts.layers.len()

@@ -59,6 +59,9 @@ impl LayerCache {
     }
 
     /// Removes every blob whose digest `keep` does not list; returns how many bytes that freed.
+    /// While a pull or fetch uses the cache (they hold a shared lock on it), nothing is removed
+    /// and the answer is 0: their blobs are not named by any image yet. Files that are not
+    /// blobs (a download in progress) are never touched.
     ///
     /// ```no_run
     /// # fn demo(still_used: Vec<String>) -> krunbox::Result<()> {
@@ -75,12 +78,16 @@ impl LayerCache {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
             Err(e) => return Err(Error::io(format!("listing {}", dir.display()))(e)),
         };
+        let Some(_exclusive) = self.lock(nix::fcntl::FlockArg::LockExclusiveNonblock)? else {
+            return Ok(0);
+        };
         let mut freed = 0;
         for entry in entries {
             let entry = entry.map_err(Error::io(format!("listing {}", dir.display())))?;
             let name = entry.file_name();
             let Some(hex) = name.to_str() else { continue };
-            if keep.iter().any(|k| k.strip_prefix("sha256:") == Some(hex)) {
+            let is_blob = hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit());
+            if !is_blob || keep.iter().any(|k| k.strip_prefix("sha256:") == Some(hex)) {
                 continue;
             }
             let size = entry.metadata().map_or(0, |m| m.len());
@@ -91,6 +98,33 @@ impl LayerCache {
             }
         }
         Ok(freed)
+    }
+
+    /// Holds the cache for a pull or fetch until dropped: [`LayerCache::retain`] removes
+    /// nothing meanwhile.
+    pub(super) fn hold(&self) -> std::result::Result<CacheHold, String> {
+        self.lock(nix::fcntl::FlockArg::LockShared)
+            .map(|held| CacheHold(held.expect("a blocking lock is always taken")))
+            .map_err(|e| e.to_string())
+    }
+
+    /// The cache's lock file, locked as `how`; `None` if a non-blocking lock is held elsewhere.
+    fn lock(&self, how: nix::fcntl::FlockArg) -> Result<Option<nix::fcntl::Flock<std::fs::File>>> {
+        std::fs::create_dir_all(&self.dir).map_err(Error::io(format!(
+            "making the layer cache {}",
+            self.dir.display()
+        )))?;
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(self.dir.join("lock"))
+            .map_err(Error::io("opening the layer cache's lock"))?;
+        match nix::fcntl::Flock::lock(file, how) {
+            Ok(locked) => Ok(Some(locked)),
+            Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(None),
+            Err((_, e)) => Err(Error::io("locking the layer cache")(e.into())),
+        }
     }
 
     /// The file of the blob with `digest`; an error for anything but a `sha256:` digest.
@@ -148,6 +182,9 @@ impl LayerCache {
     }
 }
 
+/// A shared hold on a [`LayerCache`] (see [`LayerCache::hold`]).
+pub(super) struct CacheHold(#[allow(dead_code)] nix::fcntl::Flock<std::fs::File>);
+
 fn hash_all(reader: impl Read) -> std::io::Result<String> {
     crate::rootfs::sha256_hex(reader)
 }
@@ -170,24 +207,33 @@ impl BlobWriter {
     }
 
     /// Puts the blob in the cache if it hashed to its digest; otherwise it is dropped.
-    pub(super) async fn commit(mut self) -> std::result::Result<(), String> {
+    pub(super) async fn commit(mut self) -> std::result::Result<(), CommitError> {
         use tokio::io::AsyncWriteExt;
         let actual = format!("sha256:{}", hex::encode(self.hasher.finalize_reset()));
         if actual != self.digest {
-            return Err(format!(
+            return Err(CommitError::Mismatch(format!(
                 "the blob {} arrived with the digest {actual}",
                 self.digest
-            ));
+            )));
         }
         let written = match self.file.flush().await {
             Ok(()) => self.file.sync_all().await,
             Err(e) => Err(e),
         };
-        written.map_err(|e| format!("writing the blob {}: {e}", self.digest))?;
+        written.map_err(|e| CommitError::Io(format!("writing the blob {}: {e}", self.digest)))?;
         self.temp_path
             .persist(&self.path)
-            .map_err(|e| format!("keeping the blob {}: {e}", self.digest))
+            .map_err(|e| CommitError::Io(format!("keeping the blob {}: {e}", self.digest)))
     }
+}
+
+/// Why a blob did not enter the cache.
+#[derive(Debug)]
+pub(super) enum CommitError {
+    /// Its bytes did not hash to its digest.
+    Mismatch(String),
+    /// The cache's disk failed.
+    Io(String),
 }
 
 impl AsyncWrite for BlobWriter {
@@ -242,7 +288,9 @@ mod tests {
         // Bytes that do not hash to the digest never enter.
         let mut writer = cache.writer(&digest, 100).await.unwrap();
         writer.write_all(b"other bytes").await.unwrap();
-        assert!(writer.commit().await.unwrap_err().contains("digest"));
+        assert!(
+            matches!(writer.commit().await, Err(CommitError::Mismatch(m)) if m.contains("digest"))
+        );
         assert!(!cache.contains(&digest));
 
         // More than the manifest's size is refused as it arrives.
@@ -275,7 +323,20 @@ mod tests {
 
         assert_eq!(cache.retain(std::slice::from_ref(&digest)).unwrap(), 0);
         assert!(cache.contains(&digest));
+        // While a pull holds the cache, nothing goes; a download in progress never does.
+        let held = cache.hold().unwrap();
+        assert_eq!(cache.retain(&[]).unwrap(), 0);
+        assert!(cache.contains(&digest));
+        drop(held);
+        let partial = cache.writer(&digest, 100).await.unwrap();
         assert_eq!(cache.retain(&[]).unwrap(), 7);
+        assert_eq!(
+            std::fs::read_dir(dir.path().join("sha256"))
+                .unwrap()
+                .count(),
+            1
+        );
+        drop(partial);
         assert!(!cache.contains(&digest));
         // Not a digest: refused, not a path.
         assert!(cache.path("sha256:../../etc/passwd").is_err());

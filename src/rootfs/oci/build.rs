@@ -23,7 +23,8 @@ const STEP_OUTPUT_TAIL: usize = 8 << 10;
 /// another one to change its entrypoint.
 ///
 /// `sandbox`'s root must be an image ([`Rootfs::Builtin`] or [`Rootfs::Image`]); mounts are
-/// not part of the result (only the root is).
+/// not part of the result (only the root is). Steps have no deadline of their own: bound one
+/// with `timeout` in the step itself (`timeout 600 make`) if it may hang.
 ///
 /// ```no_run
 /// # async fn demo() -> krunbox::Result<()> {
@@ -94,7 +95,7 @@ pub async fn build(
     vm.shutdown().await?;
     let image = flatten(&root, output).await?;
     let config = sandbox.image_config().cloned().unwrap_or_default();
-    let config_digest = config_digest(&config);
+    let config_digest = config_digest(&config, &image.sha256);
     Ok(OciImage {
         image,
         config,
@@ -102,10 +103,10 @@ pub async fn build(
     })
 }
 
-/// The digest of the OCI image config a built image would be exported with: the config's
-/// fields, one layer (the flattened root) not described by a diff ID, since the image is a
-/// filesystem image rather than a tar.
-fn config_digest(config: &ImageConfig) -> String {
+/// The digest of an OCI image config describing a built image: the config's fields, and the
+/// image file's SHA-256 as its one layer (a filesystem image rather than a tar), so that two
+/// builds with other steps have other identities.
+fn config_digest(config: &ImageConfig, image_sha256: &str) -> String {
     let env: Vec<String> = config.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
     let document = serde_json::json!({
         "architecture": "amd64",
@@ -117,7 +118,7 @@ fn config_digest(config: &ImageConfig) -> String {
             "WorkingDir": config.working_dir.clone().unwrap_or_default(),
             "User": config.user.map(|(uid, gid)| format!("{uid}:{gid}")).unwrap_or_default(),
         },
-        "rootfs": { "type": "layers", "diff_ids": [] },
+        "rootfs": { "type": "layers", "diff_ids": [format!("sha256:{image_sha256}")] },
     });
     format!(
         "sha256:{}",
@@ -136,10 +137,15 @@ mod tests {
             ..Default::default()
         };
         let mut b = a.clone();
-        assert_eq!(config_digest(&a), config_digest(&b));
+        let image = "a".repeat(64);
+        assert_eq!(config_digest(&a, &image), config_digest(&b, &image));
+        assert_ne!(
+            config_digest(&a, &image),
+            config_digest(&a, &"b".repeat(64))
+        );
         b.user = Some((1000, 1000));
-        assert_ne!(config_digest(&a), config_digest(&b));
-        assert!(config_digest(&a).starts_with("sha256:"));
+        assert_ne!(config_digest(&a, &image), config_digest(&b, &image));
+        assert!(config_digest(&a, &image).starts_with("sha256:"));
     }
 
     #[tokio::test]

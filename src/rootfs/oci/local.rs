@@ -99,7 +99,14 @@ impl LocalImages {
     /// ```
     pub async fn pull(&self, name: &str, reference: &str, options: &PullOptions) -> Result<Pulled> {
         let output = self.prepare(name)?;
-        let options = options.clone().cache(self.layer_cache());
+        let cache = self.layer_cache();
+        // Until the record names the blobs, a removal elsewhere must not prune them.
+        let _hold = cache.hold().map_err(|reason| Error::Registry {
+            reference: reference.to_string(),
+            kind: super::PullFailure::Cache,
+            reason,
+        })?;
+        let options = options.clone().cache(cache);
         let pulled = pull(reference, output, &options).await?;
         let mut blobs = pulled.fetched.layers.clone();
         blobs.push(pulled.fetched.config_digest.clone());
@@ -138,6 +145,24 @@ impl LocalImages {
         LayerCache::at(self.dir.join("blobs"))
     }
 
+    /// Removes the cached blobs no image here names. Best effort: when a record cannot be
+    /// read (so what it needs is unknown), or a pull holds the cache, nothing is removed now;
+    /// the next removal tries again.
+    fn prune(&self) {
+        let mut needed = Vec::new();
+        let Ok(images) = self.list() else { return };
+        for (name, _) in images {
+            match self.read_record(&name) {
+                Ok(Some(record)) => needed.extend(record.blobs),
+                Ok(None) => {}
+                Err(_) => return,
+            }
+        }
+        if let Err(e) = self.layer_cache().retain(&needed) {
+            tracing::warn!(target: "krunbox::rootfs", %e, "pruning the layer cache failed");
+        }
+    }
+
     /// Checks `name` and makes the directory; where the image file goes.
     fn prepare(&self, name: &str) -> Result<PathBuf> {
         check_name(name)?;
@@ -163,13 +188,21 @@ impl LocalImages {
             blobs,
             reference: reference.map(str::to_string),
         };
-        let temp = self.dir.join(format!(".{name}.json.new"));
-        std::fs::write(
-            &temp,
-            serde_json::to_vec_pretty(&record).expect("a record serialises"),
-        )
-        .and_then(|()| std::fs::rename(&temp, self.dir.join(format!("{name}.json"))))
-        .map_err(Error::io(format!("recording the image {name}")))
+        // A temporary file of its own (two writers of one name never share one), renamed over
+        // the record: a reader sees the old record or the new.
+        let write = || -> std::io::Result<()> {
+            let mut temp = tempfile::Builder::new()
+                .prefix(&format!(".{name}.json."))
+                .tempfile_in(&self.dir)?;
+            std::io::Write::write_all(
+                &mut temp,
+                &serde_json::to_vec_pretty(&record).expect("a record serialises"),
+            )?;
+            temp.persist(self.dir.join(format!("{name}.json")))
+                .map(drop)
+                .map_err(|e| e.error)
+        };
+        write().map_err(Error::io(format!("recording the image {name}")))
     }
 
     /// The image called `name`, if there is one.
@@ -262,13 +295,9 @@ impl LocalImages {
                 Err(e) => return Err(Error::io(format!("removing {file}"))(e)),
             }
         }
-        let mut needed = Vec::new();
-        for (other, _) in self.list()? {
-            if let Some(record) = self.read_record(&other)? {
-                needed.extend(record.blobs);
-            }
+        if removed {
+            self.prune();
         }
-        self.layer_cache().retain(&needed)?;
         Ok(removed)
     }
 }

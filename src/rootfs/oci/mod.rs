@@ -117,12 +117,13 @@ pub async fn import(archive: impl AsRef<Path>, output: impl AsRef<Path>) -> Resu
         config: checked.config().to_vec(),
         config_digest: checked.config_digest().to_string(),
         count: checked.layer_count(),
+        diff_ids_checked: checked.diff_ids_checked(),
         open: Box::new(move |i| checked.open_layer(i)),
     };
     assemble(layers, output.as_ref())
         .await
         .map_err(|failure| match failure {
-            BuildFailure::Content(reason) => broken(reason),
+            BuildFailure::Content(reason) | BuildFailure::Unverified(reason) => broken(reason),
             BuildFailure::Other(e) => e,
         })
 }
@@ -133,6 +134,9 @@ pub(super) struct Layers {
     config: Vec<u8>,
     config_digest: String,
     count: usize,
+    /// Whether each layer's uncompressed bytes were checked against the config's `diff_ids`
+    /// already (a legacy archive's are; others are checked before the merge).
+    diff_ids_checked: bool,
     /// Layer `i`'s uncompressed tar stream, read afresh (the merge reads each layer twice).
     open: Box<dyn Fn(usize) -> std::io::Result<Box<dyn Read + Send>> + Send>,
 }
@@ -141,7 +145,15 @@ pub(super) struct Layers {
 /// host's disk).
 enum BuildFailure {
     Content(String),
+    /// A layer's content is not what the config names.
+    Unverified(String),
     Other(Error),
+}
+
+impl From<String> for BuildFailure {
+    fn from(reason: String) -> Self {
+        BuildFailure::Content(reason)
+    }
 }
 
 impl From<Error> for BuildFailure {
@@ -164,8 +176,7 @@ async fn assemble(layers: Layers, output: &Path) -> std::result::Result<OciImage
         move || merge_layers(&layers, &merged_path)
     })
     .await
-    .map_err(|e| BuildFailure::Content(e.to_string()))?
-    .map_err(BuildFailure::Content)?;
+    .map_err(|e| BuildFailure::Content(e.to_string()))??;
 
     let build = ImageBuild::start(output).await?;
     let served = crate::fs::HostDir::read_only(staging.path())
@@ -213,14 +224,30 @@ async fn assemble(layers: Layers, output: &Path) -> std::result::Result<OciImage
 
 /// Merges the layers into `merged_path` and reads the image's configuration, its user looked
 /// up in the merged tree's `/etc/passwd` and `/etc/group`.
-fn merge_layers(layers: &Layers, merged_path: &Path) -> std::result::Result<ImageConfig, String> {
+fn merge_layers(
+    layers: &Layers,
+    merged_path: &Path,
+) -> std::result::Result<ImageConfig, BuildFailure> {
     let (mut config, diff_ids, user) = parse_config(&layers.config)?;
     if diff_ids.len() != layers.count {
-        return Err(format!(
+        return Err(BuildFailure::Content(format!(
             "the config lists {} layers, the manifest {}",
             diff_ids.len(),
             layers.count
-        ));
+        )));
+    }
+    // The config names each layer's uncompressed content: a manifest that pairs this config
+    // with other layers (which their own digests would not show) is refused, as container
+    // runtimes refuse it when they unpack.
+    if !layers.diff_ids_checked {
+        for (i, expected) in diff_ids.iter().enumerate() {
+            let actual = sha256_hex((layers.open)(i).map_err(|e| format!("layer {i}: {e}"))?)?;
+            if *expected != format!("sha256:{actual}") {
+                return Err(BuildFailure::Unverified(format!(
+                    "layer {i}'s content has the digest sha256:{actual}, not the config's {expected}"
+                )));
+            }
+        }
     }
     let out = File::create(merged_path).map_err(|e| format!("staging the merge: {e}"))?;
     let merged = merge::merge(layers.count, &layers.open, std::io::BufWriter::new(out))
@@ -386,6 +413,49 @@ fn sha256_hex(reader: impl Read) -> std::result::Result<String, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A config whose `diff_ids` name other content than the layers hold is refused before the
+    /// merge (a manifest pairing a known config with other layers); the right ones merge.
+    #[test]
+    fn layers_must_be_what_the_config_names() {
+        let mut builder = tar::Builder::new(Vec::new());
+        let mut header = tar::Header::new_gnu();
+        header.set_size(2);
+        header.set_mode(0o644);
+        header.set_entry_type(tar::EntryType::Regular);
+        builder
+            .append_data(&mut header, "etc/a", &b"hi"[..])
+            .unwrap();
+        let layer = builder.into_inner().unwrap();
+        let config = |diff_id: &str| {
+            serde_json::to_vec(&serde_json::json!({
+                "architecture": "amd64", "os": "linux",
+                "rootfs": { "type": "layers", "diff_ids": [diff_id] },
+            }))
+            .unwrap()
+        };
+        let layers = |config: Vec<u8>| Layers {
+            config,
+            config_digest: String::new(),
+            count: 1,
+            diff_ids_checked: false,
+            open: Box::new({
+                let layer = layer.clone();
+                move |_| Ok(Box::new(std::io::Cursor::new(layer.clone())) as Box<dyn Read + Send>)
+            }),
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let merged = dir.path().join("merged.tar");
+        let other = format!("sha256:{}", "0".repeat(64));
+        match merge_layers(&layers(config(&other)), &merged) {
+            Err(BuildFailure::Unverified(reason)) => assert!(reason.contains(&other), "{reason}"),
+            Err(BuildFailure::Content(reason)) => panic!("{reason}"),
+            Err(BuildFailure::Other(e)) => panic!("{e}"),
+            Ok(_) => panic!("other layers were merged"),
+        }
+        let right = format!("sha256:{}", sha256_hex(&layer[..]).unwrap());
+        assert!(merge_layers(&layers(config(&right)), &merged).is_ok());
+    }
 
     #[test]
     fn users_resolve_as_a_container_runtime_resolves_them() {

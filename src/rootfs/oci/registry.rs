@@ -12,6 +12,7 @@ use oci_client::manifest::OciDescriptor;
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference, RegistryOperation};
 
+use super::blobs::CommitError;
 use super::{
     assemble, decompress, BuildFailure, LayerCache, Layers, OciImage, MAX_JSON, MAX_LAYERS,
 };
@@ -28,6 +29,12 @@ const CONFIG_TYPES: [&str; 2] = [
     "application/vnd.oci.image.config.v1+json",
     "application/vnd.docker.container.image.v1+json",
 ];
+
+/// How long the authentication and the manifest may take, each.
+const REQUEST_DEADLINE: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// The most of a registry's error message an error keeps.
+const MAX_REASON: usize = 1024;
 
 /// How krunbox identifies itself to registries.
 const USER_AGENT: &str = concat!("krunbox/", env!("CARGO_PKG_VERSION"));
@@ -246,12 +253,17 @@ pub async fn pull(
     output: impl AsRef<Path>,
     options: &PullOptions,
 ) -> Result<Pulled> {
-    let fetched = fetch(reference, options).await?;
     let failed = |kind, reason| Error::Registry {
         reference: reference.to_string(),
         kind,
         reason,
     };
+    // Held until the image is built: the blobs are not named by any image before that.
+    let _hold = options
+        .cache
+        .hold()
+        .map_err(|e| failed(PullFailure::Cache, e))?;
+    let fetched = fetch(reference, options).await?;
     let cache = options.cache.clone();
     let config_digest = fetched.config_digest.clone();
     let digests = fetched.layers.clone();
@@ -261,8 +273,20 @@ pub async fn pull(
         for digest in digests.iter().chain([&config_digest]) {
             cache.verify(digest)?;
         }
-        let config = std::fs::read(cache.path(&config_digest)?)
+        // Bounded here too: a config the cache had already (perhaps a layer of another
+        // image) was not downloaded with the config's bound.
+        let mut config = Vec::new();
+        std::fs::File::open(cache.path(&config_digest)?)
+            .and_then(|file| {
+                std::io::Read::read_to_end(
+                    &mut std::io::Read::take(file, MAX_JSON + 1),
+                    &mut config,
+                )
+            })
             .map_err(|e| format!("reading the cached config: {e}"))?;
+        if config.len() as u64 > MAX_JSON {
+            return Err(format!("the config is larger than {MAX_JSON} bytes"));
+        }
         Ok::<_, String>((config, digests, cache))
     })
     .await
@@ -273,6 +297,7 @@ pub async fn pull(
         config,
         config_digest: fetched.config_digest.clone(),
         count: digests.len(),
+        diff_ids_checked: false,
         open: Box::new(move |i| {
             let path = cache.path(&digests[i]).map_err(std::io::Error::other)?;
             let file = std::fs::File::open(path)?;
@@ -283,6 +308,7 @@ pub async fn pull(
         .await
         .map_err(|failure| match failure {
             BuildFailure::Content(reason) => failed(PullFailure::Unsupported, reason),
+            BuildFailure::Unverified(reason) => failed(PullFailure::Unverified, reason),
             BuildFailure::Other(e) => e,
         })?;
     Ok(Pulled { image, fetched })
@@ -308,7 +334,11 @@ pub async fn fetch(reference: &str, options: &PullOptions) -> Result<Fetched> {
     let parsed: Reference = reference
         .parse()
         .map_err(|e| failed(PullFailure::InvalidReference, format!("{e}")))?;
-    let client = client(options).map_err(|e| failed(PullFailure::Unreachable, e))?;
+    let client = client(options)?;
+    let _hold = options
+        .cache
+        .hold()
+        .map_err(|e| failed(PullFailure::Cache, e))?;
     let auth = match &options.credentials {
         Credentials::Anonymous => RegistryAuth::Anonymous,
         Credentials::Basic { username, password } => {
@@ -318,14 +348,26 @@ pub async fn fetch(reference: &str, options: &PullOptions) -> Result<Fetched> {
     };
     // Asked for first, on its own: the client's later requests would drop a token service's
     // refusal and go on unauthenticated, and the registry's answer would then say less.
-    client
-        .auth(&parsed, &auth, RegistryOperation::Pull)
-        .await
-        .map_err(|e| classify(reference, e))?;
-    let (manifest, manifest_digest) = client
-        .pull_image_manifest(&parsed, &auth)
-        .await
-        .map_err(|e| classify(reference, e))?;
+    // Each has a deadline of its own: oci-client reads these answers whole, and a read
+    // timeout alone restarts with every byte a slow registry sends.
+    let deadline = |what: &str| {
+        failed(
+            PullFailure::Unreachable,
+            format!("the registry did not answer {what} within {REQUEST_DEADLINE:?}"),
+        )
+    };
+    tokio::time::timeout(
+        REQUEST_DEADLINE,
+        client.auth(&parsed, &auth, RegistryOperation::Pull),
+    )
+    .await
+    .map_err(|_| deadline("the authentication"))?
+    .map_err(|e| classified(reference, e))?;
+    let (manifest, manifest_digest) =
+        tokio::time::timeout(REQUEST_DEADLINE, client.pull_image_manifest(&parsed, &auth))
+            .await
+            .map_err(|_| deadline("for the manifest"))?
+            .map_err(|e| classified(reference, e))?;
     if manifest.layers.len() > MAX_LAYERS {
         return Err(failed(
             PullFailure::Unsupported,
@@ -339,8 +381,22 @@ pub async fn fetch(reference: &str, options: &PullOptions) -> Result<Fetched> {
             format!("an artifact of type {config_type:?}, not a container image"),
         ));
     }
+    let total: u64 = manifest
+        .layers
+        .iter()
+        .map(|l| u64::try_from(l.size).unwrap_or(u64::MAX))
+        .fold(0, u64::saturating_add);
+    if total > MAX_LAYER_BYTES {
+        return Err(failed(
+            PullFailure::Unsupported,
+            format!("its layers are {total} bytes together, more than the {MAX_LAYER_BYTES} of an image's disk"),
+        ));
+    }
     for layer in &manifest.layers {
-        if !layer.media_type.contains("tar") {
+        // Foreign and non-distributable layers live elsewhere (their `urls`): never fetched.
+        let elsewhere =
+            layer.media_type.contains("foreign") || layer.media_type.contains("nondistributable");
+        if !layer.media_type.contains("tar") || elsewhere {
             return Err(failed(
                 PullFailure::Unsupported,
                 format!(
@@ -454,6 +510,11 @@ async fn download(
         size,
         progress,
     };
+    // Only from this registry: a descriptor's `urls` would send oci-client elsewhere.
+    let descriptor = &OciDescriptor {
+        urls: None,
+        ..descriptor.clone()
+    };
     let pulled = client.pull_blob(reference, descriptor, &mut writer).await;
     let writer = writer.inner;
     let written = writer.written();
@@ -470,9 +531,7 @@ async fn download(
             return Err(DownloadError(kind, e.to_string()));
         }
         Err(e) => {
-            let Error::Registry { kind, reason, .. } = classify("", e) else {
-                unreachable!("classify makes registry errors")
-            };
+            let (kind, reason) = classify(e);
             return Err(DownloadError(kind, reason));
         }
     }
@@ -485,10 +544,10 @@ async fn download(
             ),
         ));
     }
-    writer
-        .commit()
-        .await
-        .map_err(|e| DownloadError(PullFailure::Unverified, e))?;
+    writer.commit().await.map_err(|e| match e {
+        CommitError::Mismatch(reason) => DownloadError(PullFailure::Unverified, reason),
+        CommitError::Io(reason) => DownloadError(PullFailure::Cache, reason),
+    })?;
     Ok(written)
 }
 
@@ -534,7 +593,7 @@ impl tokio::io::AsyncWrite for Reporting<'_> {
 }
 
 /// The registry client for these options.
-fn client(options: &PullOptions) -> std::result::Result<Client, String> {
+fn client(options: &PullOptions) -> Result<Client> {
     // reqwest needs a process-wide rustls provider (krunbox builds rustls with ring only). If
     // the program installed one already, that one stays.
     let _ = rustls::crypto::ring::default_provider().install_default();
@@ -553,14 +612,15 @@ fn client(options: &PullOptions) -> std::result::Result<Client, String> {
         ..ClientConfig::default()
     };
     for pem in &options.root_certificates {
-        check_certificates(pem)?;
+        check_certificates(pem).map_err(Error::InvalidConfig)?;
         config.extra_root_certificates.push(Certificate {
             encoding: CertificateEncoding::Pem,
             data: pem.clone(),
         });
     }
     // Not Client::new, which falls back to a default client (HTTPS, no extra roots) on error.
-    Client::try_from(config).map_err(|e| format!("setting up the registry client: {e}"))
+    Client::try_from(config)
+        .map_err(|e| Error::InvalidConfig(format!("setting up the registry client: {e}")))
 }
 
 /// Checks that `pem` holds certificates and nothing unreadable: reqwest would take a file of
@@ -576,10 +636,21 @@ fn check_certificates(pem: &[u8]) -> std::result::Result<(), String> {
     Ok(())
 }
 
-/// The typed error for what the registry client reported.
-fn classify(reference: &str, error: OciDistributionError) -> Error {
+/// The typed error for what the registry client reported about `reference`.
+fn classified(reference: &str, error: OciDistributionError) -> Error {
+    let (kind, reason) = classify(error);
+    Error::Registry {
+        reference: reference.to_string(),
+        kind,
+        reason,
+    }
+}
+
+/// What kind of failure the registry client reported, and its message made fit to print: at
+/// most [`MAX_REASON`] bytes, control characters (a hostile registry's terminal escapes among
+/// them) replaced.
+fn classify(error: OciDistributionError) -> (PullFailure, String) {
     use OciDistributionError as E;
-    let reason = error.to_string();
     let kind = match &error {
         E::AuthenticationFailure(_) | E::UnauthorizedError { .. } => PullFailure::Unauthorized,
         E::RegistryError { envelope, .. } => {
@@ -617,11 +688,20 @@ fn classify(reference: &str, error: OciDistributionError) -> Error {
         | E::VersionedParsingError(_) => PullFailure::Unsupported,
         _ => PullFailure::Unreachable,
     };
-    Error::Registry {
-        reference: reference.to_string(),
-        kind,
-        reason,
+    let mut reason: String = error
+        .to_string()
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    if reason.len() > MAX_REASON {
+        let cut = (0..=MAX_REASON)
+            .rev()
+            .find(|&i| reason.is_char_boundary(i))
+            .unwrap_or(0);
+        reason.truncate(cut);
+        reason.push('…');
     }
+    (kind, reason)
 }
 
 #[cfg(test)]
@@ -664,6 +744,20 @@ mod tests {
     #[test]
     fn a_root_certificate_must_be_pem() {
         let options = PullOptions::new().root_certificate_pem(b"not a certificate".to_vec());
-        assert!(client(&options).is_err());
+        assert!(matches!(client(&options), Err(Error::InvalidConfig(_))));
+        let cert = rcgen::generate_simple_self_signed(vec!["registry.test".into()]).unwrap();
+        let options = PullOptions::new().root_certificate_pem(cert.cert.pem().into_bytes());
+        assert!(client(&options).is_ok());
+    }
+
+    #[test]
+    fn a_registrys_message_is_bounded_and_printable() {
+        let (kind, reason) = classify(OciDistributionError::AuthenticationFailure(format!(
+            "\u{1b}[31mdenied{}",
+            "x".repeat(5000)
+        )));
+        assert_eq!(kind, PullFailure::Unauthorized);
+        assert!(!reason.chars().any(char::is_control), "{reason:?}");
+        assert!(reason.len() <= MAX_REASON + 3);
     }
 }

@@ -409,11 +409,7 @@ fn image_import_ls_run_and_rm() {
 /// entrypoint, `image rm` removes it and the blobs it was pulled from.
 #[test]
 fn image_pull_run_and_rm() {
-    let runtime = tokio::runtime::Runtime::new().unwrap();
-    let registry = runtime.block_on(registry::Registry::start());
-    let layout = tempfile::tempdir().unwrap();
-    oci::oci_layout_dir(layout.path(), oci::Image::App);
-    runtime.block_on(registry.push(layout.path(), "private/app", "1"));
+    let (_runtime, registry) = registry::with_app("private/app", "1");
     let dir = tempfile::tempdir().unwrap();
     let images = dir.path().join("images");
     let krunbox = |args: &[&str]| {
@@ -500,11 +496,7 @@ fn image_build_then_run() {
 /// next time without pulling again.
 #[test]
 fn run_pulls_a_registry_reference_once() {
-    let runtime = tokio::runtime::Runtime::new().unwrap();
-    let registry = runtime.block_on(registry::Registry::start());
-    let layout = tempfile::tempdir().unwrap();
-    oci::oci_layout_dir(layout.path(), oci::Image::App);
-    runtime.block_on(registry.push(layout.path(), "public/app", "7"));
+    let (_runtime, registry) = registry::with_app("public/app", "7");
     let dir = tempfile::tempdir().unwrap();
     let images = dir.path().join("images");
     let reference = format!("{}/public/app:7", registry.host);

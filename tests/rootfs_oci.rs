@@ -9,7 +9,7 @@ mod oci;
 
 use krunbox::rootfs::oci::{build, import, ImageConfig};
 use krunbox::{BuiltinImage, Error, Rootfs, Sandbox};
-use oci::{docker_save, oci_layout, ENTRYPOINT_OUTPUT};
+use oci::{boot_and_run_entrypoint, docker_save, oci_layout};
 
 /// Imports `archive_bytes`, boots the image with its configuration, runs the entrypoint.
 async fn import_and_run(archive_bytes: Vec<u8>) {
@@ -32,34 +32,7 @@ async fn import_and_run(archive_bytes: Vec<u8>) {
             user: Some((1000, 1001)),
         }
     );
-    let vm = Sandbox::builder()
-        .rootfs(image.rootfs())
-        .image_config(image.config.clone())
-        .memory_mib(256)
-        .build()
-        .unwrap()
-        .boot()
-        .await
-        .expect("boot the imported image");
-    let out = vm
-        .entrypoint()
-        .expect("the image has an entrypoint")
-        .output()
-        .await
-        .expect("run the entrypoint");
-    assert!(
-        out.status.success(),
-        "{}{}",
-        out.stdout_text(),
-        out.stderr_text()
-    );
-    assert_eq!(
-        out.stdout_text(),
-        ENTRYPOINT_OUTPUT,
-        "{}",
-        out.stderr_text()
-    );
-    vm.shutdown().await.expect("shutdown");
+    boot_and_run_entrypoint(&image).await;
 }
 
 #[test]

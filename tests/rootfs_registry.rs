@@ -10,11 +10,9 @@ mod oci;
 #[path = "common/registry.rs"]
 mod registry;
 
-use krunbox::rootfs::oci::{
-    fetch, pull, Credentials, LayerCache, OciImage, PullFailure, PullOptions,
-};
-use krunbox::{Error, Sandbox};
-use oci::{oci_layout_dir, Image, ENTRYPOINT_OUTPUT};
+use krunbox::rootfs::oci::{fetch, pull, Credentials, LayerCache, PullFailure, PullOptions};
+use krunbox::Error;
+use oci::{boot_and_run_entrypoint, oci_layout_dir, Image};
 use registry::{Registry, READER_PASSWORD};
 
 /// Pushes `image` to the registry as `repository:1`; its config's and layers' digests.
@@ -27,33 +25,6 @@ async fn push(registry: &Registry, image: Image, repository: &str) -> (String, V
 
 fn options(cache: &LayerCache) -> PullOptions {
     PullOptions::new().plain_http(true).cache(cache.clone())
-}
-
-/// Boots `image` with its configuration and checks what its entrypoint prints.
-async fn boot_and_run_entrypoint(image: &OciImage) {
-    let vm = Sandbox::builder()
-        .rootfs(image.rootfs())
-        .image_config(image.config.clone())
-        .memory_mib(256)
-        .build()
-        .unwrap()
-        .boot()
-        .await
-        .expect("boot the pulled image");
-    let out = vm
-        .entrypoint()
-        .expect("the image has an entrypoint")
-        .output()
-        .await
-        .expect("run the entrypoint");
-    assert_eq!(
-        out.stdout_text(),
-        ENTRYPOINT_OUTPUT,
-        "{}",
-        out.stderr_text()
-    );
-    assert!(out.status.success(), "{}", out.stderr_text());
-    vm.shutdown().await.expect("shutdown");
 }
 
 /// An image in `public/` pulls without credentials (an anonymous token from the token

@@ -250,3 +250,32 @@ fn oci_layout_members(layers: &[Vec<u8>], tamper: bool) -> (Members, String, Vec
 /// What the entrypoint prints, run as the image's user in its directory with its variables.
 pub const ENTRYPOINT_OUTPUT: &str =
     "hello from /app as 1000:1001, args: extra\nold: b\nash is a hard link\n";
+
+/// Boots `image` with its configuration, runs its entrypoint, and checks it printed
+/// [`ENTRYPOINT_OUTPUT`] and succeeded.
+#[allow(dead_code)] // each test binary uses some
+pub async fn boot_and_run_entrypoint(image: &krunbox::rootfs::oci::OciImage) {
+    let vm = krunbox::Sandbox::builder()
+        .rootfs(image.rootfs())
+        .image_config(image.config.clone())
+        .memory_mib(256)
+        .build()
+        .unwrap()
+        .boot()
+        .await
+        .expect("boot the image");
+    let out = vm
+        .entrypoint()
+        .expect("the image has an entrypoint")
+        .output()
+        .await
+        .expect("run the entrypoint");
+    assert_eq!(
+        out.stdout_text(),
+        ENTRYPOINT_OUTPUT,
+        "{}",
+        out.stderr_text()
+    );
+    assert!(out.status.success(), "{}", out.stderr_text());
+    vm.shutdown().await.expect("shutdown");
+}

@@ -326,3 +326,16 @@ fn decode(text: &str) -> String {
     }
     String::from_utf8_lossy(&out).into_owned()
 }
+
+/// A registry on loopback holding the app image of tests/common/oci.rs, pushed as
+/// `repository:tag`, and the runtime its token service runs on (keep both alive), for tests
+/// that are not async themselves.
+#[allow(dead_code)] // each test binary uses some
+pub fn with_app(repository: &str, tag: &str) -> (tokio::runtime::Runtime, Registry) {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let registry = runtime.block_on(Registry::start());
+    let layout = tempfile::tempdir().unwrap();
+    super::oci::oci_layout_dir(layout.path(), super::oci::Image::App);
+    runtime.block_on(registry.push(layout.path(), repository, tag));
+    (runtime, registry)
+}

@@ -37,7 +37,14 @@ pub struct LayerCache {
 }
 
 impl LayerCache {
-    /// The cache in `dir`.
+    /// The cache in `dir` (made when a blob first enters it).
+    ///
+    /// ```
+    /// use krunbox::rootfs::oci::LayerCache;
+    ///
+    /// let cache = LayerCache::at("/var/cache/agents/blobs");
+    /// assert_eq!(cache.dir(), std::path::Path::new("/var/cache/agents/blobs"));
+    /// ```
     pub fn at(dir: impl Into<PathBuf>) -> Self {
         LayerCache { dir: dir.into() }
     }
@@ -53,7 +60,17 @@ impl LayerCache {
         &self.dir
     }
 
-    /// Whether the blob with `digest` (`sha256:…`) is in the cache.
+    /// Whether the blob with `digest` (`sha256:…`) is in the cache; `false` for anything that
+    /// is not a sha256 digest.
+    ///
+    /// ```
+    /// use krunbox::rootfs::oci::LayerCache;
+    ///
+    /// let dir = tempfile::tempdir().unwrap();
+    /// let cache = LayerCache::at(dir.path());
+    /// assert!(!cache.contains(&format!("sha256:{}", "0".repeat(64))));
+    /// assert!(!cache.contains("sha256:../../etc/passwd"));
+    /// ```
     pub fn contains(&self, digest: &str) -> bool {
         self.path(digest).is_ok_and(|path| path.is_file())
     }

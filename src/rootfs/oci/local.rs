@@ -141,6 +141,13 @@ impl LocalImages {
     }
 
     /// The layer cache of the images here: `DIR/blobs`.
+    ///
+    /// ```
+    /// use krunbox::rootfs::oci::LocalImages;
+    ///
+    /// let images = LocalImages::at("/var/lib/agents/images");
+    /// assert_eq!(images.layer_cache().dir(), images.dir().join("blobs"));
+    /// ```
     pub fn layer_cache(&self) -> LayerCache {
         LayerCache::at(self.dir.join("blobs"))
     }

@@ -45,6 +45,20 @@ const USER_AGENT: &str = concat!("krunbox/", env!("CARGO_PKG_VERSION"));
 /// `auth: token`) answer with a challenge, and krunbox asks the token service it names for a
 /// token, anonymously or with these credentials; registries with basic authentication get the
 /// credentials on each request.
+///
+/// ```
+/// use krunbox::rootfs::oci::{Credentials, PullOptions};
+///
+/// // A registry access token used as a password (GHCR, GitLab, Harbor robots).
+/// let credentials = Credentials::Basic {
+///     username: "ci-bot".into(),
+///     password: std::env::var("REGISTRY_TOKEN").unwrap_or_default(),
+/// };
+/// // Never printed: Debug shows the user only.
+/// assert!(!format!("{credentials:?}").contains("REGISTRY_TOKEN"));
+/// let options = PullOptions::new().credentials(credentials);
+/// # let _ = options;
+/// ```
 #[derive(Clone, Default, PartialEq, Eq)]
 pub enum Credentials {
     /// No credentials: public images.
@@ -77,6 +91,16 @@ impl fmt::Debug for Credentials {
 }
 
 /// How far a pull is: one report per chunk of a layer received.
+///
+/// ```
+/// use krunbox::rootfs::oci::PullOptions;
+///
+/// let options = PullOptions::new().on_progress(|p| {
+///     let percent = p.received * 100 / p.size.max(1);
+///     eprintln!("{}: {percent}%", &p.digest[..19]);
+/// });
+/// # let _ = options;
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PullProgress {
     /// The layer's digest.
@@ -177,6 +201,25 @@ impl PullOptions {
 }
 
 /// Which way a pull failed, for [`Error::Registry`].
+///
+/// ```no_run
+/// # async fn demo() -> krunbox::Result<()> {
+/// use krunbox::rootfs::oci::{pull, Credentials, PullFailure, PullOptions};
+///
+/// let reference = "registry.example.com/team/private:1";
+/// let mut options = PullOptions::new();
+/// let pulled = match pull(reference, "private.qcow2", &options).await {
+///     Err(krunbox::Error::Registry { kind: PullFailure::Unauthorized, .. }) => {
+///         options = options.credentials(Credentials::Basic {
+///             username: "ci".into(),
+///             password: std::env::var("REGISTRY_TOKEN").unwrap_or_default(),
+///         });
+///         pull(reference, "private.qcow2", &options).await?
+///     }
+///     other => other?,
+/// };
+/// # let _ = pulled; Ok(()) }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum PullFailure {
@@ -200,6 +243,21 @@ pub enum PullFailure {
 }
 
 /// What [`fetch`] brought into the cache.
+///
+/// ```no_run
+/// # async fn demo() -> krunbox::Result<()> {
+/// use krunbox::rootfs::oci::{fetch, PullOptions};
+///
+/// let fetched = fetch("registry.example.com/team/app:2", &PullOptions::new()).await?;
+/// println!(
+///     "{}: {} of {} layers downloaded, {} bytes",
+///     fetched.manifest_digest,
+///     fetched.layers_fetched,
+///     fetched.layers.len(),
+///     fetched.bytes_fetched
+/// );
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fetched {
     /// The digest of the image's manifest (for linux/amd64, when the reference names an index).
@@ -217,6 +275,15 @@ pub struct Fetched {
 }
 
 /// What [`pull`] made.
+///
+/// ```no_run
+/// # async fn demo() -> krunbox::Result<()> {
+/// use krunbox::rootfs::oci::{pull, PullOptions};
+///
+/// let pulled = pull("registry.example.com/team/app:2", "app.qcow2", &PullOptions::new()).await?;
+/// println!("{} (config {})", pulled.image.image.path.display(), pulled.image.config_digest);
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Pulled {
     /// The image, ready to boot.

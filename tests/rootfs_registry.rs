@@ -12,8 +12,9 @@ mod registry;
 
 use krunbox::rootfs::oci::{fetch, pull, Credentials, LayerCache, PullFailure, PullOptions};
 use krunbox::Error;
-use oci::{boot_and_run_entrypoint, oci_layout_dir, Image};
+use oci::{boot_and_run_entrypoint, multi_platform_layout_dir, oci_layout_dir, tag_latest, Image};
 use registry::{Registry, READER_PASSWORD};
+use sha2::Digest;
 
 /// Pushes `image` to the registry as `repository:1`; its config's and layers' digests.
 async fn push(registry: &Registry, image: Image, repository: &str) -> (String, Vec<String>) {
@@ -161,5 +162,35 @@ fn a_layer_changed_in_the_registry_or_the_cache_is_refused() {
             other => panic!("expected the changed cache blob refused, got {other:?}"),
         }
         assert!(!output.exists());
+    });
+}
+
+/// A reference naming an index of several platforms (as most images in registries are) resolves
+/// to the linux/amd64 image, though another platform is listed first; no VM is needed to tell.
+#[test]
+fn an_index_of_platforms_resolves_to_linux_amd64() {
+    common::run(async {
+        let registry = Registry::start().await;
+        let layout = tempfile::tempdir().unwrap();
+        let multi = multi_platform_layout_dir(layout.path());
+        tag_latest(layout.path(), &multi.arm64_manifest);
+        registry.push(layout.path(), "public/multi", "arm64").await;
+        tag_latest(layout.path(), &multi.amd64_manifest);
+        registry.push(layout.path(), "public/multi", "amd64").await;
+        registry.put_index("public/multi", "1", &multi.index).await;
+        // The tag names the index itself.
+        let tag = registry
+            .storage
+            .join("docker/registry/v2/repositories/public/multi/_manifests/tags/1/current/link");
+        let index_digest = format!("sha256:{}", hex::encode(sha2::Sha256::digest(&multi.index)));
+        assert_eq!(std::fs::read_to_string(tag).unwrap(), index_digest);
+
+        let dir = tempfile::tempdir().unwrap();
+        let cache = LayerCache::at(dir.path().join("blobs"));
+        let reference = format!("{}/public/multi:1", registry.host);
+        let fetched = fetch(&reference, &options(&cache)).await.expect("fetch");
+        assert_eq!(fetched.manifest_digest, multi.amd64_manifest);
+        assert_eq!(fetched.config_digest, multi.amd64_config);
+        assert!(cache.contains(&multi.amd64_config));
     });
 }

@@ -169,6 +169,88 @@ pub fn oci_layout_dir(dir: &std::path::Path, image: Image) -> (String, Vec<Strin
     (config_digest, layer_digests)
 }
 
+/// Two images for two platforms in one OCI image layout, and the image index listing them.
+#[allow(dead_code)] // each test binary uses some
+pub struct MultiPlatform {
+    /// The index: linux/arm64 listed first, then linux/amd64.
+    pub index: Vec<u8>,
+    /// The digests of the arm64 and the amd64 manifests.
+    pub arm64_manifest: String,
+    pub amd64_manifest: String,
+    /// The digest of the amd64 image's config.
+    pub amd64_config: String,
+}
+
+/// Writes the app for linux/amd64 and the same layers with a config saying arm64 into the
+/// OCI layout `dir` (`latest` names the amd64 manifest; [`tag_latest`] moves it), and the
+/// index of the two.
+#[allow(dead_code)] // each test binary uses some
+pub fn multi_platform_layout_dir(dir: &std::path::Path) -> MultiPlatform {
+    let (amd64_config, _) = oci_layout_dir(dir, Image::App);
+    let read_json = |path: std::path::PathBuf| -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+    };
+    let write_blob = |bytes: &[u8]| -> (String, usize) {
+        std::fs::write(dir.join("blobs/sha256").join(sha(bytes)), bytes).unwrap();
+        (format!("sha256:{}", sha(bytes)), bytes.len())
+    };
+    let amd64 = read_json(dir.join("index.json"))["manifests"][0].clone();
+    let amd64_manifest = amd64["digest"].as_str().unwrap().to_string();
+    let blob = |digest: &str| {
+        dir.join("blobs/sha256")
+            .join(digest.strip_prefix("sha256:").unwrap())
+    };
+    let mut config = read_json(blob(&amd64_config));
+    config["architecture"] = "arm64".into();
+    let (arm_config, arm_config_size) = write_blob(&serde_json::to_vec(&config).unwrap());
+    let mut manifest = read_json(blob(&amd64_manifest));
+    manifest["config"]["digest"] = arm_config.into();
+    manifest["config"]["size"] = arm_config_size.into();
+    let (arm64_manifest, arm_manifest_size) = write_blob(&serde_json::to_vec(&manifest).unwrap());
+    let mut amd64_entry = amd64.clone();
+    amd64_entry.as_object_mut().unwrap().remove("annotations");
+    let index = serde_json::to_vec(&serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": [
+            {
+                "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "digest": arm64_manifest,
+                "size": arm_manifest_size,
+                "platform": { "architecture": "arm64", "os": "linux" },
+            },
+            amd64_entry,
+        ],
+    }))
+    .unwrap();
+    MultiPlatform {
+        index,
+        arm64_manifest,
+        amd64_manifest,
+        amd64_config,
+    }
+}
+
+/// Makes `latest` in the OCI layout `dir` name the manifest `digest` (one of its blobs).
+#[allow(dead_code)] // each test binary uses some
+pub fn tag_latest(dir: &std::path::Path, digest: &str) {
+    let manifest = std::fs::read(
+        dir.join("blobs/sha256")
+            .join(digest.strip_prefix("sha256:").unwrap()),
+    )
+    .unwrap();
+    let index = serde_json::json!({
+        "schemaVersion": 2,
+        "manifests": [{
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "digest": digest,
+            "size": manifest.len(),
+            "annotations": { "org.opencontainers.image.ref.name": "latest" },
+        }],
+    });
+    std::fs::write(dir.join("index.json"), serde_json::to_vec(&index).unwrap()).unwrap();
+}
+
 /// An archive's members: names and contents.
 type Members = Vec<(String, Vec<u8>)>;
 

@@ -162,6 +162,35 @@ auth:
         );
     }
 
+    /// Puts the image index `index` as `repository:tag` (its manifests pushed already), as
+    /// `pusher`: skopeo 1.9 does not push an index from an OCI layout.
+    #[allow(dead_code)] // each test binary uses some
+    pub async fn put_index(&self, repository: &str, tag: &str, index: &[u8]) {
+        use oci_client::secrets::RegistryAuth;
+        // reqwest under oci-client needs a process-wide rustls provider (krunbox installs ring
+        // the same way when it pulls).
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let client = oci_client::Client::new(oci_client::client::ClientConfig {
+            protocol: oci_client::client::ClientProtocol::Http,
+            ..Default::default()
+        });
+        let reference: oci_client::Reference =
+            format!("{}/{repository}:{tag}", self.host).parse().unwrap();
+        let auth = RegistryAuth::Basic("pusher".into(), PUSHER_PASSWORD.into());
+        client
+            .auth(&reference, &auth, oci_client::RegistryOperation::Push)
+            .await
+            .expect("a push token");
+        client
+            .push_manifest_raw(
+                &reference,
+                index.to_vec(),
+                http::HeaderValue::from_static("application/vnd.oci.image.index.v1+json"),
+            )
+            .await
+            .expect("putting the index");
+    }
+
     /// The file the registry keeps the blob `digest` in.
     #[allow(dead_code)] // each test binary uses some
     pub fn blob_file(&self, digest: &str) -> PathBuf {

@@ -443,6 +443,13 @@ fn image_pull_run_and_rm() {
             .unwrap_or(0)
     };
     assert_eq!(blobs(), 3, "two layers and the config");
+    let listed = krunbox(&["image", "ls"]).wait_with_output().unwrap();
+    assert!(
+        text(&listed.stdout).contains("app:1")
+            && text(&listed.stdout).contains(&format!("from {reference}")),
+        "{}",
+        text(&listed.stdout)
+    );
 
     let run = krunbox(&["run", "--image", "app:1"])
         .wait_with_output()

@@ -118,7 +118,8 @@ enum ImageCmd {
         #[command(flatten)]
         net: Box<NetworkArgs>,
     },
-    /// List the built-in and imported images.
+    /// List the built-in images, and the images kept by name (pulled ones with their
+    /// reference).
     Ls,
     /// Remove an imported image.
     Rm {
@@ -496,8 +497,12 @@ async fn image(action: ImageCmd) -> Result<(), Box<dyn std::error::Error>> {
                 let size = std::fs::metadata(&image.image.path)
                     .map(|m| format!("{} MiB", m.len() >> 20))
                     .unwrap_or_else(|_| "missing".into());
+                let origin = match images.pulled_reference(&name)? {
+                    Some(reference) => format!("pulled    from {reference}, "),
+                    None => "local     ".to_string(),
+                };
                 println!(
-                    "{name:<24} imported  sha256 {}, {size}, config {}",
+                    "{name:<24} {origin}sha256 {}, {size}, config {}",
                     image.image.sha256, image.config_digest
                 );
             }

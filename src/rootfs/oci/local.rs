@@ -257,12 +257,27 @@ impl LocalImages {
     /// ```
     pub fn pulled_from(&self, reference: &str) -> Result<Option<(String, OciImage)>> {
         for (name, image) in self.list()? {
-            let from = self.read_record(&name)?.and_then(|r| r.reference);
-            if from.as_deref() == Some(reference) {
+            if self.pulled_reference(&name)?.as_deref() == Some(reference) {
                 return Ok(Some((name, image)));
             }
         }
         Ok(None)
+    }
+
+    /// The reference the image `name` was pulled from; `None` for an image imported or built
+    /// here, or no image of that name.
+    ///
+    /// ```no_run
+    /// # fn demo() -> krunbox::Result<()> {
+    /// use krunbox::rootfs::oci::LocalImages;
+    ///
+    /// if let Some(reference) = LocalImages::default_location().pulled_reference("tools:3")? {
+    ///     println!("tools:3 came from {reference}");
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn pulled_reference(&self, name: &str) -> Result<Option<String>> {
+        Ok(self.read_record(name)?.and_then(|record| record.reference))
     }
 
     /// Every image, by name.

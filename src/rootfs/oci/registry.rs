@@ -268,7 +268,8 @@ pub struct Fetched {
     pub layers: Vec<String>,
     /// How many layers were downloaded.
     pub layers_fetched: usize,
-    /// How many layers the cache had already.
+    /// How many layers the cache had already (a layer the manifest lists twice counts once as
+    /// downloaded, then as cached): `layers_fetched + layers_cached == layers.len()`.
     pub layers_cached: usize,
     /// How many bytes were downloaded (layers and config).
     pub bytes_fetched: u64,
@@ -484,12 +485,13 @@ pub async fn fetch(reference: &str, options: &PullOptions) -> Result<Fetched> {
     let mut layers_cached = 0;
     let mut missing = Vec::new();
     for layer in &manifest.layers {
-        if cache.contains(&layer.digest) {
-            layers_cached += 1;
-        } else if !missing
+        let listed_before = missing
             .iter()
-            .any(|m: &OciDescriptor| m.digest == layer.digest)
-        {
+            .any(|m: &OciDescriptor| m.digest == layer.digest);
+        // A layer listed twice is downloaded once, and cached the second time.
+        if listed_before || cache.contains(&layer.digest) {
+            layers_cached += 1;
+        } else {
             missing.push(layer.clone());
         }
     }

@@ -93,15 +93,7 @@ fn an_image_built_by_steps_keeps_their_changes_and_its_config() {
         .await
         .expect("build");
         assert_eq!(image.config, config);
-        let vm = Sandbox::builder()
-            .rootfs(image.rootfs())
-            .image_config(image.config.clone())
-            .memory_mib(256)
-            .build()
-            .unwrap()
-            .boot()
-            .await
-            .expect("boot the built image");
+        let vm = oci::boot(&image).await;
         let out = vm.entrypoint().unwrap().output().await.unwrap();
         assert_eq!(
             out.stdout_text(),

@@ -333,11 +333,10 @@ fn oci_layout_members(layers: &[Vec<u8>], tamper: bool) -> (Members, String, Vec
 pub const ENTRYPOINT_OUTPUT: &str =
     "hello from /app as 1000:1001, args: extra\nold: b\nash is a hard link\n";
 
-/// Boots `image` with its configuration, runs its entrypoint, and checks it printed
-/// [`ENTRYPOINT_OUTPUT`] and succeeded.
+/// Boots `image` (256 MiB) with its configuration as every command's defaults.
 #[allow(dead_code)] // each test binary uses some
-pub async fn boot_and_run_entrypoint(image: &krunbox::rootfs::oci::OciImage) {
-    let vm = krunbox::Sandbox::builder()
+pub async fn boot(image: &krunbox::rootfs::oci::OciImage) -> krunbox::Instance {
+    krunbox::Sandbox::builder()
         .rootfs(image.rootfs())
         .image_config(image.config.clone())
         .memory_mib(256)
@@ -345,7 +344,14 @@ pub async fn boot_and_run_entrypoint(image: &krunbox::rootfs::oci::OciImage) {
         .unwrap()
         .boot()
         .await
-        .expect("boot the image");
+        .expect("boot the image")
+}
+
+/// Boots `image` with its configuration, runs its entrypoint, and checks it printed
+/// [`ENTRYPOINT_OUTPUT`] and succeeded.
+#[allow(dead_code)] // each test binary uses some
+pub async fn boot_and_run_entrypoint(image: &krunbox::rootfs::oci::OciImage) {
+    let vm = boot(image).await;
     let out = vm
         .entrypoint()
         .expect("the image has an entrypoint")

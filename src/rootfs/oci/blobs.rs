@@ -179,6 +179,7 @@ impl LayerCache {
             hasher: Sha256::new(),
             written: 0,
             limit,
+            on_write: None,
         })
     }
 
@@ -215,9 +216,17 @@ pub(super) struct BlobWriter {
     hasher: Sha256,
     written: u64,
     limit: u64,
+    /// Called with the bytes written so far after each write.
+    on_write: Option<Box<dyn Fn(u64) + Send>>,
 }
 
 impl BlobWriter {
+    /// Calls `report` with the bytes written so far after each write.
+    pub(super) fn on_write(mut self, report: impl Fn(u64) + Send + 'static) -> Self {
+        self.on_write = Some(Box::new(report));
+        self
+    }
+
     /// How many bytes were written.
     pub(super) fn written(&self) -> u64 {
         self.written
@@ -274,6 +283,9 @@ impl AsyncWrite for BlobWriter {
         let written = std::task::ready!(Pin::new(&mut this.file).poll_write(cx, buf))?;
         this.hasher.update(&buf[..written]);
         this.written += written as u64;
+        if let Some(report) = &this.on_write {
+            report(this.written);
+        }
         Poll::Ready(Ok(written))
     }
 

@@ -567,25 +567,27 @@ async fn download(
                 ),
             )
         })?;
-    let writer = options
+    let mut writer = options
         .cache
         .writer(&descriptor.digest, size)
         .await
         .map_err(|e| DownloadError(PullFailure::Cache, e))?;
-    let progress = report.then(|| options.progress.clone()).flatten();
-    let mut writer = Reporting {
-        inner: writer,
-        digest: &descriptor.digest,
-        size,
-        progress,
-    };
+    if let Some(progress) = report.then(|| options.progress.clone()).flatten() {
+        let digest = descriptor.digest.clone();
+        writer = writer.on_write(move |received| {
+            progress(&PullProgress {
+                digest: digest.clone(),
+                received,
+                size,
+            })
+        });
+    }
     // Only from this registry: a descriptor's `urls` would send oci-client elsewhere.
     let descriptor = &OciDescriptor {
         urls: None,
         ..descriptor.clone()
     };
     let pulled = client.pull_blob(reference, descriptor, &mut writer).await;
-    let writer = writer.inner;
     let written = writer.written();
     match pulled {
         Ok(()) => {}
@@ -618,47 +620,6 @@ async fn download(
         CommitError::Io(reason) => DownloadError(PullFailure::Cache, reason),
     })?;
     Ok(written)
-}
-
-/// The cache's writer, reporting progress as bytes arrive.
-struct Reporting<'a> {
-    inner: super::blobs::BlobWriter,
-    digest: &'a str,
-    size: u64,
-    progress: Option<Arc<ProgressFn>>,
-}
-
-impl tokio::io::AsyncWrite for Reporting<'_> {
-    fn poll_write(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &[u8],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        let this = &mut *self;
-        let written = std::task::ready!(std::pin::Pin::new(&mut this.inner).poll_write(cx, buf))?;
-        if let Some(report) = &this.progress {
-            report(&PullProgress {
-                digest: this.digest.to_string(),
-                received: this.inner.written(),
-                size: this.size,
-            });
-        }
-        std::task::Poll::Ready(Ok(written))
-    }
-
-    fn poll_flush(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
 }
 
 /// The registry client for these options.

@@ -7,6 +7,8 @@
 #                     (the tests check persistent layers with qemu-img check),
 #                     docker-registry and skopeo (the pull tests' registry on loopback, and
 #                     the pushes of the images they build)
+#   libkrun hook      .patched/krun-vmm: libkrun's krun-vmm from crates.io with our one patch
+#                     (scripts/libkrun-hook.sh; the workspace cannot build without it)
 #   Rust target       x86_64-unknown-linux-musl (guest-init is a static binary)
 #   cargo-nextest     runs the VM tests, one process per test (from crates.io if missing)
 #   libkrunfw         the guest kernel, Debian sid's libkrunfw5, into the krunbox cache
@@ -22,6 +24,9 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=lib.sh
 source "$here/lib.sh"
 cd "$here/.."
+
+# First of all: the workspace's Cargo.toml names libkrun's patched krun-vmm, which this makes.
+"$here/libkrun-hook.sh"
 
 need_apt erofs-utils mmdebstrap busybox-static python3 passt e2fsprogs qemu-utils \
     docker-registry skopeo

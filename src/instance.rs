@@ -75,7 +75,7 @@ struct Inner {
     /// Serves the guest's network link while the instance lives (dropping it stops the task).
     network: Option<crate::net::service::NetService>,
     /// Serves the guest's mounts of host filesystems while the instance lives.
-    _filesystems: Option<crate::fs::service::FsService>,
+    _filesystems: crate::fs::service::FsService,
     /// A writable root's layer while the VM runs (the helper holds it too; this one reports
     /// its usage and holds a persistent layer's lock), `None` once the VM has stopped.
     layer: Arc<std::sync::Mutex<Option<rootfs::Layer>>>,
@@ -179,10 +179,10 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     let listener =
         UnixListener::bind(&socket).map_err(Error::io(format!("binding {}", socket.display())))?;
 
-    // Host filesystems: their own socket, served from now on (guest-init connects during
-    // setup, before it reports ready).
-    // A copy-on-write root's layer disk is served the same way, as the connection after the
-    // mounts'.
+    // Host filesystems: a virtio-fs device each in the helper, connected to this service
+    // afresh for every boot attempt (guest-init mounts them during setup, before it reports
+    // ready). A copy-on-write root's layer disk is served the same way, as the device after
+    // the mounts'.
     let mut served = config.mounts.clone();
     if let Some(cow) = &cow {
         served.push(crate::fs::Mount {
@@ -191,15 +191,8 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             options: crate::fs::MountOptions::new(),
         });
     }
-    let (fs_socket, fs_service) = if served.is_empty() {
-        (None, None)
-    } else {
-        let path = dir.path().join("fs.sock");
-        let listener =
-            UnixListener::bind(&path).map_err(Error::io(format!("binding {}", path.display())))?;
-        let service = crate::fs::service::FsService::start(served, listener);
-        (Some(path), Some(service))
-    };
+    let fs_devices = served.len() as u32;
+    let mut fs_service = crate::fs::service::FsService::new(served);
     let jail = crate::jail::host::prepare(dir.path(), &config.required_isolation)?;
     let vmm_config = VmmConfig {
         cpus: config.cpus,
@@ -208,7 +201,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         root_qcow2: image.qcow2,
         root_image: image.path.clone(),
         control_socket: socket.clone(),
-        fs_socket,
+        fs_devices,
         console: dir.path().join(crate::console::CONSOLE_FIFO),
         jail: jail.config.clone(),
         kernel: config.kernel.clone(),
@@ -322,6 +315,10 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
                 )))?,
             )),
         };
+        // The mounts' devices: fresh connections, so a retried boot starts new sessions.
+        let fs_ends = fs_service
+            .connect()
+            .map_err(Error::io("connecting the filesystem devices"))?;
         let mut child = {
             use std::os::fd::AsRawFd;
             let mut inherited = vec![
@@ -336,6 +333,9 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             if let Some(file) = layer.as_ref().and_then(|layer| layer.file()) {
                 inherited.push((file.as_raw_fd(), vmm::WRITABLE_LAYER_FD));
             }
+            for (index, end) in fs_ends.iter().enumerate() {
+                inherited.push((end.as_raw_fd(), vmm::FS_DEVICE_FD_BASE + index as i32));
+            }
             vmm::spawn(
                 &config.artifacts.vmm_helper,
                 &config.artifacts.libkrunfw_dir,
@@ -346,6 +346,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         };
         drop(lifeline_read);
         drop(report_write);
+        drop(fs_ends);
         // Only the helper holds its end now: when it exits, the service reads EOF.
         let net_socket = net_pair.and_then(|(ours, _helper_end)| ours.map(OwnedFd::from));
         let report = tokio::spawn(crate::jail::host::read_report(report_read));

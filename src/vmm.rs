@@ -52,6 +52,10 @@ pub const NET_FD: i32 = 7;
 /// the guest's second disk, through the helper's `/proc/self/fd`.
 pub const WRITABLE_LAYER_FD: i32 = 8;
 
+/// The first of the helper's filesystem device sockets (see [`VmmConfig::fs_devices`]); one
+/// per mount, at most [`MAX_MOUNTS`](crate::fs::MAX_MOUNTS) and a layer's.
+pub const FS_DEVICE_FD_BASE: i32 = 16;
+
 /// The helper's exit code when it refused to start the VM because its jail did not hold (a
 /// canary got through) or a required isolation layer is missing. The report says which.
 pub const ISOLATION_EXIT_CODE: i32 = 71;
@@ -79,10 +83,11 @@ pub struct VmmConfig {
     pub root_image: PathBuf,
     /// Host unix socket bridged to guest vsock port [`CONTROL_PORT`].
     pub control_socket: PathBuf,
-    /// Host unix socket bridged to guest vsock port [`FS_PORT`](krunbox_protocol::FS_PORT),
-    /// when the guest mounts host filesystems.
+    /// Host filesystems (and a host-served layer): a virtio-fs device each, tagged
+    /// [`mount_tag`](krunbox_protocol::mount_tag)`(i)`, forwarding to the socket on fd
+    /// [`FS_DEVICE_FD_BASE`]` + i`.
     #[serde(default)]
-    pub fs_socket: Option<PathBuf>,
+    pub fs_devices: u32,
     /// The FIFO the guest console goes to; the library drains it into a bounded log.
     pub console: PathBuf,
     /// The helper's jail.
@@ -218,7 +223,6 @@ pub fn helper_main() -> i32 {
         image,
         console: config.console.clone(),
         control_socket: config.control_socket.clone(),
-        fs_socket: config.fs_socket.clone(),
         kernel: config.kernel.as_ref().map(|k| k.path.clone()),
         share: config.virtiofs_passthrough.as_ref().map(|s| s.dir.clone()),
         layer: config.writable_layer.map(|disk| crate::jail::LayerPath {
@@ -409,8 +413,15 @@ fn configure(
     // No TSI: the guest gets no network through the vsock device, only our port.
     step(ctx.set_vsock(0))?;
     step(ctx.add_vsock_port(CONTROL_PORT, &paths.control_socket, false))?;
-    if let Some(fs_socket) = &paths.fs_socket {
-        step(ctx.add_vsock_port(krunbox_protocol::FS_PORT, fs_socket, false))?;
+    for index in 0..config.fs_devices {
+        use std::os::fd::FromRawFd;
+        let fd = FS_DEVICE_FD_BASE + index as i32;
+        // SAFETY: the library passes fds FS_DEVICE_FD_BASE.. open on a socket each, exactly
+        // `fs_devices` of them, and nothing else in the helper owns them.
+        let socket = unsafe { std::os::unix::net::UnixStream::from_raw_fd(fd) };
+        let tag = krunbox_protocol::mount_tag(index);
+        let device = crate::fs::virtio::ForwardingFs::new(&tag, socket);
+        krun_sys::device::attach(&tag, std::sync::Arc::new(std::sync::Mutex::new(device)));
     }
     // Explicitly empty: nothing of this process's environment reaches the guest.
     step(ctx.set_env(&[]))?;
@@ -438,7 +449,9 @@ pub(crate) fn spawn(
     inherited: &Inherited,
     log: std::fs::File,
 ) -> Result<tokio::process::Child> {
-    const MAX_INHERITED: usize = 8;
+    const MAX_INHERITED: usize = 32;
+    /// Above every target number: sources are moved here first.
+    const OUT_OF_THE_WAY: libc::c_int = 64;
     assert!(
         inherited.len() <= MAX_INHERITED,
         "too many inherited descriptors"
@@ -467,7 +480,7 @@ pub(crate) fn spawn(
             let mut plan = plan;
             // Move the sources out of the way first, so no dup2 clobbers another.
             for (source, _) in plan.iter_mut().take(count) {
-                *source = libc::fcntl(*source, libc::F_DUPFD_CLOEXEC, 10);
+                *source = libc::fcntl(*source, libc::F_DUPFD_CLOEXEC, OUT_OF_THE_WAY);
                 if *source < 0 {
                     return Err(std::io::Error::last_os_error());
                 }

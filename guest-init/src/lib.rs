@@ -8,13 +8,13 @@
 //! 2. connects to the host over vsock ([`krunbox_protocol::CONTROL_PORT`]) and says hello;
 //! 3. receives [`krunbox_protocol::Setup`]: mounts the root image, moves the API filesystems
 //!    into it, adds tmpfs scratch space, switches root, sets the hostname;
-//! 4. mounts the host filesystems (FUSE, relayed over vsock: [`fuse`]);
+//! 4. mounts the host filesystems (virtio-fs devices the host serves: [`host_fs`]);
 //! 5. reports ready and supervises processes until told to shut down.
 //!
 //! The library half holds what a hostile-guest test fixture also needs (the vsock connection).
 
 pub mod files;
-pub mod fuse;
+pub mod host_fs;
 pub mod loop_device;
 pub mod mounts;
 pub mod net;

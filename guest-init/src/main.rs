@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use guest_init::outbox::Outbox;
 use guest_init::supervisor::{self, Reaper, Table};
-use guest_init::{files, fuse, mounts, net, sys, vsock};
+use guest_init::{files, host_fs, mounts, net, sys, vsock};
 use krunbox_protocol::{
     Failure, FrameDecoder, GuestMessage, Hello, HostMessage, CONTROL_PORT, PROTOCOL_VERSION,
 };
@@ -67,7 +67,7 @@ fn run() -> Result<(), String> {
                 .map_err(|e| format!("configuring the network: {e}")),
             None => Ok(()),
         })
-        .and_then(|()| fuse::mount_all(&setup.mounts));
+        .and_then(|()| host_fs::mount_all(&setup.mounts));
     if let Err(message) = setup_result {
         outbox.send(&GuestMessage::SetupFailed(Failure {
             message: message.clone(),

@@ -160,7 +160,7 @@ fn mount_writable(root: &RootMount, layer: &WritableLayer) -> io::Result<()> {
     let device = match &layer.device {
         LayerDevice::Disk(device) => device.clone(),
         LayerDevice::HostFile { mount_index } => {
-            // The host serves the layer disk as the one file of a FUSE mount of its own, kept
+            // The host serves the layer disk as the one file of a virtio-fs mount of its own, kept
             // on the layers tmpfs (gone from every path after the switch, alive while the loop
             // device holds its file).
             let served = format!("{LAYERS}/served");
@@ -168,7 +168,7 @@ fn mount_writable(root: &RootMount, layer: &WritableLayer) -> io::Result<()> {
                 path: served.clone(),
                 read_only: false,
             };
-            crate::fuse::mount_one(*mount_index, &target)
+            crate::host_fs::mount_one(*mount_index, &target)
                 .map_err(context("mounting the host-served layer".into()))?;
             crate::loop_device::attach(&format!("{served}/{LAYER_FILE_NAME}"))?
         }

@@ -22,6 +22,8 @@
 //! eprintln!("{err}");
 //! ```
 
+pub mod device;
+
 use std::ffi::{CString, NulError};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;

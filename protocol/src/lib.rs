@@ -99,11 +99,12 @@ pub const PROTOCOL_VERSION: u32 = 10;
 /// The vsock port on the host (CID 2) that `guest-init` connects to for its control channel.
 pub const CONTROL_PORT: u32 = 1024;
 
-/// The vsock port on the host that `guest-init` connects to once per mounted host filesystem
-/// ([`GuestMount`]). Each connection starts with the mount's index (a `u32`, little endian) in
-/// [`Setup::mounts`]; then it carries the guest kernel's FUSE requests and the host's replies,
-/// each message framed by its own FUSE header's length field.
-pub const FS_PORT: u32 = 1025;
+/// The virtio-fs tag of host filesystem `index` in [`Setup::mounts`] (and of a host-served
+/// layer, [`LayerDevice::HostFile`]): `guest-init` mounts it with `mount -t virtiofs`. The
+/// device is the host's (krunbox's helper), one per mount.
+pub fn mount_tag(index: u32) -> String {
+    format!("kbfs{index}")
+}
 
 /// Bounds on every variable-length field, checked on decode (and on encode, so a host bug
 /// is caught on the host rather than rejected by the guest).

@@ -122,7 +122,7 @@ pub enum LayerDevice {
     /// A disk of the VM, e.g. `/dev/vdb`.
     Disk(String),
     /// A file the host serves block by block: guest-init mounts the host filesystem of
-    /// connection index `mount_index` on [`FS_PORT`](crate::FS_PORT) (the index after
+    /// device [`mount_tag`](crate::mount_tag)`(mount_index)` (the index after
     /// [`Setup::mounts`]'), attaches its file [`LAYER_FILE_NAME`] to a loop device and uses that.
     HostFile {
         /// The connection's index.
@@ -142,7 +142,8 @@ pub struct Setup {
     pub root: RootMount,
     /// The network interface to configure, if the VM has one.
     pub network: Option<GuestNetwork>,
-    /// Host filesystems to mount (FUSE, relayed over [`FS_PORT`](crate::FS_PORT)), parents
+    /// Host filesystems to mount (virtio-fs devices named by
+    /// [`mount_tag`](crate::mount_tag)), parents
     /// before the mounts inside them; at most [`MOUNTS_MAX`].
     pub mounts: Vec<GuestMount>,
 }

@@ -36,6 +36,7 @@ mod host_dir;
 mod memory;
 pub(crate) mod service;
 mod types;
+pub(crate) mod virtio;
 mod virtual_fs;
 
 use std::sync::Arc;

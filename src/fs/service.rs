@@ -1,16 +1,18 @@
-//! The transport: each mount's vsock connection, served.
+//! The transport's library side: each mount's socket to its device in the helper, served.
 //!
-//! guest-init connects to [`FS_PORT`](krunbox_protocol::FS_PORT) once per mount (libkrun
-//! bridges the port to this instance's `fs.sock`), sends the mount's index, then relays the
-//! guest kernel's FUSE requests unparsed. Here each request is read whole (its header's length,
+//! Each mount is a virtio-fs device in the `krunbox-vmm` helper ([`super::virtio`]), which
+//! writes the guest kernel's FUSE requests to the mount's socket unparsed and completes them
+//! with the replies that come back. Here each request is read whole (its header's length,
 //! bounded by [`MAX_REQUEST`]), answered concurrently (at most [`MAX_IN_FLIGHT`] per mount: past
-//! that, reading stops and the guest waits), and the replies are written back in the order they
-//! finish. Everything belongs to the instance: dropping the service ends every task.
+//! that, reading stops, the device's forwarding blocks and the guest waits), and the replies are
+//! written back in the order they finish. Everything belongs to the instance: dropping the
+//! service ends every task.
 
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{UnixListener, UnixStream};
+use tokio::net::UnixStream;
 use tokio::sync::{mpsc, Semaphore};
 use tokio::task::{JoinHandle, JoinSet};
 
@@ -22,62 +24,50 @@ pub(crate) const MAX_IN_FLIGHT: usize = 64;
 
 /// Serves an instance's mounts while it lives.
 pub(crate) struct FsService {
-    acceptor: JoinHandle<()>,
+    /// Read only to connect (no state of theirs is held here across a call that can panic).
+    mounts: std::panic::AssertUnwindSafe<Vec<Mount>>,
+    connections: Vec<JoinHandle<()>>,
 }
 
 impl Drop for FsService {
     fn drop(&mut self) {
-        // The acceptor owns the connections' tasks (a JoinSet): aborting it ends them all.
-        self.acceptor.abort();
+        for connection in &self.connections {
+            connection.abort();
+        }
     }
 }
 
 impl FsService {
-    /// Starts accepting the guest's mount connections on `listener`.
-    pub(crate) fn start(mounts: Vec<Mount>, listener: UnixListener) -> Self {
+    /// A service for `mounts`, connected to no helper yet.
+    pub(crate) fn new(mounts: Vec<Mount>) -> Self {
         FsService {
-            acceptor: tokio::spawn(accept(mounts, listener)),
+            mounts: std::panic::AssertUnwindSafe(mounts),
+            connections: Vec::new(),
         }
     }
-}
 
-async fn accept(mounts: Vec<Mount>, listener: UnixListener) {
-    let mut connections = JoinSet::new();
-    // Each mount's current connection: a boot that is retried connects again, and the new
-    // connection replaces the old one.
-    let mut current: Vec<Option<tokio::task::AbortHandle>> = vec![None; mounts.len()];
-    loop {
-        let (mut stream, _) = match listener.accept().await {
-            Ok(accepted) => accepted,
-            Err(err) => {
-                tracing::warn!(target: "krunbox::fs", %err, "accepting a mount connection failed");
-                return;
-            }
-        };
-        while connections.try_join_next().is_some() {}
-        let mut index = [0u8; 4];
-        // The index arrives with the connection; a guest that withholds it holds up only
-        // this acceptor, briefly.
-        let read = tokio::time::timeout(
-            std::time::Duration::from_secs(10),
-            stream.read_exact(&mut index),
-        )
-        .await;
-        let index = u32::from_le_bytes(index) as usize;
-        let Some(mount) = mounts.get(index).filter(|_| matches!(read, Ok(Ok(_)))) else {
-            tracing::warn!(target: "krunbox::fs", index, "refused a mount connection that named no mount");
-            continue;
-        };
-        if let Some(old) = current[index].take() {
-            old.abort();
+    /// Connects every mount afresh, for one boot attempt: a socket pair each, whose one end is
+    /// served from now on (with a new FUSE session, replacing an earlier attempt's) and whose
+    /// other ends, in mount order, go to the helper. Must run inside the tokio runtime.
+    pub(crate) fn connect(&mut self) -> std::io::Result<Vec<OwnedFd>> {
+        for connection in self.connections.drain(..) {
+            connection.abort();
         }
-        let session = Arc::new(Session::new(mount.fs.clone(), mount.options));
-        let path = mount.guest_path.clone();
-        current[index] = Some(connections.spawn(async move {
-            if let Err(err) = serve(stream, session).await {
-                tracing::warn!(target: "krunbox::fs", mount = %path, %err, "a mount's connection ended");
-            }
-        }));
+        let mut helper_ends = Vec::with_capacity(self.mounts.len());
+        for mount in self.mounts.iter() {
+            let (ours, helper_end) = std::os::unix::net::UnixStream::pair()?;
+            ours.set_nonblocking(true)?;
+            let stream = UnixStream::from_std(ours)?;
+            let session = Arc::new(Session::new(mount.fs.clone(), mount.options));
+            let path = mount.guest_path.clone();
+            self.connections.push(tokio::spawn(async move {
+                if let Err(err) = serve(stream, session).await {
+                    tracing::warn!(target: "krunbox::fs", mount = %path, %err, "a mount's connection ended");
+                }
+            }));
+            helper_ends.push(OwnedFd::from(helper_end));
+        }
+        Ok(helper_ends)
     }
 }
 

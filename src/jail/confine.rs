@@ -52,8 +52,6 @@ pub(crate) struct JailPaths {
     pub console: PathBuf,
     /// The control socket the library listens on.
     pub control_socket: PathBuf,
-    /// The mounts' socket the library listens on, if the guest mounts host filesystems.
-    pub fs_socket: Option<PathBuf>,
     /// A custom kernel, if any.
     pub kernel: Option<PathBuf>,
     /// Benchmarks only: the directory libkrun's virtio-fs passthrough serves, read-write
@@ -271,7 +269,6 @@ fn pivot_into_jail(root_dir: &Path, host: &JailPaths) -> Result<JailPaths, Strin
         image: PathBuf::from("/root.img"),
         console: PathBuf::from("/console"),
         control_socket: PathBuf::from("/control.sock"),
-        fs_socket: host.fs_socket.as_ref().map(|_| PathBuf::from("/fs.sock")),
         kernel: host.kernel.as_ref().map(|_| PathBuf::from("/kernel")),
         share: host.share.as_ref().map(|_| PathBuf::from("/share")),
         // Reached through the bound /proc/self/fd, at the same path.
@@ -287,9 +284,6 @@ fn pivot_into_jail(root_dir: &Path, host: &JailPaths) -> Result<JailPaths, Strin
     ];
     if let (Some(h), Some(i)) = (&host.kernel, &inside.kernel) {
         binds.push((h, i, true, false));
-    }
-    if let (Some(h), Some(i)) = (&host.fs_socket, &inside.fs_socket) {
-        binds.push((h, i, false, false));
     }
     // Benchmarks only: the shared directory, and the /proc/self/fd the passthrough server
     // needs (see PROC_SELF_FD). `/proc/self` resolves now, to this process.
@@ -494,9 +488,6 @@ pub(crate) fn landlock(paths: &JailPaths, report: &mut Isolation) {
             ];
             if let Some(kernel) = &paths.kernel {
                 rules.push((kernel, read.into()));
-            }
-            if let Some(fs_socket) = &paths.fs_socket {
-                rules.push((fs_socket, AccessFs::ResolveUnix.into()));
             }
             // A writable root's layer: a memfd needs no rule (Landlock does not check files
             // on kernel-internal mounts), a persistent layer's qcow2 file does. The rule is on

@@ -121,7 +121,7 @@ pub(crate) async fn probe(
         root_qcow2: false,
         root_image: "/dev/null".into(),
         control_socket: socket,
-        fs_socket: None,
+        fs_devices: 0,
         console,
         jail: jail.config.clone(),
         kernel: None,

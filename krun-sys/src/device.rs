@@ -1,0 +1,36 @@
+//! Virtio devices of the embedding program's own, in libkrun's device model.
+//!
+//! libkrun 1.19.7 builds every device itself from paths and flags; it has no way to let an
+//! embedder serve a device. krunbox builds libkrun's `krun-vmm` with one small patch
+//! (`krun-sys/hook/embedder-devices.patch`, applied by `scripts/libkrun-hook.sh`): a list of
+//! devices that `krun_start_enter` attaches, as virtio-mmio devices after its own, when it builds
+//! the VM. [`attach`] adds to that list; the types a device needs are re-exported here, so
+//! that this crate stays krunbox's one boundary to libkrun.
+//!
+//! ```no_run
+//! use std::sync::{Arc, Mutex};
+//! # fn my_device() -> Arc<Mutex<dyn krun_sys::device::VirtioDevice>> { unimplemented!() }
+//! krun_sys::device::attach("my-device", my_device());
+//! // ... then Context::start_enter() builds the VM with it.
+//! ```
+
+use std::sync::{Arc, Mutex};
+
+pub use krun_devices::virtio::{
+    ActivateError, ActivateResult, DescriptorChain, DeviceQueue, InterruptTransport, Queue,
+    QueueConfig, VirtioDevice,
+};
+pub use krun_utils::eventfd::EventFd;
+pub use vm_memory::{Bytes, GuestAddress, GuestMemory, GuestMemoryMmap};
+
+/// The virtio feature bit every modern device offers (`VIRTIO_F_VERSION_1`).
+pub const VIRTIO_F_VERSION_1: u32 = 32;
+
+/// Adds `device` to the devices the next VM this process starts gets, named `id` in libkrun's
+/// device manager (ids must differ from each other and from libkrun's own, e.g. `"kbfs0"`).
+pub fn attach(id: &str, device: Arc<Mutex<dyn VirtioDevice>>) {
+    krun_vmm::builder::EMBEDDER_DEVICES
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .push((id.to_owned(), device));
+}

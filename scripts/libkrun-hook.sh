@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# libkrun-hook.sh: makes .patched/krun-vmm, libkrun's krun-vmm 1.19.7 from crates.io with
+# krunbox's one change (krun-sys/hook/embedder-devices.patch: a list of virtio devices the
+# embedding program supplies, attached when the VM is built). The workspace's Cargo.toml patches
+# crates.io's krun-vmm with it, so this runs before any cargo command in the workspace; setup.sh
+# calls it first. Idempotent: redone only when the patch changes. Why a patch at all, and what
+# it costs: docs/architecture.md, "A transport without the relay".
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+repo=$(cd "$here/.." && pwd)
+version=0.1.0-1.19.7
+patch_file=$repo/krun-sys/hook/embedder-devices.patch
+dest=$repo/.patched/krun-vmm
+stamp=$(sha256sum "$patch_file" | cut -d' ' -f1)-$version
+
+if [[ -f $dest/.krunbox-hook && $(cat "$dest/.krunbox-hook") == "$stamp" ]]; then
+    exit 0
+fi
+
+echo "libkrun-hook: krun-vmm $version from crates.io, with krunbox's patch" >&2
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+# A throwaway package outside the workspace, so that cargo downloads and checks the crate the
+# usual way (its registry, its checksum) even before .patched exists.
+mkdir -p "$work/fetch/src"
+cat > "$work/fetch/Cargo.toml" <<TOML
+[package]
+name = "krunbox-fetch-krun-vmm"
+version = "0.0.0"
+edition = "2021"
+[dependencies]
+krun-vmm = "=$version"
+[workspace]
+TOML
+: > "$work/fetch/src/lib.rs"
+cargo fetch --quiet --manifest-path "$work/fetch/Cargo.toml" >&2
+source_dir=$(cargo metadata --format-version 1 --manifest-path "$work/fetch/Cargo.toml" |
+    python3 -c '
+import json, sys
+for p in json.load(sys.stdin)["packages"]:
+    if p["name"] == "krun-vmm":
+        print(p["manifest_path"].rsplit("/", 1)[0])')
+[[ -d $source_dir ]] || { echo "libkrun-hook: krun-vmm $version not found after cargo fetch" >&2; exit 1; }
+
+cp -r "$source_dir" "$work/krun-vmm"
+(cd "$work/krun-vmm" && patch --quiet --forward -p1 < "$patch_file")
+echo "$stamp" > "$work/krun-vmm/.krunbox-hook"
+mkdir -p "$repo/.patched"
+rm -rf "$dest.old"
+[[ -e $dest ]] && mv "$dest" "$dest.old"
+mv "$work/krun-vmm" "$dest"
+rm -rf "$dest.old"

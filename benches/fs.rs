@@ -1,5 +1,5 @@
 //! Workspaces: small-file operations per second and large-file MiB/s through our filesystems
-//! (`src/fs/`: FUSE in the guest, relayed by guest-init over vsock to the library), against
+//! (`src/fs/`: FUSE over a virtio-fs device in the helper, forwarded to the library), against
 //! libkrun's own virtio-fs passthrough of the same host directory in the same run.
 //!
 //! One busybox VM (1 vCPU, 256 MiB) is booted once with three mounts, so that every side runs

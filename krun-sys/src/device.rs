@@ -17,8 +17,8 @@
 use std::sync::{Arc, Mutex};
 
 pub use krun_devices::virtio::{
-    ActivateError, ActivateResult, DescriptorChain, DeviceQueue, InterruptTransport, Queue,
-    QueueConfig, VirtioDevice,
+    ActivateError, ActivateResult, Descriptor, DescriptorChain, DeviceQueue, InterruptTransport,
+    Queue, QueueConfig, VirtioDevice,
 };
 pub use krun_utils::eventfd::EventFd;
 pub use vm_memory::{Bytes, GuestAddress, GuestMemory, GuestMemoryMmap};

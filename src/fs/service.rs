@@ -73,7 +73,9 @@ impl FsService {
 
 /// Serves one mount's connection until it closes or breaks the framing.
 async fn serve(stream: UnixStream, session: Arc<Session>) -> std::io::Result<()> {
-    let (mut reader, mut writer) = stream.into_split();
+    let (reader, mut writer) = stream.into_split();
+    // Small requests arrive several to a read; a large write's data bypasses the buffer.
+    let mut reader = tokio::io::BufReader::with_capacity(64 * 1024, reader);
     let (replies, mut outgoing) = mpsc::channel::<Vec<u8>>(MAX_IN_FLIGHT);
     let mut requests = JoinSet::new();
     let writing = async move {

@@ -7,13 +7,13 @@
 //! the mount's socket, unparsed beyond the FUSE header's length, opcode and `unique`, and
 //! writes each reply the library sends back into the guest's descriptors of the request with
 //! that `unique`. Requests go on while earlier ones wait, so the library answers many at once
-//! and in any order ([`super::service`] is the same server the guest-init relay used).
+//! and in any order ([`super::service`]).
 //!
 //! Everything of the guest is bounded here: a request's readable bytes (at most
 //! [`MAX_REQUEST`]) and its chain (libkrun's queue walks at most the queue's size of
-//! descriptors), the requests waiting for a reply (at most one per descriptor head, so at most
-//! [`QUEUE_SIZE`]), and a `unique` reused while in flight is answered with nothing rather than
-//! replacing the first. A malformed request is completed with no reply; the guest's own
+//! descriptors; at most [`MAX_REPLY_DESCRIPTORS`] of them writable), the requests waiting for a
+//! reply (at most [`QUEUE_SIZE`]), and a `unique` reused while in flight is answered with
+//! nothing rather than replacing the first. A malformed request is completed with no reply; the guest's own
 //! filesystem call fails, nothing else does.
 //!
 //! Two threads per device: one pops both queues and forwards (blocking on the socket when the
@@ -26,8 +26,8 @@ use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 
 use krun_sys::device::{
-    ActivateError, ActivateResult, Bytes, DeviceQueue, EventFd, GuestAddress, GuestMemoryMmap,
-    InterruptTransport, Queue, QueueConfig, VirtioDevice, VIRTIO_F_VERSION_1,
+    ActivateError, ActivateResult, Bytes, DeviceQueue, EventFd, GuestAddress, GuestMemory,
+    GuestMemoryMmap, InterruptTransport, Queue, QueueConfig, VirtioDevice, VIRTIO_F_VERSION_1,
 };
 
 use super::fuse::{IN_HEADER_LEN, MAX_REQUEST};
@@ -44,6 +44,10 @@ const QUEUES: [QueueConfig; 2] = [QueueConfig::new(QUEUE_SIZE), QueueConfig::new
 
 /// The largest reply the library sends (a 1 MiB read and its header, with room to spare).
 const MAX_REPLY: usize = MAX_REQUEST;
+
+/// The most descriptors a request's reply may be spread over: a 1 MiB read is 256 pages and a
+/// header. More is no request of the guest's driver, and each is remembered until the reply.
+const MAX_REPLY_DESCRIPTORS: usize = 300;
 
 /// A FUSE reply header: `len: u32, error: i32, unique: u64`.
 const OUT_HEADER_LEN: usize = 16;
@@ -133,12 +137,7 @@ impl VirtioDevice for ForwardingFs {
             events.push(queue.event);
             rings.push(Arc::new(Mutex::new(queue.queue)));
         }
-        let shared = Arc::new(Shared {
-            mem,
-            interrupt,
-            request_queue: rings[1].clone(),
-            pending: Mutex::new(HashMap::new()),
-        });
+        let shared = Arc::new(Shared::new(mem, move || interrupt.signal_used_queue()));
         let forwarding = shared.clone();
         std::thread::Builder::new()
             .name("krunbox-fs-req".into())
@@ -160,25 +159,47 @@ impl VirtioDevice for ForwardingFs {
 /// What the two threads share.
 struct Shared {
     mem: GuestMemoryMmap,
-    interrupt: InterruptTransport,
-    /// The request queue: popped by one thread, completed by the other.
-    request_queue: Arc<Mutex<Queue>>,
+    /// Interrupts the guest: some request is complete.
+    signal: Box<dyn Fn() + Send + Sync>,
     /// Requests waiting for their reply, by `unique`.
     pending: Mutex<HashMap<u64, Pending>>,
 }
 
-/// A forwarded request: its chain's head and where its reply goes.
+impl Shared {
+    fn new(mem: GuestMemoryMmap, signal: impl Fn() + Send + Sync + 'static) -> Self {
+        Shared {
+            mem,
+            signal: Box::new(signal),
+            pending: Mutex::new(HashMap::new()),
+        }
+    }
+}
+
+/// A forwarded request: its queue, its chain's head and where its reply goes.
 struct Pending {
+    ring: Arc<Mutex<Queue>>,
     head: u16,
     reply_to: Vec<(GuestAddress, u32)>,
 }
 
-/// A request read off a queue.
+/// A request read off a queue: its head, its bytes' descriptors (checked: in guest memory, at
+/// most [`MAX_REQUEST`] in all) and its reply's, or `None` for a chain that broke the bounds.
 struct Request {
     head: u16,
-    bytes: Vec<u8>,
+    chain: Option<Chain>,
+}
+
+/// A request chain's descriptors, as (guest address, length).
+struct Chain {
+    readable: Vec<(GuestAddress, u32)>,
+    readable_len: usize,
     reply_to: Vec<(GuestAddress, u32)>,
 }
+
+/// Messages up to this size are copied whole through a buffer of ours (one system call each
+/// way); larger ones (reads and writes of file data) move between the socket and guest memory
+/// directly, without that copy.
+const SMALL_MESSAGE: usize = 64 * 1024;
 
 /// Pops requests off both queues whenever the guest notifies one, and forwards them.
 fn forward_requests(
@@ -195,6 +216,7 @@ fn forward_requests(
             revents: 0,
         })
         .collect();
+    let mut buffer = Vec::with_capacity(SMALL_MESSAGE);
     loop {
         // SAFETY: poll on a live array of pollfds of our own eventfds.
         let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
@@ -210,7 +232,7 @@ fn forward_requests(
             }
             fd.revents = 0;
             let _ = events[index].read();
-            if drain(shared, &rings[index], &mut socket).is_err() {
+            if drain(shared, &rings[index], &mut socket, &mut buffer).is_err() {
                 // The library is gone: the instance is being torn down.
                 return;
             }
@@ -219,7 +241,12 @@ fn forward_requests(
 }
 
 /// Forwards everything on one queue, with notifications off while there is more.
-fn drain(shared: &Shared, ring: &Mutex<Queue>, socket: &mut UnixStream) -> std::io::Result<()> {
+fn drain(
+    shared: &Shared,
+    ring: &Arc<Mutex<Queue>>,
+    socket: &mut UnixStream,
+    buffer: &mut Vec<u8>,
+) -> std::io::Result<()> {
     loop {
         let request = {
             let mut queue = ring.lock().unwrap_or_else(|p| p.into_inner());
@@ -236,69 +263,120 @@ fn drain(shared: &Shared, ring: &Mutex<Queue>, socket: &mut UnixStream) -> std::
                 }
             }
         };
-        forward(shared, ring, request, socket)?;
+        forward(shared, ring, request, socket, buffer)?;
     }
 }
 
-/// The next request on `queue`: its readable bytes and its writable descriptors. A chain that
-/// breaks the bounds is returned with no bytes (to be completed unanswered).
+/// The next request on `queue`, its descriptors checked.
 fn pop(queue: &mut Queue, mem: &GuestMemoryMmap) -> Option<Request> {
     let _ = queue.disable_notification(mem);
     let head = queue.pop(mem)?;
     let index = head.index;
-    let mut bytes = Vec::new();
-    let mut reply_to = Vec::new();
+    let mut chain = Chain {
+        readable: Vec::new(),
+        readable_len: 0,
+        reply_to: Vec::new(),
+    };
     let mut valid = true;
-    let mut readable_total = 0usize;
     for descriptor in head.into_iter() {
+        if !mem.check_range(descriptor.addr, descriptor.len as usize) {
+            valid = false;
+            break;
+        }
         if descriptor.is_write_only() {
-            reply_to.push((descriptor.addr, descriptor.len));
+            if chain.reply_to.len() == MAX_REPLY_DESCRIPTORS {
+                valid = false;
+                break;
+            }
+            chain.reply_to.push((descriptor.addr, descriptor.len));
             continue;
         }
-        readable_total = readable_total.saturating_add(descriptor.len as usize);
-        if !reply_to.is_empty() || readable_total > MAX_REQUEST {
+        chain.readable_len = chain.readable_len.saturating_add(descriptor.len as usize);
+        if !chain.reply_to.is_empty() || chain.readable_len > MAX_REQUEST {
             // Readable after writable, or more than any request: not a FUSE request.
             valid = false;
             break;
         }
-        let start = bytes.len();
-        bytes.resize(start + descriptor.len as usize, 0);
-        if mem
-            .read_slice(&mut bytes[start..], descriptor.addr)
-            .is_err()
-        {
-            valid = false;
-            break;
-        }
-    }
-    if !valid {
-        bytes.clear();
+        chain.readable.push((descriptor.addr, descriptor.len));
     }
     Some(Request {
         head: index,
-        bytes,
-        reply_to,
+        chain: valid.then_some(chain),
     })
 }
 
-/// Sends one request to the library, or completes it at once when it gets no reply.
+/// Calls `each` with the (address, length) pieces of bytes `skip..skip + len` of `regions`.
+fn for_each_piece(
+    regions: &[(GuestAddress, u32)],
+    mut skip: usize,
+    mut len: usize,
+    mut each: impl FnMut(GuestAddress, usize) -> std::io::Result<()>,
+) -> std::io::Result<()> {
+    for (address, region_len) in regions {
+        if len == 0 {
+            break;
+        }
+        let region_len = *region_len as usize;
+        if skip >= region_len {
+            skip -= region_len;
+            continue;
+        }
+        let take = (region_len - skip).min(len);
+        each(GuestAddress(address.0 + skip as u64), take)?;
+        len -= take;
+        skip = 0;
+    }
+    Ok(())
+}
+
+/// A guest memory access that failed in a range [`pop`] checked: never expected.
+fn memory_error(err: impl std::fmt::Display) -> std::io::Error {
+    std::io::Error::other(format!("guest memory: {err}"))
+}
+
+/// Copies bytes `skip..skip + out.len()` of `regions` into `out`.
+fn gather(
+    mem: &GuestMemoryMmap,
+    regions: &[(GuestAddress, u32)],
+    skip: usize,
+    out: &mut [u8],
+) -> std::io::Result<()> {
+    let mut at = 0;
+    for_each_piece(regions, skip, out.len(), |address, len| {
+        mem.read_slice(&mut out[at..at + len], address)
+            .map_err(memory_error)?;
+        at += len;
+        Ok(())
+    })
+}
+
+/// Sends one request to the library, or completes it at once when it gets no reply. The
+/// library gets the header as checked here (a guest changing its memory meanwhile changes
+/// only the bytes after it, never the framing).
 fn forward(
     shared: &Shared,
-    ring: &Mutex<Queue>,
+    ring: &Arc<Mutex<Queue>>,
     request: Request,
     socket: &mut UnixStream,
+    buffer: &mut Vec<u8>,
 ) -> std::io::Result<()> {
-    let header = parse_in_header(&request.bytes);
-    let Some((opcode, unique)) = header else {
+    let Some(chain) = request.chain else {
         complete(shared, ring, request.head, 0);
         return Ok(());
     };
-    if matches!(opcode, FUSE_FORGET | FUSE_BATCH_FORGET) {
-        socket.write_all(&request.bytes)?;
+    let mut header = [0u8; IN_HEADER_LEN];
+    let parsed = if chain.readable_len >= IN_HEADER_LEN {
+        gather(&shared.mem, &chain.readable, 0, &mut header).ok();
+        parse_in_header(&header, chain.readable_len)
+    } else {
+        None
+    };
+    let Some((opcode, unique)) = parsed else {
         complete(shared, ring, request.head, 0);
         return Ok(());
-    }
-    {
+    };
+    let answered = !matches!(opcode, FUSE_FORGET | FUSE_BATCH_FORGET);
+    if answered {
         let mut pending = shared.pending.lock().unwrap_or_else(|p| p.into_inner());
         if pending.contains_key(&unique) || pending.len() >= usize::from(QUEUE_SIZE) {
             drop(pending);
@@ -309,25 +387,84 @@ fn forward(
         pending.insert(
             unique,
             Pending {
+                ring: ring.clone(),
                 head: request.head,
-                reply_to: request.reply_to,
+                reply_to: chain.reply_to,
             },
         );
     }
-    socket.write_all(&request.bytes)
+    let rest = chain.readable_len - IN_HEADER_LEN;
+    if chain.readable_len <= SMALL_MESSAGE {
+        buffer.clear();
+        buffer.extend_from_slice(&header);
+        buffer.resize(chain.readable_len, 0);
+        gather(
+            &shared.mem,
+            &chain.readable,
+            IN_HEADER_LEN,
+            &mut buffer[IN_HEADER_LEN..],
+        )?;
+        socket.write_all(buffer)?;
+    } else {
+        socket.write_all(&header)?;
+        for_each_piece(&chain.readable, IN_HEADER_LEN, rest, |address, len| {
+            write_from_guest(&shared.mem, address, len, socket)
+        })?;
+    }
+    if !answered {
+        complete(shared, ring, request.head, 0);
+    }
+    Ok(())
 }
 
-/// The opcode and `unique` of a request whose header's length matches its bytes.
-fn parse_in_header(bytes: &[u8]) -> Option<(u32, u64)> {
-    if bytes.len() < IN_HEADER_LEN {
+/// Writes `len` bytes of guest memory at `address` to `socket`.
+fn write_from_guest(
+    mem: &GuestMemoryMmap,
+    address: GuestAddress,
+    len: usize,
+    socket: &mut UnixStream,
+) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < len {
+        let wrote = mem
+            .write_volatile_to(GuestAddress(address.0 + done as u64), socket, len - done)
+            .map_err(memory_error)?;
+        if wrote == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        done += wrote;
+    }
+    Ok(())
+}
+
+/// Reads `len` bytes from `socket` into guest memory at `address`.
+fn read_into_guest(
+    mem: &GuestMemoryMmap,
+    address: GuestAddress,
+    len: usize,
+    socket: &mut UnixStream,
+) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < len {
+        let read = mem
+            .read_volatile_from(GuestAddress(address.0 + done as u64), socket, len - done)
+            .map_err(memory_error)?;
+        if read == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        done += read;
+    }
+    Ok(())
+}
+
+/// The opcode and `unique` of a request header whose length field is `total`.
+fn parse_in_header(header: &[u8; IN_HEADER_LEN], total: usize) -> Option<(u32, u64)> {
+    let length = u32::from_le_bytes(header[0..4].try_into().ok()?) as usize;
+    if length != total {
         return None;
     }
-    let length = u32::from_le_bytes(bytes[0..4].try_into().ok()?) as usize;
-    if length != bytes.len() {
-        return None;
-    }
-    let opcode = u32::from_le_bytes(bytes[4..8].try_into().ok()?);
-    let unique = u64::from_le_bytes(bytes[8..16].try_into().ok()?);
+    let opcode = u32::from_le_bytes(header[4..8].try_into().ok()?);
+    let unique = u64::from_le_bytes(header[8..16].try_into().ok()?);
     Some((opcode, unique))
 }
 
@@ -337,75 +474,366 @@ fn complete(shared: &Shared, ring: &Mutex<Queue>, head: u16, written: u32) {
     if queue.add_used(&shared.mem, head, written).is_ok()
         && queue.needs_notification(&shared.mem).unwrap_or(true)
     {
-        shared.interrupt.signal_used_queue();
+        (shared.signal)();
     }
 }
 
 /// Reads the library's replies and completes the requests they answer.
-fn complete_replies(shared: &Shared, mut socket: UnixStream) {
-    let mut reply = Vec::with_capacity(64 * 1024);
+fn complete_replies(shared: &Shared, socket: UnixStream) {
+    let _ = serve_replies(shared, socket);
+}
+
+fn serve_replies(shared: &Shared, mut socket: UnixStream) -> std::io::Result<()> {
+    let mut buffer = Vec::with_capacity(SMALL_MESSAGE);
     loop {
         let mut header = [0u8; OUT_HEADER_LEN];
-        if socket.read_exact(&mut header).is_err() {
-            return;
-        }
+        socket.read_exact(&mut header)?;
         let length = u32::from_le_bytes([header[0], header[1], header[2], header[3]]) as usize;
         if !(OUT_HEADER_LEN..=MAX_REPLY).contains(&length) {
             // The library never sends this; the framing is lost, so stop.
-            return;
+            return Err(std::io::ErrorKind::InvalidData.into());
         }
         let unique = u64::from_le_bytes(header[8..16].try_into().expect("eight bytes"));
-        reply.clear();
-        reply.extend_from_slice(&header);
-        reply.resize(length, 0);
-        if socket.read_exact(&mut reply[OUT_HEADER_LEN..]).is_err() {
-            return;
-        }
         let waiting = shared
             .pending
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&unique);
+        let body = length - OUT_HEADER_LEN;
         let Some(waiting) = waiting else {
+            // Nobody waits for it (never sent by the library): skip its bytes.
+            std::io::copy(&mut (&socket).take(body as u64), &mut std::io::sink())?;
             continue;
         };
-        let written = write_reply(&shared.mem, &reply, &waiting.reply_to);
-        complete(shared, &shared.request_queue, waiting.head, written);
+        let room: usize = waiting.reply_to.iter().map(|(_, l)| *l as usize).sum();
+        let fits = length.min(room);
+        let mem = &shared.mem;
+        if length <= SMALL_MESSAGE {
+            buffer.clear();
+            buffer.extend_from_slice(&header);
+            buffer.resize(length, 0);
+            socket.read_exact(&mut buffer[OUT_HEADER_LEN..])?;
+            scatter(mem, &waiting.reply_to, &buffer[..fits])?;
+        } else {
+            scatter(mem, &waiting.reply_to, &header[..fits.min(OUT_HEADER_LEN)])?;
+            let into_guest = fits.saturating_sub(OUT_HEADER_LEN);
+            for_each_piece(
+                &waiting.reply_to,
+                OUT_HEADER_LEN,
+                into_guest,
+                |address, len| read_into_guest(mem, address, len, &mut socket),
+            )?;
+            let left = (body - into_guest) as u64;
+            std::io::copy(&mut (&socket).take(left), &mut std::io::sink())?;
+        }
+        complete(shared, &waiting.ring, waiting.head, fits as u32);
     }
 }
 
-/// Copies `reply` into the guest's writable descriptors, as much as they hold.
-fn write_reply(mem: &GuestMemoryMmap, reply: &[u8], reply_to: &[(GuestAddress, u32)]) -> u32 {
-    let mut rest = reply;
-    let mut written = 0u32;
-    for (address, length) in reply_to {
-        if rest.is_empty() {
-            break;
-        }
-        let take = rest.len().min(*length as usize);
-        if mem.write_slice(&rest[..take], *address).is_err() {
-            break;
-        }
-        written += take as u32;
-        rest = &rest[take..];
-    }
-    written
+/// Copies `bytes` into the start of `regions` (which hold at least as many).
+fn scatter(
+    mem: &GuestMemoryMmap,
+    regions: &[(GuestAddress, u32)],
+    bytes: &[u8],
+) -> std::io::Result<()> {
+    let mut at = 0;
+    for_each_piece(regions, 0, bytes.len(), |address, len| {
+        mem.write_slice(&bytes[at..at + len], address)
+            .map_err(memory_error)?;
+        at += len;
+        Ok(())
+    })
 }
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use krun_sys::device::Descriptor;
+
     use super::*;
 
+    const DESC_TABLE: u64 = 0;
+    const AVAIL_RING: u64 = 0x1000;
+    const USED_RING: u64 = 0x2000;
+    const SIZE: u16 = 16;
+    const F_NEXT: u16 = 1;
+    const F_WRITE: u16 = 2;
+
+    /// Guest memory with one queue of 16 laid out in it, as a driver would.
+    fn guest() -> (GuestMemoryMmap, Arc<Mutex<Queue>>) {
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x100000)]).unwrap();
+        let mut queue = Queue::new(SIZE);
+        queue.size = SIZE;
+        queue.ready = true;
+        queue.desc_table = GuestAddress(DESC_TABLE);
+        queue.avail_ring = GuestAddress(AVAIL_RING);
+        queue.used_ring = GuestAddress(USED_RING);
+        assert!(queue.is_valid(&mem));
+        (mem, Arc::new(Mutex::new(queue)))
+    }
+
+    /// Puts a chain of (address, length, writable) descriptors at descriptor `first` onwards
+    /// and makes it available.
+    fn offer(mem: &GuestMemoryMmap, first: u16, chain: &[(u64, u32, bool)]) {
+        for (i, (addr, len, writable)) in chain.iter().enumerate() {
+            let index = first + i as u16;
+            let mut flags = if *writable { F_WRITE } else { 0 };
+            if i + 1 < chain.len() {
+                flags |= F_NEXT;
+            }
+            let descriptor = Descriptor {
+                addr: *addr,
+                len: *len,
+                flags,
+                next: index + 1,
+            };
+            mem.write_obj(descriptor, GuestAddress(DESC_TABLE + 16 * u64::from(index)))
+                .unwrap();
+        }
+        let idx: u16 = mem.read_obj(GuestAddress(AVAIL_RING + 2)).unwrap();
+        let slot = AVAIL_RING + 4 + 2 * u64::from(idx % SIZE);
+        mem.write_obj(first, GuestAddress(slot)).unwrap();
+        mem.write_obj(idx.wrapping_add(1), GuestAddress(AVAIL_RING + 2))
+            .unwrap();
+    }
+
+    /// The used ring's completions so far: (head, bytes written).
+    fn used(mem: &GuestMemoryMmap) -> Vec<(u32, u32)> {
+        let idx: u16 = mem.read_obj(GuestAddress(USED_RING + 2)).unwrap();
+        (0..idx)
+            .map(|i| {
+                let at = USED_RING + 4 + 8 * u64::from(i % SIZE);
+                let id: u32 = mem.read_obj(GuestAddress(at)).unwrap();
+                let len: u32 = mem.read_obj(GuestAddress(at + 4)).unwrap();
+                (id, len)
+            })
+            .collect()
+    }
+
+    fn request(opcode: u32, unique: u64, body: &[u8]) -> Vec<u8> {
+        let mut bytes = vec![0u8; IN_HEADER_LEN];
+        bytes[0..4].copy_from_slice(&((IN_HEADER_LEN + body.len()) as u32).to_le_bytes());
+        bytes[4..8].copy_from_slice(&opcode.to_le_bytes());
+        bytes[8..16].copy_from_slice(&unique.to_le_bytes());
+        bytes.extend_from_slice(body);
+        bytes
+    }
+
+    fn counting_shared(mem: &GuestMemoryMmap) -> (Arc<Shared>, Arc<AtomicUsize>) {
+        let signals = Arc::new(AtomicUsize::new(0));
+        let counter = signals.clone();
+        let shared = Arc::new(Shared::new(mem.clone(), move || {
+            counter.fetch_add(1, Ordering::SeqCst);
+        }));
+        (shared, signals)
+    }
+
     #[test]
-    fn in_header_is_checked_against_the_bytes() {
-        let mut request = vec![0u8; IN_HEADER_LEN + 8];
-        request[0..4].copy_from_slice(&((IN_HEADER_LEN + 8) as u32).to_le_bytes());
-        request[4..8].copy_from_slice(&15u32.to_le_bytes());
-        request[8..16].copy_from_slice(&77u64.to_le_bytes());
-        assert_eq!(parse_in_header(&request), Some((15, 77)));
-        // A length that is not the request's own, and a request shorter than a header.
-        request[0..4].copy_from_slice(&9u32.to_le_bytes());
-        assert_eq!(parse_in_header(&request), None);
-        assert_eq!(parse_in_header(&request[..IN_HEADER_LEN - 1]), None);
+    fn a_request_goes_out_whole_and_its_reply_lands_in_its_descriptors() {
+        let (mem, ring) = guest();
+        let (shared, signals) = counting_shared(&mem);
+        // A LOOKUP split over two readable descriptors, with 64 bytes of room for the reply.
+        let bytes = request(1, 7, b"name\0");
+        mem.write_slice(&bytes, GuestAddress(0x10000)).unwrap();
+        offer(
+            &mem,
+            0,
+            &[
+                (0x10000, 20, false),
+                (0x10014, bytes.len() as u32 - 20, false),
+                (0x20000, 64, true),
+            ],
+        );
+        let (mut helper, mut library) = UnixStream::pair().unwrap();
+        drain(&shared, &ring, &mut helper, &mut Vec::new()).unwrap();
+        let mut forwarded = vec![0u8; bytes.len()];
+        library.read_exact(&mut forwarded).unwrap();
+        assert_eq!(forwarded, bytes);
+        assert!(used(&mem).is_empty(), "completed before its reply");
+
+        let mut reply = vec![0u8; OUT_HEADER_LEN];
+        reply[0..4].copy_from_slice(&24u32.to_le_bytes());
+        reply[8..16].copy_from_slice(&7u64.to_le_bytes());
+        reply.extend_from_slice(b"attr....");
+        library.write_all(&reply).unwrap();
+        drop(library);
+        let completing = shared.clone();
+        std::thread::spawn(move || complete_replies(&completing, helper))
+            .join()
+            .unwrap();
+        assert_eq!(used(&mem), vec![(0, 24)]);
+        let mut landed = vec![0u8; 24];
+        mem.read_slice(&mut landed, GuestAddress(0x20000)).unwrap();
+        assert_eq!(landed, reply);
+        assert_eq!(signals.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn large_messages_move_directly_and_a_reply_past_its_room_keeps_the_framing() {
+        let (mem, ring) = guest();
+        let (shared, _signals) = counting_shared(&mem);
+        // A 200 KiB write request over three readable descriptors.
+        let data: Vec<u8> = (0..200 * 1024).map(|i| (i % 251) as u8).collect();
+        let bytes = request(16, 9, &data);
+        mem.write_slice(&bytes, GuestAddress(0x10000)).unwrap();
+        let total = bytes.len() as u32;
+        offer(
+            &mem,
+            0,
+            &[
+                (0x10000, 100, false),
+                (0x10064, 70_000, false),
+                (0x10064 + 70_000, total - 70_100, false),
+                (0x60000, 32, true),
+            ],
+        );
+        // A read whose 150 KiB reply gets 100 KiB + 16 of room.
+        let read = request(15, 10, &[0u8; 24]);
+        mem.write_slice(&read, GuestAddress(0x50000)).unwrap();
+        offer(
+            &mem,
+            4,
+            &[
+                (0x50000, read.len() as u32, false),
+                (0x70000, 16 + 60 * 1024, true),
+                (0x90000, 40 * 1024, true),
+            ],
+        );
+        // A small one after it.
+        let lookup = request(1, 11, b"n\0");
+        mem.write_slice(&lookup, GuestAddress(0x51000)).unwrap();
+        offer(
+            &mem,
+            7,
+            &[(0x51000, lookup.len() as u32, false), (0x52000, 64, true)],
+        );
+        let (mut helper, mut library) = UnixStream::pair().unwrap();
+        let replies = helper.try_clone().unwrap();
+        let completing = shared.clone();
+        let completer = std::thread::spawn(move || complete_replies(&completing, replies));
+        let reader = std::thread::spawn(move || {
+            let mut forwarded = vec![0u8; bytes.len() + read.len() + lookup.len()];
+            library.read_exact(&mut forwarded).unwrap();
+            assert_eq!(forwarded, [bytes, read, lookup].concat());
+            let reply = |unique: u64, body: &[u8]| {
+                let mut out = vec![0u8; OUT_HEADER_LEN];
+                out[0..4].copy_from_slice(&((OUT_HEADER_LEN + body.len()) as u32).to_le_bytes());
+                out[8..16].copy_from_slice(&unique.to_le_bytes());
+                out.extend_from_slice(body);
+                out
+            };
+            let contents: Vec<u8> = (0..150 * 1024).map(|i| (i % 253) as u8).collect();
+            let long = reply(10, &contents);
+            library.write_all(&long).unwrap();
+            library.write_all(&reply(9, &[7u8; 16])).unwrap();
+            library.write_all(&reply(11, b"entry")).unwrap();
+            long
+        });
+        drain(&shared, &ring, &mut helper, &mut Vec::new()).unwrap();
+        let long = reader.join().unwrap();
+        drop(helper);
+        completer.join().unwrap();
+        let room = 16 + 100 * 1024;
+        let mut used = used(&mem);
+        used.sort();
+        assert_eq!(used, vec![(0, 32), (4, room as u32), (7, 21)]);
+        let mut landed = vec![0u8; room];
+        mem.read_slice(&mut landed[..16 + 60 * 1024], GuestAddress(0x70000))
+            .unwrap();
+        mem.read_slice(&mut landed[16 + 60 * 1024..], GuestAddress(0x90000))
+            .unwrap();
+        assert_eq!(landed, long[..room]);
+        let mut small = [0u8; 21];
+        mem.read_slice(&mut small, GuestAddress(0x52000)).unwrap();
+        assert_eq!(&small[16..], b"entry");
+    }
+
+    #[test]
+    fn forgets_malformed_requests_and_reused_uniques_are_completed_unanswered() {
+        let (mem, ring) = guest();
+        let (shared, _signals) = counting_shared(&mem);
+        let forget = request(FUSE_FORGET, 1, &[0u8; 8]);
+        let mut bad = request(1, 2, b"x\0");
+        bad[0..4].copy_from_slice(&999u32.to_le_bytes());
+        let first = request(1, 3, b"a\0");
+        let again = request(1, 3, b"b\0");
+        for (i, (bytes, at)) in [
+            (&forget, 0x10000u64),
+            (&bad, 0x11000),
+            (&first, 0x12000),
+            (&again, 0x13000),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            mem.write_slice(bytes, GuestAddress(at)).unwrap();
+            let chain = [(at, bytes.len() as u32, false), (at + 0x800, 64, true)];
+            offer(&mem, 2 * i as u16, &chain);
+        }
+        let (mut helper, mut library) = UnixStream::pair().unwrap();
+        drain(&shared, &ring, &mut helper, &mut Vec::new()).unwrap();
+        drop(helper);
+        let mut forwarded = Vec::new();
+        library.read_to_end(&mut forwarded).unwrap();
+        // The FORGET and the first of the two with unique 3 went to the library.
+        assert_eq!(forwarded, [forget.clone(), first.clone()].concat());
+        // Completed unanswered: the FORGET (head 0), the malformed one (2), the reused
+        // unique (6); the first with unique 3 (head 4) waits for its reply.
+        assert_eq!(used(&mem), vec![(0, 0), (2, 0), (6, 0)]);
+        assert!(shared.pending.lock().unwrap().contains_key(&3));
+    }
+
+    #[test]
+    fn a_request_past_the_bounds_is_completed_unanswered() {
+        let (mem, ring) = guest();
+        let (shared, _signals) = counting_shared(&mem);
+        // Readable bytes past MAX_REQUEST (two descriptors of a little over half each).
+        let half = (MAX_REQUEST / 2 + 1) as u32;
+        offer(&mem, 0, &[(0x1_0000, half, false), (0x1_0000, half, false)]);
+        // Readable after writable.
+        offer(
+            &mem,
+            2,
+            &[
+                (0x2_0000, 64, false),
+                (0x2_1000, 64, true),
+                (0x2_0000, 8, false),
+            ],
+        );
+        let (mut helper, library) = UnixStream::pair().unwrap();
+        library.set_nonblocking(true).unwrap();
+        drain(&shared, &ring, &mut helper, &mut Vec::new()).unwrap();
+        assert_eq!(used(&mem), vec![(0, 0), (2, 0)]);
+        let mut nothing = [0u8; 1];
+        assert!(
+            (&library).read(&mut nothing).is_err(),
+            "something was forwarded"
+        );
+    }
+
+    #[test]
+    fn in_header_is_checked_against_the_request_length() {
+        let bytes = request(15, 77, &[0u8; 8]);
+        let header: [u8; IN_HEADER_LEN] = bytes[..IN_HEADER_LEN].try_into().unwrap();
+        assert_eq!(parse_in_header(&header, bytes.len()), Some((15, 77)));
+        // A length that is not the request's own.
+        assert_eq!(parse_in_header(&header, bytes.len() + 1), None);
+    }
+
+    #[test]
+    fn pieces_cover_exactly_the_range_asked_for() {
+        let regions = [
+            (GuestAddress(100), 10),
+            (GuestAddress(200), 5),
+            (GuestAddress(300), 20),
+        ];
+        let mut pieces = Vec::new();
+        for_each_piece(&regions, 12, 10, |address, len| {
+            pieces.push((address.0, len));
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(pieces, vec![(202, 3), (300, 7)]);
     }
 }

@@ -1,6 +1,7 @@
 //! FUSE: the wire format between the guest kernel and this module.
 //!
-//! guest-init relays the guest kernel's FUSE requests over vsock without reading them; here
+//! The helper's virtio-fs device forwards the guest kernel's FUSE requests without reading
+//! them; here
 //! each is decoded (`request.rs`: bounded, validated, never panicking), answered by the mount's
 //! [`VirtualFs`](crate::fs::VirtualFs) (`session.rs`) and encoded (`reply.rs`). The kernel ABI's
 //! structures come from the `fuse-backend-rs` crate; what is ours is the decoding of hostile

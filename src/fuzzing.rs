@@ -1502,6 +1502,15 @@ pub fn fs_request(data: &[u8]) {
     crate::fs::fuse::fuzz::fuzz_session(data)
 }
 
+/// A hostile guest's virtqueue on a mount's virtio-fs device (`src/fs/virtio/`): any
+/// descriptor table, available ring and memory, served by the device's code over a socket
+/// pair to a library that answers every request. Panics if anything panics or hangs, a request
+/// reaches the library unframed or past its bound, a request still waits once all are
+/// answered, or a completion names a chain the guest did not offer.
+pub fn virtio_fs_queue(data: &[u8]) {
+    crate::fs::virtio::fuzz::fuzz_queue(data)
+}
+
 /// A persistent root's layer file as a compromised VMM helper could leave it
 /// (`src/rootfs/fuzz.rs`): its record read back through imago never panics, never opens another
 /// file, and gives a 64-hex digest or a typed error.

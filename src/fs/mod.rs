@@ -8,7 +8,7 @@
 //! directory, read-only or read-write, that nothing in the guest can escape).
 //!
 //! The transport is FUSE over virtio-fs: each mount is a virtio-fs device in the VMM helper
-//! (`virtio.rs`) that forwards the guest kernel's requests, unparsed, over a socket of its
+//! (`virtio/`) that forwards the guest kernel's requests, unparsed, over a socket of its
 //! own to this process (`service.rs`); this module decodes each one (bounded and validated: the guest is hostile, see `fuse/`), calls the
 //! implementation, and encodes the reply. docs/architecture.md says why (and what else was
 //! weighed), and what the guest caches.

@@ -21,7 +21,7 @@ pub use krun_devices::virtio::{
     Queue, QueueConfig, VirtioDevice,
 };
 pub use krun_utils::eventfd::EventFd;
-pub use vm_memory::{Bytes, GuestAddress, GuestMemory, GuestMemoryMmap};
+pub use vm_memory::{Bytes, GuestAddress, GuestMemory, GuestMemoryError, GuestMemoryMmap};
 
 /// The virtio feature bit every modern device offers (`VIRTIO_F_VERSION_1`).
 pub const VIRTIO_F_VERSION_1: u32 = 32;

@@ -13,5 +13,5 @@ pub(crate) mod reply;
 pub(crate) mod request;
 pub(crate) mod session;
 
-pub(crate) use request::{IN_HEADER_LEN, MAX_REQUEST};
+pub(crate) use request::{is_unanswered, IN_HEADER_LEN, MAX_REQUEST};
 pub(crate) use session::Session;

@@ -14,8 +14,10 @@ use std::sync::{Arc, Mutex};
 
 use krun_sys::device::{Bytes, GuestAddress, GuestMemoryMmap, Queue};
 
-use super::{drain, serve_replies, Shared, FUSE_BATCH_FORGET, FUSE_FORGET, OUT_HEADER_LEN};
-use crate::fs::fuse::{IN_HEADER_LEN, MAX_REQUEST};
+#[cfg(test)]
+use super::FUSE_FORGET;
+use super::{drain, serve_replies, Shared, OUT_HEADER_LEN};
+use crate::fs::fuse::{is_unanswered, IN_HEADER_LEN, MAX_REQUEST};
 
 /// Guest memory: the rings low, then what the input puts in memory.
 const MEMORY: u64 = 256 * 1024;
@@ -113,6 +115,7 @@ fn run(data: &[u8]) -> (usize, u16) {
             let _ = serve_replies(&shared, replies_in);
         })
     };
+    // A broken ring is only a reason to stop; either way nothing more is popped.
     drain(&shared, &ring, &mut helper, &mut Vec::new()).expect("the library reads");
     // No more requests: the library sees the end of them.
     helper
@@ -139,7 +142,7 @@ fn run(data: &[u8]) -> (usize, u16) {
         let unique = u64::from_le_bytes(rest[8..16].try_into().unwrap());
         at += length;
         requests += 1;
-        if matches!(opcode, FUSE_FORGET | FUSE_BATCH_FORGET) {
+        if is_unanswered(opcode) {
             continue;
         }
         let body = usize::from(answers[answered % answers.len()]) * 1024;

@@ -26,11 +26,11 @@ use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 
 use krun_sys::device::{
-    ActivateError, ActivateResult, Bytes, DeviceQueue, EventFd, GuestAddress, GuestMemory,
+    ActivateResult, Bytes, DeviceQueue, EventFd, GuestAddress, GuestMemory, GuestMemoryError,
     GuestMemoryMmap, InterruptTransport, Queue, QueueConfig, VirtioDevice, VIRTIO_F_VERSION_1,
 };
 
-use super::fuse::{IN_HEADER_LEN, MAX_REQUEST};
+use super::fuse::{is_unanswered, IN_HEADER_LEN, MAX_REQUEST};
 
 pub(crate) mod fuzz;
 
@@ -54,10 +54,10 @@ const MAX_REPLY_DESCRIPTORS: usize = 300;
 /// A FUSE reply header: `len: u32, error: i32, unique: u64`.
 const OUT_HEADER_LEN: usize = 16;
 
-/// Opcodes that get no reply (`FUSE_FORGET`, `FUSE_BATCH_FORGET`): their descriptors are
-/// completed as soon as they are forwarded.
+/// `FUSE_FORGET`, which gets no reply (nor do `BATCH_FORGET` and `INTERRUPT`: see
+/// [`is_unanswered`]): such requests are completed as soon as they are forwarded.
+#[cfg(test)]
 const FUSE_FORGET: u32 = 2;
-const FUSE_BATCH_FORGET: u32 = 42;
 
 /// One mount's device. Built in the helper before the VM, activated by the guest's driver.
 pub(crate) struct ForwardingFs {
@@ -65,23 +65,39 @@ pub(crate) struct ForwardingFs {
     /// them out.
     config: [u8; 40],
     acked_features: u64,
-    socket: Option<UnixStream>,
+    /// The mount's socket, twice (one for each thread), until activation hands them over.
+    sockets: Option<(UnixStream, UnixStream)>,
+    tag: String,
     activated: bool,
 }
 
 impl ForwardingFs {
     /// A device named `tag` whose requests go to, and replies come from, `socket`.
-    pub(crate) fn new(tag: &str, socket: UnixStream) -> Self {
+    pub(crate) fn new(tag: &str, socket: UnixStream) -> std::io::Result<Self> {
         let mut config = [0u8; 40];
         let name = tag.as_bytes();
         config[..name.len().min(36)].copy_from_slice(&name[..name.len().min(36)]);
         config[36..40].copy_from_slice(&1u32.to_le_bytes());
-        ForwardingFs {
+        // Cloned now, not when the guest activates the device: by then the guest could have
+        // used up the helper's descriptors.
+        let replies = socket.try_clone()?;
+        Ok(ForwardingFs {
             config,
             acked_features: 0,
-            socket: Some(socket),
+            sockets: Some((socket, replies)),
+            tag: tag.to_owned(),
             activated: false,
-        }
+        })
+    }
+
+    /// Leaves the device activated but serving nothing (its mount's calls in the guest then
+    /// wait forever): for a guest that broke the device's setup. Never an error to libkrun,
+    /// whose transport panics on a failed activation.
+    fn inert(&mut self, why: &str) -> ActivateResult {
+        eprintln!("krunbox-vmm: device {}: {why}; it serves nothing", self.tag);
+        self.sockets = None;
+        self.activated = true;
+        Ok(())
     }
 }
 
@@ -126,13 +142,19 @@ impl VirtioDevice for ForwardingFs {
         interrupt: InterruptTransport,
         queues: Vec<DeviceQueue>,
     ) -> ActivateResult {
-        // Activated once: the socket goes to the threads (a guest that resets the device and
-        // activates it again finds it gone, and its mount stops working).
-        let socket = self.socket.take().ok_or(ActivateError::BadActivate)?;
+        // Activated once: the sockets go to the threads. (A reset is refused: `reset` is not
+        // implemented, so libkrun marks the device failed and never activates it again.)
+        let Some((socket, replies)) = self.sockets.take() else {
+            return self.inert("activated twice");
+        };
         if queues.len() != QUEUES.len() {
-            return Err(ActivateError::BadActivate);
+            return self.inert("activated with the wrong number of queues");
         }
-        let replies = socket.try_clone().map_err(|_| ActivateError::BadActivate)?;
+        // libkrun's transport does not check the rings the guest set up; its queue reads them
+        // with `unwrap`. Rings outside guest memory, or of a bad size, leave the device inert.
+        if queues.iter().any(|q| !q.queue.is_valid(&mem)) {
+            return self.inert("a queue outside guest memory or of a bad size");
+        }
         let mut events = Vec::new();
         let mut rings = Vec::new();
         for queue in queues {
@@ -141,14 +163,18 @@ impl VirtioDevice for ForwardingFs {
         }
         let shared = Arc::new(Shared::new(mem, move || interrupt.signal_used_queue()));
         let forwarding = shared.clone();
-        std::thread::Builder::new()
-            .name("krunbox-fs-req".into())
-            .spawn(move || forward_requests(&forwarding, &rings, &events, socket))
-            .map_err(|_| ActivateError::BadActivate)?;
-        std::thread::Builder::new()
+        let tag = self.tag.clone();
+        let spawned = std::thread::Builder::new()
             .name("krunbox-fs-reply".into())
             .spawn(move || complete_replies(&shared, replies))
-            .map_err(|_| ActivateError::BadActivate)?;
+            .and_then(|_| {
+                std::thread::Builder::new()
+                    .name("krunbox-fs-req".into())
+                    .spawn(move || forward_requests(&forwarding, &rings, &events, socket, &tag))
+            });
+        if spawned.is_err() {
+            return self.inert("its threads could not start");
+        }
         self.activated = true;
         Ok(())
     }
@@ -209,6 +235,7 @@ fn forward_requests(
     rings: &[Arc<Mutex<Queue>>],
     events: &[Arc<EventFd>],
     mut socket: UnixStream,
+    tag: &str,
 ) {
     let mut fds: Vec<libc::pollfd> = events
         .iter()
@@ -219,6 +246,7 @@ fn forward_requests(
         })
         .collect();
     let mut buffer = Vec::with_capacity(SMALL_MESSAGE);
+    let mut broken = vec![false; rings.len()];
     loop {
         // SAFETY: poll on a live array of pollfds of our own eventfds.
         let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
@@ -234,12 +262,31 @@ fn forward_requests(
             }
             fd.revents = 0;
             let _ = events[index].read();
-            if drain(shared, &rings[index], &mut socket, &mut buffer).is_err() {
+            if broken[index] {
+                continue;
+            }
+            match drain(shared, &rings[index], &mut socket, &mut buffer) {
+                Ok(Drained::Empty) => {}
+                Ok(Drained::Broken) => {
+                    // Served no more: popping would find nothing, forever, while the ring
+                    // says there is more.
+                    eprintln!("krunbox-vmm: device {tag}: the guest broke queue {index}; it is no longer served");
+                    broken[index] = true;
+                }
                 // The library is gone: the instance is being torn down.
-                return;
+                Err(_) => return,
             }
         }
     }
+}
+
+/// How [`drain`] left a queue.
+#[derive(Debug, PartialEq, Eq)]
+enum Drained {
+    /// Nothing more on it; notifications are on.
+    Empty,
+    /// The guest's ring claims more than the queue holds, or entries no chain starts at.
+    Broken,
 }
 
 /// Forwards everything on one queue, with notifications off while there is more.
@@ -248,12 +295,18 @@ fn drain(
     ring: &Arc<Mutex<Queue>>,
     socket: &mut UnixStream,
     buffer: &mut Vec<u8>,
-) -> std::io::Result<()> {
+) -> std::io::Result<Drained> {
     loop {
         let request = {
             let mut queue = ring.lock().unwrap_or_else(|p| p.into_inner());
+            // The ring was checked to lie in guest memory when the device was activated, so
+            // reading its index does not fail.
+            if queue.len(&shared.mem) > queue.actual_size() {
+                return Ok(Drained::Broken);
+            }
             match pop(&mut queue, &shared.mem) {
                 Some(request) => request,
+                None if !queue.is_empty(&shared.mem) => return Ok(Drained::Broken),
                 None => {
                     // Notifications back on; if the guest added requests meanwhile, go on.
                     let more = queue.enable_notification(&shared.mem).unwrap_or(false);
@@ -261,7 +314,7 @@ fn drain(
                         let _ = queue.disable_notification(&shared.mem);
                         continue;
                     }
-                    return Ok(());
+                    return Ok(Drained::Empty);
                 }
             }
         };
@@ -366,6 +419,11 @@ fn forward(
         complete(shared, ring, request.head, 0);
         return Ok(());
     };
+    let fail = |unique: u64| {
+        let written = fail_request(&shared.mem, &chain.reply_to, unique);
+        complete(shared, ring, request.head, written);
+        Ok(())
+    };
     let mut header = [0u8; IN_HEADER_LEN];
     let parsed = if chain.readable_len >= IN_HEADER_LEN {
         gather(&shared.mem, &chain.readable, 0, &mut header).ok();
@@ -374,16 +432,18 @@ fn forward(
         None
     };
     let Some((opcode, unique)) = parsed else {
-        complete(shared, ring, request.head, 0);
-        return Ok(());
+        return fail(0);
     };
-    let answered = !matches!(opcode, FUSE_FORGET | FUSE_BATCH_FORGET);
+    let answered = !is_unanswered(opcode);
     if answered {
+        if unique == 0 {
+            // The library sends nothing for id 0 (a notification's id).
+            return fail(0);
+        }
         let mut pending = shared.pending.lock().unwrap_or_else(|p| p.into_inner());
         if pending.contains_key(&unique) || pending.len() >= usize::from(QUEUE_SIZE) {
             drop(pending);
-            complete(shared, ring, request.head, 0);
-            return Ok(());
+            return fail(unique);
         }
         // Recorded before it is sent: the reply may come back before this thread goes on.
         pending.insert(
@@ -419,6 +479,25 @@ fn forward(
     Ok(())
 }
 
+/// Answers a request the library never sees with `EIO` (the guest kernel reads the reply
+/// header whatever the used length says, so a request completed with no header would
+/// "succeed" with whatever its buffers held). Returns the bytes written: 16, or 0 when the
+/// chain has no room for a header.
+fn fail_request(mem: &GuestMemoryMmap, reply_to: &[(GuestAddress, u32)], unique: u64) -> u32 {
+    let room: usize = reply_to.iter().map(|(_, l)| *l as usize).sum();
+    if room < OUT_HEADER_LEN {
+        return 0;
+    }
+    let mut header = [0u8; OUT_HEADER_LEN];
+    header[0..4].copy_from_slice(&(OUT_HEADER_LEN as u32).to_le_bytes());
+    header[4..8].copy_from_slice(&(-libc::EIO).to_le_bytes());
+    header[8..16].copy_from_slice(&unique.to_le_bytes());
+    match scatter(mem, reply_to, &header) {
+        Ok(()) => OUT_HEADER_LEN as u32,
+        Err(_) => 0,
+    }
+}
+
 /// Writes `len` bytes of guest memory at `address` to `socket`.
 fn write_from_guest(
     mem: &GuestMemoryMmap,
@@ -428,9 +507,17 @@ fn write_from_guest(
 ) -> std::io::Result<()> {
     let mut done = 0;
     while done < len {
-        let wrote = mem
-            .write_volatile_to(GuestAddress(address.0 + done as u64), socket, len - done)
-            .map_err(memory_error)?;
+        let wrote = match mem.write_volatile_to(
+            GuestAddress(address.0 + done as u64),
+            socket,
+            len - done,
+        ) {
+            Ok(wrote) => wrote,
+            Err(GuestMemoryError::IOError(e)) if e.kind() == std::io::ErrorKind::Interrupted => {
+                continue
+            }
+            Err(e) => return Err(memory_error(e)),
+        };
         if wrote == 0 {
             return Err(std::io::ErrorKind::WriteZero.into());
         }
@@ -448,9 +535,17 @@ fn read_into_guest(
 ) -> std::io::Result<()> {
     let mut done = 0;
     while done < len {
-        let read = mem
-            .read_volatile_from(GuestAddress(address.0 + done as u64), socket, len - done)
-            .map_err(memory_error)?;
+        let read =
+            match mem.read_volatile_from(GuestAddress(address.0 + done as u64), socket, len - done)
+            {
+                Ok(read) => read,
+                Err(GuestMemoryError::IOError(e))
+                    if e.kind() == std::io::ErrorKind::Interrupted =>
+                {
+                    continue
+                }
+                Err(e) => return Err(memory_error(e)),
+            };
         if read == 0 {
             return Err(std::io::ErrorKind::UnexpectedEof.into());
         }

@@ -203,7 +203,7 @@ fn large_messages_move_directly_and_a_reply_past_its_room_keeps_the_framing() {
 }
 
 #[test]
-fn forgets_malformed_requests_and_reused_uniques_are_completed_unanswered() {
+fn forgets_are_completed_at_once_and_malformed_or_reused_uniques_fail_with_eio() {
     let (mem, ring) = guest();
     let (shared, _signals) = counting_shared(&mem);
     let forget = request(FUSE_FORGET, 1, &[0u8; 8]);
@@ -231,27 +231,85 @@ fn forgets_malformed_requests_and_reused_uniques_are_completed_unanswered() {
     library.read_to_end(&mut forwarded).unwrap();
     // The FORGET and the first of the two with unique 3 went to the library.
     assert_eq!(forwarded, [forget.clone(), first.clone()].concat());
-    // Completed unanswered: the FORGET (head 0), the malformed one (2), the reused
-    // unique (6); the first with unique 3 (head 4) waits for its reply.
-    assert_eq!(used(&mem), vec![(0, 0), (2, 0), (6, 0)]);
+    // Completed at once: the FORGET (head 0) with nothing, the malformed one (2) and the
+    // reused unique (6) with an EIO reply header; the first with unique 3 (head 4) waits for
+    // its reply.
+    assert_eq!(used(&mem), vec![(0, 0), (2, 16), (6, 16)]);
     assert!(shared.pending.lock().unwrap().contains_key(&3));
+    for (at, unique) in [(0x11800u64, 0u64), (0x13800, 3)] {
+        let mut header = [0u8; 16];
+        mem.read_slice(&mut header, GuestAddress(at)).unwrap();
+        assert_eq!(header[0..4], 16u32.to_le_bytes());
+        assert_eq!(header[4..8], (-libc::EIO).to_le_bytes());
+        assert_eq!(header[8..16], unique.to_le_bytes());
+    }
+}
+
+#[test]
+fn interrupts_and_unique_zero_never_wait_for_the_library() {
+    let (mem, ring) = guest();
+    let (shared, _signals) = counting_shared(&mem);
+    const FUSE_INTERRUPT: u32 = 36;
+    let interrupt = request(FUSE_INTERRUPT, 5, &[0u8; 8]);
+    let zero = request(1, 0, b"a\0");
+    for (i, (bytes, at)) in [(&interrupt, 0x10000u64), (&zero, 0x11000)]
+        .into_iter()
+        .enumerate()
+    {
+        mem.write_slice(bytes, GuestAddress(at)).unwrap();
+        offer(
+            &mem,
+            2 * i as u16,
+            &[(at, bytes.len() as u32, false), (at + 0x800, 64, true)],
+        );
+    }
+    let (mut helper, _library) = UnixStream::pair().unwrap();
+    drain(&shared, &ring, &mut helper, &mut Vec::new()).unwrap();
+    assert_eq!(used(&mem), vec![(0, 0), (2, 16)]);
+    assert!(shared.pending.lock().unwrap().is_empty());
+}
+
+#[test]
+fn a_ring_that_names_no_chain_is_broken_and_not_spun_on() {
+    let (mem, ring) = guest();
+    let (shared, _signals) = counting_shared(&mem);
+    // An available entry naming descriptor 0xffff, past the queue.
+    mem.write_obj(0xffffu16, GuestAddress(AVAIL_RING + 4))
+        .unwrap();
+    mem.write_obj(1u16, GuestAddress(AVAIL_RING + 2)).unwrap();
+    let (mut helper, _library) = UnixStream::pair().unwrap();
+    let drained = drain(&shared, &ring, &mut helper, &mut Vec::new()).unwrap();
+    assert_eq!(drained, Drained::Broken);
+    // An index claiming more entries than the queue holds.
+    let (mem, ring) = guest();
+    let (shared, _signals) = counting_shared(&mem);
+    mem.write_obj(SIZE + 1, GuestAddress(AVAIL_RING + 2))
+        .unwrap();
+    let drained = drain(&shared, &ring, &mut helper, &mut Vec::new()).unwrap();
+    assert_eq!(drained, Drained::Broken);
 }
 
 #[test]
 fn a_request_past_the_bounds_is_completed_unanswered() {
     let (mem, ring) = guest();
     let (shared, _signals) = counting_shared(&mem);
-    // Readable bytes past MAX_REQUEST (two descriptors of a little over half each).
+    // Readable bytes past MAX_REQUEST (two descriptors of a little over half each), with a
+    // header whose length says so.
     let half = (MAX_REQUEST / 2 + 1) as u32;
+    let long = request(16, 1, &vec![0u8; 2 * half as usize - IN_HEADER_LEN]);
+    mem.write_slice(&long[..half as usize], GuestAddress(0x1_0000))
+        .unwrap();
     offer(&mem, 0, &[(0x1_0000, half, false), (0x1_0000, half, false)]);
-    // Readable after writable.
+    // Readable after writable (a header saying 72 bytes, which the readable parts hold).
+    mem.write_slice(&request(1, 2, &[0u8; 32]), GuestAddress(0xa_0000))
+        .unwrap();
     offer(
         &mem,
         2,
         &[
-            (0x2_0000, 64, false),
-            (0x2_1000, 64, true),
-            (0x2_0000, 8, false),
+            (0xa_0000, 64, false),
+            (0xa_1000, 64, true),
+            (0xa_0000, 8, false),
         ],
     );
     let (mut helper, library) = UnixStream::pair().unwrap();

@@ -53,7 +53,7 @@ pub const NET_FD: i32 = 7;
 pub const WRITABLE_LAYER_FD: i32 = 8;
 
 /// The first of the helper's filesystem device sockets (see [`VmmConfig::fs_devices`]); one
-/// per mount, at most [`MAX_MOUNTS`](crate::fs::MAX_MOUNTS) and a layer's.
+/// per mount (at most [`MAX_MOUNTS`](crate::fs::MAX_MOUNTS), a copy-on-write layer's included).
 pub const FS_DEVICE_FD_BASE: i32 = 16;
 
 /// The helper's exit code when it refused to start the VM because its jail did not hold (a
@@ -420,7 +420,8 @@ fn configure(
         // `fs_devices` of them, and nothing else in the helper owns them.
         let socket = unsafe { std::os::unix::net::UnixStream::from_raw_fd(fd) };
         let tag = krunbox_protocol::mount_tag(index);
-        let device = crate::fs::virtio::ForwardingFs::new(&tag, socket);
+        let device = crate::fs::virtio::ForwardingFs::new(&tag, socket)
+            .map_err(|e| format!("the filesystem device {tag}: {e}"))?;
         krun_sys::device::attach(&tag, std::sync::Arc::new(std::sync::Mutex::new(device)));
     }
     // Explicitly empty: nothing of this process's environment reaches the guest.
@@ -456,6 +457,12 @@ pub(crate) fn spawn(
         inherited.len() <= MAX_INHERITED,
         "too many inherited descriptors"
     );
+    assert!(
+        inherited
+            .iter()
+            .all(|(_, target)| (3..OUT_OF_THE_WAY).contains(target)),
+        "an inherited descriptor's number is not below {OUT_OF_THE_WAY}"
+    );
     let mut plan = [(-1, -1); MAX_INHERITED];
     plan[..inherited.len()].copy_from_slice(inherited);
     let count = inherited.len();
@@ -485,6 +492,12 @@ pub(crate) fn spawn(
                     return Err(std::io::Error::last_os_error());
                 }
             }
+            // Nothing else of this process goes along: a descriptor the caller (or its own
+            // parent) left without CLOEXEC would pass every layer of the jail, as Landlock and
+            // the empty root govern only what is opened later. First everything below the
+            // moved sources (the targets' numbers and the gaps between them), then, once the
+            // targets are in place, everything above them (the moved sources too).
+            close_from_to(3, OUT_OF_THE_WAY as libc::c_uint - 1);
             let mut highest = 2;
             for (source, target) in plan.iter().take(count) {
                 if libc::dup2(*source, *target) < 0 {
@@ -492,28 +505,7 @@ pub(crate) fn spawn(
                 }
                 highest = highest.max(*target);
             }
-            // Nothing else of this process goes along: a descriptor the caller (or its own
-            // parent) left without CLOEXEC would pass every layer of the jail, as Landlock and
-            // the empty root govern only what is opened later. close_range is a plain syscall.
-            let first = (highest + 1) as libc::c_uint;
-            if libc::syscall(
-                libc::SYS_close_range,
-                first,
-                libc::c_uint::MAX,
-                0 as libc::c_uint,
-            ) != 0
-            {
-                // Kernels before 5.9 lack close_range: close one by one up to the fd limit.
-                let mut limit = libc::rlimit {
-                    rlim_cur: 0,
-                    rlim_max: 0,
-                };
-                libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit);
-                let end = limit.rlim_cur.min(1 << 20) as libc::c_int;
-                for fd in first as libc::c_int..end {
-                    libc::close(fd);
-                }
-            }
+            close_from_to((highest + 1) as libc::c_uint, libc::c_uint::MAX);
             Ok(())
         });
     }
@@ -521,6 +513,26 @@ pub(crate) fn spawn(
         path: helper.to_path_buf(),
         source,
     })
+}
+
+/// Closes descriptors `first..=last`, between fork and exec (async-signal-safe: plain system
+/// calls, no allocation). Kernels before 5.9 lack close_range: then one by one, up to the
+/// descriptor limit.
+fn close_from_to(first: libc::c_uint, last: libc::c_uint) {
+    // SAFETY: close_range and close on numbers only; nothing in the child uses them after.
+    unsafe {
+        if libc::syscall(libc::SYS_close_range, first, last, 0 as libc::c_uint) != 0 {
+            let mut limit = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit);
+            let end = (limit.rlim_cur.min(1 << 20) as libc::c_uint).min(last.saturating_add(1));
+            for fd in first..end {
+                libc::close(fd as libc::c_int);
+            }
+        }
+    }
 }
 
 /// The last `lines` lines of the given log files, for error reports.

@@ -183,7 +183,23 @@ fn the_vmm_helper_is_jailed_and_every_canary_is_blocked() {
         // SAFETY: opening a directory by a valid C string; closed at the end of the test.
         let leaked = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY) };
         assert!(leaked >= 0);
-        let vm = busybox().boot().await.unwrap();
+        // And one more copy at a number the helper's own descriptors leave free: 15, between
+        // its fixed descriptors (up to 8) and its filesystem devices' (from 16). Whatever this
+        // process had there is kept aside and put back.
+        // SAFETY: fcntl/dup2 on descriptor numbers; 15 is restored at the end of the test.
+        let in_the_gap = 15;
+        let kept = unsafe { libc::fcntl(in_the_gap, libc::F_DUPFD_CLOEXEC, 64) };
+        assert_eq!(unsafe { libc::dup2(leaked, in_the_gap) }, in_the_gap);
+        // With a mount, so that the helper has a filesystem device's descriptor (16) above 15.
+        let vm = Sandbox::builder()
+            .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
+            .memory_mib(256)
+            .mount("/mnt/empty", krunbox::fs::MemoryFs::new())
+            .build()
+            .unwrap()
+            .boot()
+            .await
+            .unwrap();
         let isolation = vm.isolation().clone();
         println!("{isolation}");
         // What the helper reports.
@@ -222,8 +238,15 @@ fn the_vmm_helper_is_jailed_and_every_canary_is_blocked() {
                 "pid {p} holds the leaked directory: {fds:?}"
             );
         }
-        // SAFETY: closing the descriptor opened above, once.
-        unsafe { libc::close(leaked) };
+        // SAFETY: closing the descriptors opened above, once.
+        unsafe {
+            libc::close(leaked);
+            libc::close(in_the_gap);
+            if kept >= 0 {
+                libc::dup2(kept, in_the_gap);
+                libc::close(kept);
+            }
+        }
         // Its root holds exactly what libkrun opens.
         let root: BTreeSet<String> = std::fs::read_dir(format!("/proc/{pid}/root"))
             .unwrap()

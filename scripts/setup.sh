@@ -6,7 +6,7 @@
 #                     e2fsprogs (mke2fs formats writable roots' layers), qemu-utils
 #                     (the tests check persistent layers with qemu-img check),
 #                     docker-registry and skopeo (the pull tests' registry on loopback, and
-#                     the pushes of the images they build)
+#                     the pushes of the images they build), patch (libkrun's hook)
 #   libkrun hook      .patched/krun-vmm: libkrun's krun-vmm from crates.io with our one patch
 #                     (scripts/libkrun-hook.sh; the workspace cannot build without it)
 #   Rust target       x86_64-unknown-linux-musl (guest-init is a static binary)
@@ -25,11 +25,12 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/lib.sh"
 cd "$here/.."
 
-# First of all: the workspace's Cargo.toml names libkrun's patched krun-vmm, which this makes.
-"$here/libkrun-hook.sh"
-
 need_apt erofs-utils mmdebstrap busybox-static python3 passt e2fsprogs qemu-utils \
-    docker-registry skopeo
+    docker-registry skopeo patch
+
+# Before any cargo command in the workspace: its Cargo.toml names libkrun's patched krun-vmm,
+# which this makes (with python3 and patch, installed just above).
+"$here/libkrun-hook.sh"
 
 musl=x86_64-unknown-linux-musl
 if ! rustup target list --installed | grep -qx "$musl"; then

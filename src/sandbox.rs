@@ -483,11 +483,21 @@ impl SandboxBuilder {
             (Some(_), network) => Some(network.unwrap_or_else(crate::Network::deny_all)),
             (None, network) => network,
         };
-        let mounts = crate::fs::check_mounts(self.mounts).map_err(Error::InvalidConfig)?;
         let virtiofs_passthrough = self
             .virtiofs_passthrough
             .map(|(dir, tag)| passthrough_share(&dir, tag))
             .transpose()?;
+        let mut others = Vec::new();
+        if network.is_some() {
+            others.push("for the network");
+        }
+        if self.rootfs.is_writable() {
+            others.push("for the writable root's layer");
+        }
+        if virtiofs_passthrough.is_some() {
+            others.push("for the benchmark's passthrough");
+        }
+        let mounts = crate::fs::check_mounts(self.mounts, &others).map_err(Error::InvalidConfig)?;
         let kernel = self.kernel.map(Kernel::into_config).transpose()?;
         let artifacts = Artifacts::locate_with(&self.overrides)?;
         Ok(Sandbox {

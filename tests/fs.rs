@@ -1,5 +1,5 @@
-//! Workspaces: host-implemented filesystems mounted in a real microVM (FUSE in the guest,
-//! relayed over vsock to the library). Every test boots its own VM.
+//! Workspaces: host-implemented filesystems mounted in a real microVM (FUSE over a virtio-fs
+//! device of the helper's, forwarded to the library). Every test boots its own VM.
 
 mod common;
 #[allow(dead_code)] // the network tests' sandboxes are not used here
@@ -209,6 +209,46 @@ fn host_and_guest_see_each_others_changes_while_the_vm_runs() {
         )
         .await;
         assert_eq!(out, "changed by the host, longer\nnew\n");
+        vm.shutdown().await.unwrap();
+    })
+}
+
+/// Every mount is a device of the VM, and the VM has only so many: with a network and a
+/// writable root (a device each) a sandbox has room for 3 mounts, all of which work, and a
+/// fourth is refused when the sandbox is built, saying why.
+#[test]
+fn as_many_mounts_as_the_vm_has_devices_for_work_beside_a_network_and_a_writable_root() {
+    common::run(async {
+        let with = |count: usize| {
+            let mut builder = busybox()
+                .rootfs(Rootfs::ephemeral(
+                    Rootfs::builtin(BuiltinImage::Busybox),
+                    64 << 20,
+                ))
+                .network(krunbox::Network::deny_all());
+            for i in 0..count {
+                let fs = MemoryFs::new();
+                fs.write_file("/which", format!("mount {i}\n").as_bytes())
+                    .unwrap();
+                builder = builder.mount(format!("/mnt/m{i}"), fs);
+            }
+            builder
+        };
+        match with(4).build() {
+            Err(Error::InvalidConfig(why)) => assert!(
+                why.contains("at most 3 filesystems") && why.contains("network"),
+                "{why}"
+            ),
+            other => panic!("4 mounts beside a network and a writable root: {other:?}"),
+        }
+        let vm = boot(with(3)).await;
+        let (out, _) = sh(
+            &vm,
+            "cat /mnt/m0/which /mnt/m1/which /mnt/m2/which && echo x > /written && cat /written",
+            Duration::from_secs(60),
+        )
+        .await;
+        assert_eq!(out, "mount 0\nmount 1\nmount 2\nx\n");
         vm.shutdown().await.unwrap();
     })
 }

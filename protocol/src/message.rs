@@ -125,7 +125,7 @@ pub enum LayerDevice {
     /// device [`mount_tag`](crate::mount_tag)`(mount_index)` (the index after
     /// [`Setup::mounts`]'), attaches its file [`LAYER_FILE_NAME`] to a loop device and uses that.
     HostFile {
-        /// The connection's index.
+        /// The device's index.
         mount_index: u32,
     },
 }

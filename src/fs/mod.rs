@@ -133,19 +133,42 @@ impl std::fmt::Debug for Mount {
     }
 }
 
-/// The most mounts one sandbox can have.
-pub const MAX_MOUNTS: usize = 16;
+/// Interrupts libkrun 1.19.7 gives an x86-64 guest's virtio-mmio devices (5 to 15), so the
+/// most devices a VM can have.
+const DEVICE_INTERRUPTS: usize = 11;
+
+/// libkrun's own devices in every VM krunbox boots: balloon, entropy, console, the first
+/// root's virtio-fs, the root image's disk and vsock.
+const LIBKRUN_DEVICES: usize = 6;
+
+/// The most mounts one sandbox can have: each is a virtio device of the VM, and of the 11 a
+/// guest can have libkrun takes 6. A network takes one more, and so does a writable root
+/// (its layer's disk), so a sandbox with both can have 3 mounts. [`SandboxBuilder::build`]
+/// (crate::SandboxBuilder::build) refuses more with `Error::InvalidConfig`.
+///
+/// ```
+/// assert_eq!(krunbox::fs::MAX_MOUNTS, 5);
+/// ```
+pub const MAX_MOUNTS: usize = DEVICE_INTERRUPTS - LIBKRUN_DEVICES;
 
 /// The longest guest mount path.
 const MAX_GUEST_PATH: usize = 1024;
 
 /// Checks a definition's mounts: absolute, normal guest paths (no `.`, `..`, empty components
-/// or NUL), none under the guest's API filesystems, no two at one path, at most [`MAX_MOUNTS`].
+/// or NUL), none under the guest's API filesystems, no two at one path, and no more than the
+/// VM has devices for, besides `others` (what else takes a device: "a network", ...).
 /// Returns them ordered so that a mount comes after the mounts that contain it.
-pub(crate) fn check_mounts(mut mounts: Vec<Mount>) -> Result<Vec<Mount>, String> {
-    if mounts.len() > MAX_MOUNTS {
+pub(crate) fn check_mounts(mut mounts: Vec<Mount>, others: &[&str]) -> Result<Vec<Mount>, String> {
+    let most = MAX_MOUNTS.saturating_sub(others.len());
+    if mounts.len() > most {
+        let besides = others
+            .iter()
+            .map(|other| format!(", one {other}"))
+            .collect::<String>();
         return Err(format!(
-            "at most {MAX_MOUNTS} filesystems can be mounted, got {}",
+            "at most {most} filesystems can be mounted in this sandbox, got {}: each is a \
+             virtio device of the VM, and libkrun gives a guest {DEVICE_INTERRUPTS} devices, \
+             {LIBKRUN_DEVICES} of them its own{besides}",
             mounts.len()
         ));
     }

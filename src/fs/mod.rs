@@ -143,8 +143,9 @@ const LIBKRUN_DEVICES: usize = 6;
 
 /// The most mounts one sandbox can have: each is a virtio device of the VM, and of the 11 a
 /// guest can have libkrun takes 6. A network takes one more, and so does a writable root
-/// (its layer's disk), so a sandbox with both can have 3 mounts. [`SandboxBuilder::build`]
-/// (crate::SandboxBuilder::build) refuses more with `Error::InvalidConfig`.
+/// (its layer's disk), so a sandbox with both can have 3 mounts.
+/// [`SandboxBuilder::build`](crate::SandboxBuilder::build) refuses more with
+/// [`Error::InvalidConfig`](crate::Error::InvalidConfig).
 ///
 /// ```
 /// assert_eq!(krunbox::fs::MAX_MOUNTS, 5);

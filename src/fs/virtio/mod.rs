@@ -505,25 +505,9 @@ fn write_from_guest(
     len: usize,
     socket: &mut UnixStream,
 ) -> std::io::Result<()> {
-    let mut done = 0;
-    while done < len {
-        let wrote = match mem.write_volatile_to(
-            GuestAddress(address.0 + done as u64),
-            socket,
-            len - done,
-        ) {
-            Ok(wrote) => wrote,
-            Err(GuestMemoryError::IOError(e)) if e.kind() == std::io::ErrorKind::Interrupted => {
-                continue
-            }
-            Err(e) => return Err(memory_error(e)),
-        };
-        if wrote == 0 {
-            return Err(std::io::ErrorKind::WriteZero.into());
-        }
-        done += wrote;
-    }
-    Ok(())
+    move_all(address, len, std::io::ErrorKind::WriteZero, |at, left| {
+        mem.write_volatile_to(at, socket, left)
+    })
 }
 
 /// Reads `len` bytes from `socket` into guest memory at `address`.
@@ -533,23 +517,31 @@ fn read_into_guest(
     len: usize,
     socket: &mut UnixStream,
 ) -> std::io::Result<()> {
+    move_all(
+        address,
+        len,
+        std::io::ErrorKind::UnexpectedEof,
+        |at, left| mem.read_volatile_from(at, socket, left),
+    )
+}
+
+/// Moves `len` bytes at `address` with `step` (one system call, at most the bytes left, how
+/// many it moved) until all have moved, again after `EINTR`; a step that moves nothing is
+/// `ended`.
+fn move_all(
+    address: GuestAddress,
+    len: usize,
+    ended: std::io::ErrorKind,
+    mut step: impl FnMut(GuestAddress, usize) -> Result<usize, GuestMemoryError>,
+) -> std::io::Result<()> {
     let mut done = 0;
     while done < len {
-        let read =
-            match mem.read_volatile_from(GuestAddress(address.0 + done as u64), socket, len - done)
-            {
-                Ok(read) => read,
-                Err(GuestMemoryError::IOError(e))
-                    if e.kind() == std::io::ErrorKind::Interrupted =>
-                {
-                    continue
-                }
-                Err(e) => return Err(memory_error(e)),
-            };
-        if read == 0 {
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        match step(GuestAddress(address.0 + done as u64), len - done) {
+            Ok(0) => return Err(ended.into()),
+            Ok(moved) => done += moved,
+            Err(GuestMemoryError::IOError(e)) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(memory_error(e)),
         }
-        done += read;
     }
     Ok(())
 }

@@ -21,9 +21,9 @@ use crate::fs::fuse::{is_unanswered, IN_HEADER_LEN, MAX_REQUEST};
 
 /// Guest memory: the rings low, then what the input puts in memory.
 const MEMORY: u64 = 256 * 1024;
-const DESC_TABLE: u64 = 0;
-const AVAIL_RING: u64 = 0x1000;
-const USED_RING: u64 = 0x2000;
+pub(super) const DESC_TABLE: u64 = 0;
+pub(super) const AVAIL_RING: u64 = 0x1000;
+pub(super) const USED_RING: u64 = 0x2000;
 const DATA: u64 = 0x4000;
 
 /// Reads the input front to back; past its end, zeros.
@@ -90,13 +90,7 @@ fn run(data: &[u8]) -> (usize, u16) {
     mem.write_slice(rest, GuestAddress(DATA))
         .expect("in memory");
 
-    let mut queue = Queue::new(size);
-    queue.size = size;
-    queue.ready = true;
-    queue.desc_table = GuestAddress(DESC_TABLE);
-    queue.avail_ring = GuestAddress(AVAIL_RING);
-    queue.used_ring = GuestAddress(USED_RING);
-    let ring = Arc::new(Mutex::new(queue));
+    let ring = Arc::new(Mutex::new(laid_out_queue(size)));
     let shared = Arc::new(Shared::new(mem.clone(), || {}));
 
     let (mut helper, library) = UnixStream::pair().expect("a socket pair");
@@ -191,17 +185,33 @@ fn has_duplicate_offer(mem: &GuestMemoryMmap, offered: u16, head: u32) -> bool {
         > 1
 }
 
+/// A queue of `size` whose rings are at [`DESC_TABLE`], [`AVAIL_RING`] and [`USED_RING`],
+/// ready, as a driver leaves it (the unit tests' queues too).
+pub(super) fn laid_out_queue(size: u16) -> Queue {
+    let mut queue = Queue::new(size);
+    queue.size = size;
+    queue.ready = true;
+    queue.desc_table = GuestAddress(DESC_TABLE);
+    queue.avail_ring = GuestAddress(AVAIL_RING);
+    queue.used_ring = GuestAddress(USED_RING);
+    queue
+}
+
+/// A FUSE request: a header whose length covers `body`, then `body`.
+#[cfg(test)]
+pub(super) fn request(opcode: u32, unique: u64, body: &[u8]) -> Vec<u8> {
+    let mut bytes = vec![0u8; IN_HEADER_LEN];
+    bytes[0..4].copy_from_slice(&((IN_HEADER_LEN + body.len()) as u32).to_le_bytes());
+    bytes[4..8].copy_from_slice(&opcode.to_le_bytes());
+    bytes[8..16].copy_from_slice(&unique.to_le_bytes());
+    bytes.extend_from_slice(body);
+    bytes
+}
+
 /// Inputs that reach each path: a LOOKUP answered, a FORGET, a write of 100 KiB (the direct
 /// path) and a read whose reply is larger than its room.
 #[cfg(test)]
 fn seeds() -> Vec<Vec<u8>> {
-    fn header(opcode: u32, unique: u64, body: usize) -> Vec<u8> {
-        let mut bytes = vec![0u8; IN_HEADER_LEN];
-        bytes[0..4].copy_from_slice(&((IN_HEADER_LEN + body) as u32).to_le_bytes());
-        bytes[4..8].copy_from_slice(&opcode.to_le_bytes());
-        bytes[8..16].copy_from_slice(&unique.to_le_bytes());
-        bytes
-    }
     /// A seed: a queue of 4 with chains of (address, length, writable) descriptors, offered in
     /// order, answered with bodies of `answers` KiB, and `memory` at DATA.
     fn seed(chains: &[&[(u64, u32, bool)]], answers: [u8; 8], memory: &[u8]) -> Vec<u8> {
@@ -235,10 +245,10 @@ fn seeds() -> Vec<Vec<u8>> {
         out.extend_from_slice(memory);
         out
     }
-    let lookup = [header(1, 7, 2), b"a\0".to_vec()].concat();
-    let forget = [header(FUSE_FORGET, 8, 8), vec![0u8; 8]].concat();
-    let write = [header(16, 9, 100 * 1024), vec![0x5a; 100 * 1024]].concat();
-    let read = header(15, 10, 0);
+    let lookup = request(1, 7, b"a\0");
+    let forget = request(FUSE_FORGET, 8, &[0u8; 8]);
+    let write = request(16, 9, &vec![0x5a; 100 * 1024]);
+    let read = request(15, 10, &[]);
     vec![
         seed(
             &[&[

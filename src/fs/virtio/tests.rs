@@ -4,11 +4,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use krun_sys::device::Descriptor;
 
+use super::fuzz::{laid_out_queue, request, AVAIL_RING, DESC_TABLE, USED_RING};
 use super::*;
 
-const DESC_TABLE: u64 = 0;
-const AVAIL_RING: u64 = 0x1000;
-const USED_RING: u64 = 0x2000;
 const SIZE: u16 = 16;
 const F_NEXT: u16 = 1;
 const F_WRITE: u16 = 2;
@@ -16,12 +14,7 @@ const F_WRITE: u16 = 2;
 /// Guest memory with one queue of 16 laid out in it, as a driver would.
 fn guest() -> (GuestMemoryMmap, Arc<Mutex<Queue>>) {
     let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x100000)]).unwrap();
-    let mut queue = Queue::new(SIZE);
-    queue.size = SIZE;
-    queue.ready = true;
-    queue.desc_table = GuestAddress(DESC_TABLE);
-    queue.avail_ring = GuestAddress(AVAIL_RING);
-    queue.used_ring = GuestAddress(USED_RING);
+    let queue = laid_out_queue(SIZE);
     assert!(queue.is_valid(&mem));
     (mem, Arc::new(Mutex::new(queue)))
 }
@@ -62,15 +55,6 @@ fn used(mem: &GuestMemoryMmap) -> Vec<(u32, u32)> {
             (id, len)
         })
         .collect()
-}
-
-fn request(opcode: u32, unique: u64, body: &[u8]) -> Vec<u8> {
-    let mut bytes = vec![0u8; IN_HEADER_LEN];
-    bytes[0..4].copy_from_slice(&((IN_HEADER_LEN + body.len()) as u32).to_le_bytes());
-    bytes[4..8].copy_from_slice(&opcode.to_le_bytes());
-    bytes[8..16].copy_from_slice(&unique.to_le_bytes());
-    bytes.extend_from_slice(body);
-    bytes
 }
 
 fn counting_shared(mem: &GuestMemoryMmap) -> (Arc<Shared>, Arc<AtomicUsize>) {

@@ -12,7 +12,8 @@
 #   Rust target       x86_64-unknown-linux-musl (guest-init is a static binary)
 #   cargo-nextest     runs the VM tests, one process per test (from crates.io if missing)
 #   libkrunfw         the guest kernel, Debian sid's libkrunfw5, into the krunbox cache
-#   build             the workspace (krunbox, krunbox-vmm, krunbox-rootfs) and guest-init
+#   build             the workspace (krunbox, krunbox-vmm, krunbox-rootfs), guest-init, and
+#                     tests/plain-libkrun (an image booted by libkrun alone, for one test)
 #   pjdfstest         the POSIX filesystem conformance suite tests/fs_conformance.rs runs in the
 #                     guest, from crates.io, as a static musl binary, into the krunbox cache
 #   images            the built-in busybox and agent images, into the krunbox cache
@@ -49,6 +50,10 @@ log "cargo build (host binaries)"
 cargo build --workspace --bins >&2
 log "cargo build guest-init ($musl)"
 cargo build -p guest-init --release --target "$musl" --bins --examples >&2
+# A program that boots an image with libkrun alone (crates.io's, with its own init, without our
+# patch): tests/rootfs_writable.rs shows a flattened image boots with it. Its own workspace.
+log "cargo build tests/plain-libkrun"
+cargo build --locked --manifest-path tests/plain-libkrun/Cargo.toml --target-dir "$(cargo_target_dir)" >&2
 
 # pjdfstest (its Rust rewrite, a crates.io release): static, so it runs in either image. Built
 # once (about two minutes) into $KRUNBOX_CACHE_DIR/tools/pjdfstest/bin/pjdfstest, where

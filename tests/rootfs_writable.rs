@@ -269,7 +269,7 @@ fn assert_qcow2_is_clean(path: &std::path::Path) {
 
 /// `flatten` merges a persistent root (a file added, a file of the image deleted) into one
 /// standalone qcow2 that `qemu-img check` finds clean and that boots on its own, read-only,
-/// with the changes and without the deleted file.
+/// with the changes and without the deleted file; and boots with libkrun alone as well.
 #[test]
 fn a_flattened_persistent_root_boots_alone_with_its_changes() {
     common::run(async {
@@ -311,5 +311,66 @@ fn a_flattened_persistent_root_boots_alone_with_its_changes() {
         .await;
         assert_eq!(out, "flat\ngone\n1\n", "{out}");
         vm.shutdown().await.expect("shutdown");
+
+        // And with libkrun alone: its own init mounts the image as the root.
+        let out = boot_with_plain_libkrun(
+            &flat.path,
+            "cat /etc/flat; [ -e /bin/true ] && echo present || echo gone; echo plain-$((6 * 7))",
+        )
+        .await;
+        let lines: Vec<&str> = out.lines().map(str::trim_end).collect();
+        for expected in ["flat", "gone", "plain-42"] {
+            assert!(lines.contains(&expected), "no line {expected:?} in:\n{out}");
+        }
+        assert!(!lines.contains(&"present"), "{out}");
     });
+}
+
+/// Boots `image` (a qcow2 of ext4) with `tests/plain-libkrun`, a program linking only the
+/// crates.io libkrun with its own init, and returns the console's output of `sh -c SCRIPT`.
+async fn boot_with_plain_libkrun(image: &std::path::Path, script: &str) -> String {
+    // Built by scripts/setup.sh into the workspace's target directory, beside the test binary's.
+    let program = std::env::current_exe()
+        .unwrap()
+        .parent()
+        .and_then(|deps| deps.parent())
+        .unwrap()
+        .join("libkrun-plain-boot");
+    let libkrunfw = krunbox::Artifacts::locate()
+        .expect("artifacts (run scripts/setup.sh)")
+        .libkrunfw_dir;
+    let mut child = tokio::process::Command::new(&program)
+        .arg(image)
+        .args(["/bin/sh", "-c", script])
+        .env("LD_LIBRARY_PATH", libkrunfw)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!(
+                "{}: {e} (scripts/setup.sh builds it from tests/plain-libkrun)",
+                program.display()
+            )
+        });
+    let (mut stdout, mut stderr) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let read = async {
+        use tokio::io::AsyncReadExt;
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let (a, b) = tokio::join!(stdout.read_to_end(&mut out), stderr.read_to_end(&mut err));
+        a.and(b).map(|_| (out, err))
+    };
+    let (out, err) = tokio::time::timeout(TIMEOUT, read)
+        .await
+        .expect("the plain libkrun guest did not finish in time")
+        .expect("reading its output");
+    let status = child.wait().await.expect("wait");
+    let (out, err) = (String::from_utf8_lossy(&out), String::from_utf8_lossy(&err));
+    assert!(
+        !err.contains("libkrun-plain-boot:"),
+        "libkrun refused the configuration ({status}): {err}"
+    );
+    // Its log too, for the assertions' messages (it is never the lines they look for).
+    format!("{out}\n(stderr, {status}:)\n{err}")
 }

@@ -8,8 +8,9 @@
 //! as a FUSE write; a guest `fsync` (its filesystem's flush, which the loop device turns into
 //! an `fsync` of the file) arrives as a FUSE fsync. docs/architecture.md has the alternatives.
 //!
-//! Here: blocks the guest writes are kept in memory (dirty), whole blocks of the store's size,
-//! at most `max_dirty_bytes` of them. They go to the store:
+//! Here: pages the guest writes are kept in memory (dirty), with copies of blocks as the store
+//! holds them (clean, dropped first), at most `max_dirty_bytes` of both (`block_cache.rs` says
+//! why pages). Dirty pages go to the store, merged into whole blocks:
 //! * when the next write would pass the bound (written, not flushed: like a disk's cache);
 //! * on a guest sync: every dirty block written, then [`BlockStore::flush`], and only then
 //!   does the guest's `fsync` return;
@@ -20,11 +21,11 @@
 //! guest's I/O with `EIO`, and is reported by `shutdown` as [`Error::BlockStore`]: never a
 //! silent loss.
 
-use std::collections::BTreeMap;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
+use super::block_cache::{BlockCache, Fetched};
 use super::layer::{data_extents, formatted_memfd, Journal, RootUsage};
 use super::persistent::{parse_record, record};
 use super::served::ServedDisk;
@@ -35,27 +36,13 @@ use crate::fs::{async_trait, FsError, FsResult};
 /// The size of a copy-on-write root's layer disk (32 GiB): what its changes can grow to.
 pub(crate) const COW_LAYER_BYTES: u64 = 32 << 30;
 
-/// A store and what a block index's bit says: written to the store.
-#[derive(Debug)]
-struct Written(Vec<u64>);
+/// The most a store call reads or writes at once.
+const MAX_STORE_CALL: u64 = 1 << 20;
 
-impl Written {
-    fn new(blocks: u64) -> Self {
-        Written(vec![0; blocks.div_ceil(64) as usize])
-    }
-    fn get(&self, index: u64) -> bool {
-        self.0[(index / 64) as usize] & (1 << (index % 64)) != 0
-    }
-    fn set(&mut self, index: u64) {
-        self.0[(index / 64) as usize] |= 1 << (index % 64);
-    }
-}
-
-/// The blocks of one boot: which the store holds, and the dirty ones.
+/// The blocks of one boot: which the store holds, the dirty pages and the clean copies.
 #[derive(Debug)]
 struct Blocks {
-    written: Written,
-    dirty: BTreeMap<u64, Box<[u8]>>,
+    cache: BlockCache,
     /// The VM has stopped and everything went to the store (or failed to): no more I/O.
     finished: bool,
 }
@@ -101,7 +88,9 @@ pub(crate) struct CowLayer {
     /// The store handle's "attached" flag: cleared when this boot is done with it.
     attached: Arc<AtomicBool>,
     blocks: tokio::sync::Mutex<Blocks>,
-    /// Dirty bytes now (read without the lock, for [`CowLayer::usage`]).
+    /// Bytes held now, dirty and clean (read without the lock, for [`CowLayer::usage`]).
+    held_bytes: std::sync::atomic::AtomicU64,
+    /// Of them, dirty.
     dirty_bytes: std::sync::atomic::AtomicU64,
     block_size: u64,
     blocks_on_disk: u64,
@@ -177,10 +166,10 @@ impl CowLayer {
             store,
             attached,
             blocks: tokio::sync::Mutex::new(Blocks {
-                written: Written::new(COW_LAYER_BYTES / block_size),
-                dirty: BTreeMap::new(),
+                cache: BlockCache::new(block_size, COW_LAYER_BYTES / block_size, max_dirty_bytes),
                 finished: false,
             }),
+            held_bytes: 0.into(),
             dirty_bytes: 0.into(),
             block_size,
             blocks_on_disk: COW_LAYER_BYTES / block_size,
@@ -205,14 +194,14 @@ impl CowLayer {
                     self.blocks_on_disk
                 ))));
             }
-            blocks.written.set(*index);
+            blocks.cache.set_written(*index);
         }
         if written.is_empty() {
             drop(blocks);
             return self.format(base_sha256).await;
         }
         let mut first = vec![0u8; self.block_size as usize];
-        if blocks.written.get(0) {
+        if blocks.cache.is_written(0) {
             self.store
                 .read_blocks(0, &mut first)
                 .await
@@ -273,17 +262,57 @@ impl CowLayer {
                 .write_blocks(index, &chunk)
                 .await
                 .map_err(store_error("write"))?;
-            blocks.written.set(index);
+            blocks.cache.set_written(index);
         }
         self.store.flush().await.map_err(store_error("flush"))
     }
 
-    /// What the layer holds in host memory now (its dirty blocks), against the bound.
+    /// What the layer holds in host memory now (dirty pages and clean copies), against the
+    /// bound.
     pub(crate) fn usage(&self) -> RootUsage {
         RootUsage {
-            held_bytes: self.dirty_bytes.load(Ordering::Relaxed),
+            held_bytes: self.held_bytes.load(Ordering::Relaxed),
             max_bytes: self.max_dirty_bytes,
         }
+    }
+
+    /// Bytes the guest wrote that the store does not hold yet.
+    pub(crate) fn dirty_bytes(&self) -> u64 {
+        self.dirty_bytes.load(Ordering::Relaxed)
+    }
+
+    fn account(&self, blocks: &Blocks) {
+        let cache = &blocks.cache;
+        self.held_bytes.store(cache.held_bytes(), Ordering::Relaxed);
+        self.dirty_bytes
+            .store(cache.dirty_bytes(), Ordering::Relaxed);
+    }
+
+    /// Reads `indexes` (ascending) from the store, consecutive ones in one call each.
+    async fn fetch(&self, indexes: &[u64]) -> FsResult<Fetched> {
+        let bs = self.block_size;
+        let per_call = (MAX_STORE_CALL / bs).max(1);
+        let mut fetched = Fetched::new();
+        let mut rest = indexes;
+        while let Some(&first) = rest.first() {
+            let mut count = 1;
+            while count < rest.len()
+                && (count as u64) < per_call
+                && rest[count] == first + count as u64
+            {
+                count += 1;
+            }
+            let mut buf = vec![0u8; count * bs as usize];
+            if let Err(err) = self.store.read_blocks(first, &mut buf).await {
+                self.fail("read", &err);
+                return Err(FsError::IO);
+            }
+            for (i, block) in buf.chunks(bs as usize).enumerate() {
+                fetched.insert(first + i as u64, block.into());
+            }
+            rest = &rest[count..];
+        }
+        Ok(fetched)
     }
 
     fn fail(&self, operation: &'static str, err: &StoreError) {
@@ -310,45 +339,22 @@ impl CowLayer {
         if offset >= end {
             return Ok(Vec::new());
         }
-        let blocks = self.blocks.lock().await;
+        let mut blocks = self.blocks.lock().await;
         if blocks.finished {
             return Err(FsError::IO);
         }
-        let bs = self.block_size;
-        let (first, last) = (offset / bs, (end - 1) / bs);
-        let mut data = vec![0u8; ((last - first + 1) * bs) as usize];
-        let mut index = first;
-        while index <= last {
-            let at = ((index - first) * bs) as usize;
-            if let Some(block) = blocks.dirty.get(&index) {
-                data[at..at + bs as usize].copy_from_slice(block);
-                index += 1;
-            } else if blocks.written.get(index) {
-                // A run of stored blocks that are not dirty: one store read.
-                let mut run = 1;
-                while index + run <= last
-                    && blocks.written.get(index + run)
-                    && !blocks.dirty.contains_key(&(index + run))
-                {
-                    run += 1;
-                }
-                let span = &mut data[at..at + (run * bs) as usize];
-                if let Err(err) = self.store.read_blocks(index, span).await {
-                    self.fail("read", &err);
-                    return Err(FsError::IO);
-                }
-                index += run;
-            } else {
-                index += 1; // never written: zeros
-            }
+        let fetched = self
+            .fetch(&blocks.cache.blocks_to_read(offset, end))
+            .await?;
+        let data = blocks.cache.read(offset, end, &fetched);
+        for (index, block) in fetched {
+            blocks.cache.keep_clean(index, block);
         }
-        let skip = (offset - first * bs) as usize;
-        data.drain(..skip);
-        data.truncate((end - offset) as usize);
+        self.account(&blocks);
         Ok(data)
     }
 
-    /// Writes `data` at `offset` of the disk into dirty blocks, first storing the dirty ones
+    /// Writes `data` at `offset` of the disk into dirty pages, first storing the dirty ones
     /// if it would pass the bound.
     pub(crate) async fn write(&self, offset: u64, data: &[u8]) -> FsResult<u32> {
         let disk = self.blocks_on_disk * self.block_size;
@@ -363,78 +369,53 @@ impl CowLayer {
         if blocks.finished {
             return Err(FsError::IO);
         }
-        let bs = self.block_size;
-        let (first, last) = (offset / bs, (end - 1) / bs);
-        let new_blocks = (first..=last)
-            .filter(|i| !blocks.dirty.contains_key(i))
-            .count() as u64;
-        let dirty = blocks.dirty.len() as u64 * bs;
-        if dirty + new_blocks * bs > self.max_dirty_bytes {
-            self.store_dirty(&mut blocks).await?;
+        let result = self.write_locked(&mut blocks, offset, end, data).await;
+        self.account(&blocks);
+        result
+    }
+
+    async fn write_locked(
+        &self,
+        blocks: &mut Blocks,
+        offset: u64,
+        end: u64,
+        data: &[u8],
+    ) -> FsResult<u32> {
+        let cache = &blocks.cache;
+        if cache.dirty_bytes() + cache.new_dirty_bytes(offset, end) > self.max_dirty_bytes {
+            self.store_dirty(blocks).await?;
         }
-        // The blocks this write changes only in part, as they are now: read first, so that a
-        // failing store leaves the write undone rather than half done.
-        let mut fresh: Vec<(u64, Box<[u8]>)> = Vec::new();
-        for index in first..=last {
-            let block_start = index * bs;
-            let whole = offset <= block_start && end >= block_start + bs;
-            if blocks.dirty.contains_key(&index) {
-                continue;
-            }
-            let mut block = vec![0u8; bs as usize].into_boxed_slice();
-            if !whole && blocks.written.get(index) {
-                if let Err(err) = self.store.read_blocks(index, &mut block).await {
-                    self.fail("read", &err);
-                    return Err(FsError::IO);
-                }
-            }
-            fresh.push((index, block));
+        // What the pages this write covers only in part hold now: read before any change, so
+        // that a failing store leaves the write undone rather than half done.
+        let fetched = self
+            .fetch(&blocks.cache.blocks_to_write(offset, end))
+            .await?;
+        blocks.cache.write(offset, data, &fetched);
+        for (index, block) in fetched {
+            blocks.cache.keep_clean(index, block);
         }
-        blocks.dirty.extend(fresh);
-        for index in first..=last {
-            let block_start = index * bs;
-            let from = offset.max(block_start);
-            let to = end.min(block_start + bs);
-            let source = &data[(from - offset) as usize..(to - offset) as usize];
-            let block = blocks.dirty.get_mut(&index).expect("made dirty above");
-            let at = (from - block_start) as usize;
-            block[at..at + source.len()].copy_from_slice(source);
-        }
-        self.dirty_bytes
-            .store(blocks.dirty.len() as u64 * bs, Ordering::Relaxed);
         // One write larger than the bound (never from the guest's kernel, whose writes are at
         // most 1 MiB against a bound of at least 16 MiB) goes straight through.
-        if blocks.dirty.len() as u64 * bs > self.max_dirty_bytes {
-            self.store_dirty(&mut blocks).await?;
+        if blocks.cache.dirty_bytes() > self.max_dirty_bytes {
+            self.store_dirty(blocks).await?;
         }
         Ok(data.len() as u32)
     }
 
-    /// Writes every dirty block to the store, in runs of consecutive blocks (at most 1 MiB
-    /// each). A failure keeps the blocks not yet stored dirty.
+    /// Writes every dirty page to the store, merged into runs of whole consecutive blocks (at
+    /// most 1 MiB each; the store's version of a block the pages do not cover is read first).
+    /// A failure keeps the pages not yet stored dirty.
     async fn store_dirty(&self, blocks: &mut Blocks) -> FsResult<()> {
-        let bs = self.block_size;
-        let per_run = ((1u64 << 20) / bs).max(1);
-        while let Some((&start, _)) = blocks.dirty.first_key_value() {
-            let mut run = Vec::new();
-            let mut next = start;
-            while run.len() < per_run as usize {
-                match blocks.dirty.get(&next) {
-                    Some(block) => run.extend_from_slice(block),
-                    None => break,
-                }
-                next += 1;
-            }
-            if let Err(err) = self.store.write_blocks(start, &run).await {
+        while let Some(run) = blocks.cache.next_run(MAX_STORE_CALL) {
+            let fetched = self.fetch(&blocks.cache.blocks_to_store(run)).await?;
+            let data = blocks.cache.assemble(run, &fetched);
+            drop(fetched);
+            if let Err(err) = self.store.write_blocks(run.first, &data).await {
                 self.fail("write", &err);
                 return Err(FsError::IO);
             }
-            for index in start..next {
-                blocks.dirty.remove(&index);
-                blocks.written.set(index);
-            }
-            self.dirty_bytes
-                .store(blocks.dirty.len() as u64 * bs, Ordering::Relaxed);
+            blocks.cache.stored(run, &data);
+            self.account(blocks);
         }
         Ok(())
     }
@@ -466,17 +447,18 @@ impl CowLayer {
                 self.fail("flush", &err);
             }
         }
-        let left = blocks.dirty.len();
+        let left = blocks.cache.dirty_bytes();
         if left > 0 {
             self.fail(
                 "write",
                 &StoreError::Failed(format!(
-                    "{left} blocks the guest wrote could not be stored when the VM stopped"
+                    "{} KiB the guest wrote could not be stored when the VM stopped",
+                    left / 1024
                 )),
             );
         }
-        blocks.dirty.clear();
-        self.dirty_bytes.store(0, Ordering::Relaxed);
+        blocks.cache.clear();
+        self.account(&blocks);
         if let Err(err) = self.store.detach().await {
             self.fail("detach", &err);
         }
@@ -591,7 +573,7 @@ mod tests {
             assert_eq!(back, &model[check as usize..check as usize + 9000]);
         }
         layer.sync().await.unwrap();
-        assert_eq!(layer.usage().held_bytes, 0);
+        assert_eq!(layer.dirty_bytes(), 0);
         assert_eq!(layer.read(base, 1 << 20).await.unwrap(), model);
         // The end of the disk: reads stop there, writes past it fail.
         assert!(layer.read(COW_LAYER_BYTES, 10).await.unwrap().is_empty());

@@ -16,6 +16,7 @@ use sha2::{Digest, Sha256};
 use crate::error::{Error, Result};
 pub use krunbox_rootfs::BuiltinImage;
 
+mod block_cache;
 mod cow;
 mod flatten;
 pub(crate) mod fuzz;
@@ -183,7 +184,8 @@ pub enum Rootfs {
     /// `base`, writable, its changes kept block by block in a [`BlockStore`] the program
     /// supplies (a layer disk of [`Rootfs::COW_LAYER_BYTES`], made in the store on first use
     /// and bound to `base`'s digest: another base fails closed). The guest's writes collect in
-    /// at most `max_dirty_bytes` of host memory, and reach the store:
+    /// at most `max_dirty_bytes` of host memory (with copies of recently used blocks, which
+    /// give way to them), and reach the store:
     ///
     /// * when that much is dirty (stored, not yet flushed);
     /// * when the guest syncs (`fsync`, `fdatasync`, `sync`, and its ext4 journal's commits,
@@ -203,8 +205,8 @@ pub enum Rootfs {
         base: Box<Rootfs>,
         /// Where the layer's blocks live.
         store: StoreHandle,
-        /// The most dirty bytes held in host memory, between [`Rootfs::MIN_DIRTY_BYTES`] and
-        /// [`Rootfs::MAX_DIRTY_BYTES`].
+        /// The most bytes held in host memory (written and not stored yet, and copies of
+        /// stored blocks), between [`Rootfs::MIN_DIRTY_BYTES`] and [`Rootfs::MAX_DIRTY_BYTES`].
         max_dirty_bytes: u64,
     },
 }

@@ -764,8 +764,9 @@ impl Instance {
 
     /// How much of a writable root ([`Rootfs::ephemeral`](crate::Rootfs::ephemeral),
     /// [`Rootfs::persistent`](crate::Rootfs::persistent)) the guest's changes take now on
-    /// the host (memory, or the layer file's disk); `None` for a read-only root and once the
-    /// VM has stopped. It never passes [`RootUsage::max_bytes`](crate::RootUsage::max_bytes).
+    /// the host (memory, or the layer file's disk), or, for [`Rootfs::cow`](crate::Rootfs::cow),
+    /// the host memory its layer holds (changes not stored yet, and copies of stored blocks);
+    /// `None` for a read-only root and once the VM has stopped. It never passes [`RootUsage::max_bytes`](crate::RootUsage::max_bytes).
     ///
     /// ```no_run
     /// # async fn demo(vm: krunbox::Instance) -> krunbox::Result<()> {

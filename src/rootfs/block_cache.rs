@@ -1,5 +1,6 @@
 //! What a copy-on-write layer holds in host memory, within one bound: the pages the guest wrote
-//! that are not stored yet (dirty), and copies of blocks as the store holds them (clean).
+//! that are not stored yet (dirty), and copies of stored blocks (clean: what the store holds,
+//! except where a dirty page, which always wins, covers them).
 //!
 //! Sans-IO: [`CowLayer`](super::cow::CowLayer) asks which blocks an operation needs from the
 //! store, reads them, and hands them in; nothing here waits.
@@ -12,7 +13,8 @@
 //! and only if they do not cover it. Why clean copies: a block read from the store (or just
 //! stored) is likely read again soon (a 4 KiB read needs the whole block from the store), and
 //! the host's page cache keeps a raw disk's data in the same way. They count against the same
-//! bound as the dirty pages and are dropped first, oldest first.
+//! bound as the dirty pages, take at most half of it (a bound chosen as a ceiling on unsynced
+//! writes should not fill up with reads alone), and are dropped first, oldest first.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -207,12 +209,21 @@ impl BlockCache {
             };
             self.dirty.insert(page, fresh);
         }
-        self.evict_to(self.max_bytes);
+        self.evict_for(0);
     }
 
-    /// Drops the oldest clean copies until at most `limit` bytes are held (or none is left).
-    fn evict_to(&mut self, limit: u64) {
-        while self.held_bytes() > limit {
+    /// The most bytes clean copies may take: half the bound.
+    fn clean_cap(&self) -> u64 {
+        self.max_bytes / 2
+    }
+
+    /// Drops the oldest clean copies until `room` more bytes fit, both within the bound and
+    /// within the copies' share of it (or none is left).
+    fn evict_for(&mut self, room: u64) {
+        let clean_bytes = |c: &Self| c.clean.len() as u64 * c.block_size;
+        while self.held_bytes() + room > self.max_bytes
+            || clean_bytes(self) + room > self.clean_cap()
+        {
             let Some((_, block)) = self.clean_order.pop_first() else {
                 return;
             };
@@ -226,10 +237,12 @@ impl BlockCache {
         if let Some((stamp, _)) = self.clean.remove(&index) {
             self.clean_order.remove(&stamp);
         }
-        if self.dirty_bytes() + self.block_size > self.max_bytes {
+        if self.dirty_bytes() + self.block_size > self.max_bytes
+            || self.block_size > self.clean_cap()
+        {
             return;
         }
-        self.evict_to(self.max_bytes - self.block_size);
+        self.evict_for(self.block_size);
         let stamp = self.next_stamp;
         self.next_stamp += 1;
         self.clean.insert(index, (stamp, data));
@@ -381,26 +394,39 @@ mod tests {
         assert_eq!(cache.read(0, 3, &Fetched::new()), [0, 0, 0]);
     }
 
-    /// Dirty pages and clean copies together never pass the bound: copies give way first.
+    /// Dirty pages and clean copies together never pass the bound, copies never take more
+    /// than half of it, and they give way to dirty pages, oldest first.
     #[test]
     fn clean_copies_give_way_to_dirty_pages_within_the_bound() {
-        let bound = 2 * BLOCK + 2 * PAGE;
-        let mut cache = BlockCache::new(BLOCK, 16, bound);
+        let bound = 4 * BLOCK + 2 * PAGE;
+        let mut cache = BlockCache::new(BLOCK, 64, bound);
         for index in 0..4 {
+            cache.set_written(index);
             cache.keep_clean(index, vec![index as u8; BLOCK as usize].into());
             assert!(cache.held_bytes() <= bound);
         }
-        assert_eq!(cache.held_bytes(), 2 * BLOCK, "the two newest copies stay");
-        for page in 0..4 {
-            cache.write(
-                8 * BLOCK + page * PAGE,
-                &[1; PAGE as usize],
-                &Fetched::new(),
-            );
+        assert_eq!(
+            cache.held_bytes(),
+            2 * BLOCK,
+            "the two newest copies, half the bound"
+        );
+        assert_eq!(
+            cache.blocks_to_read(0, 4 * BLOCK),
+            [0, 1],
+            "the oldest went"
+        );
+        for page in 0..12 {
+            let at = 8 * BLOCK + page * PAGE;
+            cache.write(at, &[1; PAGE as usize], &Fetched::new());
             assert!(cache.held_bytes() <= bound, "{}", cache.held_bytes());
         }
-        assert_eq!(cache.dirty_bytes(), 4 * PAGE);
-        assert_eq!(cache.held_bytes(), 4 * PAGE + BLOCK);
+        assert_eq!(cache.dirty_bytes(), 12 * PAGE);
+        assert_eq!(cache.held_bytes(), 12 * PAGE + BLOCK, "one copy gave way");
+        assert_eq!(
+            cache.blocks_to_read(0, 4 * BLOCK),
+            [0, 1, 2],
+            "the newer one stays"
+        );
     }
 
     /// Runs are consecutive blocks with dirty pages, up to the size asked for.

@@ -9,15 +9,15 @@
 //! an `fsync` of the file) arrives as a FUSE fsync. docs/architecture.md has the alternatives.
 //!
 //! Here: pages the guest writes are kept in memory (dirty), with copies of blocks as the store
-//! holds them (clean, dropped first), at most `max_dirty_bytes` of both (`block_cache.rs` says
-//! why pages). Dirty pages go to the store, merged into whole blocks:
+//! holds them (clean: at most half, dropped first), at most `max_dirty_bytes` of both
+//! (`block_cache.rs` says why pages). Dirty pages go to the store, merged into whole blocks:
 //! * when the next write would pass the bound (written, not flushed: like a disk's cache);
-//! * on a guest sync: every dirty block written, then [`BlockStore::flush`], and only then
+//! * on a guest sync: every dirty page written, then [`BlockStore::flush`], and only then
 //!   does the guest's `fsync` return;
 //! * when the VM stops, however it stops (written and flushed), before
 //!   [`Instance::shutdown`](crate::Instance::shutdown) returns.
 //!
-//! A store that fails keeps its blocks dirty (offered again at the next sync), fails the
+//! A store that fails keeps its pages dirty (offered again at the next sync), fails the
 //! guest's I/O with `EIO`, and is reported by `shutdown` as [`Error::BlockStore`]: never a
 //! silent loss.
 

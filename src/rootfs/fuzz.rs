@@ -102,8 +102,8 @@ impl super::BlockStore for FlakyStore {
 /// * sync;
 /// * the store starts or stops failing.
 ///
-/// Checked after each: nothing panics; the bytes held (dirty pages and clean copies) never pass the bound; a write
-/// that fails changed nothing and a write past the disk is `ENOSPC`; a read that succeeds
+/// Checked after each: nothing panics; the bytes held (dirty pages and clean copies) never
+/// pass the bound; a write that fails changed nothing and a write past the disk is `ENOSPC`; a read that succeeds
 /// returns exactly what a model disk holds (stopping at the disk's end); with the store
 /// failing, the guest gets `EIO` or success, never wrong data. At the end the store works
 /// again: a sync succeeds, leaves nothing dirty, and every byte written reads back.

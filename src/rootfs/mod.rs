@@ -184,8 +184,8 @@ pub enum Rootfs {
     /// `base`, writable, its changes kept block by block in a [`BlockStore`] the program
     /// supplies (a layer disk of [`Rootfs::COW_LAYER_BYTES`], made in the store on first use
     /// and bound to `base`'s digest: another base fails closed). The guest's writes collect in
-    /// at most `max_dirty_bytes` of host memory (with copies of recently used blocks, which
-    /// give way to them), and reach the store:
+    /// at most `max_dirty_bytes` of host memory (with copies of recently used blocks, at most
+    /// half of it, which give way to them), and reach the store:
     ///
     /// * when that much is dirty (stored, not yet flushed);
     /// * when the guest syncs (`fsync`, `fdatasync`, `sync`, and its ext4 journal's commits,

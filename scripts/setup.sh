@@ -6,7 +6,8 @@
 #                     e2fsprogs (mke2fs formats writable roots' layers), qemu-utils
 #                     (the tests check persistent layers with qemu-img check),
 #                     docker-registry and skopeo (the pull tests' registry on loopback, and
-#                     the pushes of the images they build), patch (libkrun's hook)
+#                     the pushes of the images they build), patch (libkrun's hook),
+#                     libc6-dev (libkrun's own init, for tests/plain-libkrun, links statically)
 #   libkrun hook      .patched/krun-vmm: libkrun's krun-vmm from crates.io with our one patch
 #                     (scripts/libkrun-hook.sh; the workspace cannot build without it)
 #   Rust target       x86_64-unknown-linux-musl (guest-init is a static binary)
@@ -27,7 +28,7 @@ source "$here/lib.sh"
 cd "$here/.."
 
 need_apt erofs-utils mmdebstrap busybox-static python3 passt e2fsprogs qemu-utils \
-    docker-registry skopeo patch
+    docker-registry skopeo patch libc6-dev
 
 # Before any cargo command in the workspace: its Cargo.toml names libkrun's patched krun-vmm,
 # which this makes (with python3 and patch, installed just above).

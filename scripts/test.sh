@@ -31,6 +31,9 @@ fi
 log "formatting and lints"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+# tests/plain-libkrun is a workspace of its own, which the two above do not reach.
+cargo fmt --manifest-path tests/plain-libkrun/Cargo.toml -- --check
+cargo clippy --locked --manifest-path tests/plain-libkrun/Cargo.toml --target-dir "$(cargo_target_dir)" -- -D warnings
 
 log "host tests (no VM): protocol, krun-sys, rootfs, library units, doc tests"
 cargo test --workspace --exclude krunbox

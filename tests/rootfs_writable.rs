@@ -355,17 +355,18 @@ async fn boot_with_plain_libkrun(image: &std::path::Path, script: &str) -> Strin
             )
         });
     let (mut stdout, mut stderr) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
-    let read = async {
+    let run = async {
         use tokio::io::AsyncReadExt;
         let (mut out, mut err) = (Vec::new(), Vec::new());
         let (a, b) = tokio::join!(stdout.read_to_end(&mut out), stderr.read_to_end(&mut err));
-        a.and(b).map(|_| (out, err))
+        a.and(b)?;
+        Ok::<_, std::io::Error>((out, err, child.wait().await?))
     };
-    let (out, err) = tokio::time::timeout(TIMEOUT, read)
+    // On a timeout the child is dropped, and killed (kill_on_drop).
+    let (out, err, status) = tokio::time::timeout(TIMEOUT, run)
         .await
         .expect("the plain libkrun guest did not finish in time")
         .expect("reading its output");
-    let status = child.wait().await.expect("wait");
     let (out, err) = (String::from_utf8_lossy(&out), String::from_utf8_lossy(&err));
     assert!(
         !err.contains("libkrun-plain-boot:"),

@@ -68,6 +68,9 @@ fn boot(image: &str, program: &str, args: &[String]) -> Result<(), String> {
     // SAFETY: every pointer is to a NUL-terminated string or a NULL-terminated array of them,
     // alive until krun_start_enter, which does not return on success.
     unsafe {
+        // Errors, warnings and libkrun's notes (a guest that triple-faults is one: "Received
+        // KVM_EXIT_SHUTDOWN"), on stderr.
+        check("krun_set_log_level", krun::krun_set_log_level(3))?;
         let ctx = krun::krun_create_ctx();
         check("krun_create_ctx", ctx)?;
         let ctx = ctx as u32;

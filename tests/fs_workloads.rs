@@ -165,9 +165,26 @@ fn tree_contents(d: usize, f: usize) -> Vec<u8> {
         .into_bytes()
 }
 
-/// Under nested emulation every uncached FUSE request is a vsock round trip of about 12 ms and
-/// tar makes several per file: a thousand files take minutes there (milliseconds on real KVM).
+/// Under nested emulation every uncached FUSE request is a round trip of about a millisecond
+/// and tar makes several per file: a thousand files take about a minute there (milliseconds on
+/// real KVM). The deadline is ten times that: reaching it means something is stuck.
 const TAR_DEADLINE: Duration = Duration::from_secs(600);
+
+/// Prints, on stderr, every guest process in uninterruptible sleep (state D: waiting in the
+/// kernel, for a FUSE reply for one) with where it waits, if `SCRIPT` is still running after
+/// `secs` seconds; stopped without a trace when it ends first. What a stuck tar test shows.
+fn with_stuck_report(script: &str, secs: u64) -> String {
+    format!(
+        "( trap 'kill $s 2>/dev/null; exit 0' TERM; sleep {secs} & s=$!; wait $s; \
+           echo 'still running after {secs} s; processes in state D:'; \
+           for p in /proc/[0-9]*; do \
+             [ \"$(cut -d' ' -f3 $p/stat 2>/dev/null)\" = D ] || continue; \
+             echo \"$p $(cat $p/comm) wchan=$(cat $p/wchan 2>/dev/null)\"; cat $p/stack 2>/dev/null; \
+           done ) >&2 & w=$!
+         trap 'kill $w 2>/dev/null' EXIT
+         {script}"
+    )
+}
 
 /// Runs a tar test's body with [`TAR_DEADLINE`] instead of the usual one.
 fn run_long<F: std::future::Future>(body: F) -> F::Output {
@@ -183,10 +200,13 @@ fn run_long<F: std::future::Future>(body: F) -> F::Output {
 async fn tar_round_trip(vm: &Instance, root: &str) -> String {
     run_within(
         vm,
-        &format!(
-            "cd {root} && mkdir out && tar cf - tree | tar xf - -C out && \
-             echo {root} $(find out/tree -type f | wc -l) $(find out/tree -type l | wc -l) \
-             $(readlink out/tree/d07/up)"
+        &with_stuck_report(
+            &format!(
+                "cd {root} && mkdir out && tar cf - tree | tar xf - -C out && \
+                 echo {root} $(find out/tree -type f | wc -l) $(find out/tree -type l | wc -l) \
+                 $(readlink out/tree/d07/up)"
+            ),
+            TAR_DEADLINE.as_secs() - 120,
         ),
         TAR_DEADLINE - Duration::from_secs(60),
     )

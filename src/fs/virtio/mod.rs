@@ -300,22 +300,28 @@ fn drain(
         let request = {
             let mut queue = ring.lock().unwrap_or_else(|p| p.into_inner());
             // The ring was checked to lie in guest memory when the device was activated, so
-            // reading its index does not fail.
-            if queue.len(&shared.mem) > queue.actual_size() {
+            // reading its index does not fail. The index is read once here and the decision
+            // made on that reading: the guest adds entries while we look, so a second reading
+            // (after `pop` found none) may show one that was not there for `pop`, and taking
+            // that for a broken ring stopped the queue for good under a busy guest.
+            let available = queue.len(&shared.mem);
+            if available > queue.actual_size() {
                 return Ok(Drained::Broken);
+            }
+            if available == 0 {
+                // Notifications back on; if the guest added requests meanwhile, go on.
+                let more = queue.enable_notification(&shared.mem).unwrap_or(false);
+                if more {
+                    let _ = queue.disable_notification(&shared.mem);
+                    continue;
+                }
+                return Ok(Drained::Empty);
             }
             match pop(&mut queue, &shared.mem) {
                 Some(request) => request,
-                None if !queue.is_empty(&shared.mem) => return Ok(Drained::Broken),
-                None => {
-                    // Notifications back on; if the guest added requests meanwhile, go on.
-                    let more = queue.enable_notification(&shared.mem).unwrap_or(false);
-                    if more {
-                        let _ = queue.disable_notification(&shared.mem);
-                        continue;
-                    }
-                    return Ok(Drained::Empty);
-                }
+                // An entry was there (the index never goes back for an honest guest), and no
+                // chain starts at it.
+                None => return Ok(Drained::Broken),
             }
         };
         forward(shared, ring, request, socket, buffer)?;

@@ -76,6 +76,8 @@ struct Inner {
     network: Option<crate::net::service::NetService>,
     /// Serves the guest's mounts of host filesystems while the instance lives.
     _filesystems: crate::fs::service::FsService,
+    /// A copy-on-write root's layer disk, served while the instance lives.
+    _layer_disk: Option<rootfs::device::service::BlockService<rootfs::CowLayer>>,
     /// A writable root's layer while the VM runs (the helper holds it too; this one reports
     /// its usage and holds a persistent layer's lock), `None` once the VM has stopped.
     layer: Arc<std::sync::Mutex<Option<rootfs::Layer>>>,
@@ -181,18 +183,11 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
 
     // Host filesystems: a virtio-fs device each in the helper, connected to this service
     // afresh for every boot attempt (guest-init mounts them during setup, before it reports
-    // ready). A copy-on-write root's layer disk is served the same way, as the device after
-    // the mounts'.
-    let mut served = config.mounts.clone();
-    if let Some(cow) = &cow {
-        served.push(crate::fs::Mount {
-            guest_path: "(the writable root's layer disk)".into(),
-            fs: Arc::new(rootfs::DiskFs(cow.clone())),
-            options: crate::fs::MountOptions::new(),
-        });
-    }
-    let fs_devices = served.len() as u32;
-    let mut fs_service = crate::fs::service::FsService::new(served);
+    // ready). A copy-on-write root's layer disk is a virtio-blk device after them, served the
+    // same way.
+    let fs_devices = config.mounts.len() as u32;
+    let mut fs_service = crate::fs::service::FsService::new(config.mounts.clone());
+    let mut layer_service = cow.clone().map(rootfs::device::service::BlockService::new);
     let jail = crate::jail::host::prepare(dir.path(), &config.required_isolation)?;
     let vmm_config = VmmConfig {
         cpus: config.cpus,
@@ -223,6 +218,10 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             }),
             _ => None,
         },
+        served_layer: cow.as_ref().map(|cow| vmm::ServedLayer {
+            size: rootfs::served::ServedDisk::size(&**cow),
+            serial: krunbox_protocol::LAYER_DISK_SERIAL.into(),
+        }),
     };
     // guest-init reaches the guest as bytes the helper serves from memory, never as a host path.
     let guest_init =
@@ -253,8 +252,8 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             read_only: true,
             writable_layer: config.rootfs.is_writable().then(|| WritableLayer {
                 device: match &cow {
-                    Some(_) => LayerDevice::HostFile {
-                        mount_index: config.mounts.len() as u32,
+                    Some(_) => LayerDevice::HostBlock {
+                        serial: krunbox_protocol::LAYER_DISK_SERIAL.into(),
                     },
                     None => LayerDevice::Disk("/dev/vdb".into()),
                 },
@@ -319,6 +318,11 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         let fs_ends = fs_service
             .connect()
             .map_err(Error::io("connecting the filesystem devices"))?;
+        let layer_end = layer_service
+            .as_mut()
+            .map(|service| service.connect())
+            .transpose()
+            .map_err(Error::io("connecting the layer disk's device"))?;
         let mut child = {
             use std::os::fd::AsRawFd;
             let mut inherited = vec![
@@ -336,6 +340,9 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             for (index, end) in fs_ends.iter().enumerate() {
                 inherited.push((end.as_raw_fd(), vmm::FS_DEVICE_FD_BASE + index as i32));
             }
+            if let Some(end) = &layer_end {
+                inherited.push((end.as_raw_fd(), vmm::SERVED_LAYER_FD));
+            }
             vmm::spawn(
                 &config.artifacts.vmm_helper,
                 &config.artifacts.libkrunfw_dir,
@@ -347,6 +354,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         drop(lifeline_read);
         drop(report_write);
         drop(fs_ends);
+        drop(layer_end);
         // Only the helper holds its end now: when it exits, the service reads EOF.
         let net_socket = net_pair.and_then(|(ours, _helper_end)| ours.map(OwnedFd::from));
         let report = tokio::spawn(crate::jail::host::read_report(report_read));
@@ -597,6 +605,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             _console: console_log,
             network,
             _filesystems: fs_service,
+            _layer_disk: layer_service,
             layer,
             cow: std::sync::Mutex::new(cow),
             dir,

@@ -56,6 +56,7 @@ pub mod rootfs;
 mod sandbox;
 #[cfg(test)]
 mod scripted_guest;
+mod virtqueue;
 #[doc(hidden)]
 pub mod vmm;
 

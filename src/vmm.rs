@@ -52,6 +52,12 @@ pub const NET_FD: i32 = 7;
 /// the guest's second disk, through the helper's `/proc/self/fd`.
 pub const WRITABLE_LAYER_FD: i32 = 8;
 
+/// The file descriptor of the helper's end of a copy-on-write root's layer disk socket (a
+/// connected unix stream socket; the library serves the other end), passed only with a
+/// [`VmmConfig::served_layer`]. The helper's virtio-blk device forwards the guest's requests
+/// on it.
+pub const SERVED_LAYER_FD: i32 = 9;
+
 /// The first of the helper's filesystem device sockets (see [`VmmConfig::fs_devices`]); one
 /// per mount (at most [`MAX_MOUNTS`](crate::fs::MAX_MOUNTS), a copy-on-write layer's included).
 pub const FS_DEVICE_FD_BASE: i32 = 16;
@@ -83,7 +89,7 @@ pub struct VmmConfig {
     pub root_image: PathBuf,
     /// Host unix socket bridged to guest vsock port [`CONTROL_PORT`].
     pub control_socket: PathBuf,
-    /// Host filesystems (and a host-served layer): a virtio-fs device each, tagged
+    /// Host filesystems: a virtio-fs device each, tagged
     /// [`mount_tag`](krunbox_protocol::mount_tag)`(i)`, forwarding to the socket on fd
     /// [`FS_DEVICE_FD_BASE`]` + i`.
     #[serde(default)]
@@ -105,6 +111,20 @@ pub struct VmmConfig {
     /// A writable root's layer disk on [`WRITABLE_LAYER_FD`], or none for a read-only root.
     #[serde(default)]
     pub writable_layer: Option<LayerDisk>,
+    /// A copy-on-write root's layer disk, served by the library over [`SERVED_LAYER_FD`]: a
+    /// virtio-blk device of ours, after the filesystems' devices.
+    #[serde(default)]
+    pub served_layer: Option<ServedLayer>,
+}
+
+/// A layer disk the library serves, as the helper's device shows it to the guest.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ServedLayer {
+    /// The disk's size in bytes.
+    pub size: u64,
+    /// The serial guest-init finds it by.
+    pub serial: String,
 }
 
 /// A writable root's layer disk, as the helper attaches it.
@@ -423,6 +443,18 @@ fn configure(
         let device = crate::fs::virtio::ForwardingFs::new(&tag, socket)
             .map_err(|e| format!("the filesystem device {tag}: {e}"))?;
         krun_sys::device::attach(&tag, std::sync::Arc::new(std::sync::Mutex::new(device)));
+    }
+    if let Some(layer) = &config.served_layer {
+        use std::os::fd::FromRawFd;
+        // SAFETY: the library passes SERVED_LAYER_FD, open on its socket, exactly when
+        // `served_layer` is set, and nothing else in the helper owns it.
+        let socket = unsafe { std::os::unix::net::UnixStream::from_raw_fd(SERVED_LAYER_FD) };
+        let device = crate::rootfs::device::ForwardingBlock::new(layer.size, &layer.serial, socket)
+            .map_err(|e| format!("the layer disk's device: {e}"))?;
+        krun_sys::device::attach(
+            "kblayer",
+            std::sync::Arc::new(std::sync::Mutex::new(device)),
+        );
     }
     // Explicitly empty: nothing of this process's environment reaches the guest.
     step(ctx.set_env(&[]))?;

@@ -65,15 +65,16 @@ fn a_cow_root_over_a_memory_store_keeps_a_file_and_a_dpkg_installed_package_acro
         }
         let (out, _) = sh(&vm, INSTALL, TIMEOUT).await;
         assert_eq!(out, "installed\n", "{out}");
-        // The layer is the loop device over the file the host serves (its name in the FUSE
-        // mount, which is on no path after the switch of root), with direct I/O.
+        // The layer is the host-served virtio-blk disk, found by its serial, with 4 KiB
+        // blocks and a write cache the guest flushes (so an fsync reaches the store).
         let (out, _) = sh(
             &vm,
-            "cat /sys/block/loop0/loop/backing_file /sys/block/loop0/loop/dio",
+            "for d in /sys/block/*; do [ \"$(cat $d/serial 2>/dev/null)\" = krunbox-layer ] && \
+             echo ${d##*/} $(cat $d/queue/logical_block_size) $(cat $d/queue/write_cache); done",
             TIMEOUT,
         )
         .await;
-        assert_eq!(out, "/disk\n1\n", "{out}");
+        assert_eq!(out, "vdb 4096 write back\n", "{out}");
         let usage = vm.root_usage().expect("a writable root reports its usage");
         assert!(usage.held_bytes <= usage.max_bytes, "{usage:?}");
         vm.shutdown().await.expect("shutdown");

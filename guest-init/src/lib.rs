@@ -15,7 +15,6 @@
 
 pub mod files;
 pub mod host_fs;
-pub mod loop_device;
 pub mod mounts;
 pub mod net;
 pub mod outbox;

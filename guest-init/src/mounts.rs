@@ -2,7 +2,7 @@
 
 use std::io;
 
-use krunbox_protocol::{GuestMount, LayerDevice, RootMount, WritableLayer, LAYER_FILE_NAME};
+use krunbox_protocol::{LayerDevice, RootMount, WritableLayer};
 
 use crate::sys::{c, check, mount};
 
@@ -159,19 +159,7 @@ fn mount_writable(root: &RootMount, layer: &WritableLayer) -> io::Result<()> {
     .map_err(context(format!("mounting the image {}", root.device)))?;
     let device = match &layer.device {
         LayerDevice::Disk(device) => device.clone(),
-        LayerDevice::HostFile { mount_index } => {
-            // The host serves the layer disk as the one file of a virtio-fs mount of its own, kept
-            // on the layers tmpfs (gone from every path after the switch, alive while the loop
-            // device holds its file).
-            let served = format!("{LAYERS}/served");
-            let target = GuestMount {
-                path: served.clone(),
-                read_only: false,
-            };
-            crate::host_fs::mount_one(*mount_index, &target)
-                .map_err(context("mounting the host-served layer".into()))?;
-            crate::loop_device::attach(&format!("{served}/{LAYER_FILE_NAME}"))?
-        }
+        LayerDevice::HostBlock { serial } => disk_by_serial(serial)?,
     };
     mount(&device, &disk, Some(&layer.fstype), libc::MS_NOATIME, None).map_err(context(
         format!("mounting the writable layer {device} ({})", layer.fstype),
@@ -189,6 +177,32 @@ fn mount_writable(root: &RootMount, layer: &WritableLayer) -> io::Result<()> {
         Some(&options),
     )
     .map_err(context("mounting the overlay root".into()))
+}
+
+/// The block device whose serial (`/sys/block/NAME/serial`) is `serial`, as `/dev/NAME`. The
+/// kernel probes its virtio devices before it starts init; the short wait covers a disk whose
+/// probe finishes late.
+fn disk_by_serial(serial: &str) -> io::Result<String> {
+    const WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        for entry in std::fs::read_dir("/sys/block")? {
+            let entry = entry?;
+            let Ok(shown) = std::fs::read_to_string(entry.path().join("serial")) else {
+                continue;
+            };
+            if shown.trim_end_matches(['\n', '\0']) == serial {
+                return Ok(format!("/dev/{}", entry.file_name().to_string_lossy()));
+            }
+        }
+        if std::time::Instant::now() >= deadline {
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("no disk with the serial {serial:?} in /sys/block after {WAIT:?}"),
+            ));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
 }
 
 /// Whether a mount point must be made in the (read-only) image itself: it does not exist there,

@@ -94,14 +94,13 @@ pub fn fuzz_control_stream(data: &[u8]) {
 }
 
 /// The protocol version spoken by this build. Bumped on any incompatible change.
-pub const PROTOCOL_VERSION: u32 = 11;
+pub const PROTOCOL_VERSION: u32 = 12;
 
 /// The vsock port on the host (CID 2) that `guest-init` connects to for its control channel.
 pub const CONTROL_PORT: u32 = 1024;
 
-/// The virtio-fs tag of host filesystem `index` in [`Setup::mounts`] (and of a host-served
-/// layer, [`LayerDevice::HostFile`]): `guest-init` mounts it with `mount -t virtiofs`. The
-/// device is the host's (krunbox's helper), one per mount.
+/// The virtio-fs tag of host filesystem `index` in [`Setup::mounts`]: `guest-init` mounts it
+/// with `mount -t virtiofs`. The device is the host's (krunbox's helper), one per mount.
 pub fn mount_tag(index: u32) -> String {
     format!("kbfs{index}")
 }

@@ -121,16 +121,21 @@ pub struct WritableLayer {
 pub enum LayerDevice {
     /// A disk of the VM, e.g. `/dev/vdb`.
     Disk(String),
-    /// A file the host serves block by block: guest-init mounts the host filesystem of
-    /// device [`mount_tag`](crate::mount_tag)`(mount_index)` (the index after
-    /// [`Setup::mounts`]'), attaches its file [`LAYER_FILE_NAME`] to a loop device and uses that.
-    HostFile {
-        /// The device's index.
-        mount_index: u32,
+    /// A virtio-blk disk the host serves block by block, found by its serial (guest-init
+    /// looks for it in `/sys/block/*/serial`): [`LAYER_DISK_SERIAL`].
+    HostBlock {
+        /// The disk's serial.
+        serial: String,
     },
 }
 
-/// The name of the one file a host-served layer's filesystem holds.
+/// The serial of a host-served layer disk.
+pub const LAYER_DISK_SERIAL: &str = "krunbox-layer";
+
+/// The most bytes of a disk's serial the guest sees (virtio-blk's `GET_ID`).
+pub const LAYER_DISK_SERIAL_MAX: usize = 20;
+
+/// The name of the one file a host-served disk's filesystem holds (a flatten's output disk).
 pub const LAYER_FILE_NAME: &str = "disk";
 
 /// Boot parameters the host sends after [`Hello`].
@@ -557,6 +562,25 @@ impl Setup {
         ] {
             no_nul(field, s.as_bytes())?;
         }
+        if let Some(layer) = &self.root.writable_layer {
+            let (field, name) = match &layer.device {
+                LayerDevice::Disk(device) => ("layer device", device),
+                LayerDevice::HostBlock { serial } => ("layer disk serial", serial),
+            };
+            for (field, s) in [(field, name), ("layer fstype", &layer.fstype)] {
+                text(field, s)?;
+                no_nul(field, s.as_bytes())?;
+            }
+            if matches!(&layer.device, LayerDevice::HostBlock { serial } if serial.len() > LAYER_DISK_SERIAL_MAX)
+            {
+                return Err(ProtocolError::OutOfBounds {
+                    field: "layer disk serial",
+                    detail: format!(
+                        "{name:?} (a disk shows at most {LAYER_DISK_SERIAL_MAX} bytes)"
+                    ),
+                });
+            }
+        }
         if let Some(network) = &self.network {
             network.validate()?;
         }
@@ -923,7 +947,9 @@ mod tests {
                     fstype: "erofs".into(),
                     read_only: true,
                     writable_layer: Some(WritableLayer {
-                        device: LayerDevice::HostFile { mount_index: 2 },
+                        device: LayerDevice::HostBlock {
+                            serial: LAYER_DISK_SERIAL.into(),
+                        },
                         fstype: "ext4".into(),
                     }),
                 },

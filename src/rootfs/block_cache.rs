@@ -5,7 +5,7 @@
 //! Sans-IO: [`CowLayer`](super::cow::CowLayer) asks which blocks an operation needs from the
 //! store, reads them, and hands them in; nothing here waits.
 //!
-//! Why pages and not the store's blocks: the guest's loop device writes 4 KiB pages, and a
+//! Why pages and not the store's blocks: the guest writes the disk in 4 KiB blocks, and a
 //! store's block is often larger (64 KiB for a `DirectoryStore`). Kept as whole blocks, a page
 //! written into a stored block would first need that block from the store, one store read per
 //! guest write, and 64 KiB of copying for 4 KiB of data. Kept as pages, a write only copies
@@ -18,7 +18,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-/// The unit of dirty data: the guest's loop device's logical block (guest-init makes it 4 KiB)
+/// The unit of dirty data: the layer disk's logical block (its device offers 4 KiB)
 /// and the smallest block a store may have.
 pub(crate) const PAGE: u64 = 4096;
 

@@ -1,12 +1,10 @@
 //! A copy-on-write root's layer disk, served block by block from a [`BlockStore`].
 //!
-//! libkrun's disks are files it opens itself, so a disk whose every write the host sees would
-//! need a block device of our own in the VMM. Instead the guest builds it: the host serves the
-//! layer disk as the one file of a FUSE mount over the workspace transport (`src/fs/`), and
-//! guest-init attaches that file to a loop device with direct I/O, formats nothing, mounts the
-//! ext4 on it as the overlay's upper layer. Every block the guest's kernel writes arrives here
-//! as a FUSE write; a guest `fsync` (its filesystem's flush, which the loop device turns into
-//! an `fsync` of the file) arrives as a FUSE fsync. docs/architecture.md has the alternatives.
+//! libkrun's disks are files it opens itself, so the layer disk is a virtio-blk device of our
+//! own in the helper (`device/`), which forwards the guest's requests to the library; guest-init
+//! mounts the ext4 on it as the overlay's upper layer. Every block the guest's kernel writes
+//! arrives here as a write; a guest `fsync` (its filesystem's flush of the disk's volatile
+//! cache) arrives as a flush. docs/architecture.md has the alternatives.
 //!
 //! Here: pages the guest writes are kept in memory (dirty), with copies of blocks as the store
 //! holds them (clean: at most half, dropped first), at most `max_dirty_bytes` of both

@@ -18,12 +18,13 @@ pub use krunbox_rootfs::BuiltinImage;
 
 mod block_cache;
 mod cow;
+pub(crate) mod device;
 mod flatten;
 pub(crate) mod fuzz;
 mod layer;
 pub mod oci;
 mod persistent;
-mod served;
+pub(crate) mod served;
 mod store;
 
 pub(crate) use cow::CowLayer;
@@ -31,7 +32,6 @@ pub use flatten::{flatten, FlatImage};
 pub use layer::RootUsage;
 pub(crate) use layer::{mke2fs, MemoryLayer, LAYER_FSTYPE};
 pub(crate) use persistent::{PersistentLayer, PERSISTENT_LAYER_FILE_BYTES};
-pub(crate) use served::DiskFs;
 pub use store::{
     async_trait, BlockStore, DirectoryStore, MemoryStore, StoreContext, StoreError, MAX_BLOCK_SIZE,
     MIN_BLOCK_SIZE,

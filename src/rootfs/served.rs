@@ -1,6 +1,7 @@
-//! A disk served to the guest as the one file of a FUSE filesystem: how a copy-on-write root's
-//! layer disk (`cow.rs`) and a flatten's output disk (`flatten.rs`) reach the guest, over the
-//! workspace transport (`src/fs/`). The guest attaches the file to a loop device.
+//! A disk the host serves: a copy-on-write root's layer disk (`cow.rs`), which reaches the
+//! guest as a virtio-blk device of ours (`device/`), and a flatten's output disk
+//! (`flatten.rs`), which reaches it as the one file of a FUSE filesystem over the workspace
+//! transport (`src/fs/`) that the guest mounts with `mount -o loop`.
 
 use std::ffi::OsStr;
 use std::sync::Arc;
@@ -29,7 +30,7 @@ pub(crate) trait ServedDisk: Send + Sync + 'static {
 /// Runs one disk operation in a task of its own, so that it runs to its end even when the
 /// request that asked for it is dropped (its connection closed, the instance going): a disk's
 /// calls into a store then never overlap or stop halfway.
-async fn run_whole<T: Send + 'static>(
+pub(super) async fn run_whole<T: Send + 'static>(
     operation: impl std::future::Future<Output = FsResult<T>> + Send + 'static,
 ) -> FsResult<T> {
     tokio::spawn(operation).await.unwrap_or(Err(FsError::IO))

@@ -21,13 +21,19 @@
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 
 use krun_sys::device::{
-    ActivateResult, Bytes, DeviceQueue, EventFd, GuestAddress, GuestMemory, GuestMemoryError,
-    GuestMemoryMmap, InterruptTransport, Queue, QueueConfig, VirtioDevice, VIRTIO_F_VERSION_1,
+    ActivateResult, DeviceQueue, EventFd, GuestAddress, GuestMemoryMmap, InterruptTransport, Queue,
+    QueueConfig, VirtioDevice, VIRTIO_F_VERSION_1,
+};
+
+#[cfg(test)]
+use crate::virtqueue::for_each_piece;
+use crate::virtqueue::{
+    self, complete, gather, receive_into_guest, scatter, send_from_guest, serve_notifications,
+    ChainLimits, Drained, Popped,
 };
 
 use super::fuse::{is_unanswered, IN_HEADER_LEN, MAX_REQUEST};
@@ -210,24 +216,17 @@ struct Pending {
     reply_to: Vec<(GuestAddress, u32)>,
 }
 
-/// A request read off a queue: its head, its bytes' descriptors (checked: in guest memory, at
-/// most [`MAX_REQUEST`] in all) and its reply's, or `None` for a chain that broke the bounds.
-struct Request {
-    head: u16,
-    chain: Option<Chain>,
-}
-
-/// A request chain's descriptors, as (guest address, length).
-struct Chain {
-    readable: Vec<(GuestAddress, u32)>,
-    readable_len: usize,
-    reply_to: Vec<(GuestAddress, u32)>,
-}
-
 /// Messages up to this size are copied whole through a buffer of ours (one system call each
 /// way); larger ones (reads and writes of file data) move between the socket and guest memory
 /// directly, without that copy.
 const SMALL_MESSAGE: usize = 64 * 1024;
+
+/// The bounds of a request chain: a request's bytes within [`MAX_REQUEST`], its reply's room in
+/// at most [`MAX_REPLY_DESCRIPTORS`] descriptors.
+const LIMITS: ChainLimits = ChainLimits {
+    max_readable: MAX_REQUEST,
+    max_writable_descriptors: MAX_REPLY_DESCRIPTORS,
+};
 
 /// Pops requests off both queues whenever the guest notifies one, and forwards them.
 fn forward_requests(
@@ -237,177 +236,21 @@ fn forward_requests(
     mut socket: UnixStream,
     tag: &str,
 ) {
-    let mut fds: Vec<libc::pollfd> = events
-        .iter()
-        .map(|event| libc::pollfd {
-            fd: event.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        })
-        .collect();
     let mut buffer = Vec::with_capacity(SMALL_MESSAGE);
-    let mut broken = vec![false; rings.len()];
-    loop {
-        // SAFETY: poll on a live array of pollfds of our own eventfds.
-        let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
-        if ready < 0 {
-            if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return;
-        }
-        for (index, fd) in fds.iter_mut().enumerate() {
-            if fd.revents == 0 {
-                continue;
-            }
-            fd.revents = 0;
-            let _ = events[index].read();
-            if broken[index] {
-                continue;
-            }
-            match drain(shared, &rings[index], &mut socket, &mut buffer) {
-                Ok(Drained::Empty) => {}
-                Ok(Drained::Broken) => {
-                    // Served no more: popping would find nothing, forever, while the ring
-                    // says there is more.
-                    eprintln!("krunbox-vmm: device {tag}: the guest broke queue {index}; it is no longer served");
-                    broken[index] = true;
-                }
-                // The library is gone: the instance is being torn down.
-                Err(_) => return,
-            }
-        }
-    }
+    serve_notifications(events, tag, |index| {
+        drain(shared, &rings[index], &mut socket, &mut buffer)
+    });
 }
 
-/// How [`drain`] left a queue.
-#[derive(Debug, PartialEq, Eq)]
-enum Drained {
-    /// Nothing more on it; notifications are on.
-    Empty,
-    /// The guest's ring claims more than the queue holds, or entries no chain starts at.
-    Broken,
-}
-
-/// Forwards everything on one queue, with notifications off while there is more.
+/// Forwards everything on one queue.
 fn drain(
     shared: &Shared,
     ring: &Arc<Mutex<Queue>>,
     socket: &mut UnixStream,
     buffer: &mut Vec<u8>,
 ) -> std::io::Result<Drained> {
-    loop {
-        let request = {
-            let mut queue = ring.lock().unwrap_or_else(|p| p.into_inner());
-            // The ring was checked to lie in guest memory when the device was activated, so
-            // reading its index does not fail. The index is read once here and the decision
-            // made on that reading: the guest adds entries while we look, so a second reading
-            // (after `pop` found none) may show one that was not there for `pop`, and taking
-            // that for a broken ring stopped the queue for good under a busy guest.
-            let available = queue.len(&shared.mem);
-            if available > queue.actual_size() {
-                return Ok(Drained::Broken);
-            }
-            if available == 0 {
-                // Notifications back on; if the guest added requests meanwhile, go on.
-                let more = queue.enable_notification(&shared.mem).unwrap_or(false);
-                if more {
-                    let _ = queue.disable_notification(&shared.mem);
-                    continue;
-                }
-                return Ok(Drained::Empty);
-            }
-            match pop(&mut queue, &shared.mem) {
-                Some(request) => request,
-                // An entry was there (the index never goes back for an honest guest), and no
-                // chain starts at it.
-                None => return Ok(Drained::Broken),
-            }
-        };
-        forward(shared, ring, request, socket, buffer)?;
-    }
-}
-
-/// The next request on `queue`, its descriptors checked.
-fn pop(queue: &mut Queue, mem: &GuestMemoryMmap) -> Option<Request> {
-    let _ = queue.disable_notification(mem);
-    let head = queue.pop(mem)?;
-    let index = head.index;
-    let mut chain = Chain {
-        readable: Vec::new(),
-        readable_len: 0,
-        reply_to: Vec::new(),
-    };
-    let mut valid = true;
-    for descriptor in head.into_iter() {
-        if !mem.check_range(descriptor.addr, descriptor.len as usize) {
-            valid = false;
-            break;
-        }
-        if descriptor.is_write_only() {
-            if chain.reply_to.len() == MAX_REPLY_DESCRIPTORS {
-                valid = false;
-                break;
-            }
-            chain.reply_to.push((descriptor.addr, descriptor.len));
-            continue;
-        }
-        chain.readable_len = chain.readable_len.saturating_add(descriptor.len as usize);
-        if !chain.reply_to.is_empty() || chain.readable_len > MAX_REQUEST {
-            // Readable after writable, or more than any request: not a FUSE request.
-            valid = false;
-            break;
-        }
-        chain.readable.push((descriptor.addr, descriptor.len));
-    }
-    Some(Request {
-        head: index,
-        chain: valid.then_some(chain),
-    })
-}
-
-/// Calls `each` with the (address, length) pieces of bytes `skip..skip + len` of `regions`.
-fn for_each_piece(
-    regions: &[(GuestAddress, u32)],
-    mut skip: usize,
-    mut len: usize,
-    mut each: impl FnMut(GuestAddress, usize) -> std::io::Result<()>,
-) -> std::io::Result<()> {
-    for (address, region_len) in regions {
-        if len == 0 {
-            break;
-        }
-        let region_len = *region_len as usize;
-        if skip >= region_len {
-            skip -= region_len;
-            continue;
-        }
-        let take = (region_len - skip).min(len);
-        each(GuestAddress(address.0 + skip as u64), take)?;
-        len -= take;
-        skip = 0;
-    }
-    Ok(())
-}
-
-/// A guest memory access that failed in a range [`pop`] checked: never expected.
-fn memory_error(err: impl std::fmt::Display) -> std::io::Error {
-    std::io::Error::other(format!("guest memory: {err}"))
-}
-
-/// Copies bytes `skip..skip + out.len()` of `regions` into `out`.
-fn gather(
-    mem: &GuestMemoryMmap,
-    regions: &[(GuestAddress, u32)],
-    skip: usize,
-    out: &mut [u8],
-) -> std::io::Result<()> {
-    let mut at = 0;
-    for_each_piece(regions, skip, out.len(), |address, len| {
-        mem.read_slice(&mut out[at..at + len], address)
-            .map_err(memory_error)?;
-        at += len;
-        Ok(())
+    virtqueue::drain(&shared.mem, ring, LIMITS, |request| {
+        forward(shared, ring, request, socket, buffer)
     })
 }
 
@@ -417,17 +260,17 @@ fn gather(
 fn forward(
     shared: &Shared,
     ring: &Arc<Mutex<Queue>>,
-    request: Request,
+    request: Popped,
     socket: &mut UnixStream,
     buffer: &mut Vec<u8>,
 ) -> std::io::Result<()> {
     let Some(chain) = request.chain else {
-        complete(shared, ring, request.head, 0);
+        complete(&shared.mem, ring, request.head, 0, &*shared.signal);
         return Ok(());
     };
     let fail = |unique: u64| {
-        let written = fail_request(&shared.mem, &chain.reply_to, unique);
-        complete(shared, ring, request.head, written);
+        let written = fail_request(&shared.mem, &chain.writable, unique);
+        complete(&shared.mem, ring, request.head, written, &*shared.signal);
         Ok(())
     };
     let mut header = [0u8; IN_HEADER_LEN];
@@ -457,7 +300,7 @@ fn forward(
             Pending {
                 ring: ring.clone(),
                 head: request.head,
-                reply_to: chain.reply_to,
+                reply_to: chain.writable,
             },
         );
     }
@@ -475,12 +318,10 @@ fn forward(
         socket.write_all(buffer)?;
     } else {
         socket.write_all(&header)?;
-        for_each_piece(&chain.readable, IN_HEADER_LEN, rest, |address, len| {
-            write_from_guest(&shared.mem, address, len, socket)
-        })?;
+        send_from_guest(&shared.mem, &chain.readable, IN_HEADER_LEN, rest, socket)?;
     }
     if !answered {
-        complete(shared, ring, request.head, 0);
+        complete(&shared.mem, ring, request.head, 0, &*shared.signal);
     }
     Ok(())
 }
@@ -498,58 +339,10 @@ fn fail_request(mem: &GuestMemoryMmap, reply_to: &[(GuestAddress, u32)], unique:
     header[0..4].copy_from_slice(&(OUT_HEADER_LEN as u32).to_le_bytes());
     header[4..8].copy_from_slice(&(-libc::EIO).to_le_bytes());
     header[8..16].copy_from_slice(&unique.to_le_bytes());
-    match scatter(mem, reply_to, &header) {
+    match scatter(mem, reply_to, 0, &header) {
         Ok(()) => OUT_HEADER_LEN as u32,
         Err(_) => 0,
     }
-}
-
-/// Writes `len` bytes of guest memory at `address` to `socket`.
-fn write_from_guest(
-    mem: &GuestMemoryMmap,
-    address: GuestAddress,
-    len: usize,
-    socket: &mut UnixStream,
-) -> std::io::Result<()> {
-    move_all(address, len, std::io::ErrorKind::WriteZero, |at, left| {
-        mem.write_volatile_to(at, socket, left)
-    })
-}
-
-/// Reads `len` bytes from `socket` into guest memory at `address`.
-fn read_into_guest(
-    mem: &GuestMemoryMmap,
-    address: GuestAddress,
-    len: usize,
-    socket: &mut UnixStream,
-) -> std::io::Result<()> {
-    move_all(
-        address,
-        len,
-        std::io::ErrorKind::UnexpectedEof,
-        |at, left| mem.read_volatile_from(at, socket, left),
-    )
-}
-
-/// Moves `len` bytes at `address` with `step` (one system call, at most the bytes left, how
-/// many it moved) until all have moved, again after `EINTR`; a step that moves nothing is
-/// `ended`.
-fn move_all(
-    address: GuestAddress,
-    len: usize,
-    ended: std::io::ErrorKind,
-    mut step: impl FnMut(GuestAddress, usize) -> Result<usize, GuestMemoryError>,
-) -> std::io::Result<()> {
-    let mut done = 0;
-    while done < len {
-        match step(GuestAddress(address.0 + done as u64), len - done) {
-            Ok(0) => return Err(ended.into()),
-            Ok(moved) => done += moved,
-            Err(GuestMemoryError::IOError(e)) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(memory_error(e)),
-        }
-    }
-    Ok(())
 }
 
 /// The opcode and `unique` of a request header whose length field is `total`.
@@ -561,16 +354,6 @@ fn parse_in_header(header: &[u8; IN_HEADER_LEN], total: usize) -> Option<(u32, u
     let opcode = u32::from_le_bytes(header[4..8].try_into().ok()?);
     let unique = u64::from_le_bytes(header[8..16].try_into().ok()?);
     Some((opcode, unique))
-}
-
-/// Marks a request done, having written `written` bytes of reply, and interrupts the guest.
-fn complete(shared: &Shared, ring: &Mutex<Queue>, head: u16, written: u32) {
-    let mut queue = ring.lock().unwrap_or_else(|p| p.into_inner());
-    if queue.add_used(&shared.mem, head, written).is_ok()
-        && queue.needs_notification(&shared.mem).unwrap_or(true)
-    {
-        (shared.signal)();
-    }
 }
 
 /// Reads the library's replies and completes the requests they answer.
@@ -608,36 +391,33 @@ fn serve_replies(shared: &Shared, mut socket: UnixStream) -> std::io::Result<()>
             buffer.extend_from_slice(&header);
             buffer.resize(length, 0);
             socket.read_exact(&mut buffer[OUT_HEADER_LEN..])?;
-            scatter(mem, &waiting.reply_to, &buffer[..fits])?;
+            scatter(mem, &waiting.reply_to, 0, &buffer[..fits])?;
         } else {
-            scatter(mem, &waiting.reply_to, &header[..fits.min(OUT_HEADER_LEN)])?;
+            scatter(
+                mem,
+                &waiting.reply_to,
+                0,
+                &header[..fits.min(OUT_HEADER_LEN)],
+            )?;
             let into_guest = fits.saturating_sub(OUT_HEADER_LEN);
-            for_each_piece(
+            receive_into_guest(
+                mem,
                 &waiting.reply_to,
                 OUT_HEADER_LEN,
                 into_guest,
-                |address, len| read_into_guest(mem, address, len, &mut socket),
+                &mut socket,
             )?;
             let left = (body - into_guest) as u64;
             std::io::copy(&mut (&socket).take(left), &mut std::io::sink())?;
         }
-        complete(shared, &waiting.ring, waiting.head, fits as u32);
+        complete(
+            &shared.mem,
+            &waiting.ring,
+            waiting.head,
+            fits as u32,
+            &*shared.signal,
+        );
     }
-}
-
-/// Copies `bytes` into the start of `regions` (which hold at least as many).
-fn scatter(
-    mem: &GuestMemoryMmap,
-    regions: &[(GuestAddress, u32)],
-    bytes: &[u8],
-) -> std::io::Result<()> {
-    let mut at = 0;
-    for_each_piece(regions, 0, bytes.len(), |address, len| {
-        mem.write_slice(&bytes[at..at + len], address)
-            .map_err(memory_error)?;
-        at += len;
-        Ok(())
-    })
 }
 
 #[cfg(test)]

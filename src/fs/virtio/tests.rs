@@ -2,14 +2,13 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use krun_sys::device::Descriptor;
+use krun_sys::device::{Bytes, Descriptor};
 
-use super::fuzz::{laid_out_queue, request, AVAIL_RING, DESC_TABLE, USED_RING};
+use super::fuzz::request;
 use super::*;
+use crate::virtqueue::laid_out::{self, laid_out_queue, AVAIL_RING, DESC_TABLE, USED_RING};
 
 const SIZE: u16 = 16;
-const F_NEXT: u16 = 1;
-const F_WRITE: u16 = 2;
 
 /// Guest memory with one queue of 16 laid out in it, as a driver would.
 fn guest() -> (GuestMemoryMmap, Arc<Mutex<Queue>>) {
@@ -19,42 +18,14 @@ fn guest() -> (GuestMemoryMmap, Arc<Mutex<Queue>>) {
     (mem, Arc::new(Mutex::new(queue)))
 }
 
-/// Puts a chain of (address, length, writable) descriptors at descriptor `first` onwards
-/// and makes it available.
+/// Offers a chain on the tests' queue of [`SIZE`].
 fn offer(mem: &GuestMemoryMmap, first: u16, chain: &[(u64, u32, bool)]) {
-    for (i, (addr, len, writable)) in chain.iter().enumerate() {
-        let index = first + i as u16;
-        let mut flags = if *writable { F_WRITE } else { 0 };
-        if i + 1 < chain.len() {
-            flags |= F_NEXT;
-        }
-        let descriptor = Descriptor {
-            addr: *addr,
-            len: *len,
-            flags,
-            next: index + 1,
-        };
-        mem.write_obj(descriptor, GuestAddress(DESC_TABLE + 16 * u64::from(index)))
-            .unwrap();
-    }
-    let idx: u16 = mem.read_obj(GuestAddress(AVAIL_RING + 2)).unwrap();
-    let slot = AVAIL_RING + 4 + 2 * u64::from(idx % SIZE);
-    mem.write_obj(first, GuestAddress(slot)).unwrap();
-    mem.write_obj(idx.wrapping_add(1), GuestAddress(AVAIL_RING + 2))
-        .unwrap();
+    laid_out::offer(mem, SIZE, first, chain);
 }
 
-/// The used ring's completions so far: (head, bytes written).
+/// The completions on the tests' queue of [`SIZE`].
 fn used(mem: &GuestMemoryMmap) -> Vec<(u32, u32)> {
-    let idx: u16 = mem.read_obj(GuestAddress(USED_RING + 2)).unwrap();
-    (0..idx)
-        .map(|i| {
-            let at = USED_RING + 4 + 8 * u64::from(i % SIZE);
-            let id: u32 = mem.read_obj(GuestAddress(at)).unwrap();
-            let len: u32 = mem.read_obj(GuestAddress(at + 4)).unwrap();
-            (id, len)
-        })
-        .collect()
+    laid_out::used(mem, SIZE)
 }
 
 fn counting_shared(mem: &GuestMemoryMmap) -> (Arc<Shared>, Arc<AtomicUsize>) {

@@ -1,0 +1,139 @@
+//! The layer disk's library side: the device's socket, served from a [`ServedDisk`].
+//!
+//! Requests are read in the order the device forwarded them and run one at a time, each to its
+//! end ([`run_whole`]): a flush then covers every write before it, as virtio-blk asks, and the
+//! layer's calls into its store never overlap. The device keeps forwarding meanwhile (the
+//! socket holds what waits), so the guest's block layer keeps many requests in flight and no
+//! request waits for a wake-up of its own. Everything belongs to the instance: dropping the
+//! service ends the connection's task.
+
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+use tokio::task::JoinHandle;
+
+use super::wire::{Operation, ReplyHeader, RequestHeader, Status, REQUEST_HEADER_LEN};
+use crate::rootfs::served::{run_whole, ServedDisk};
+
+/// Serves one disk's device while the instance lives.
+pub(crate) struct BlockService<D> {
+    /// Read only to connect (no state of its is held here across a call that can panic).
+    disk: std::panic::AssertUnwindSafe<Arc<D>>,
+    connection: Option<JoinHandle<()>>,
+}
+
+impl<D> Drop for BlockService<D> {
+    fn drop(&mut self) {
+        if let Some(connection) = &self.connection {
+            connection.abort();
+        }
+    }
+}
+
+impl<D: ServedDisk> BlockService<D> {
+    /// A service for `disk`, connected to no helper yet.
+    pub(crate) fn new(disk: Arc<D>) -> Self {
+        BlockService {
+            disk: std::panic::AssertUnwindSafe(disk),
+            connection: None,
+        }
+    }
+
+    /// Connects afresh, for one boot attempt: a socket pair whose one end is served from now
+    /// on (replacing an earlier attempt's) and whose other end goes to the helper. Must run
+    /// inside the tokio runtime.
+    pub(crate) fn connect(&mut self) -> std::io::Result<OwnedFd> {
+        if let Some(connection) = self.connection.take() {
+            connection.abort();
+        }
+        let (ours, helper_end) = std::os::unix::net::UnixStream::pair()?;
+        ours.set_nonblocking(true)?;
+        let stream = UnixStream::from_std(ours)?;
+        let disk = Arc::clone(&self.disk);
+        self.connection = Some(tokio::spawn(async move {
+            if let Err(err) = serve(stream, disk).await {
+                tracing::warn!(target: "krunbox::rootfs", %err, "the layer disk's connection ended");
+            }
+        }));
+        Ok(OwnedFd::from(helper_end))
+    }
+}
+
+/// Serves one connection until it closes or breaks the framing.
+pub(crate) async fn serve<D: ServedDisk>(stream: UnixStream, disk: Arc<D>) -> std::io::Result<()> {
+    let (reader, writer) = stream.into_split();
+    // Small requests arrive several to a read, and replies go out several to a write: the
+    // buffer is flushed whenever no further request is already at hand.
+    let mut reader = tokio::io::BufReader::with_capacity(64 * 1024, reader);
+    let mut writer = tokio::io::BufWriter::with_capacity(64 * 1024, writer);
+    loop {
+        let mut bytes = [0u8; REQUEST_HEADER_LEN];
+        if reader.buffer().len() < REQUEST_HEADER_LEN {
+            writer.flush().await?;
+        }
+        match reader.read_exact(&mut bytes).await {
+            Ok(_) => {}
+            Err(err) if err.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(err) => return Err(err),
+        }
+        let request = RequestHeader::decode(&bytes)
+            .map_err(|err| std::io::Error::new(std::io::ErrorKind::InvalidData, err))?;
+        let mut data = Vec::new();
+        if request.operation == Operation::Write {
+            data.resize(request.length as usize, 0);
+            reader.read_exact(&mut data).await?;
+        }
+        let (status, reply_data) = if request.fits(disk.size()) {
+            run(&disk, request, data).await
+        } else {
+            (Status::IoError, Vec::new())
+        };
+        let reply = ReplyHeader {
+            id: request.id,
+            status,
+            length: reply_data.len() as u32,
+        };
+        writer.write_all(&reply.encode()).await?;
+        writer.write_all(&reply_data).await?;
+    }
+}
+
+/// Runs one checked request on the disk, to its end: its status and a read's data.
+async fn run<D: ServedDisk>(
+    disk: &Arc<D>,
+    request: RequestHeader,
+    data: Vec<u8>,
+) -> (Status, Vec<u8>) {
+    let disk = disk.clone();
+    let done = match request.operation {
+        Operation::Read => {
+            run_whole(async move { disk.read(request.offset, request.length).await }).await
+        }
+        Operation::Write => {
+            run_whole(async move {
+                let written = disk.write(request.offset, &data).await?;
+                if written as usize == data.len() {
+                    Ok(Vec::new())
+                } else {
+                    Err(crate::fs::FsError::IO)
+                }
+            })
+            .await
+        }
+        Operation::Flush => run_whole(async move { disk.sync().await.map(|()| Vec::new()) }).await,
+    };
+    match done {
+        Ok(bytes)
+            if request.operation != Operation::Read || bytes.len() == request.length as usize =>
+        {
+            (Status::Ok, bytes)
+        }
+        Ok(_) => (Status::IoError, Vec::new()),
+        Err(err) => {
+            tracing::debug!(target: "krunbox::rootfs", ?request, %err, "a layer disk request failed");
+            (Status::IoError, Vec::new())
+        }
+    }
+}

@@ -1,0 +1,534 @@
+//! What the helper's forwarding devices share: walking a hostile guest's virtqueue and moving
+//! bytes between its memory and a socket.
+//!
+//! Each device of ours in the `krunbox-vmm` helper (a mount's virtio-fs device, `fs/virtio/`;
+//! a copy-on-write root's virtio-blk device, `rootfs/device/`) serves no data itself: it pops
+//! request chains off its queues, forwards them over a socket to the library, and completes
+//! them with what comes back. The queue handling is the same for both and lives here: a chain
+//! is walked once, checked against the device's bounds and guest memory, and kept as the
+//! guest addresses of its readable bytes and of its writable room.
+
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Mutex};
+
+use krun_sys::device::{
+    Bytes, EventFd, GuestAddress, GuestMemory, GuestMemoryError, GuestMemoryMmap, Queue,
+};
+
+/// A device's bounds on one request chain.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ChainLimits {
+    /// The most bytes the readable descriptors may hold in all.
+    pub max_readable: usize,
+    /// The most writable descriptors (each is remembered until the request completes).
+    pub max_writable_descriptors: usize,
+}
+
+/// A request read off a queue: its head, and its descriptors, or `None` for a chain that broke
+/// the bounds (the device completes it without forwarding it).
+pub(crate) struct Popped {
+    pub head: u16,
+    pub chain: Option<Chain>,
+}
+
+/// A request chain's descriptors as (guest address, length): every one checked to lie in guest
+/// memory, the readable ones all before the writable ones.
+pub(crate) struct Chain {
+    pub readable: Vec<(GuestAddress, u32)>,
+    pub readable_len: usize,
+    pub writable: Vec<(GuestAddress, u32)>,
+}
+
+impl Chain {
+    /// The writable descriptors' room in bytes.
+    pub(crate) fn writable_len(&self) -> usize {
+        self.writable.iter().map(|(_, len)| *len as usize).sum()
+    }
+}
+
+/// The next request on `queue`, its descriptors checked against `limits` and guest memory.
+pub(crate) fn pop(queue: &mut Queue, mem: &GuestMemoryMmap, limits: ChainLimits) -> Option<Popped> {
+    let _ = queue.disable_notification(mem);
+    let head = queue.pop(mem)?;
+    let index = head.index;
+    let mut chain = Chain {
+        readable: Vec::new(),
+        readable_len: 0,
+        writable: Vec::new(),
+    };
+    let mut valid = true;
+    for descriptor in head.into_iter() {
+        if !mem.check_range(descriptor.addr, descriptor.len as usize) {
+            valid = false;
+            break;
+        }
+        if descriptor.is_write_only() {
+            if chain.writable.len() == limits.max_writable_descriptors {
+                valid = false;
+                break;
+            }
+            chain.writable.push((descriptor.addr, descriptor.len));
+            continue;
+        }
+        chain.readable_len = chain.readable_len.saturating_add(descriptor.len as usize);
+        if !chain.writable.is_empty() || chain.readable_len > limits.max_readable {
+            // Readable after writable, or more than any request of the device.
+            valid = false;
+            break;
+        }
+        chain.readable.push((descriptor.addr, descriptor.len));
+    }
+    Some(Popped {
+        head: index,
+        chain: valid.then_some(chain),
+    })
+}
+
+/// How [`drain`] left a queue.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Drained {
+    /// Nothing more on it; notifications are on.
+    Empty,
+    /// The guest's ring claims more than the queue holds, or entries no chain starts at.
+    Broken,
+}
+
+/// Hands everything on one queue to `forward`, with notifications off while there is more.
+pub(crate) fn drain(
+    mem: &GuestMemoryMmap,
+    ring: &Mutex<Queue>,
+    limits: ChainLimits,
+    mut forward: impl FnMut(Popped) -> std::io::Result<()>,
+) -> std::io::Result<Drained> {
+    loop {
+        let request = {
+            let mut queue = ring.lock().unwrap_or_else(|p| p.into_inner());
+            // The ring was checked to lie in guest memory when the device was activated, so
+            // reading its index does not fail. The index is read once here and the decision
+            // made on that reading: the guest adds entries while we look, so a second reading
+            // (after `pop` found none) may show one that was not there for `pop`, and taking
+            // that for a broken ring stopped the queue for good under a busy guest.
+            let available = queue.len(mem);
+            if available > queue.actual_size() {
+                return Ok(Drained::Broken);
+            }
+            if available == 0 {
+                // Notifications back on; if the guest added requests meanwhile, go on.
+                let more = queue.enable_notification(mem).unwrap_or(false);
+                if more {
+                    let _ = queue.disable_notification(mem);
+                    continue;
+                }
+                return Ok(Drained::Empty);
+            }
+            match pop(&mut queue, mem, limits) {
+                Some(request) => request,
+                // An entry was there (the index never goes back for an honest guest), and no
+                // chain starts at it.
+                None => return Ok(Drained::Broken),
+            }
+        };
+        forward(request)?;
+    }
+}
+
+/// Waits for the guest's notifications on `events` (one per ring) and drains the notified
+/// ring with `drain_one(index)`, until draining fails (the library is gone). A ring the guest
+/// broke is no longer served: popping would find nothing, forever, while the ring says there
+/// is more.
+pub(crate) fn serve_notifications(
+    events: &[Arc<EventFd>],
+    tag: &str,
+    mut drain_one: impl FnMut(usize) -> std::io::Result<Drained>,
+) {
+    let mut fds: Vec<libc::pollfd> = events
+        .iter()
+        .map(|event| libc::pollfd {
+            fd: event.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    let mut broken = vec![false; events.len()];
+    loop {
+        // SAFETY: poll on a live array of pollfds of our own eventfds.
+        let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+        if ready < 0 {
+            if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return;
+        }
+        for (index, fd) in fds.iter_mut().enumerate() {
+            if fd.revents == 0 {
+                continue;
+            }
+            fd.revents = 0;
+            let _ = events[index].read();
+            if broken[index] {
+                continue;
+            }
+            match drain_one(index) {
+                Ok(Drained::Empty) => {}
+                Ok(Drained::Broken) => {
+                    eprintln!("krunbox-vmm: device {tag}: the guest broke queue {index}; it is no longer served");
+                    broken[index] = true;
+                }
+                // The library is gone: the instance is being torn down.
+                Err(_) => return,
+            }
+        }
+    }
+}
+
+/// Marks a request done, having written `written` bytes into its chain, and interrupts the
+/// guest with `signal` when it asked to be.
+pub(crate) fn complete(
+    mem: &GuestMemoryMmap,
+    ring: &Mutex<Queue>,
+    head: u16,
+    written: u32,
+    signal: &(dyn Fn() + Send + Sync),
+) {
+    let mut queue = ring.lock().unwrap_or_else(|p| p.into_inner());
+    if queue.add_used(mem, head, written).is_ok() && queue.needs_notification(mem).unwrap_or(true) {
+        signal();
+    }
+}
+
+/// Calls `each` with the (address, length) pieces of bytes `skip..skip + len` of `regions`.
+pub(crate) fn for_each_piece(
+    regions: &[(GuestAddress, u32)],
+    mut skip: usize,
+    mut len: usize,
+    mut each: impl FnMut(GuestAddress, usize) -> std::io::Result<()>,
+) -> std::io::Result<()> {
+    for (address, region_len) in regions {
+        if len == 0 {
+            break;
+        }
+        let region_len = *region_len as usize;
+        if skip >= region_len {
+            skip -= region_len;
+            continue;
+        }
+        let take = (region_len - skip).min(len);
+        each(GuestAddress(address.0 + skip as u64), take)?;
+        len -= take;
+        skip = 0;
+    }
+    Ok(())
+}
+
+/// A guest memory access that failed in a range [`pop`] checked: never expected.
+pub(crate) fn memory_error(err: impl std::fmt::Display) -> std::io::Error {
+    std::io::Error::other(format!("guest memory: {err}"))
+}
+
+/// Copies bytes `skip..skip + out.len()` of `regions` into `out`.
+pub(crate) fn gather(
+    mem: &GuestMemoryMmap,
+    regions: &[(GuestAddress, u32)],
+    skip: usize,
+    out: &mut [u8],
+) -> std::io::Result<()> {
+    let mut at = 0;
+    for_each_piece(regions, skip, out.len(), |address, len| {
+        mem.read_slice(&mut out[at..at + len], address)
+            .map_err(memory_error)?;
+        at += len;
+        Ok(())
+    })
+}
+
+/// Copies `bytes` into `regions` from byte `skip` on (they hold at least as many).
+pub(crate) fn scatter(
+    mem: &GuestMemoryMmap,
+    regions: &[(GuestAddress, u32)],
+    skip: usize,
+    bytes: &[u8],
+) -> std::io::Result<()> {
+    let mut at = 0;
+    for_each_piece(regions, skip, bytes.len(), |address, len| {
+        mem.write_slice(&bytes[at..at + len], address)
+            .map_err(memory_error)?;
+        at += len;
+        Ok(())
+    })
+}
+
+/// Writes bytes `skip..skip + len` of `regions` to `socket`, straight from guest memory.
+pub(crate) fn send_from_guest(
+    mem: &GuestMemoryMmap,
+    regions: &[(GuestAddress, u32)],
+    skip: usize,
+    len: usize,
+    socket: &mut UnixStream,
+) -> std::io::Result<()> {
+    for_each_piece(regions, skip, len, |address, len| {
+        move_all(address, len, std::io::ErrorKind::WriteZero, |at, left| {
+            mem.write_volatile_to(at, socket, left)
+        })
+    })
+}
+
+/// Reads `len` bytes from `socket` into bytes `skip..skip + len` of `regions`, straight into
+/// guest memory.
+pub(crate) fn receive_into_guest(
+    mem: &GuestMemoryMmap,
+    regions: &[(GuestAddress, u32)],
+    skip: usize,
+    len: usize,
+    socket: &mut UnixStream,
+) -> std::io::Result<()> {
+    for_each_piece(regions, skip, len, |address, len| {
+        move_all(
+            address,
+            len,
+            std::io::ErrorKind::UnexpectedEof,
+            |at, left| mem.read_volatile_from(at, socket, left),
+        )
+    })
+}
+
+/// Moves `len` bytes at `address` with `step` (one system call, at most the bytes left, how
+/// many it moved) until all have moved, again after `EINTR`; a step that moves nothing is
+/// `ended`.
+fn move_all(
+    address: GuestAddress,
+    len: usize,
+    ended: std::io::ErrorKind,
+    mut step: impl FnMut(GuestAddress, usize) -> Result<usize, GuestMemoryError>,
+) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < len {
+        match step(GuestAddress(address.0 + done as u64), len - done) {
+            Ok(0) => return Err(ended.into()),
+            Ok(moved) => done += moved,
+            Err(GuestMemoryError::IOError(e)) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(memory_error(e)),
+        }
+    }
+    Ok(())
+}
+
+/// A queue laid out at fixed places in guest memory, as a driver leaves it: for the devices'
+/// unit tests and fuzz targets, which play the guest's driver.
+pub(crate) mod laid_out {
+    #[cfg(test)]
+    use krun_sys::device::Descriptor;
+    use krun_sys::device::{Bytes, GuestAddress, GuestMemoryMmap, Queue};
+
+    /// Where the descriptor table, the available ring and the used ring are.
+    pub(crate) const DESC_TABLE: u64 = 0;
+    pub(crate) const AVAIL_RING: u64 = 0x1000;
+    pub(crate) const USED_RING: u64 = 0x2000;
+
+    /// A queue of `size` whose rings are at [`DESC_TABLE`], [`AVAIL_RING`] and [`USED_RING`],
+    /// ready.
+    pub(crate) fn laid_out_queue(size: u16) -> Queue {
+        let mut queue = Queue::new(size);
+        queue.size = size;
+        queue.ready = true;
+        queue.desc_table = GuestAddress(DESC_TABLE);
+        queue.avail_ring = GuestAddress(AVAIL_RING);
+        queue.used_ring = GuestAddress(USED_RING);
+        queue
+    }
+
+    /// Puts a chain of (address, length, writable) descriptors at descriptor `first` onwards
+    /// of a queue of `size` and makes it available.
+    #[cfg(test)]
+    pub(crate) fn offer(mem: &GuestMemoryMmap, size: u16, first: u16, chain: &[(u64, u32, bool)]) {
+        const F_NEXT: u16 = 1;
+        const F_WRITE: u16 = 2;
+        for (i, (addr, len, writable)) in chain.iter().enumerate() {
+            let index = first + i as u16;
+            let mut flags = if *writable { F_WRITE } else { 0 };
+            if i + 1 < chain.len() {
+                flags |= F_NEXT;
+            }
+            let descriptor = Descriptor {
+                addr: *addr,
+                len: *len,
+                flags,
+                next: index + 1,
+            };
+            mem.write_obj(descriptor, GuestAddress(DESC_TABLE + 16 * u64::from(index)))
+                .unwrap();
+        }
+        let idx: u16 = mem.read_obj(GuestAddress(AVAIL_RING + 2)).unwrap();
+        let slot = AVAIL_RING + 4 + 2 * u64::from(idx % size);
+        mem.write_obj(first, GuestAddress(slot)).unwrap();
+        mem.write_obj(idx.wrapping_add(1), GuestAddress(AVAIL_RING + 2))
+            .unwrap();
+    }
+
+    /// The used ring's completions so far, of a queue of `size`: (head, bytes written).
+    #[cfg(test)]
+    pub(crate) fn used(mem: &GuestMemoryMmap, size: u16) -> Vec<(u32, u32)> {
+        let idx: u16 = mem.read_obj(GuestAddress(USED_RING + 2)).unwrap();
+        (0..idx)
+            .map(|i| {
+                let at = USED_RING + 4 + 8 * u64::from(i % size);
+                let id: u32 = mem.read_obj(GuestAddress(at)).unwrap();
+                let len: u32 = mem.read_obj(GuestAddress(at + 4)).unwrap();
+                (id, len)
+            })
+            .collect()
+    }
+
+    /// A fuzz input's guest memory: the rings low, then what the input puts there from
+    /// [`DATA`] on.
+    pub(crate) const MEMORY: u64 = 256 * 1024;
+    pub(crate) const DATA: u64 = 0x4000;
+
+    /// Reads a fuzz input front to back; past its end, zeros.
+    pub(crate) struct Input<'a>(pub &'a [u8]);
+
+    impl Input<'_> {
+        fn take<const N: usize>(&mut self) -> [u8; N] {
+            let mut out = [0u8; N];
+            let n = N.min(self.0.len());
+            out[..n].copy_from_slice(&self.0[..n]);
+            self.0 = &self.0[n..];
+            out
+        }
+        pub(crate) fn u8(&mut self) -> u8 {
+            self.take::<1>()[0]
+        }
+        pub(crate) fn u16(&mut self) -> u16 {
+            u16::from_le_bytes(self.take())
+        }
+        pub(crate) fn u32(&mut self) -> u32 {
+            u32::from_le_bytes(self.take())
+        }
+
+        /// Puts the rest of the input into guest memory at [`DATA`] (what fits).
+        pub(crate) fn fill_memory(&mut self, mem: &GuestMemoryMmap) {
+            let rest = &self.0[..self.0.len().min((MEMORY - DATA) as usize)];
+            mem.write_slice(rest, GuestAddress(DATA))
+                .expect("in memory");
+            self.0 = &self.0[rest.len()..];
+        }
+    }
+
+    /// A hostile guest's queue, from a fuzz input: any descriptor table and available ring.
+    pub(crate) struct HostileQueue {
+        pub mem: GuestMemoryMmap,
+        pub size: u16,
+        /// Entries on the available ring.
+        pub offered: u16,
+    }
+
+    impl HostileQueue {
+        /// Reads the queue's size, its descriptor table and its available ring from `input`:
+        /// addresses past the rings (some outside memory: a guest that points a device's
+        /// writes at its own rings only corrupts them, which is its own business and would
+        /// only blur what a fuzz target checks), lengths up to 128 KiB, any flags and links.
+        pub(crate) fn from_input(input: &mut Input) -> Self {
+            let size = 1u16 << (input.u8() % 6 + 1); // 2 to 64
+            let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEMORY as usize)])
+                .expect("guest memory");
+            for index in 0..u64::from(size) {
+                let addr = DATA + u64::from(input.u32()) % (MEMORY - DATA + 0x1000);
+                let len = input.u32() % 0x2_0000;
+                let flags = input.u16();
+                let next = input.u16();
+                let mut raw = [0u8; 16];
+                raw[..8].copy_from_slice(&addr.to_le_bytes());
+                raw[8..12].copy_from_slice(&len.to_le_bytes());
+                raw[12..14].copy_from_slice(&flags.to_le_bytes());
+                raw[14..16].copy_from_slice(&next.to_le_bytes());
+                mem.write_slice(&raw, GuestAddress(DESC_TABLE + 16 * index))
+                    .expect("in memory");
+            }
+            let offered = u16::from(input.u8()) % (size + 1);
+            for slot in 0..offered {
+                let head = input.u16();
+                mem.write_obj(head, GuestAddress(AVAIL_RING + 4 + 2 * u64::from(slot)))
+                    .expect("in memory");
+            }
+            mem.write_obj(offered, GuestAddress(AVAIL_RING + 2))
+                .expect("in memory");
+            HostileQueue { mem, size, offered }
+        }
+    }
+
+    /// The completions on a queue of `size` with `offered` entries, as (head, bytes written),
+    /// checked: no more than were offered, each naming a descriptor of the queue, none twice
+    /// unless the guest offered it twice.
+    pub(crate) fn check_completions(
+        mem: &GuestMemoryMmap,
+        size: u16,
+        offered: u16,
+    ) -> Vec<(u32, u32)> {
+        let used: u16 = mem
+            .read_obj(GuestAddress(USED_RING + 2))
+            .expect("in memory");
+        assert!(used <= offered, "{used} completions for {offered} chains");
+        let mut heads = std::collections::HashSet::new();
+        let mut completions = Vec::new();
+        for slot in 0..u64::from(used) {
+            let at = USED_RING + 4 + 8 * slot;
+            let head: u32 = mem.read_obj(GuestAddress(at)).expect("in memory");
+            let len: u32 = mem.read_obj(GuestAddress(at + 4)).expect("in memory");
+            assert!(
+                head < u32::from(size),
+                "completed head {head} of a queue of {size}"
+            );
+            assert!(heads.insert(head) || offered_twice(mem, offered, head));
+            completions.push((head, len));
+        }
+        completions
+    }
+
+    /// Whether the guest offered `head` more than once (then it may be completed more than
+    /// once).
+    fn offered_twice(mem: &GuestMemoryMmap, offered: u16, head: u32) -> bool {
+        (0..u64::from(offered))
+            .filter(|slot| {
+                mem.read_obj::<u16>(GuestAddress(AVAIL_RING + 4 + 2 * slot))
+                    .is_ok_and(|h| u32::from(h) == head)
+            })
+            .count()
+            > 1
+    }
+
+    /// A fuzz input for [`HostileQueue::from_input`]: a queue of 4 with chains of (address,
+    /// length, writable) descriptors, offered in order, then `answers` (the target's own
+    /// bytes), then `memory` at [`DATA`].
+    #[cfg(test)]
+    pub(crate) fn seed(chains: &[&[(u64, u32, bool)]], answers: &[u8], memory: &[u8]) -> Vec<u8> {
+        let mut out = vec![1u8]; // a queue of 4
+        let mut table = Vec::new();
+        let mut heads = Vec::new();
+        for chain in chains {
+            heads.push(table.len() as u16);
+            for (i, (addr, len, writable)) in chain.iter().enumerate() {
+                let mut flags = if *writable { 2u16 } else { 0 };
+                let next = table.len() as u16 + 1;
+                if i + 1 < chain.len() {
+                    flags |= 1;
+                }
+                // Stored as the input holds it: an offset from DATA.
+                table.push(((*addr - DATA) as u32, *len, flags, next));
+            }
+        }
+        table.resize(4, (0, 0, 0, 0));
+        for (addr, len, flags, next) in table {
+            out.extend_from_slice(&addr.to_le_bytes());
+            out.extend_from_slice(&len.to_le_bytes());
+            out.extend_from_slice(&flags.to_le_bytes());
+            out.extend_from_slice(&next.to_le_bytes());
+        }
+        out.push(heads.len() as u8);
+        for head in heads {
+            out.extend_from_slice(&head.to_le_bytes());
+        }
+        out.extend_from_slice(answers);
+        out.extend_from_slice(memory);
+        out
+    }
+}

@@ -12,9 +12,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 
-use krun_sys::device::{
-    Bytes, EventFd, GuestAddress, GuestMemory, GuestMemoryError, GuestMemoryMmap, Queue,
-};
+use krun_sys::device::{Bytes, EventFd, GuestAddress, GuestMemory, GuestMemoryMmap, Queue};
 
 /// A device's bounds on one request chain.
 #[derive(Debug, Clone, Copy)]
@@ -191,10 +189,21 @@ pub(crate) fn complete(
     written: u32,
     signal: &(dyn Fn() + Send + Sync),
 ) {
-    let mut queue = ring.lock().unwrap_or_else(|p| p.into_inner());
-    if queue.add_used(mem, head, written).is_ok() && queue.needs_notification(mem).unwrap_or(true) {
+    if complete_unsignalled(mem, ring, head, written) {
         signal();
     }
+}
+
+/// Marks a request done, having written `written` bytes into its chain; returns whether the
+/// guest asked to be interrupted (the caller does it, once for several completions).
+pub(crate) fn complete_unsignalled(
+    mem: &GuestMemoryMmap,
+    ring: &Mutex<Queue>,
+    head: u16,
+    written: u32,
+) -> bool {
+    let mut queue = ring.lock().unwrap_or_else(|p| p.into_inner());
+    queue.add_used(mem, head, written).is_ok() && queue.needs_notification(mem).unwrap_or(true)
 }
 
 /// Calls `each` with the (address, length) pieces of bytes `skip..skip + len` of `regions`.
@@ -258,23 +267,28 @@ pub(crate) fn scatter(
     })
 }
 
-/// Writes bytes `skip..skip + len` of `regions` to `socket`, straight from guest memory.
+/// Writes `prefix` and then bytes `skip..skip + len` of `regions` to `socket`, straight from
+/// guest memory: one `writev` for all of it where the socket takes it.
 pub(crate) fn send_from_guest(
     mem: &GuestMemoryMmap,
+    prefix: &[u8],
     regions: &[(GuestAddress, u32)],
     skip: usize,
     len: usize,
     socket: &mut UnixStream,
 ) -> std::io::Result<()> {
-    for_each_piece(regions, skip, len, |address, len| {
-        move_all(address, len, std::io::ErrorKind::WriteZero, |at, left| {
-            mem.write_volatile_to(at, socket, left)
-        })
-    })
+    let mut iovecs = vec![libc::iovec {
+        iov_base: prefix.as_ptr() as *mut libc::c_void,
+        iov_len: prefix.len(),
+    }];
+    host_iovecs(mem, regions, skip, len, &mut iovecs)?;
+    // SAFETY: the iovecs point at `prefix` (alive for this call) and into guest memory (mapped
+    // while `mem` lives), and `writev` only reads through them.
+    unsafe { transfer_all(socket, &mut iovecs, Direction::Send) }
 }
 
 /// Reads `len` bytes from `socket` into bytes `skip..skip + len` of `regions`, straight into
-/// guest memory.
+/// guest memory: one `readv` for all of it where the socket has it.
 pub(crate) fn receive_into_guest(
     mem: &GuestMemoryMmap,
     regions: &[(GuestAddress, u32)],
@@ -282,35 +296,124 @@ pub(crate) fn receive_into_guest(
     len: usize,
     socket: &mut UnixStream,
 ) -> std::io::Result<()> {
+    let mut iovecs = Vec::new();
+    host_iovecs(mem, regions, skip, len, &mut iovecs)?;
+    // SAFETY: the iovecs point into guest memory, mapped and writable while `mem` lives (the
+    // guest may change those bytes meanwhile: its own business, and `readv` does not care).
+    unsafe { transfer_all(socket, &mut iovecs, Direction::Receive) }
+}
+
+/// Reads `len` bytes from `reader` into bytes `skip..skip + len` of `regions`: what `reader`
+/// holds already, then the rest straight from its socket into guest memory.
+pub(crate) fn receive_buffered_into_guest(
+    mem: &GuestMemoryMmap,
+    regions: &[(GuestAddress, u32)],
+    skip: usize,
+    len: usize,
+    reader: &mut std::io::BufReader<UnixStream>,
+) -> std::io::Result<()> {
+    use std::io::BufRead;
+    let buffered = reader.buffer().len().min(len);
+    scatter(mem, regions, skip, &reader.buffer()[..buffered])?;
+    reader.consume(buffered);
+    if len > buffered {
+        receive_into_guest(
+            mem,
+            regions,
+            skip + buffered,
+            len - buffered,
+            reader.get_mut(),
+        )?;
+    }
+    Ok(())
+}
+
+/// Appends the host addresses of bytes `skip..skip + len` of `regions` as iovecs. Every range
+/// was checked to lie in guest memory when the chain was popped.
+fn host_iovecs(
+    mem: &GuestMemoryMmap,
+    regions: &[(GuestAddress, u32)],
+    skip: usize,
+    len: usize,
+    iovecs: &mut Vec<libc::iovec>,
+) -> std::io::Result<()> {
     for_each_piece(regions, skip, len, |address, len| {
-        move_all(
-            address,
-            len,
-            std::io::ErrorKind::UnexpectedEof,
-            |at, left| mem.read_volatile_from(at, socket, left),
-        )
+        for slice in mem.get_slices(address, len) {
+            let slice = slice.map_err(memory_error)?;
+            iovecs.push(libc::iovec {
+                iov_base: slice.ptr_guard_mut().as_ptr() as *mut libc::c_void,
+                iov_len: slice.len(),
+            });
+        }
+        Ok(())
     })
 }
 
-/// Moves `len` bytes at `address` with `step` (one system call, at most the bytes left, how
-/// many it moved) until all have moved, again after `EINTR`; a step that moves nothing is
-/// `ended`.
-fn move_all(
-    address: GuestAddress,
-    len: usize,
-    ended: std::io::ErrorKind,
-    mut step: impl FnMut(GuestAddress, usize) -> Result<usize, GuestMemoryError>,
+/// Which way [`transfer_all`] moves bytes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    Send,
+    Receive,
+}
+
+/// Moves every byte of `iovecs` to or from `socket`, in as few system calls as it takes (at
+/// most `IOV_MAX` iovecs each), again after `EINTR`. A call that moves nothing is the end of
+/// the socket: `WriteZero` or `UnexpectedEof`.
+///
+/// # Safety
+/// Every iovec must point at memory valid for its length, writable to receive.
+unsafe fn transfer_all(
+    socket: &mut UnixStream,
+    iovecs: &mut [libc::iovec],
+    direction: Direction,
 ) -> std::io::Result<()> {
-    let mut done = 0;
-    while done < len {
-        match step(GuestAddress(address.0 + done as u64), len - done) {
-            Ok(0) => return Err(ended.into()),
-            Ok(moved) => done += moved,
-            Err(GuestMemoryError::IOError(e)) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(memory_error(e)),
+    /// Linux's `IOV_MAX`.
+    const IOV_MAX: usize = 1024;
+    let fd = socket.as_raw_fd();
+    let mut at = 0;
+    loop {
+        while at < iovecs.len() && iovecs[at].iov_len == 0 {
+            at += 1;
+        }
+        if at == iovecs.len() {
+            return Ok(());
+        }
+        let batch = &iovecs[at..iovecs.len().min(at + IOV_MAX)];
+        // SAFETY: the caller vouches for the iovecs.
+        let moved = unsafe {
+            match direction {
+                Direction::Send => libc::writev(fd, batch.as_ptr(), batch.len() as libc::c_int),
+                Direction::Receive => libc::readv(fd, batch.as_ptr(), batch.len() as libc::c_int),
+            }
+        };
+        if moved < 0 {
+            let err = std::io::Error::last_os_error();
+            if err.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(err);
+        }
+        if moved == 0 {
+            return Err(match direction {
+                Direction::Send => std::io::ErrorKind::WriteZero.into(),
+                Direction::Receive => std::io::ErrorKind::UnexpectedEof.into(),
+            });
+        }
+        let mut moved = moved as usize;
+        while moved > 0 {
+            let first = &mut iovecs[at];
+            if moved >= first.iov_len {
+                moved -= first.iov_len;
+                at += 1;
+            } else {
+                // SAFETY: still inside the same iovec's memory.
+                first.iov_base =
+                    unsafe { (first.iov_base as *mut u8).add(moved) } as *mut libc::c_void;
+                first.iov_len -= moved;
+                moved = 0;
+            }
         }
     }
-    Ok(())
 }
 
 /// A queue laid out at fixed places in guest memory, as a driver leaves it: for the devices'

@@ -317,8 +317,14 @@ fn forward(
         )?;
         socket.write_all(buffer)?;
     } else {
-        socket.write_all(&header)?;
-        send_from_guest(&shared.mem, &chain.readable, IN_HEADER_LEN, rest, socket)?;
+        send_from_guest(
+            &shared.mem,
+            &header,
+            &chain.readable,
+            IN_HEADER_LEN,
+            rest,
+            socket,
+        )?;
     }
     if !answered {
         complete(&shared.mem, ring, request.head, 0, &*shared.signal);

@@ -23,7 +23,7 @@
 //! docs/architecture.md, "Writable roots".
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 
@@ -33,8 +33,8 @@ use krun_sys::device::{
 };
 
 use crate::virtqueue::{
-    self, complete, gather, receive_into_guest, scatter, send_from_guest, serve_notifications,
-    Chain, ChainLimits, Drained, Popped,
+    self, complete, complete_unsignalled, gather, receive_buffered_into_guest, scatter,
+    send_from_guest, serve_notifications, Chain, ChainLimits, Drained, Popped,
 };
 use wire::{Operation, ReplyHeader, RequestHeader, Status, MAX_DATA, REPLY_HEADER_LEN};
 
@@ -378,17 +378,19 @@ fn forward(shared: &Shared, request: Popped, socket: &mut UnixStream) -> std::io
             },
         );
     }
-    socket.write_all(&header.encode())?;
-    if header.operation == Operation::Write {
-        send_from_guest(
-            &shared.mem,
-            &chain.readable,
-            BLK_HEADER_LEN,
-            header.length as usize,
-            socket,
-        )?;
-    }
-    Ok(())
+    let data = if header.operation == Operation::Write {
+        header.length as usize
+    } else {
+        0
+    };
+    send_from_guest(
+        &shared.mem,
+        &header.encode(),
+        &chain.readable,
+        BLK_HEADER_LEN,
+        data,
+        socket,
+    )
 }
 
 /// Writes `data` at the start of `writable` and `status` into its last byte; returns the bytes
@@ -405,11 +407,18 @@ fn answer(
     Ok(data.len() as u32 + 1)
 }
 
-/// Reads the library's replies and completes the requests they answer.
-fn serve_replies(shared: &Shared, mut socket: UnixStream) -> std::io::Result<()> {
+/// Reads the library's replies and completes the requests they answer. Replies come several
+/// to a read; the guest is interrupted once for all the replies at hand.
+fn serve_replies(shared: &Shared, socket: UnixStream) -> std::io::Result<()> {
+    let mut reader = std::io::BufReader::with_capacity(64 * 1024, socket);
+    let mut unsignalled = false;
     loop {
+        if unsignalled && reader.buffer().len() < REPLY_HEADER_LEN {
+            (shared.signal)();
+            unsignalled = false;
+        }
         let mut bytes = [0u8; REPLY_HEADER_LEN];
-        socket.read_exact(&mut bytes)?;
+        reader.read_exact(&mut bytes)?;
         // A header the library never sends loses the framing: stop.
         let reply = ReplyHeader::decode(&bytes).ok_or(std::io::ErrorKind::InvalidData)?;
         let waiting = shared
@@ -421,7 +430,7 @@ fn serve_replies(shared: &Shared, mut socket: UnixStream) -> std::io::Result<()>
         let Some(waiting) = waiting else {
             // Nobody waits for it (never sent by the library): skip its bytes.
             std::io::copy(
-                &mut (&socket).take(u64::from(reply.length)),
+                &mut (&mut reader).take(u64::from(reply.length)),
                 &mut std::io::sink(),
             )?;
             continue;
@@ -432,12 +441,12 @@ fn serve_replies(shared: &Shared, mut socket: UnixStream) -> std::io::Result<()>
                 // Not what was asked for: the library never sends this.
                 return Err(std::io::ErrorKind::InvalidData.into());
             }
-            receive_into_guest(
+            receive_buffered_into_guest(
                 &shared.mem,
                 &waiting.writable,
                 0,
                 reply.length as usize,
-                &mut socket,
+                &mut reader,
             )?;
         } else if status == Status::Ok && waiting.data_len != 0 {
             status = Status::IoError;
@@ -449,13 +458,7 @@ fn serve_replies(shared: &Shared, mut socket: UnixStream) -> std::io::Result<()>
         } else {
             1
         };
-        complete(
-            &shared.mem,
-            &shared.ring,
-            waiting.head,
-            written,
-            &*shared.signal,
-        );
+        unsignalled |= complete_unsignalled(&shared.mem, &shared.ring, waiting.head, written);
     }
 }
 

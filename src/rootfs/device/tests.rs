@@ -1,6 +1,7 @@
 //! The layer disk's device driven over real guest memory and a real socket pair, served by the
 //! library's real service over a real copy-on-write layer (in a `MemoryStore`).
 
+use std::io::Write;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 

@@ -1,8 +1,8 @@
 //! The layer disk's library side: the device's socket, served from a [`ServedDisk`].
 //!
-//! Requests are read in the order the device forwarded them and run one at a time, each to its
-//! end ([`run_whole`]): a flush then covers every write before it, as virtio-blk asks, and the
-//! layer's calls into its store never overlap. The device keeps forwarding meanwhile (the
+//! Requests are read in the order the device forwarded them and run one at a time, writes and
+//! flushes each to its end ([`run_whole`]): a flush then covers every write before it, as
+//! virtio-blk asks, and the layer's calls into its store never overlap or stop halfway. The device keeps forwarding meanwhile (the
 //! socket holds what waits), so the guest's block layer keeps many requests in flight and no
 //! request waits for a wake-up of its own. Everything belongs to the instance: dropping the
 //! service ends the connection's task.
@@ -82,8 +82,15 @@ pub(crate) async fn serve<D: ServedDisk>(stream: UnixStream, disk: Arc<D>) -> st
             .map_err(|err| std::io::Error::new(std::io::ErrorKind::InvalidData, err))?;
         let mut data = Vec::new();
         if request.operation == Operation::Write {
-            data.resize(request.length as usize, 0);
-            reader.read_exact(&mut data).await?;
+            // Into the vector's spare room, never zeroed first (a pass over 1 MiB saved).
+            data.reserve_exact(request.length as usize);
+            (&mut reader)
+                .take(u64::from(request.length))
+                .read_to_end(&mut data)
+                .await?;
+            if data.len() != request.length as usize {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
         }
         let (status, reply_data) = if request.fits(disk.size()) {
             run(&disk, request, data).await
@@ -108,9 +115,9 @@ async fn run<D: ServedDisk>(
 ) -> (Status, Vec<u8>) {
     let disk = disk.clone();
     let done = match request.operation {
-        Operation::Read => {
-            run_whole(async move { disk.read(request.offset, request.length).await }).await
-        }
+        // A read changes nothing, so it may stop halfway when the connection goes: it runs
+        // here, without the hop to a task of its own.
+        Operation::Read => disk.read(request.offset, request.length).await,
         Operation::Write => {
             run_whole(async move {
                 let written = disk.write(request.offset, &data).await?;

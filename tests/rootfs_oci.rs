@@ -1,6 +1,7 @@
 //! OCI images: a `docker save` archive and an OCI image layout, both built here from files this
 //! test makes (busybox-static from the host, a script, a whiteout, an opaque directory, a hard
-//! link), imported with `krunbox::rootfs::oci::import` and booted; the image's entrypoint runs
+//! link, extended attributes), imported with `krunbox::rootfs::oci::import` (the attributes
+//! checked in the image's ext4 with `debugfs`) and booted; the image's entrypoint runs
 //! with its environment, working directory and user. A tampered blob is refused before any VM.
 
 mod common;
@@ -32,7 +33,41 @@ async fn import_and_run(archive_bytes: Vec<u8>) {
             user: Some((1000, 1001)),
         }
     );
+    // The entrypoint script's extended attributes reached the image's ext4.
+    let listed = ext4_xattrs(&dir.path().join("image.qcow2"), "/app/run.sh");
+    assert!(
+        listed.contains("user.krunbox (8) = \"imported\""),
+        "{listed}"
+    );
+    assert!(
+        listed.contains("security.capability (20) = 01 00 00 02 00 20 00 00"),
+        "{listed}"
+    );
     boot_and_run_entrypoint(&image).await;
+}
+
+/// What `debugfs` (e2fsprogs) lists as `path`'s extended attributes in the ext4 of the qcow2
+/// `image` (converted to a raw copy beside it with `qemu-img`).
+fn ext4_xattrs(image: &std::path::Path, path: &str) -> String {
+    let raw = image.with_extension("raw");
+    let converted = std::process::Command::new("qemu-img")
+        .args(["convert", "-O", "raw"])
+        .arg(image)
+        .arg(&raw)
+        .status()
+        .expect("qemu-img (Debian's qemu-utils; scripts/setup.sh installs it)");
+    assert!(converted.success(), "qemu-img convert failed");
+    let debugfs = ["/usr/sbin/debugfs", "/sbin/debugfs"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).exists())
+        .expect("debugfs (Debian's e2fsprogs; scripts/setup.sh installs it)");
+    let listed = std::process::Command::new(debugfs)
+        .args(["-R", &format!("ea_list {path}")])
+        .arg(&raw)
+        .output()
+        .expect("debugfs runs");
+    std::fs::remove_file(&raw).unwrap();
+    String::from_utf8_lossy(&listed.stdout).into_owned()
 }
 
 #[test]

@@ -34,6 +34,24 @@ impl Layer {
         self.0.append_data(&mut header, path, data).unwrap();
         self
     }
+    /// A file with extended attributes, as PAX `SCHILY.xattr.NAME` records before it (how
+    /// Docker and GNU tar write them).
+    fn file_with_xattrs(
+        mut self,
+        path: &str,
+        mode: u32,
+        data: &[u8],
+        xattrs: &[(&str, &[u8])],
+    ) -> Self {
+        let records: Vec<(String, &[u8])> = xattrs
+            .iter()
+            .map(|(name, value)| (format!("SCHILY.xattr.{name}"), *value))
+            .collect();
+        self.0
+            .append_pax_extensions(records.iter().map(|(k, v)| (k.as_str(), *v)))
+            .unwrap();
+        self.file(path, mode, data)
+    }
     fn link(mut self, kind: tar::EntryType, path: &str, target: &str) -> Self {
         let mut header = Self::header(kind, 0o777, 0);
         self.0.append_link(&mut header, path, target).unwrap();
@@ -51,6 +69,18 @@ echo \"$GREETING from $(pwd) as $(id -u):$(id -g), args: $*\"
 echo \"old: $(ls /opt/old)\"
 [ /bin/ash -ef /bin/busybox ] && echo 'ash is a hard link'
 ";
+
+/// The entrypoint script's extended attributes: one of the `user` namespace, and a file
+/// capability (`cap_net_raw`, permitted and effective: `VFS_CAP_REVISION_2`'s 20 bytes).
+pub const XATTRS: &[(&str, &[u8])] = &[
+    ("user.krunbox", b"imported"),
+    (
+        "security.capability",
+        &[
+            1, 0, 0, 2, 0, 0x20, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+        ],
+    ),
+];
 
 /// The two layers: busybox and a few files; then the app, a whiteout and an opaque directory.
 fn layers() -> [Vec<u8>; 2] {
@@ -70,7 +100,7 @@ fn layers() -> [Vec<u8>; 2] {
         .file("opt/old/a", 0o644, b"hidden by the next layer\n");
     let second = Layer::new()
         .dir("app")
-        .file("app/run.sh", 0o755, SCRIPT)
+        .file_with_xattrs("app/run.sh", 0o755, SCRIPT, XATTRS)
         .file("etc/.wh.gone", 0o644, b"")
         .dir("opt/old")
         .file("opt/old/.wh..wh..opq", 0o644, b"")

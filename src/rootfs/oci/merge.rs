@@ -8,6 +8,11 @@
 //! makes into the image's tree. Layers come from registries and archives we do not trust:
 //! paths are normalised and anything that would climb out of the tree is refused, and the entry
 //! count and path length are bounded.
+//!
+//! Extended attributes (file capabilities, SELinux labels, `user.*` ones) travel in layers as
+//! PAX records `SCHILY.xattr.NAME` before their entry, as Docker, containerd and GNU tar write
+//! them; each written entry gets its own again, checked and bounded ([`MAX_XATTRS`],
+//! [`MAX_XATTR_VALUE`]). (`LIBARCHIVE.xattr.*`, bsdtar's base64 form, is not read.)
 
 use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
@@ -34,6 +39,63 @@ pub(crate) const CAPTURED: [&str; 2] = ["etc/passwd", "etc/group"];
 
 /// The largest captured file.
 const MAX_CAPTURED: u64 = 1 << 20;
+
+/// The most extended attributes one entry may carry.
+pub(crate) const MAX_XATTRS: usize = 64;
+
+/// The largest extended attribute value: Linux's own bound (`XATTR_SIZE_MAX`).
+pub(crate) const MAX_XATTR_VALUE: usize = 64 << 10;
+
+/// The PAX record prefix of an extended attribute.
+const XATTR_PREFIX: &str = "SCHILY.xattr.";
+
+/// An entry's extended attributes, as (PAX key, value) records.
+type Xattrs = Vec<(String, Vec<u8>)>;
+
+/// The extended attributes `entry`'s PAX records carry. A name that is empty, not UTF-8,
+/// holds a NUL or is longer than Linux allows (255 bytes), a value past [`MAX_XATTR_VALUE`],
+/// or more than [`MAX_XATTRS`] of them refuse the layer: no kernel would take them.
+fn xattrs<R: Read>(entry: &mut tar::Entry<R>) -> Result<Xattrs, String> {
+    let mut found = Vec::new();
+    let Some(extensions) = entry
+        .pax_extensions()
+        .map_err(|e| format!("unreadable PAX records: {e}"))?
+    else {
+        return Ok(found);
+    };
+    for extension in extensions {
+        let extension = extension.map_err(|e| format!("a malformed PAX record: {e}"))?;
+        let Some(name) = extension.key_bytes().strip_prefix(XATTR_PREFIX.as_bytes()) else {
+            continue;
+        };
+        let name = std::str::from_utf8(name)
+            .ok()
+            .filter(|n| !n.is_empty() && n.len() <= 255 && !n.contains('\0'))
+            .ok_or_else(|| {
+                format!(
+                    "an extended attribute named {:?}",
+                    String::from_utf8_lossy(name)
+                )
+            })?;
+        let value = extension.value_bytes();
+        if value.len() > MAX_XATTR_VALUE {
+            return Err(format!(
+                "the extended attribute {name} of {} bytes (at most {MAX_XATTR_VALUE})",
+                value.len()
+            ));
+        }
+        if found.len() == MAX_XATTRS {
+            return Err(format!("more than {MAX_XATTRS} extended attributes"));
+        }
+        found.push((format!("{XATTR_PREFIX}{name}"), value.to_vec()));
+    }
+    Ok(found)
+}
+
+/// Writes `xattrs` as the PAX records of the entry written next.
+fn append_xattrs<W: Write>(builder: &mut tar::Builder<W>, xattrs: &Xattrs) -> std::io::Result<()> {
+    builder.append_pax_extensions(xattrs.iter().map(|(key, value)| (key.as_str(), &value[..])))
+}
 
 /// Why a merge failed.
 #[derive(Debug, thiserror::Error)]
@@ -231,7 +293,7 @@ pub(crate) fn merge<R: Read>(
     for (layer, keep) in keep.iter().enumerate() {
         // This layer's hidden link targets (header and contents), and the path each one's
         // contents went to first.
-        let mut stash: HashMap<String, (tar::Header, Vec<u8>)> = HashMap::new();
+        let mut stash: HashMap<String, (tar::Header, Vec<u8>, Xattrs)> = HashMap::new();
         let mut materialised: HashMap<String, String> = HashMap::new();
         let mut archive = tar::Archive::new(open(layer).map_err(read(layer))?);
         for (ordinal, entry) in archive.entries().map_err(read(layer))?.enumerate() {
@@ -249,13 +311,16 @@ pub(crate) fn merge<R: Read>(
                             ),
                         ));
                     }
+                    let attributes = xattrs(&mut entry).map_err(|e| refused(layer, e))?;
                     let mut data = Vec::new();
                     entry.read_to_end(&mut data).map_err(read(layer))?;
-                    stash.insert(path, (entry.header().clone(), data));
+                    stash.insert(path, (entry.header().clone(), data, attributes));
                 }
                 continue;
             }
             let path = normalise(&entry.path_bytes()).expect("checked in the first pass");
+            let attributes =
+                xattrs(&mut entry).map_err(|e| refused(layer, format!("{path}: {e}")))?;
             let mut header = entry.header().clone();
             let kind = header.entry_type();
             let written = if kind.is_symlink() || kind.is_hard_link() {
@@ -274,8 +339,12 @@ pub(crate) fn merge<R: Read>(
                         // contents, as the overlay would show it.
                         if let Some(first) = materialised.get(&target) {
                             first.clone().into_bytes()
-                        } else if let Some((target_header, data)) = stash.get(&target) {
+                        } else if let Some((target_header, data, target_xattrs)) =
+                            stash.get(&target)
+                        {
                             let mut file = target_header.clone();
+                            append_xattrs(&mut builder, target_xattrs)
+                                .map_err(MergeError::Write)?;
                             builder
                                 .append_data(&mut file, &path, &data[..])
                                 .map_err(MergeError::Write)?;
@@ -296,6 +365,7 @@ pub(crate) fn merge<R: Read>(
                     target
                 };
                 header.set_size(0);
+                append_xattrs(&mut builder, &attributes).map_err(MergeError::Write)?;
                 builder.append_link(
                     &mut header,
                     &path,
@@ -309,6 +379,7 @@ pub(crate) fn merge<R: Read>(
                         format!("more than {MAX_MERGED_BYTES} bytes of files"),
                     ));
                 }
+                append_xattrs(&mut builder, &attributes).map_err(MergeError::Write)?;
                 if kind.is_file()
                     && CAPTURED.contains(&path.as_str())
                     && entry.size() <= MAX_CAPTURED
@@ -580,5 +651,110 @@ mod tests {
                 (&"d/".repeat(60), T::Directory, b""),
             ]),
         ]
+    }
+
+    /// PAX records: (key, value).
+    type Records<'a> = Vec<(&'a str, Vec<u8>)>;
+
+    /// A layer of files, each with PAX records before it.
+    fn layer_with_records(files: &[(&str, Records)]) -> Vec<u8> {
+        let mut builder = tar::Builder::new(Vec::new());
+        for (path, records) in files {
+            builder
+                .append_pax_extensions(records.iter().map(|(k, v)| (*k, &v[..])))
+                .unwrap();
+            let mut header = tar::Header::new_gnu();
+            header.set_entry_type(tar::EntryType::Regular);
+            header.set_mode(0o755);
+            header.set_size(2);
+            builder.append_data(&mut header, path, &b"x\n"[..]).unwrap();
+        }
+        builder.into_inner().unwrap()
+    }
+
+    /// Each merged entry's path and its extended attributes' PAX records.
+    fn merged_xattrs(layers: &[Vec<u8>]) -> Result<HashMap<String, Xattrs>, MergeError> {
+        let mut out = Vec::new();
+        merge(layers.len(), |i| Ok(&layers[i][..]), &mut out)?;
+        let mut archive = tar::Archive::new(&out[..]);
+        Ok(archive
+            .entries()
+            .unwrap()
+            .map(|e| {
+                let mut e = e.unwrap();
+                let path = String::from_utf8(e.path_bytes().into_owned()).unwrap();
+                (path, xattrs(&mut e).unwrap())
+            })
+            .collect())
+    }
+
+    #[test]
+    fn extended_attributes_travel_with_their_entries_and_impossible_ones_refuse_the_layer() {
+        let capability = vec![1u8, 0, 0, 2, 0x20, 0, 0, 0, 0, 0, 0, 0];
+        let first = layer_with_records(&[
+            (
+                "bin/ping",
+                vec![
+                    ("SCHILY.xattr.security.capability", capability.clone()),
+                    ("SCHILY.xattr.user.role", b"net".to_vec()),
+                    ("comment", b"not an attribute".to_vec()),
+                ],
+            ),
+            ("etc/plain", vec![]),
+            (
+                "etc/replaced",
+                vec![("SCHILY.xattr.user.old", b"1".to_vec())],
+            ),
+        ]);
+        let second = layer_with_records(&[(
+            "etc/replaced",
+            vec![("SCHILY.xattr.user.new", b"2".to_vec())],
+        )]);
+        let merged = merged_xattrs(&[first, second]).unwrap();
+        assert_eq!(
+            merged["bin/ping"],
+            vec![
+                ("SCHILY.xattr.security.capability".to_string(), capability),
+                ("SCHILY.xattr.user.role".to_string(), b"net".to_vec()),
+            ]
+        );
+        assert!(merged["etc/plain"].is_empty());
+        // The upper layer's file, with its own attributes only.
+        assert_eq!(
+            merged["etc/replaced"],
+            vec![("SCHILY.xattr.user.new".to_string(), b"2".to_vec())]
+        );
+
+        for (records, says) in [
+            (
+                vec![("SCHILY.xattr.user.big", vec![0u8; MAX_XATTR_VALUE + 1])],
+                "user.big of 65537 bytes",
+            ),
+            (
+                vec![("SCHILY.xattr.", b"v".to_vec())],
+                "an extended attribute named \"\"",
+            ),
+            (
+                vec![("SCHILY.xattr.user.nul\0x", b"v".to_vec())],
+                "an extended attribute named",
+            ),
+        ] {
+            let bad = layer_with_records(&[("f", records)]);
+            match merged_xattrs(&[bad]) {
+                Err(MergeError::Refused { reason, .. }) => {
+                    assert!(reason.contains(says), "{reason}")
+                }
+                other => panic!("expected a refusal saying {says:?}, got {other:?}"),
+            }
+        }
+        let many: Vec<(String, Vec<u8>)> = (0..=MAX_XATTRS)
+            .map(|i| (format!("SCHILY.xattr.user.a{i}"), b"v".to_vec()))
+            .collect();
+        let records: Vec<(&str, Vec<u8>)> =
+            many.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+        assert!(matches!(
+            merged_xattrs(&[layer_with_records(&[("f", records)])]),
+            Err(MergeError::Refused { .. })
+        ));
     }
 }

@@ -4,9 +4,10 @@
 //! Every blob is checked against its digest before it is used (a layer of an OCI layout by its
 //! compressed bytes; a layer of a legacy `docker save` archive by its uncompressed bytes
 //! against the config's `diff_ids`; the config by its own digest). The layers are merged on the
-//! host into one tar stream (`merge.rs`: whiteouts, opaque directories, hard links), and a VM
-//! of the built-in busybox image extracts that stream as root into an empty ext4 the host
-//! serves (as `flatten` does), so owners and modes are the image's without host privileges.
+//! host into one tar stream (`merge.rs`: whiteouts, opaque directories, hard links, extended
+//! attributes), and a VM of the built-in agent image extracts that stream as root with GNU tar
+//! into an empty ext4 the host serves (as `flatten` does), so owners, modes and extended
+//! attributes (file capabilities among them) are the image's without host privileges.
 
 mod archive;
 mod blobs;
@@ -162,7 +163,8 @@ impl From<Error> for BuildFailure {
     }
 }
 
-/// Merges `layers` on the host and has a busybox VM extract them into the image at `output`.
+/// Merges `layers` on the host and has a VM extract them into the image at `output`: the agent
+/// image's, whose GNU tar applies extended attributes (busybox's tar drops them).
 async fn assemble(layers: Layers, output: &Path) -> std::result::Result<OciImage, BuildFailure> {
     let staging = tempfile::Builder::new()
         .prefix(".krunbox-import-")
@@ -182,7 +184,7 @@ async fn assemble(layers: Layers, output: &Path) -> std::result::Result<OciImage
     let served = crate::fs::HostDir::read_only(staging.path())
         .map_err(|e| BuildFailure::Content(format!("serving the merged layers: {e:?}")))?;
     let sandbox = crate::Sandbox::builder()
-        .rootfs(Rootfs::builtin(crate::BuiltinImage::Busybox))
+        .rootfs(Rootfs::builtin(crate::BuiltinImage::Agent))
         .memory_mib(256)
         .mount(super::flatten::SERVED_AT, build.disk())
         .mount_with(
@@ -193,7 +195,8 @@ async fn assemble(layers: Layers, output: &Path) -> std::result::Result<OciImage
         .build()?;
     let vm = sandbox.boot().await?;
     let script = format!(
-        "{}tar -x --numeric-owner -f {LAYERS_AT}/merged.tar -C {MOUNTED_AT}\n{}",
+        "{}tar -x --numeric-owner --xattrs --xattrs-include='*' -f {LAYERS_AT}/merged.tar \
+         -C {MOUNTED_AT}\n{}",
         mount_output(),
         unmount_output()
     );

@@ -41,4 +41,6 @@ pub(crate) struct SandboxConfig {
     pub virtiofs_passthrough: Option<crate::vmm::PassthroughShare>,
     /// An image's configuration: defaults for commands, the entrypoint.
     pub image_config: Option<crate::rootfs::oci::ImageConfig>,
+    /// An image build's output disk (crate-internal).
+    pub output_disk: Option<crate::rootfs::served::OutputDisk>,
 }

@@ -76,8 +76,9 @@ struct Inner {
     network: Option<crate::net::service::NetService>,
     /// Serves the guest's mounts of host filesystems while the instance lives.
     _filesystems: crate::fs::service::FsService,
-    /// A copy-on-write root's layer disk, served while the instance lives.
-    _layer_disk: Option<rootfs::device::service::BlockService<rootfs::CowLayer>>,
+    /// A copy-on-write root's layer disk and an image build's output disk, served while the
+    /// instance lives.
+    _served_disks: Vec<rootfs::device::service::BlockService>,
     /// A writable root's layer while the VM runs (the helper holds it too; this one reports
     /// its usage and holds a persistent layer's lock), `None` once the VM has stopped.
     layer: Arc<std::sync::Mutex<Option<rootfs::Layer>>>,
@@ -183,11 +184,21 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
 
     // Host filesystems: a virtio-fs device each in the helper, connected to this service
     // afresh for every boot attempt (guest-init mounts them during setup, before it reports
-    // ready). A copy-on-write root's layer disk is a virtio-blk device after them, served the
-    // same way.
+    // ready). A copy-on-write root's layer disk, or an image build's output disk, is a
+    // virtio-blk device after them, served the same way.
     let fs_devices = config.mounts.len() as u32;
     let mut fs_service = crate::fs::service::FsService::new(config.mounts.clone());
-    let mut layer_service = cow.clone().map(rootfs::device::service::BlockService::new);
+    let mut served_disks: Vec<(Arc<dyn rootfs::served::ServedDisk>, &str)> = Vec::new();
+    if let Some(cow) = &cow {
+        served_disks.push((cow.clone(), krunbox_protocol::LAYER_DISK_SERIAL));
+    }
+    if let Some(output) = &config.output_disk {
+        served_disks.push((output.0.clone(), rootfs::served::OUTPUT_DISK_SERIAL));
+    }
+    let mut disk_services: Vec<_> = served_disks
+        .iter()
+        .map(|(disk, _)| rootfs::device::service::BlockService::new(disk.clone()))
+        .collect();
     let jail = crate::jail::host::prepare(dir.path(), &config.required_isolation)?;
     let vmm_config = VmmConfig {
         cpus: config.cpus,
@@ -218,10 +229,13 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             }),
             _ => None,
         },
-        served_layer: cow.as_ref().map(|cow| vmm::ServedLayer {
-            size: rootfs::served::ServedDisk::size(&**cow),
-            serial: krunbox_protocol::LAYER_DISK_SERIAL.into(),
-        }),
+        served_disks: served_disks
+            .iter()
+            .map(|(disk, serial)| vmm::ServedDisk {
+                size: disk.size(),
+                serial: (*serial).into(),
+            })
+            .collect(),
     };
     // guest-init reaches the guest as bytes the helper serves from memory, never as a host path.
     let guest_init =
@@ -318,11 +332,11 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         let fs_ends = fs_service
             .connect()
             .map_err(Error::io("connecting the filesystem devices"))?;
-        let layer_end = layer_service
-            .as_mut()
+        let disk_ends = disk_services
+            .iter_mut()
             .map(|service| service.connect())
-            .transpose()
-            .map_err(Error::io("connecting the layer disk's device"))?;
+            .collect::<std::io::Result<Vec<_>>>()
+            .map_err(Error::io("connecting the served disks' devices"))?;
         let mut child = {
             use std::os::fd::AsRawFd;
             let mut inherited = vec![
@@ -340,8 +354,8 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             for (index, end) in fs_ends.iter().enumerate() {
                 inherited.push((end.as_raw_fd(), vmm::FS_DEVICE_FD_BASE + index as i32));
             }
-            if let Some(end) = &layer_end {
-                inherited.push((end.as_raw_fd(), vmm::SERVED_LAYER_FD));
+            for (index, end) in disk_ends.iter().enumerate() {
+                inherited.push((end.as_raw_fd(), vmm::SERVED_DISK_FD_BASE + index as i32));
             }
             vmm::spawn(
                 &config.artifacts.vmm_helper,
@@ -354,7 +368,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         drop(lifeline_read);
         drop(report_write);
         drop(fs_ends);
-        drop(layer_end);
+        drop(disk_ends);
         // Only the helper holds its end now: when it exits, the service reads EOF.
         let net_socket = net_pair.and_then(|(ours, _helper_end)| ours.map(OwnedFd::from));
         let report = tokio::spawn(crate::jail::host::read_report(report_read));
@@ -605,7 +619,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             _console: console_log,
             network,
             _filesystems: fs_service,
-            _layer_disk: layer_service,
+            _served_disks: disk_services,
             layer,
             cow: std::sync::Mutex::new(cow),
             dir,

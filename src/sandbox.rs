@@ -111,6 +111,7 @@ pub struct SandboxBuilder {
     mounts: Vec<crate::fs::Mount>,
     virtiofs_passthrough: Option<(PathBuf, String)>,
     image_config: Option<crate::rootfs::oci::ImageConfig>,
+    output_disk: Option<crate::rootfs::served::OutputDisk>,
 }
 
 impl Default for SandboxBuilder {
@@ -139,6 +140,7 @@ impl Default for SandboxBuilder {
             mounts: Vec::new(),
             virtiofs_passthrough: None,
             image_config: None,
+            output_disk: None,
         }
     }
 }
@@ -428,6 +430,17 @@ impl SandboxBuilder {
         self
     }
 
+    /// Gives the VM `disk` as a virtio-blk disk with the serial
+    /// [`OUTPUT_DISK_SERIAL`](crate::rootfs::served::OUTPUT_DISK_SERIAL), served from this
+    /// process: an image build's output (crate-internal: flatten and OCI import).
+    pub(crate) fn output_disk(
+        mut self,
+        disk: std::sync::Arc<dyn crate::rootfs::served::ServedDisk>,
+    ) -> Self {
+        self.output_disk = Some(crate::rootfs::served::OutputDisk(disk));
+        self
+    }
+
     /// Checks the definition and finds the run-time files it needs.
     pub fn build(self) -> Result<Sandbox> {
         let console_range = crate::console::CONSOLE_LOG_MAX_RANGE;
@@ -497,6 +510,9 @@ impl SandboxBuilder {
         if virtiofs_passthrough.is_some() {
             others.push("for the benchmark's passthrough");
         }
+        if self.output_disk.is_some() {
+            others.push("for the output disk");
+        }
         let mounts = crate::fs::check_mounts(self.mounts, &others).map_err(Error::InvalidConfig)?;
         let kernel = self.kernel.map(Kernel::into_config).transpose()?;
         let artifacts = Artifacts::locate_with(&self.overrides)?;
@@ -520,6 +536,7 @@ impl SandboxBuilder {
                 mounts,
                 virtiofs_passthrough,
                 image_config: self.image_config,
+                output_disk: self.output_disk,
             }),
         })
     }

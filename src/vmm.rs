@@ -52,11 +52,13 @@ pub const NET_FD: i32 = 7;
 /// the guest's second disk, through the helper's `/proc/self/fd`.
 pub const WRITABLE_LAYER_FD: i32 = 8;
 
-/// The file descriptor of the helper's end of a copy-on-write root's layer disk socket (a
-/// connected unix stream socket; the library serves the other end), passed only with a
-/// [`VmmConfig::served_layer`]. The helper's virtio-blk device forwards the guest's requests
-/// on it.
-pub const SERVED_LAYER_FD: i32 = 9;
+/// The first of the helper's ends of the served disks' sockets (connected unix stream sockets;
+/// the library serves the other ends), one per [`VmmConfig::served_disks`] entry, at most
+/// [`MAX_SERVED_DISKS`]. The helper's virtio-blk devices forward the guest's requests on them.
+pub const SERVED_DISK_FD_BASE: i32 = 9;
+
+/// The most served disks: a copy-on-write root's layer disk and an image build's output disk.
+pub const MAX_SERVED_DISKS: usize = 2;
 
 /// The first of the helper's filesystem device sockets (see [`VmmConfig::fs_devices`]); one
 /// per mount (at most [`MAX_MOUNTS`](crate::fs::MAX_MOUNTS), a copy-on-write layer's included).
@@ -111,16 +113,17 @@ pub struct VmmConfig {
     /// A writable root's layer disk on [`WRITABLE_LAYER_FD`], or none for a read-only root.
     #[serde(default)]
     pub writable_layer: Option<LayerDisk>,
-    /// A copy-on-write root's layer disk, served by the library over [`SERVED_LAYER_FD`]: a
-    /// virtio-blk device of ours, after the filesystems' devices.
+    /// Disks the library serves over [`SERVED_DISK_FD_BASE`]` + i` (a copy-on-write root's
+    /// layer disk, an image build's output): a virtio-blk device of ours each, after the
+    /// filesystems'.
     #[serde(default)]
-    pub served_layer: Option<ServedLayer>,
+    pub served_disks: Vec<ServedDisk>,
 }
 
-/// A layer disk the library serves, as the helper's device shows it to the guest.
+/// A disk the library serves, as the helper's device shows it to the guest.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
-pub struct ServedLayer {
+pub struct ServedDisk {
     /// The disk's size in bytes.
     pub size: u64,
     /// The serial guest-init finds it by.
@@ -444,15 +447,22 @@ fn configure(
             .map_err(|e| format!("the filesystem device {tag}: {e}"))?;
         krun_sys::device::attach(&tag, std::sync::Arc::new(std::sync::Mutex::new(device)));
     }
-    if let Some(layer) = &config.served_layer {
+    if config.served_disks.len() > MAX_SERVED_DISKS {
+        return Err(format!(
+            "{} served disks (at most {MAX_SERVED_DISKS})",
+            config.served_disks.len()
+        ));
+    }
+    for (index, disk) in config.served_disks.iter().enumerate() {
         use std::os::fd::FromRawFd;
-        // SAFETY: the library passes SERVED_LAYER_FD, open on its socket, exactly when
-        // `served_layer` is set, and nothing else in the helper owns it.
-        let socket = unsafe { std::os::unix::net::UnixStream::from_raw_fd(SERVED_LAYER_FD) };
-        let device = crate::rootfs::device::ForwardingBlock::new(layer.size, &layer.serial, socket)
-            .map_err(|e| format!("the layer disk's device: {e}"))?;
+        let fd = SERVED_DISK_FD_BASE + index as i32;
+        // SAFETY: the library passes fds SERVED_DISK_FD_BASE.. open on a socket each, one per
+        // `served_disks` entry, and nothing else in the helper owns them.
+        let socket = unsafe { std::os::unix::net::UnixStream::from_raw_fd(fd) };
+        let device = crate::rootfs::device::ForwardingBlock::new(disk.size, &disk.serial, socket)
+            .map_err(|e| format!("the served disk {}: {e}", disk.serial))?;
         krun_sys::device::attach(
-            "kblayer",
+            &format!("kbdisk{index}"),
             std::sync::Arc::new(std::sync::Mutex::new(device)),
         );
     }

@@ -423,3 +423,48 @@ fn a_cow_layer_made_over_one_image_refuses_another() {
         }
     });
 }
+
+/// A copy-on-write root flattens into a standalone image with its changes: the flattening VM
+/// has two disks the library serves at once, the root's layer and the output.
+#[test]
+fn a_cow_root_flattens_into_an_image_with_its_changes() {
+    common::run(async {
+        let dir = tempfile::tempdir().unwrap();
+        let store = MemoryStore::new();
+        let root = Rootfs::cow(Rootfs::builtin(BuiltinImage::Busybox), store, 32 << 20);
+        let sandbox = Sandbox::builder()
+            .rootfs(root.clone())
+            .memory_mib(256)
+            .build()
+            .expect("sandbox definition");
+        let vm = sandbox.boot().await.expect("boot");
+        let (out, _) = sh(
+            &vm,
+            "echo flat > /etc/krunbox-flat && rm /etc/group && sync && echo changed",
+            TIMEOUT,
+        )
+        .await;
+        assert_eq!(out, "changed\n", "{out}");
+        vm.shutdown().await.expect("shutdown");
+
+        let flat = krunbox::rootfs::flatten(&root, dir.path().join("flat.qcow2"))
+            .await
+            .expect("flatten");
+        let vm = Sandbox::builder()
+            .rootfs(flat.rootfs())
+            .memory_mib(256)
+            .build()
+            .unwrap()
+            .boot()
+            .await
+            .expect("boot the flattened image");
+        let (out, _) = sh(
+            &vm,
+            "cat /etc/krunbox-flat; [ -e /etc/group ] || echo gone",
+            TIMEOUT,
+        )
+        .await;
+        assert_eq!(out, "flat\ngone\n", "{out}");
+        vm.shutdown().await.expect("shutdown");
+    });
+}

@@ -135,9 +135,6 @@ pub const LAYER_DISK_SERIAL: &str = "krunbox-layer";
 /// The most bytes of a disk's serial the guest sees (virtio-blk's `GET_ID`).
 pub const LAYER_DISK_SERIAL_MAX: usize = 20;
 
-/// The name of the one file a host-served disk's filesystem holds (a flatten's output disk).
-pub const LAYER_FILE_NAME: &str = "disk";
-
 /// Boot parameters the host sends after [`Hello`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Setup {

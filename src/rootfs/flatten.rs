@@ -2,7 +2,8 @@
 //!
 //! The merge is done by the guest kernel, which already shows the merged tree as the root's
 //! overlay: a VM boots the root with an output disk, an empty ext4 the host formats and serves
-//! as a file (`served.rs`), and copies its whole root into it with `tar` (as root: owners,
+//! as a virtio-blk disk of ours (`served.rs`, `device/`), and copies its whole root into it
+//! with `tar` (as root: owners,
 //! modes, links and hard links kept; extended attributes where the image's tar can carry them).
 //! Doing it in the guest means no host code reads the layer's filesystem or needs privileges to
 //! make files of other owners. The host then writes the output disk's written extents into a
@@ -16,7 +17,7 @@ use std::time::Duration;
 
 use super::layer::{format_ext4, Journal};
 use super::persistent::qcow2_into_place;
-use super::served::{DiskFs, ServedDisk};
+use super::served::{ServedDisk, OUTPUT_DISK_SERIAL};
 use super::Rootfs;
 use crate::error::{Error, Result};
 use crate::fs::{async_trait, FsError, FsResult};
@@ -25,9 +26,7 @@ use crate::fs::{async_trait, FsError, FsResult};
 /// The qcow2 takes host disk only for what is written.
 pub(crate) const FLAT_DISK_BYTES: u64 = 32 << 30;
 
-/// Where the flattening VM sees the output disk's file, and where it mounts the disk (both in
-/// `/tmp`, which the copy leaves out).
-pub(crate) const SERVED_AT: &str = "/tmp/.krunbox-flatten";
+/// Where the building VM mounts the output disk (in `/tmp`, which the copy leaves out).
 pub(crate) const MOUNTED_AT: &str = "/tmp/.krunbox-flat";
 
 /// How long the copy may take.
@@ -94,7 +93,7 @@ pub async fn flatten(root: &Rootfs, output: impl AsRef<Path>) -> Result<FlatImag
     let sandbox = crate::Sandbox::builder()
         .rootfs(root.clone())
         .memory_mib(512)
-        .mount(SERVED_AT, build.disk())
+        .output_disk(build.disk())
         .build()?;
     let vm = sandbox.boot().await?;
     let copied = vm
@@ -118,9 +117,9 @@ pub async fn flatten(root: &Rootfs, output: impl AsRef<Path>) -> Result<FlatImag
 }
 
 /// An image being built: an empty ext4 (journal-less) in a sparse scratch file beside the
-/// output, which a VM fills through [`ImageBuild::disk`] (the guest mounts the served file with
-/// `mount -o loop`, see [`mount_output`] and [`unmount_output`]); then [`ImageBuild::finish`]
-/// writes its extents into a standalone qcow2 at the output path.
+/// output, which a VM fills through [`ImageBuild::disk`] (the guest finds the disk by its
+/// serial and mounts it, see [`mount_output`] and [`unmount_output`]); then
+/// [`ImageBuild::finish`] writes its extents into a standalone qcow2 at the output path.
 pub(crate) struct ImageBuild {
     output: PathBuf,
     scratch: tempfile::NamedTempFile,
@@ -130,8 +129,15 @@ pub(crate) struct ImageBuild {
 /// The guest's script to mount a build's output disk at [`MOUNTED_AT`] (`set -e` first).
 pub(crate) fn mount_output() -> String {
     format!(
-        "set -e\nmkdir -p {MOUNTED_AT}\nmount -o loop {SERVED_AT}/{} {MOUNTED_AT}\n",
-        krunbox_protocol::LAYER_FILE_NAME
+        r#"set -e
+disk=
+for d in /sys/block/*; do
+  if [ "$(cat "$d/serial" 2>/dev/null)" = {OUTPUT_DISK_SERIAL} ]; then disk=/dev/${{d##*/}}; fi
+done
+[ -n "$disk" ] || {{ echo "no disk with the serial {OUTPUT_DISK_SERIAL} in /sys/block" >&2; exit 1; }}
+mkdir -p {MOUNTED_AT}
+mount -t ext4 "$disk" {MOUNTED_AT}
+"#
     )
 }
 
@@ -185,9 +191,9 @@ impl ImageBuild {
         })
     }
 
-    /// The filesystem to mount at [`SERVED_AT`] in the building VM.
-    pub(crate) fn disk(&self) -> DiskFs<RawDisk> {
-        DiskFs(self.disk.clone())
+    /// The output disk, for the building VM ([`SandboxBuilder::output_disk`](crate::SandboxBuilder)).
+    pub(crate) fn disk(&self) -> Arc<dyn ServedDisk> {
+        self.disk.clone()
     }
 
     /// Writes the filled disk's extents into a qcow2 at the output path (whole or absent:

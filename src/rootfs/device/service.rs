@@ -18,13 +18,13 @@ use super::wire::{Operation, ReplyHeader, RequestHeader, Status, REQUEST_HEADER_
 use crate::rootfs::served::{run_whole, ServedDisk};
 
 /// Serves one disk's device while the instance lives.
-pub(crate) struct BlockService<D> {
+pub(crate) struct BlockService {
     /// Read only to connect (no state of its is held here across a call that can panic).
-    disk: std::panic::AssertUnwindSafe<Arc<D>>,
+    disk: std::panic::AssertUnwindSafe<Arc<dyn ServedDisk>>,
     connection: Option<JoinHandle<()>>,
 }
 
-impl<D> Drop for BlockService<D> {
+impl Drop for BlockService {
     fn drop(&mut self) {
         if let Some(connection) = &self.connection {
             connection.abort();
@@ -32,9 +32,9 @@ impl<D> Drop for BlockService<D> {
     }
 }
 
-impl<D: ServedDisk> BlockService<D> {
+impl BlockService {
     /// A service for `disk`, connected to no helper yet.
-    pub(crate) fn new(disk: Arc<D>) -> Self {
+    pub(crate) fn new(disk: Arc<dyn ServedDisk>) -> Self {
         BlockService {
             disk: std::panic::AssertUnwindSafe(disk),
             connection: None,
@@ -62,7 +62,10 @@ impl<D: ServedDisk> BlockService<D> {
 }
 
 /// Serves one connection until it closes or breaks the framing.
-pub(crate) async fn serve<D: ServedDisk>(stream: UnixStream, disk: Arc<D>) -> std::io::Result<()> {
+pub(crate) async fn serve<D: ServedDisk + ?Sized>(
+    stream: UnixStream,
+    disk: Arc<D>,
+) -> std::io::Result<()> {
     let (reader, writer) = stream.into_split();
     // Small requests arrive several to a read, and replies go out several to a write: the
     // buffer is flushed whenever no further request is already at hand.
@@ -108,7 +111,7 @@ pub(crate) async fn serve<D: ServedDisk>(stream: UnixStream, disk: Arc<D>) -> st
 }
 
 /// Runs one checked request on the disk, to its end: its status and a read's data.
-async fn run<D: ServedDisk>(
+async fn run<D: ServedDisk + ?Sized>(
     disk: &Arc<D>,
     request: RequestHeader,
     data: Vec<u8>,

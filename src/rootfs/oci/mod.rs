@@ -186,7 +186,7 @@ async fn assemble(layers: Layers, output: &Path) -> std::result::Result<OciImage
     let sandbox = crate::Sandbox::builder()
         .rootfs(Rootfs::builtin(crate::BuiltinImage::Agent))
         .memory_mib(256)
-        .mount(super::flatten::SERVED_AT, build.disk())
+        .output_disk(build.disk())
         .mount_with(
             LAYERS_AT,
             served,

@@ -11,7 +11,7 @@
 //!   - **image**: the read-only image (EROFS) under the overlay: a sequential read of its
 //!     largest file under `/usr/lib` (it has no writes);
 //! - **cow** (`Rootfs::cow` over a `DirectoryStore` in a host temporary directory): ext4 on a
-//!   loop device over the file the library serves through FUSE;
+//!   virtio-blk device of ours whose requests the library serves from the layer;
 //! - **persistent** (`Rootfs::persistent`, a qcow2 in a host temporary directory).
 //!
 //! Each side runs the same Python script in the guest (the agent image's python3), its time

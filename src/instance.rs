@@ -231,7 +231,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         },
         served_disks: served_disks
             .iter()
-            .map(|(disk, serial)| vmm::ServedDisk {
+            .map(|(disk, serial)| vmm::ServedDiskConfig {
                 size: disk.size(),
                 serial: (*serial).into(),
             })

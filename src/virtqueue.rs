@@ -14,6 +14,17 @@ use std::sync::{Arc, Mutex};
 
 use krun_sys::device::{Bytes, EventFd, GuestAddress, GuestMemory, GuestMemoryMmap, Queue};
 
+/// Reads a device's configuration space `config` at `offset` into `data` (what lies past its
+/// end reads as zeros); both devices' spaces are fixed when they are made, and read-only.
+pub(crate) fn read_config_space(config: &[u8], offset: u64, data: &mut [u8]) {
+    data.fill(0);
+    let start = usize::try_from(offset)
+        .unwrap_or(usize::MAX)
+        .min(config.len());
+    let end = start.saturating_add(data.len()).min(config.len());
+    data[..end - start].copy_from_slice(&config[start..end]);
+}
+
 /// A device's bounds on one request chain.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ChainLimits {
@@ -633,5 +644,79 @@ pub(crate) mod laid_out {
         out.extend_from_slice(answers);
         out.extend_from_slice(memory);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::os::fd::AsRawFd;
+
+    use super::*;
+
+    /// Shrinks a socket's send buffer, so that one `writev` moves only part of what it is given.
+    fn small_send_buffer(socket: &UnixStream) {
+        let size: libc::c_int = 4096;
+        // SAFETY: setsockopt with a valid int option on an open socket.
+        let done = unsafe {
+            libc::setsockopt(
+                socket.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_SNDBUF,
+                &size as *const libc::c_int as *const libc::c_void,
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(done, 0);
+    }
+
+    /// 1500 regions (more than one `writev` takes), some of them empty, through a socket whose
+    /// buffer is far smaller than the data: every byte arrives once, in order, both ways.
+    #[test]
+    fn moves_across_partial_transfers_many_iovecs_and_empty_regions() {
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x200000)]).unwrap();
+        let regions: Vec<(GuestAddress, u32)> = (0..1500u64)
+            .map(|i| (GuestAddress(i * 512), if i % 7 == 3 { 0 } else { 300 }))
+            .collect();
+        let total: usize = regions.iter().map(|(_, len)| *len as usize).sum();
+        let pattern: Vec<u8> = (0..total).map(|i| (i % 251) as u8).collect();
+        scatter(&mem, &regions, 0, &pattern).unwrap();
+
+        let (mut sender, mut receiver) = UnixStream::pair().unwrap();
+        small_send_buffer(&sender);
+        let reader = std::thread::spawn(move || {
+            let mut got = Vec::new();
+            receiver.read_to_end(&mut got).unwrap();
+            got
+        });
+        send_from_guest(&mem, b"head", &regions, 100, total - 100, &mut sender).unwrap();
+        drop(sender);
+        let got = reader.join().unwrap();
+        assert_eq!(&got[..4], b"head");
+        assert_eq!(&got[4..], &pattern[100..]);
+
+        // And back into other memory, the writer dribbling a few bytes at a time.
+        let back: Vec<(GuestAddress, u32)> = regions
+            .iter()
+            .map(|(at, len)| (GuestAddress(at.0 + 0x100000), *len))
+            .collect();
+        let (mut writer, mut reading) = UnixStream::pair().unwrap();
+        let source = pattern.clone();
+        let dribbler = std::thread::spawn(move || {
+            for chunk in source.chunks(997) {
+                writer.write_all(chunk).unwrap();
+            }
+        });
+        receive_into_guest(&mem, &back, 0, total, &mut reading).unwrap();
+        dribbler.join().unwrap();
+        let mut landed = vec![0u8; total];
+        gather(&mem, &back, 0, &mut landed).unwrap();
+        assert_eq!(landed, pattern);
+        // A socket that ends early is an error, not a short success.
+        let (mut writer, mut reading) = UnixStream::pair().unwrap();
+        writer.write_all(&pattern[..10]).unwrap();
+        drop(writer);
+        let err = receive_into_guest(&mem, &back, 0, total, &mut reading).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::UnexpectedEof);
     }
 }

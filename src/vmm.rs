@@ -61,7 +61,8 @@ pub const SERVED_DISK_FD_BASE: i32 = 9;
 pub const MAX_SERVED_DISKS: usize = 2;
 
 /// The first of the helper's filesystem device sockets (see [`VmmConfig::fs_devices`]); one
-/// per mount (at most [`MAX_MOUNTS`](crate::fs::MAX_MOUNTS), a copy-on-write layer's included).
+/// per mount (at most [`MAX_MOUNTS`](crate::fs::MAX_MOUNTS), fewer beside a network, a writable
+/// root's layer or an output disk, which take devices too).
 pub const FS_DEVICE_FD_BASE: i32 = 16;
 
 /// The helper's exit code when it refused to start the VM because its jail did not hold (a
@@ -117,13 +118,13 @@ pub struct VmmConfig {
     /// layer disk, an image build's output): a virtio-blk device of ours each, after the
     /// filesystems'.
     #[serde(default)]
-    pub served_disks: Vec<ServedDisk>,
+    pub served_disks: Vec<ServedDiskConfig>,
 }
 
 /// A disk the library serves, as the helper's device shows it to the guest.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
-pub struct ServedDisk {
+pub struct ServedDiskConfig {
     /// The disk's size in bytes.
     pub size: u64,
     /// The serial guest-init finds it by.

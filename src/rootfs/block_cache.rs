@@ -6,7 +6,8 @@
 //! store, reads them, and hands them in; nothing here waits.
 //!
 //! Why pages and not the store's blocks: the guest writes the disk in 4 KiB blocks, and a
-//! store's block is often larger (64 KiB for a `DirectoryStore`). Kept as whole blocks, a page
+//! store's block may be larger (a store's own choice; 64 KiB for a `DirectoryStore` made
+//! before its default became 4 KiB). Kept as whole blocks, a page
 //! written into a stored block would first need that block from the store, one store read per
 //! guest write, and 64 KiB of copying for 4 KiB of data. Kept as pages, a write only copies
 //! its bytes; the store's version of a block is needed once, when its dirty pages are stored,

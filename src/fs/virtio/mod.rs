@@ -133,9 +133,7 @@ impl VirtioDevice for ForwardingFs {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        let start = (offset as usize).min(self.config.len());
-        let end = start.saturating_add(data.len()).min(self.config.len());
-        data[..end - start].copy_from_slice(&self.config[start..end]);
+        virtqueue::read_config_space(&self.config, offset, data);
     }
 
     fn write_config(&mut self, _offset: u64, _data: &[u8]) {

@@ -90,7 +90,7 @@ const LIMITS: ChainLimits = ChainLimits {
 };
 
 /// `GET_ID`'s answer is at most this long.
-const SERIAL_LEN: usize = 20;
+const SERIAL_LEN: usize = krunbox_protocol::LAYER_DISK_SERIAL_MAX;
 
 /// The layer disk's device, built in the helper before the VM, activated by the guest's
 /// driver.
@@ -178,10 +178,7 @@ impl VirtioDevice for ForwardingBlock {
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         // Past the fields offered, the space reads as zeros.
-        data.fill(0);
-        let start = (offset as usize).min(self.config.len());
-        let end = start.saturating_add(data.len()).min(self.config.len());
-        data[..end - start].copy_from_slice(&self.config[start..end]);
+        virtqueue::read_config_space(&self.config, offset, data);
     }
 
     fn write_config(&mut self, _offset: u64, _data: &[u8]) {
@@ -316,17 +313,18 @@ fn decide(shared: &Shared, chain: &Chain) -> std::io::Result<Decision> {
     if length > MAX_DATA as usize || !(length as u64).is_multiple_of(SECTOR) {
         return fail;
     }
-    let Some(offset) = sector.checked_mul(SECTOR) else {
-        return fail;
+    // A flush's sector means nothing (the driver sends 0).
+    let offset = match operation {
+        Operation::Flush => 0,
+        _ => match sector.checked_mul(SECTOR) {
+            Some(offset) => offset,
+            None => return fail,
+        },
     };
     let request = RequestHeader {
         id: 0,
         operation,
-        offset: if operation == Operation::Flush {
-            0
-        } else {
-            offset
-        },
+        offset,
         length: length as u32,
     };
     if !request.fits(shared.capacity) {

@@ -95,6 +95,14 @@ pub(crate) async fn serve<D: ServedDisk + ?Sized>(
                 return Err(std::io::ErrorKind::UnexpectedEof.into());
             }
         }
+        if request.operation == Operation::Flush {
+            // The replies at hand go out first: a flush may wait for the store a long time.
+            writer.flush().await?;
+        }
+        if request.operation == Operation::Flush {
+            // The replies at hand go out first: a flush may wait for the store a long time.
+            writer.flush().await?;
+        }
         let (status, reply_data) = if request.fits(disk.size()) {
             run(&disk, request, data).await
         } else {

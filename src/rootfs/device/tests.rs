@@ -215,36 +215,57 @@ fn the_device_answers_what_it_does_not_forward_and_the_library_never_sees_it() {
 #[test]
 fn a_reply_nobody_waits_for_is_skipped_and_one_of_the_wrong_length_stops_the_device() {
     let (shared, _signals) = device(DISK);
-    header(&shared, 0x8000, T_IN, 8);
-    offer(
-        &shared,
-        0,
-        &[
-            (0x8000, 16, false),
-            (0x20000, 4096, true),
-            (0x9000, 1, true),
-        ],
-    );
+    // Two reads of 4 KiB, at sectors 8 and 16.
+    for (first, sector) in [(0u16, 8u64), (3, 16)] {
+        let at = 0x8000 + 0x100 * u64::from(first);
+        header(&shared, at, T_IN, sector);
+        offer(
+            &shared,
+            first,
+            &[
+                (at, 16, false),
+                (0x20000 + 0x2000 * u64::from(first), 4096, true),
+                (0x9000 + u64::from(first), 1, true),
+            ],
+        );
+    }
     let (mut helper, mut library) = UnixStream::pair().unwrap();
     assert_eq!(drain(&shared, &mut helper).unwrap(), Drained::Empty);
-    let mut forwarded = [0u8; wire::REQUEST_HEADER_LEN];
-    library.read_exact(&mut forwarded).unwrap();
-    let request = RequestHeader::decode(&forwarded).unwrap();
+    let mut requests = Vec::new();
+    for _ in 0..2 {
+        let mut forwarded = [0u8; wire::REQUEST_HEADER_LEN];
+        library.read_exact(&mut forwarded).unwrap();
+        requests.push(RequestHeader::decode(&forwarded).unwrap());
+    }
     assert_eq!(
-        (request.operation, request.offset, request.length),
-        (Operation::Read, 8 * 512, 4096)
+        requests
+            .iter()
+            .map(|r| (r.operation, r.offset, r.length))
+            .collect::<Vec<_>>(),
+        [
+            (Operation::Read, 8 * 512, 4096),
+            (Operation::Read, 16 * 512, 4096)
+        ]
     );
-    // A reply to an id never sent, with data: skipped whole.
+    // A reply to an id never sent, with data (bytes that do not decode as a header): skipped
+    // whole, and the first request's reply after it lands.
     let stray = ReplyHeader {
-        id: request.id.wrapping_add(1),
+        id: requests[0].id.wrapping_add(7),
         status: Status::Ok,
         length: 512,
     };
     library.write_all(&stray.encode()).unwrap();
     library.write_all(&[7u8; 512]).unwrap();
-    // The real request's reply, with less data than it asked for.
+    let first = ReplyHeader {
+        id: requests[0].id,
+        status: Status::Ok,
+        length: 4096,
+    };
+    library.write_all(&first.encode()).unwrap();
+    library.write_all(&[5u8; 4096]).unwrap();
+    // The second request's reply, with less data than it asked for: the framing is lost.
     let short = ReplyHeader {
-        id: request.id,
+        id: requests[1].id,
         status: Status::Ok,
         length: 512,
     };
@@ -252,7 +273,14 @@ fn a_reply_nobody_waits_for_is_skipped_and_one_of_the_wrong_length_stops_the_dev
     library.write_all(&[9u8; 512]).unwrap();
     let err = serve_replies(&shared, helper).unwrap_err();
     assert_eq!(err.kind(), std::io::ErrorKind::InvalidData);
-    assert!(used(&shared).is_empty(), "completed with the wrong data");
+    assert_eq!(used(&shared), [(0, 4097)], "only the first read completed");
+    assert_eq!(status(&shared, 0x9000), 0);
+    let mut landed = vec![0u8; 4096];
+    shared
+        .mem
+        .read_slice(&mut landed, GuestAddress(0x20000))
+        .unwrap();
+    assert!(landed.iter().all(|b| *b == 5));
 }
 
 #[test]

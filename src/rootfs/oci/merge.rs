@@ -12,7 +12,10 @@
 //! Extended attributes (file capabilities, SELinux labels, `user.*` ones) travel in layers as
 //! PAX records `SCHILY.xattr.NAME` before their entry, as Docker, containerd and GNU tar write
 //! them; each written entry gets its own again, checked and bounded ([`MAX_XATTRS`],
-//! [`MAX_XATTR_VALUE`]). (`LIBARCHIVE.xattr.*`, bsdtar's base64 form, is not read.)
+//! [`MAX_XATTR_BYTES`]: what the image's ext4 keeps for one file), their bytes counted with
+//! the file data the merge bounds. `trusted.*` ones are not carried: that namespace holds the
+//! kernel's own records (overlayfs's `trusted.overlay.*` among them), which an image has no
+//! business setting. (`LIBARCHIVE.xattr.*`, bsdtar's base64 form, is not read.)
 
 use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
@@ -43,8 +46,10 @@ const MAX_CAPTURED: u64 = 1 << 20;
 /// The most extended attributes one entry may carry.
 pub(crate) const MAX_XATTRS: usize = 64;
 
-/// The largest extended attribute value: Linux's own bound (`XATTR_SIZE_MAX`).
-pub(crate) const MAX_XATTR_VALUE: usize = 64 << 10;
+/// The most bytes of extended attribute names and values one entry may carry: the image's
+/// ext4 (no `ea_inode`) keeps them in the inode and one 4 KiB block, so more could not be
+/// applied (GNU tar would only warn, and the image would silently lack them).
+pub(crate) const MAX_XATTR_BYTES: usize = 3 << 10;
 
 /// The PAX record prefix of an extended attribute.
 const XATTR_PREFIX: &str = "SCHILY.xattr.";
@@ -52,11 +57,13 @@ const XATTR_PREFIX: &str = "SCHILY.xattr.";
 /// An entry's extended attributes, as (PAX key, value) records.
 type Xattrs = Vec<(String, Vec<u8>)>;
 
-/// The extended attributes `entry`'s PAX records carry. A name that is empty, not UTF-8,
-/// holds a NUL or is longer than Linux allows (255 bytes), a value past [`MAX_XATTR_VALUE`],
-/// or more than [`MAX_XATTRS`] of them refuse the layer: no kernel would take them.
+/// The extended attributes `entry`'s PAX records carry, but `trusted.*` ones. A name that is
+/// empty, not UTF-8, holds a NUL or is longer than Linux allows (255 bytes), more than
+/// [`MAX_XATTR_BYTES`] of names and values, or more than [`MAX_XATTRS`] attributes refuse the
+/// layer: the image could not hold them.
 fn xattrs<R: Read>(entry: &mut tar::Entry<R>) -> Result<Xattrs, String> {
     let mut found = Vec::new();
+    let mut total = 0;
     let Some(extensions) = entry
         .pax_extensions()
         .map_err(|e| format!("unreadable PAX records: {e}"))?
@@ -77,11 +84,14 @@ fn xattrs<R: Read>(entry: &mut tar::Entry<R>) -> Result<Xattrs, String> {
                     String::from_utf8_lossy(name)
                 )
             })?;
+        if name.starts_with("trusted.") {
+            continue;
+        }
         let value = extension.value_bytes();
-        if value.len() > MAX_XATTR_VALUE {
+        total += name.len() + value.len();
+        if total > MAX_XATTR_BYTES {
             return Err(format!(
-                "the extended attribute {name} of {} bytes (at most {MAX_XATTR_VALUE})",
-                value.len()
+                "extended attributes of more than {MAX_XATTR_BYTES} bytes (at {name})"
             ));
         }
         if found.len() == MAX_XATTRS {
@@ -90,6 +100,11 @@ fn xattrs<R: Read>(entry: &mut tar::Entry<R>) -> Result<Xattrs, String> {
         found.push((format!("{XATTR_PREFIX}{name}"), value.to_vec()));
     }
     Ok(found)
+}
+
+/// The bytes `xattrs` take, as the merge counts them against its bounds.
+fn xattr_bytes(xattrs: &Xattrs) -> u64 {
+    xattrs.iter().map(|(k, v)| (k.len() + v.len()) as u64).sum()
 }
 
 /// Writes `xattrs` as the PAX records of the entry written next.
@@ -302,7 +317,8 @@ pub(crate) fn merge<R: Read>(
                 let kind = entry.header().entry_type();
                 let path = normalise(&entry.path_bytes()).unwrap_or_default();
                 if kind.is_file() && link_targets[layer].contains(&path) {
-                    stashed_bytes += entry.size();
+                    let attributes = xattrs(&mut entry).map_err(|e| refused(layer, e))?;
+                    stashed_bytes += entry.size() + xattr_bytes(&attributes);
                     if stashed_bytes > MAX_STASHED {
                         return Err(refused(
                             layer,
@@ -311,7 +327,6 @@ pub(crate) fn merge<R: Read>(
                             ),
                         ));
                     }
-                    let attributes = xattrs(&mut entry).map_err(|e| refused(layer, e))?;
                     let mut data = Vec::new();
                     entry.read_to_end(&mut data).map_err(read(layer))?;
                     stash.insert(path, (entry.header().clone(), data, attributes));
@@ -372,7 +387,7 @@ pub(crate) fn merge<R: Read>(
                     std::path::Path::new(std::ffi::OsStr::from_bytes(&target)),
                 )
             } else {
-                data_bytes += header.size().unwrap_or(0);
+                data_bytes += header.size().unwrap_or(0) + xattr_bytes(&attributes);
                 if data_bytes > MAX_MERGED_BYTES {
                     return Err(refused(
                         layer,
@@ -473,7 +488,11 @@ mod tests {
         builder.into_inner().unwrap()
     }
 
-    fn merged(layers: &[Vec<u8>]) -> Result<Vec<(String, Vec<u8>)>, MergeError> {
+    /// Merges `layers` and reads each written entry back: its path and what `read` makes of it.
+    fn merged_with<T>(
+        layers: &[Vec<u8>],
+        mut read: impl FnMut(&mut tar::Entry<&[u8]>) -> T,
+    ) -> Result<Vec<(String, T)>, MergeError> {
         let mut out = Vec::new();
         merge(layers.len(), |i| Ok(&layers[i][..]), &mut out)?;
         let mut archive = tar::Archive::new(&out[..]);
@@ -483,11 +502,17 @@ mod tests {
             .map(|e| {
                 let mut e = e.unwrap();
                 let path = String::from_utf8(e.path_bytes().into_owned()).unwrap();
-                let mut data = Vec::new();
-                std::io::Read::read_to_end(&mut e, &mut data).unwrap();
-                (path.trim_end_matches('/').to_string(), data)
+                (path.trim_end_matches('/').to_string(), read(&mut e))
             })
             .collect())
+    }
+
+    fn merged(layers: &[Vec<u8>]) -> Result<Vec<(String, Vec<u8>)>, MergeError> {
+        merged_with(layers, |e| {
+            let mut data = Vec::new();
+            std::io::Read::read_to_end(e, &mut data).unwrap();
+            data
+        })
     }
 
     use tar::EntryType as T;
@@ -674,17 +699,8 @@ mod tests {
 
     /// Each merged entry's path and its extended attributes' PAX records.
     fn merged_xattrs(layers: &[Vec<u8>]) -> Result<HashMap<String, Xattrs>, MergeError> {
-        let mut out = Vec::new();
-        merge(layers.len(), |i| Ok(&layers[i][..]), &mut out)?;
-        let mut archive = tar::Archive::new(&out[..]);
-        Ok(archive
-            .entries()
-            .unwrap()
-            .map(|e| {
-                let mut e = e.unwrap();
-                let path = String::from_utf8(e.path_bytes().into_owned()).unwrap();
-                (path, xattrs(&mut e).unwrap())
-            })
+        Ok(merged_with(layers, |e| xattrs(e).unwrap())?
+            .into_iter()
             .collect())
     }
 
@@ -697,6 +713,7 @@ mod tests {
                 vec![
                     ("SCHILY.xattr.security.capability", capability.clone()),
                     ("SCHILY.xattr.user.role", b"net".to_vec()),
+                    ("SCHILY.xattr.trusted.overlay.opaque", b"y".to_vec()),
                     ("comment", b"not an attribute".to_vec()),
                 ],
             ),
@@ -727,8 +744,8 @@ mod tests {
 
         for (records, says) in [
             (
-                vec![("SCHILY.xattr.user.big", vec![0u8; MAX_XATTR_VALUE + 1])],
-                "user.big of 65537 bytes",
+                vec![("SCHILY.xattr.user.big", vec![0u8; MAX_XATTR_BYTES])],
+                "more than 3072 bytes (at user.big)",
             ),
             (
                 vec![("SCHILY.xattr.", b"v".to_vec())],

@@ -8,10 +8,12 @@
 //! DIR/blocks.img           block INDEX at byte INDEX * block size; blocks never written are holes
 //! ```
 //!
-//! A write is a `pwrite` into the file; a flush is `fdatasync`. So what was flushed is on
-//! disk, and after a crash a block written since the last flush holds, page by page (4 KiB),
-//! its old or its new contents: what the host's filesystem promises for a page, and a disk for
-//! its sectors, which is what the guest's journalling filesystem is built on. Which blocks were
+//! A write is a `pwrite` into the file; a flush is `fdatasync` (and the file's name was made
+//! durable when it was made). So what was flushed is on disk. What a crash leaves of a block
+//! written since the last flush is what the host's filesystem and disk leave of an in-place
+//! write: on an ordered-data filesystem (ext4's default, XFS) over a disk whose sectors are
+//! written whole, each sector old or new, which is all the guest's journalling filesystem
+//! relies on. Which blocks were
 //! written is the file's data extents (`SEEK_DATA`/`SEEK_HOLE`; on a filesystem without them,
 //! every block below the file's end). Blocking work runs on tokio's blocking threads, never on
 //! the async ones.
@@ -36,6 +38,8 @@ const MAGIC: &str = "krunbox-block-store v2";
 const MAGIC_V1: &str = "krunbox-block-store v1";
 const META: &str = "krunbox-store";
 const DATA: &str = "blocks.img";
+/// A version 1 store's blocks being copied into a new [`DATA`].
+const CONVERTING: &str = ".blocks.img.converting";
 
 /// A [`BlockStore`] in a host directory: durable across processes and host restarts, the
 /// blocks in one sparse file. Held by one running sandbox at a time, across processes too (an
@@ -195,17 +199,27 @@ impl DirectoryStore {
                 meta.block_size, self.block_size
             )));
         }
+        let converting = self.dir.join(CONVERTING);
         if meta.version == 1 {
-            self.convert_v1()?;
+            let converted = self.convert_v1(&converting);
+            if converted.is_err() {
+                let _ = std::fs::remove_file(&converting);
+            }
+            converted?;
             meta.version = 2;
             write_durably(&self.dir, META, meta.render().as_bytes())?;
         }
-        // What a conversion interrupted after its new description left behind.
+        // What a conversion interrupted after its new description left behind, or one that
+        // crashed before it.
         for old in ["blocks", "pending"] {
             match std::fs::remove_dir_all(self.dir.join(old)) {
                 Err(e) if e.kind() != ErrorKind::NotFound => return Err(e.into()),
                 _ => {}
             }
+        }
+        match std::fs::remove_file(&converting) {
+            Err(e) if e.kind() != ErrorKind::NotFound => return Err(e.into()),
+            _ => {}
         }
         match &meta.base {
             Some(recorded) if *recorded != context.base_sha256 => {
@@ -220,12 +234,22 @@ impl DirectoryStore {
                 write_durably(&self.dir, META, meta.render().as_bytes())?;
             }
         }
-        let data = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .read(true)
-            .write(true)
-            .open(self.dir.join(DATA))?;
+        let path = self.dir.join(DATA);
+        let data = match OpenOptions::new().read(true).write(true).open(&path) {
+            Ok(data) => data,
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                let data = OpenOptions::new()
+                    .create(true)
+                    .truncate(false)
+                    .read(true)
+                    .write(true)
+                    .open(&path)?;
+                // The file's name made durable before anything flushed into it counts on it.
+                File::open(&self.dir)?.sync_all()?;
+                data
+            }
+            Err(e) => return Err(e.into()),
+        };
         let mut state = self.lock();
         state.data = Some(Arc::new(data));
         state.lock = Some(locked);
@@ -236,10 +260,9 @@ impl DirectoryStore {
     /// `blocks.img`, synced and renamed into place. `pending/` held writes never flushed: not
     /// durable, so not copied. The caller then writes the new description and removes the old
     /// files.
-    fn convert_v1(&self) -> Result<(), StoreError> {
+    fn convert_v1(&self, temp: &Path) -> Result<(), StoreError> {
         let size = self.block_size as usize;
-        let temp = self.dir.join(format!(".{DATA}.converting"));
-        let data = File::create(&temp)?;
+        let data = File::create(temp)?;
         let mut block = vec![0u8; size];
         let groups = match std::fs::read_dir(self.dir.join("blocks")) {
             Ok(groups) => groups.collect::<std::io::Result<Vec<_>>>()?,
@@ -273,14 +296,11 @@ impl DirectoryStore {
                         entry.path().display()
                     )));
                 }
-                let offset = index.checked_mul(size as u64).ok_or_else(|| {
-                    StoreError::Failed(format!("a block index {index:#x} past any disk"))
-                })?;
-                data.write_all_at(&block, offset)?;
+                data.write_all_at(&block, self.offset(index)?)?;
             }
         }
         data.sync_all()?;
-        std::fs::rename(&temp, self.dir.join(DATA))?;
+        std::fs::rename(temp, self.dir.join(DATA))?;
         File::open(&self.dir)?.sync_all()?;
         Ok(())
     }
@@ -298,8 +318,14 @@ impl DirectoryStore {
         let size = u64::from(self.block_size);
         let extents = match crate::rootfs::layer::data_extents(&data) {
             Ok(extents) => extents,
-            // No SEEK_DATA here: every block below the end may have been written.
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            // No SEEK_DATA here (a FUSE or other filesystem that refuses it): every block below
+            // the end may have been written.
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EINVAL | libc::EOPNOTSUPP | libc::ENOSYS)
+                ) =>
+            {
                 vec![(0, data.metadata()?.len())]
             }
             Err(e) => return Err(e.into()),
@@ -597,6 +623,10 @@ mod tests {
             }
             other => panic!("expected a failed conversion, got {other:?}"),
         }
+        assert!(
+            !dir.path().join(CONVERTING).exists(),
+            "a half conversion left"
+        );
     }
 
     #[test]

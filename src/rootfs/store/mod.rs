@@ -83,11 +83,10 @@ pub enum StoreError {
 /// [`DirectoryStore`] does.
 ///
 /// Blocks never written read as zeros: krunbox asks only for blocks `written_blocks` listed
-/// or that it wrote since. After a crash, each 4 KiB page of a block written since the last
-/// `flush` should hold its old or its new contents, never a mix of the two: what a disk
-/// promises for its sectors, and what the guest's journalling filesystem relies on (it never
-/// relies on more: pages of a block the guest did not change are written with what the store
-/// held).
+/// or that it wrote since. After a crash, each 512-byte sector of a block written since the
+/// last `flush` should hold its old or its new contents: what a disk promises, and all the
+/// guest's journalling filesystem relies on (the parts of a block the guest did not change are
+/// written with what the store held).
 ///
 /// ```
 /// use std::collections::HashMap;

@@ -55,10 +55,14 @@ pub(crate) fn fuzz_layer_file(bytes: &[u8]) {
 /// above the largest write of a script plus two blocks (so a write that fails changed nothing).
 const BLOCK_HARNESS_DIRTY: u64 = 128 << 10;
 
-/// A store whose every call fails while `failing` is set: blocks in a [`MemoryStore`].
+/// A store whose every call fails while `failing` is set, and which can break in the middle
+/// of a write: blocks in a [`MemoryStore`].
 struct FlakyStore {
     blocks: super::MemoryStore,
     failing: std::sync::atomic::AtomicBool,
+    /// Blocks it still writes before it breaks (sets `failing`) partway through a call;
+    /// `u64::MAX`: no such limit.
+    breaks_after: std::sync::atomic::AtomicU64,
 }
 
 impl FlakyStore {
@@ -85,22 +89,42 @@ impl super::BlockStore for FlakyStore {
         self.blocks.read_blocks(first, buf).await
     }
     async fn write_blocks(&self, first: u64, data: &[u8]) -> Result<(), super::StoreError> {
+        use std::sync::atomic::Ordering;
         self.check()?;
-        self.blocks.write_blocks(first, data).await
+        let size = self.block_size() as usize;
+        let budget = self.breaks_after.load(Ordering::SeqCst);
+        let blocks = (data.len() / size) as u64;
+        if budget == u64::MAX {
+            return self.blocks.write_blocks(first, data).await;
+        }
+        if budget >= blocks {
+            self.breaks_after.store(budget - blocks, Ordering::SeqCst);
+            return self.blocks.write_blocks(first, data).await;
+        }
+        // Some blocks are stored, the rest are not, and the call fails: a store that broke.
+        let stored = budget as usize * size;
+        if stored > 0 {
+            self.blocks.write_blocks(first, &data[..stored]).await?;
+        }
+        self.breaks_after.store(u64::MAX, Ordering::SeqCst);
+        self.failing.store(true, Ordering::SeqCst);
+        Err(super::StoreError::Failed("broke partway on purpose".into()))
     }
     async fn flush(&self) -> Result<(), super::StoreError> {
         self.check()
     }
 }
 
-/// The `layer_block` property. `data` is a script; each operation is a byte (modulo 4) and
-/// its arguments (missing bytes read as zero):
+/// The `layer_block` property. `data` is a script: a first byte choosing the store's block
+/// size (4 KiB shifted left by it modulo 4: 4 to 32 KiB), then operations, each a byte
+/// (modulo 4) and its arguments (missing bytes read as zero):
 ///
 /// * write: a 5-byte offset (bit 0 of the first byte: counted back from the disk's end
 ///   instead), a 2-byte length, a fill byte;
 /// * read: an offset as above and a 2-byte length;
 /// * sync;
-/// * the store starts or stops failing.
+/// * a byte: below 128, the store starts or stops failing; from 128, it breaks partway
+///   through a later write, after storing (byte - 128) more blocks.
 ///
 /// Checked after each: nothing panics; the bytes held (dirty pages and clean copies) never
 /// pass the bound; a write that fails changed nothing and a write past the disk is `ENOSPC`; a read that succeeds
@@ -115,9 +139,13 @@ pub(crate) fn fuzz_layer_block(data: &[u8]) {
     use std::sync::Arc;
 
     const PAGE: u64 = 4096;
+    let Some((&size, data)) = data.split_first() else {
+        return;
+    };
     let store = Arc::new(FlakyStore {
-        blocks: super::MemoryStore::with_block_size(8192).expect("a valid size"),
+        blocks: super::MemoryStore::with_block_size(4096 << (size % 4)).expect("a valid size"),
         failing: false.into(),
+        breaks_after: u64::MAX.into(),
     });
     let layer = CowLayer::unformatted(store.clone(), BLOCK_HARNESS_DIRTY);
     // The model disk: written pages (all others are zeros).
@@ -199,7 +227,14 @@ pub(crate) fn fuzz_layer_block(data: &[u8]) {
                     }
                 }
                 _ => {
-                    store.failing.fetch_xor(true, Ordering::SeqCst);
+                    let how = next();
+                    if how < 128 {
+                        store.failing.fetch_xor(true, Ordering::SeqCst);
+                    } else {
+                        store
+                            .breaks_after
+                            .store(u64::from(how - 128), Ordering::SeqCst);
+                    }
                 }
             }
             assert!(
@@ -209,6 +244,7 @@ pub(crate) fn fuzz_layer_block(data: &[u8]) {
             );
         }
         store.failing.store(false, Ordering::SeqCst);
+        store.breaks_after.store(u64::MAX, Ordering::SeqCst);
         layer.sync().await.expect("a working store syncs");
         assert_eq!(layer.dirty_bytes(), 0);
         for (&page, contents) in &model {
@@ -220,9 +256,10 @@ pub(crate) fn fuzz_layer_block(data: &[u8]) {
     });
 }
 
-/// Seeds for `layer_block`: writes across block edges, a read back, a sync; writes while the
-/// store fails, past the bound, then a sync after it recovers; writes and reads at the disk's
-/// end.
+/// Seeds for `layer_block` (8 KiB blocks but the last): writes across block edges, a read
+/// back, a sync; writes while the store fails, past the bound, then a sync after it recovers;
+/// writes and reads at the disk's end; with 32 KiB blocks, a store that breaks partway
+/// through storing a sync's blocks, then recovers.
 #[cfg(test)]
 pub(crate) fn layer_block_seeds() -> Vec<Vec<u8>> {
     let write = |at: [u8; 5], len: u16, fill: u8| {
@@ -244,25 +281,37 @@ pub(crate) fn layer_block_seeds() -> Vec<Vec<u8>> {
     };
     vec![
         [
+            vec![1],
             write([0, 0, 0, 0x1f, 0xf0], 9000, 7),
             read([0, 0, 0, 0x1f, 0], 12000),
             vec![2],
         ]
         .concat(),
         [
-            vec![3],
+            vec![1, 3, 0],
             write([0, 0, 1, 0, 0], 60000, 1),
             write([0, 0, 2, 0, 0], 60000, 2),
             write([0, 0, 3, 0, 0], 60000, 3),
-            vec![2, 3],
+            vec![2, 3, 0],
             read([0, 0, 1, 0, 0], 60000),
             vec![2],
         ]
         .concat(),
         [
+            vec![1],
             write(near_end(100), 50, 9),
             write(near_end(10), 50, 9),
             read(near_end(60), 200),
+        ]
+        .concat(),
+        [
+            vec![3],
+            write([0, 0, 1, 0, 0], 60000, 4),
+            vec![3, 129],
+            vec![2],
+            read([0, 0, 1, 0, 0], 60000),
+            vec![3, 0, 2],
+            read([0, 0, 1, 0, 0], 60000),
         ]
         .concat(),
     ]

@@ -78,7 +78,7 @@ struct Inner {
     _filesystems: crate::fs::service::FsService,
     /// A copy-on-write root's layer disk and an image build's output disk, served while the
     /// instance lives.
-    _served_disks: Vec<rootfs::device::service::BlockService>,
+    _served_disks: Vec<rootfs::device::service::DiskLink>,
     /// A writable root's layer while the VM runs (the helper holds it too; this one reports
     /// its usage and holds a persistent layer's lock), `None` once the VM has stopped.
     layer: Arc<std::sync::Mutex<Option<rootfs::Layer>>>,
@@ -188,16 +188,16 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     // virtio-blk device after them, served the same way.
     let fs_devices = config.mounts.len() as u32;
     let mut fs_service = crate::fs::service::FsService::new(config.mounts.clone());
-    let mut served_disks: Vec<(Arc<dyn rootfs::served::ServedDisk>, &str)> = Vec::new();
+    let mut served_disks: Vec<(rootfs::served::DiskSource, &str)> = Vec::new();
     if let Some(cow) = &cow {
-        served_disks.push((cow.clone(), krunbox_protocol::LAYER_DISK_SERIAL));
+        served_disks.push((cow.source(), krunbox_protocol::LAYER_DISK_SERIAL));
     }
     if let Some(output) = &config.output_disk {
         served_disks.push((output.0.clone(), rootfs::served::OUTPUT_DISK_SERIAL));
     }
     let mut disk_services: Vec<_> = served_disks
         .iter()
-        .map(|(disk, _)| rootfs::device::service::BlockService::new(disk.clone()))
+        .map(|(disk, _)| rootfs::device::service::DiskLink::new(disk))
         .collect();
     let jail = crate::jail::host::prepare(dir.path(), &config.required_isolation)?;
     let vmm_config = VmmConfig {
@@ -234,6 +234,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             .map(|(disk, serial)| vmm::ServedDiskConfig {
                 size: disk.size(),
                 serial: (*serial).into(),
+                in_place: matches!(disk, rootfs::served::DiskSource::InPlace { .. }),
             })
             .collect(),
     };
@@ -788,7 +789,8 @@ impl Instance {
     /// How much of a writable root ([`Rootfs::ephemeral`](crate::Rootfs::ephemeral),
     /// [`Rootfs::persistent`](crate::Rootfs::persistent)) the guest's changes take now on
     /// the host (memory, or the layer file's disk), or, for [`Rootfs::cow`](crate::Rootfs::cow),
-    /// the host memory its layer holds (changes not stored yet, and copies of stored blocks);
+    /// the host memory its layer holds (changes not stored yet, and copies of stored blocks;
+    /// nothing for a store served in place, whose file holds every change at once);
     /// `None` for a read-only root and once the VM has stopped. It never passes [`RootUsage::max_bytes`](crate::RootUsage::max_bytes).
     ///
     /// ```no_run

@@ -432,11 +432,8 @@ impl SandboxBuilder {
 
     /// Gives the VM `disk` as a virtio-blk disk with the serial
     /// [`OUTPUT_DISK_SERIAL`](crate::rootfs::served::OUTPUT_DISK_SERIAL), served from this
-    /// process: an image build's output (crate-internal: flatten and OCI import).
-    pub(crate) fn output_disk(
-        mut self,
-        disk: std::sync::Arc<dyn crate::rootfs::served::ServedDisk>,
-    ) -> Self {
+    /// process or in place: an image build's output (crate-internal: flatten and OCI import).
+    pub(crate) fn output_disk(mut self, disk: crate::rootfs::served::DiskSource) -> Self {
         self.output_disk = Some(crate::rootfs::served::OutputDisk(disk));
         self
     }

@@ -295,7 +295,7 @@ pub(crate) fn send_from_guest(
     host_iovecs(mem, regions, skip, len, &mut iovecs)?;
     // SAFETY: the iovecs point at `prefix` (alive for this call) and into guest memory (mapped
     // while `mem` lives), and `writev` only reads through them.
-    unsafe { transfer_all(socket, &mut iovecs, Direction::Send) }
+    unsafe { transfer_all(socket.as_raw_fd(), &mut iovecs, Direction::Send) }
 }
 
 /// Reads `len` bytes from `socket` into bytes `skip..skip + len` of `regions`, straight into
@@ -311,7 +311,41 @@ pub(crate) fn receive_into_guest(
     host_iovecs(mem, regions, skip, len, &mut iovecs)?;
     // SAFETY: the iovecs point into guest memory, mapped and writable while `mem` lives (the
     // guest may change those bytes meanwhile: its own business, and `readv` does not care).
-    unsafe { transfer_all(socket, &mut iovecs, Direction::Receive) }
+    unsafe { transfer_all(socket.as_raw_fd(), &mut iovecs, Direction::Receive) }
+}
+
+/// Writes bytes `skip..skip + len` of `regions` into `file` at `offset`, straight from guest
+/// memory: one `pwritev` for all of it where the file takes it.
+pub(crate) fn write_at_from_guest(
+    mem: &GuestMemoryMmap,
+    regions: &[(GuestAddress, u32)],
+    skip: usize,
+    len: usize,
+    file: &std::fs::File,
+    offset: u64,
+) -> std::io::Result<()> {
+    let mut iovecs = Vec::new();
+    host_iovecs(mem, regions, skip, len, &mut iovecs)?;
+    // SAFETY: the iovecs point into guest memory (mapped while `mem` lives), and `pwritev`
+    // only reads through them.
+    unsafe { transfer_all(file.as_raw_fd(), &mut iovecs, Direction::WriteAt(offset)) }
+}
+
+/// Reads `len` bytes of `file` at `offset` into bytes `skip..skip + len` of `regions`,
+/// straight into guest memory: one `preadv` for all of it where the file has it. Past the
+/// file's end the bytes are zeros (a sparse disk file need not reach its disk's end).
+pub(crate) fn read_at_into_guest(
+    mem: &GuestMemoryMmap,
+    regions: &[(GuestAddress, u32)],
+    skip: usize,
+    len: usize,
+    file: &std::fs::File,
+    offset: u64,
+) -> std::io::Result<()> {
+    let mut iovecs = Vec::new();
+    host_iovecs(mem, regions, skip, len, &mut iovecs)?;
+    // SAFETY: the iovecs point into guest memory, mapped and writable while `mem` lives.
+    unsafe { transfer_all(file.as_raw_fd(), &mut iovecs, Direction::ReadAt(offset)) }
 }
 
 /// Reads `len` bytes from `reader` into bytes `skip..skip + len` of `regions`: what `reader`
@@ -360,28 +394,32 @@ fn host_iovecs(
     })
 }
 
-/// Which way [`transfer_all`] moves bytes.
+/// Which way [`transfer_all`] moves bytes: through a socket, or to or from a file at an
+/// offset.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Direction {
     Send,
     Receive,
+    WriteAt(u64),
+    ReadAt(u64),
 }
 
-/// Moves every byte of `iovecs` to or from `socket`, in as few system calls as it takes (at
-/// most `IOV_MAX` iovecs each), again after `EINTR`. A call that moves nothing is the end of
-/// the socket: `WriteZero` or `UnexpectedEof`.
+/// Moves every byte of `iovecs` to or from `fd`, in as few system calls as it takes (at most
+/// `IOV_MAX` iovecs each), again after `EINTR`. A call that moves nothing is the end of the
+/// socket (`WriteZero` or `UnexpectedEof`), or of the file: a positional read then fills the
+/// rest with zeros, a positional write fails with `WriteZero`.
 ///
 /// # Safety
-/// Every iovec must point at memory valid for its length, writable to receive.
+/// Every iovec must point at memory valid for its length, writable to receive or read.
 unsafe fn transfer_all(
-    socket: &mut UnixStream,
+    fd: std::os::fd::RawFd,
     iovecs: &mut [libc::iovec],
     direction: Direction,
 ) -> std::io::Result<()> {
     /// Linux's `IOV_MAX`.
     const IOV_MAX: usize = 1024;
-    let fd = socket.as_raw_fd();
     let mut at = 0;
+    let mut done: u64 = 0;
     loop {
         while at < iovecs.len() && iovecs[at].iov_len == 0 {
             at += 1;
@@ -391,10 +429,17 @@ unsafe fn transfer_all(
         }
         let batch = &iovecs[at..iovecs.len().min(at + IOV_MAX)];
         // SAFETY: the caller vouches for the iovecs.
+        let count = batch.len() as libc::c_int;
         let moved = unsafe {
             match direction {
-                Direction::Send => libc::writev(fd, batch.as_ptr(), batch.len() as libc::c_int),
-                Direction::Receive => libc::readv(fd, batch.as_ptr(), batch.len() as libc::c_int),
+                Direction::Send => libc::writev(fd, batch.as_ptr(), count),
+                Direction::Receive => libc::readv(fd, batch.as_ptr(), count),
+                Direction::WriteAt(offset) => {
+                    libc::pwritev(fd, batch.as_ptr(), count, (offset + done) as libc::off_t)
+                }
+                Direction::ReadAt(offset) => {
+                    libc::preadv(fd, batch.as_ptr(), count, (offset + done) as libc::off_t)
+                }
             }
         };
         if moved < 0 {
@@ -405,11 +450,24 @@ unsafe fn transfer_all(
             return Err(err);
         }
         if moved == 0 {
-            return Err(match direction {
-                Direction::Send => std::io::ErrorKind::WriteZero.into(),
-                Direction::Receive => std::io::ErrorKind::UnexpectedEof.into(),
-            });
+            return match direction {
+                Direction::Send | Direction::WriteAt(_) => {
+                    Err(std::io::ErrorKind::WriteZero.into())
+                }
+                Direction::Receive => Err(std::io::ErrorKind::UnexpectedEof.into()),
+                Direction::ReadAt(_) => {
+                    for iovec in &iovecs[at..] {
+                        // SAFETY: the caller vouches that each iovec is writable memory of its
+                        // length (the first one advanced past what was read, still inside it).
+                        unsafe {
+                            std::ptr::write_bytes(iovec.iov_base as *mut u8, 0, iovec.iov_len)
+                        };
+                    }
+                    Ok(())
+                }
+            };
         }
+        done += moved as u64;
         let mut moved = moved as usize;
         while moved > 0 {
             let first = &mut iovecs[at];
@@ -718,5 +776,46 @@ mod tests {
         drop(writer);
         let err = receive_into_guest(&mem, &back, 0, total, &mut reading).unwrap_err();
         assert_eq!(err.kind(), std::io::ErrorKind::UnexpectedEof);
+    }
+
+    /// 1500 regions (more than one `pwritev` takes), some empty, into a file at an offset and
+    /// back; a read reaching past the file's end gets zeros there, not the memory's old bytes.
+    #[test]
+    fn moves_to_and_from_a_file_at_an_offset_with_zeros_past_its_end() {
+        use std::os::unix::fs::FileExt;
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x200000)]).unwrap();
+        let regions: Vec<(GuestAddress, u32)> = (0..1500u64)
+            .map(|i| (GuestAddress(i * 512), if i % 7 == 3 { 0 } else { 300 }))
+            .collect();
+        let total: usize = regions.iter().map(|(_, len)| *len as usize).sum();
+        let pattern: Vec<u8> = (0..total).map(|i| (i % 251) as u8).collect();
+        scatter(&mem, &regions, 0, &pattern).unwrap();
+        let file = tempfile::tempfile().unwrap();
+        write_at_from_guest(&mem, &regions, 100, total - 100, &file, 4096).unwrap();
+        assert_eq!(file.metadata().unwrap().len(), 4096 + total as u64 - 100);
+        let mut stored = vec![0u8; total - 100];
+        file.read_exact_at(&mut stored, 4096).unwrap();
+        assert_eq!(stored, pattern[100..]);
+
+        let back: Vec<(GuestAddress, u32)> = regions
+            .iter()
+            .map(|(at, len)| (GuestAddress(at.0 + 0x100000), *len))
+            .collect();
+        // Memory full of 0xff, then a read from 1000 bytes before the file's end.
+        scatter(&mem, &back, 0, &vec![0xff; total]).unwrap();
+        let end = file.metadata().unwrap().len();
+        read_at_into_guest(&mem, &back, 0, total, &file, end - 1000).unwrap();
+        let mut landed = vec![0u8; total];
+        gather(&mem, &back, 0, &mut landed).unwrap();
+        assert_eq!(&landed[..1000], &pattern[total - 1000..]);
+        assert!(
+            landed[1000..].iter().all(|b| *b == 0),
+            "past the end is zeros"
+        );
+        // Wholly inside: exactly the file's bytes.
+        read_at_into_guest(&mem, &back, 7, 5000, &file, 4096).unwrap();
+        let mut inside = vec![0u8; 5000];
+        gather(&mem, &back, 7, &mut inside).unwrap();
+        assert_eq!(inside, pattern[100..5100]);
     }
 }

@@ -54,7 +54,8 @@ pub const WRITABLE_LAYER_FD: i32 = 8;
 
 /// The first of the helper's ends of the served disks' sockets (connected unix stream sockets;
 /// the library serves the other ends), one per [`VmmConfig::served_disks`] entry, at most
-/// [`MAX_SERVED_DISKS`]. The helper's virtio-blk devices forward the guest's requests on them.
+/// [`MAX_SERVED_DISKS`]. The helper's virtio-blk devices forward the guest's requests on them,
+/// or, for a disk served in place, read and write the regular file open there.
 pub const SERVED_DISK_FD_BASE: i32 = 9;
 
 /// The most served disks: a copy-on-write root's layer disk and an image build's output disk.
@@ -129,6 +130,11 @@ pub struct ServedDiskConfig {
     pub size: u64,
     /// The serial guest-init finds it by.
     pub serial: String,
+    /// Its fd is a regular file the device reads and writes in place (a block store's file,
+    /// an image build's output), not a socket to the library. The helper's `RLIMIT_FSIZE`
+    /// is then at least `size`.
+    #[serde(default)]
+    pub in_place: bool,
 }
 
 /// A writable root's layer disk, as the helper attaches it.
@@ -254,6 +260,13 @@ pub fn helper_main() -> i32 {
             max_file_bytes: disk.max_file_bytes,
             on_host_filesystem: disk.qcow2,
         }),
+        served_file_bytes: config
+            .served_disks
+            .iter()
+            .filter(|disk| disk.in_place)
+            .map(|disk| disk.size)
+            .max()
+            .unwrap_or(0),
     };
     let root_started = std::time::Instant::now();
     let paths = crate::jail::build_root(&config.jail, host, in_mount_namespace, &mut isolation);
@@ -455,12 +468,18 @@ fn configure(
         ));
     }
     for (index, disk) in config.served_disks.iter().enumerate() {
+        use crate::rootfs::device::{Backing, ServedBlock};
         use std::os::fd::FromRawFd;
         let fd = SERVED_DISK_FD_BASE + index as i32;
-        // SAFETY: the library passes fds SERVED_DISK_FD_BASE.. open on a socket each, one per
-        // `served_disks` entry, and nothing else in the helper owns them.
-        let socket = unsafe { std::os::unix::net::UnixStream::from_raw_fd(fd) };
-        let device = crate::rootfs::device::ForwardingBlock::new(disk.size, &disk.serial, socket)
+        // SAFETY: the library passes fds SERVED_DISK_FD_BASE.. open on a socket each (or on
+        // a regular file, for a disk served in place), one per `served_disks` entry, and
+        // nothing else in the helper owns them.
+        let backing = if disk.in_place {
+            Backing::File(unsafe { std::fs::File::from_raw_fd(fd) })
+        } else {
+            Backing::Library(unsafe { std::os::unix::net::UnixStream::from_raw_fd(fd) })
+        };
+        let device = ServedBlock::new(disk.size, &disk.serial, backing)
             .map_err(|e| format!("the served disk {}: {e}", disk.serial))?;
         krun_sys::device::attach(
             &format!("kbdisk{index}"),

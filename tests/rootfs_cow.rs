@@ -88,7 +88,9 @@ fn a_cow_root_over_a_memory_store_keeps_a_file_and_a_dpkg_installed_package_acro
 }
 
 /// The same over a directory store, the second boot through a store opened anew on the same
-/// directory (as another process would), which holds the blocks as files.
+/// directory (as another process would), which holds the blocks in one file. That file is
+/// the disk, served in place: a write the guest's disk completes is in it at once, before
+/// any flush, and stays there when the VMM is killed.
 #[test]
 fn a_cow_root_over_a_directory_store_keeps_a_file_and_a_dpkg_installed_package_across_boots() {
     common::run(async {
@@ -115,7 +117,40 @@ fn a_cow_root_over_a_directory_store_keeps_a_file_and_a_dpkg_installed_package_a
             .expect("second boot");
         let (out, _) = sh(&vm, CHECK, TIMEOUT).await;
         assert_eq!(out, "kept\nprobe says hi\ninstall ok installed\n", "{out}");
-        vm.shutdown().await.expect("shutdown");
+
+        // 64 KiB of a pattern written straight to the disk's last 64 KiB (O_DIRECT, no sync:
+        // no flush reaches the host), where the layer's fresh ext4 keeps nothing.
+        const PATTERN: &[u8] = b"krunbox-in-place";
+        let last = (32u64 << 30) / 65536 - 1;
+        let (out, _) = sh(
+            &vm,
+            &format!(
+                "yes krunbox-in-place | tr '\\n' - | head -c 65536 > /tmp/pattern && \
+                 dd if=/tmp/pattern of=/dev/vdb bs=65536 seek={last} count=1 oflag=direct \
+                 2>/dev/null && echo written"
+            ),
+            TIMEOUT,
+        )
+        .await;
+        assert_eq!(out, "written\n", "{out}");
+        let in_file = || {
+            use std::os::unix::fs::FileExt;
+            let file = std::fs::File::open(dir.path().join("blocks.img")).unwrap();
+            let mut tail = vec![0u8; 65536];
+            // Short (the file ends before): not there.
+            file.read_exact_at(&mut tail, last * 65536).is_ok()
+                && tail
+                    .chunks_exact(PATTERN.len() + 1)
+                    .all(|chunk| chunk.starts_with(PATTERN))
+        };
+        assert!(in_file(), "the completed write is not in the store's file");
+        let pid = vm.vmm_pid().expect("the VMM runs") as i32;
+        // SAFETY: a signal to the VMM process this test's instance started.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+        vm.shutdown()
+            .await
+            .expect("a killed VMM leaves a store with nothing to lose");
+        assert!(in_file(), "the write is gone after the VMM was killed");
     });
 }
 

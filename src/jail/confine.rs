@@ -61,6 +61,9 @@ pub(crate) struct JailPaths {
     /// which has no other name and cannot be bind-mounted; the jail binds the helper's
     /// `/proc/self/fd` instead) and its size in bytes.
     pub layer: Option<LayerPath>,
+    /// The largest disk the helper serves in place from a file it was handed (0 for none):
+    /// the helper's `RLIMIT_FSIZE` is at least this.
+    pub served_file_bytes: u64,
 }
 
 /// A writable root's layer disk, as libkrun opens it.
@@ -273,6 +276,7 @@ fn pivot_into_jail(root_dir: &Path, host: &JailPaths) -> Result<JailPaths, Strin
         share: host.share.as_ref().map(|_| PathBuf::from("/share")),
         // Reached through the bound /proc/self/fd, at the same path.
         layer: host.layer.clone(),
+        served_file_bytes: host.served_file_bytes,
     };
     std::fs::create_dir(root_dir.join("dev")).map_err(io("creating dev".into()))?;
     // (source, target, read-only, a directory)
@@ -344,8 +348,8 @@ fn pivot_into_jail(root_dir: &Path, host: &JailPaths) -> Result<JailPaths, Strin
 }
 
 /// rlimits: no core dumps (guest memory would land on disk), bounded descriptors, bounded file
-/// size (the helper's log; with a writable layer, the layer's size, since the limit applies to
-/// every file the helper writes, its layer disk too).
+/// size (the helper's log; with a writable layer or a disk served in place, the disk's size,
+/// since the limit applies to every file the helper writes, its disks too).
 pub(crate) fn set_rlimits(report: &mut Isolation, max_file_bytes: u64) {
     use nix::sys::resource::{setrlimit, Resource};
     // SAFETY: ignoring SIGXFSZ only makes oversized writes fail with EFBIG.
@@ -640,7 +644,10 @@ fn mount_namespace(report: &mut Isolation) -> Option<&mut crate::jail::LayerRepo
 /// last, so the calls the others make need not be on its list).
 pub(crate) fn restrict(paths: &JailPaths, report: &mut Isolation) {
     let layer_bytes = paths.layer.as_ref().map_or(0, |l| l.max_file_bytes);
-    set_rlimits(report, MAX_LOG_BYTES.max(layer_bytes));
+    set_rlimits(
+        report,
+        MAX_LOG_BYTES.max(layer_bytes).max(paths.served_file_bytes),
+    );
     drop_privileges(report);
     landlock(paths, report);
     super::seccomp::install(report, paths.share.is_some(), paths.layer.is_some());

@@ -18,6 +18,11 @@
 //! A store that fails keeps its pages dirty (offered again at the next sync), fails the
 //! guest's I/O with `EIO`, and is reported by `shutdown` as [`Error::BlockStore`]: never a
 //! silent loss.
+//!
+//! A store that keeps its blocks in one local file ([`BlockStore::blocks_file`]) is used
+//! through the trait only to attach, format and check the layer, and to flush and detach it
+//! when the VM stops: in between the helper's device reads and writes the file in place
+//! ([`CowLayer::source`]), and nothing of the guest's I/O comes here.
 
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -26,7 +31,7 @@ use std::sync::{Arc, Mutex};
 use super::block_cache::{BlockCache, Fetched};
 use super::layer::{data_extents, formatted_memfd, Journal, RootUsage};
 use super::persistent::{parse_record, record};
-use super::served::ServedDisk;
+use super::served::{DiskSource, ServedDisk};
 use super::store::{check_block_size, BlockStore, StoreContext, StoreError};
 use crate::error::{Error, Result};
 use crate::fs::{async_trait, FsError, FsResult};
@@ -95,6 +100,9 @@ pub(crate) struct CowLayer {
     max_dirty_bytes: u64,
     /// The first store failure, as `(operation, message)`, for `shutdown` to report.
     failure: Mutex<Option<(&'static str, String)>>,
+    /// The store's blocks file, when the disk is served from it in place
+    /// ([`BlockStore::blocks_file`]): then nothing of the guest's I/O comes here.
+    in_place: Option<Arc<std::fs::File>>,
 }
 
 impl std::fmt::Debug for CowLayer {
@@ -103,6 +111,23 @@ impl std::fmt::Debug for CowLayer {
             .field("block_size", &self.block_size)
             .field("max_dirty_bytes", &self.max_dirty_bytes)
             .finish_non_exhaustive()
+    }
+}
+
+/// A store's [`BlockStore::blocks_file`] must be a regular file open for reading and writing:
+/// the helper's device takes nothing else, and would fail every guest write on a read-only one.
+fn check_blocks_file(file: &std::fs::File) -> std::result::Result<(), StoreError> {
+    use std::os::fd::AsFd;
+    let mode = nix::fcntl::fcntl(file.as_fd(), nix::fcntl::FcntlArg::F_GETFL)
+        .map_err(std::io::Error::from)?;
+    let read_write = nix::fcntl::OFlag::from_bits_truncate(mode) & nix::fcntl::OFlag::O_ACCMODE
+        == nix::fcntl::OFlag::O_RDWR;
+    if file.metadata()?.is_file() && read_write {
+        Ok(())
+    } else {
+        Err(StoreError::Failed(
+            "its blocks_file is not a regular file open for reading and writing".into(),
+        ))
     }
 }
 
@@ -135,7 +160,7 @@ impl CowLayer {
             store: None,
             armed: true,
         };
-        let layer = CowLayer::new(store, attached, max_dirty_bytes);
+        let mut layer = CowLayer::new(store, attached, max_dirty_bytes);
         let context = StoreContext {
             base_sha256: base_sha256.to_string(),
             disk_bytes: COW_LAYER_BYTES,
@@ -147,8 +172,27 @@ impl CowLayer {
             .map_err(store_error("attach"))?;
         claim.store = Some(layer.store.clone());
         layer.load(base_sha256).await?;
+        // Asked once everything before the guest went through the trait (the format, block 0
+        // read for its record): the cache holds nothing dirty, and no clean copy goes stale.
+        layer.in_place = layer.store.blocks_file();
+        if let Some(file) = &layer.in_place {
+            check_blocks_file(file).map_err(store_error("attach"))?;
+        }
         claim.disarm();
         Ok(layer)
+    }
+
+    /// How the helper's device reaches this layer's blocks: the store's file in place, or
+    /// through this layer.
+    pub(crate) fn source(self: &Arc<Self>) -> DiskSource {
+        let size = self.blocks_on_disk * self.block_size;
+        match &self.in_place {
+            Some(file) => DiskSource::InPlace {
+                file: file.clone(),
+                size,
+            },
+            None => DiskSource::Library(self.clone()),
+        }
     }
 
     /// A layer over `store` as if attached to an empty store, without the format (for the
@@ -173,6 +217,7 @@ impl CowLayer {
             blocks_on_disk: COW_LAYER_BYTES / block_size,
             max_dirty_bytes,
             failure: Mutex::new(None),
+            in_place: None,
         }
     }
 
@@ -542,6 +587,111 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    /// A store that keeps its blocks in one file (a `DirectoryStore`) has the disk served from
+    /// that file in place, the formatted layer already in it; a memory store is served through
+    /// the layer; a store whose file the device could not write is refused at attach.
+    #[tokio::test]
+    async fn a_store_with_a_blocks_file_is_served_in_place_and_a_read_only_one_refused() {
+        use crate::rootfs::DirectoryStore;
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().unwrap();
+        let store = DirectoryStore::open(dir.path()).unwrap();
+        let layer = Arc::new(
+            CowLayer::attach(
+                Arc::new(store.clone()),
+                Arc::new(AtomicBool::new(false)),
+                BASE,
+                1 << 20,
+            )
+            .await
+            .unwrap(),
+        );
+        let DiskSource::InPlace { file, size } = layer.source() else {
+            panic!("a directory store is served in place");
+        };
+        assert_eq!(size, COW_LAYER_BYTES);
+        let mut head = [0u8; 1024];
+        file.read_exact_at(&mut head, 0).unwrap();
+        assert_eq!(parse_record(&head).unwrap(), BASE);
+        // What the device writes into the file is what the store holds at the next attach.
+        file.write_all_at(b"written in place", 1 << 30).unwrap();
+        layer.finish().await;
+        assert!(layer.failure().is_none());
+        let again = CowLayer::attach(
+            Arc::new(DirectoryStore::open(dir.path()).unwrap()),
+            Arc::new(AtomicBool::new(false)),
+            BASE,
+            1 << 20,
+        )
+        .await
+        .unwrap();
+        assert!(again.blocks.lock().await.cache.is_written((1 << 30) / 4096));
+        again.finish().await;
+
+        let memory = Arc::new(attach(&MemoryStore::new(), 1 << 20).await.unwrap());
+        assert!(matches!(memory.source(), DiskSource::Library(_)));
+        memory.finish().await;
+
+        /// A memory store that claims a file opened read-only.
+        struct ReadOnlyFile(MemoryStore, Arc<std::fs::File>);
+        #[async_trait]
+        impl BlockStore for ReadOnlyFile {
+            fn block_size(&self) -> u32 {
+                self.0.block_size()
+            }
+            async fn written_blocks(&self) -> std::result::Result<Vec<u64>, StoreError> {
+                self.0.written_blocks().await
+            }
+            async fn read_blocks(
+                &self,
+                first: u64,
+                buf: &mut [u8],
+            ) -> std::result::Result<(), StoreError> {
+                self.0.read_blocks(first, buf).await
+            }
+            async fn write_blocks(
+                &self,
+                first: u64,
+                data: &[u8],
+            ) -> std::result::Result<(), StoreError> {
+                self.0.write_blocks(first, data).await
+            }
+            async fn flush(&self) -> std::result::Result<(), StoreError> {
+                Ok(())
+            }
+            fn blocks_file(&self) -> Option<Arc<std::fs::File>> {
+                Some(self.1.clone())
+            }
+        }
+        let read_only = std::fs::File::open(dir.path().join("blocks.img")).unwrap();
+        let attached = Arc::new(AtomicBool::new(false));
+        let refused = CowLayer::attach(
+            Arc::new(ReadOnlyFile(MemoryStore::new(), Arc::new(read_only))),
+            attached.clone(),
+            BASE,
+            1 << 20,
+        )
+        .await;
+        assert!(
+            matches!(
+                &refused,
+                Err(Error::BlockStore {
+                    operation: "attach",
+                    ..
+                })
+            ),
+            "{refused:?}"
+        );
+        // And the refused boot gave the store back.
+        for _ in 0..100 {
+            if !attached.load(Ordering::SeqCst) {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        assert!(!attached.load(Ordering::SeqCst));
     }
 
     /// Reads see every write, whole or partial, dirty or stored; the dirty bytes never pass

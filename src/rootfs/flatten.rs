@@ -10,17 +10,15 @@
 //! qcow2: a disk of its own that krunbox boots (`Rootfs::image`) and plain libkrun too.
 
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::layer::{format_ext4, Journal};
 use super::persistent::qcow2_into_place;
-use super::served::{ServedDisk, OUTPUT_DISK_SERIAL};
+use super::served::{DiskSource, OUTPUT_DISK_SERIAL};
 use super::Rootfs;
 use crate::error::{Error, Result};
-use crate::fs::{async_trait, FsError, FsResult};
 
 /// The size of a flattened image's filesystem (32 GiB): what a root can hold to be flattened.
 /// The qcow2 takes host disk only for what is written.
@@ -123,7 +121,7 @@ pub async fn flatten(root: &Rootfs, output: impl AsRef<Path>) -> Result<FlatImag
 pub(crate) struct ImageBuild {
     output: PathBuf,
     scratch: tempfile::NamedTempFile,
-    disk: Arc<RawDisk>,
+    disk: DiskSource,
 }
 
 /// The guest's script to mount a build's output disk at [`MOUNTED_AT`] (`set -e` first).
@@ -175,7 +173,8 @@ impl ImageBuild {
         tokio::task::spawn_blocking(move || format_ext4(&scratch_path, Journal::Without))
             .await
             .map_err(|e| Error::WritableLayer(e.to_string()))??;
-        let disk = Arc::new(RawDisk {
+        // Served in place: the helper's device writes the guest's blocks straight into it.
+        let disk = DiskSource::InPlace {
             file: Arc::new(
                 scratch
                     .as_file()
@@ -183,7 +182,7 @@ impl ImageBuild {
                     .map_err(failed("opening the scratch disk"))?,
             ),
             size: FLAT_DISK_BYTES,
-        });
+        };
         Ok(ImageBuild {
             output: output.to_path_buf(),
             scratch,
@@ -192,7 +191,7 @@ impl ImageBuild {
     }
 
     /// The output disk, for the building VM ([`SandboxBuilder::output_disk`](crate::SandboxBuilder)).
-    pub(crate) fn disk(&self) -> Arc<dyn ServedDisk> {
+    pub(crate) fn disk(&self) -> DiskSource {
         self.disk.clone()
     }
 
@@ -259,61 +258,4 @@ read -r status < /tmp/.krunbox-read-status
         mount = mount_output(),
         unmount = unmount_output()
     )
-}
-
-/// The output disk: a sparse host file, read and written at the guest's offsets.
-pub(crate) struct RawDisk {
-    file: Arc<File>,
-    size: u64,
-}
-
-impl RawDisk {
-    /// Runs blocking file work off the async threads.
-    async fn blocking<T: Send + 'static>(
-        &self,
-        work: impl FnOnce(&File) -> std::io::Result<T> + Send + 'static,
-    ) -> FsResult<T> {
-        let file = self.file.clone();
-        tokio::task::spawn_blocking(move || work(&file))
-            .await
-            .map_err(|_| FsError::IO)?
-            .map_err(|_| FsError::IO)
-    }
-}
-
-#[async_trait]
-impl ServedDisk for RawDisk {
-    fn size(&self) -> u64 {
-        self.size
-    }
-
-    async fn read(&self, offset: u64, size: u32) -> FsResult<Vec<u8>> {
-        let end = offset.saturating_add(u64::from(size)).min(self.size);
-        if offset >= end {
-            return Ok(Vec::new());
-        }
-        let len = (end - offset) as usize;
-        self.blocking(move |file| {
-            let mut data = vec![0u8; len];
-            file.read_exact_at(&mut data, offset)?;
-            Ok(data)
-        })
-        .await
-    }
-
-    async fn write(&self, offset: u64, data: &[u8]) -> FsResult<u32> {
-        if offset.saturating_add(data.len() as u64) > self.size {
-            return Err(FsError::NO_SPACE);
-        }
-        let data = data.to_vec();
-        self.blocking(move |file| {
-            file.write_all_at(&data, offset)?;
-            Ok(data.len() as u32)
-        })
-        .await
-    }
-
-    async fn sync(&self) -> FsResult<()> {
-        self.blocking(|file| file.sync_data()).await
-    }
 }

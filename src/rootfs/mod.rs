@@ -200,6 +200,12 @@ pub enum Rootfs {
     /// `EIO` in the guest and [`Error::BlockStore`] from
     /// `shutdown`; the blocks it could not take are never silently dropped. One running
     /// sandbox per store.
+    ///
+    /// A store whose blocks are one local file ([`BlockStore::blocks_file`], as in a
+    /// [`DirectoryStore`]) is served from that file in place,
+    /// at a raw disk's speed: each write the guest's disk completes is in the file at once
+    /// (it survives the VMM or this process dying), a guest sync `fdatasync`s it before it
+    /// returns, and no dirty data is held in this process (`max_dirty_bytes` bounds nothing).
     Cow {
         /// The image underneath: [`Rootfs::Builtin`] or [`Rootfs::Image`].
         base: Box<Rootfs>,

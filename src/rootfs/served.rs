@@ -1,6 +1,9 @@
 //! A disk the host serves to the guest as a virtio-blk device of ours (`device/`): a
 //! copy-on-write root's layer disk (`cow.rs`), or an image build's output disk (`flatten.rs`).
+//! Either the library serves its requests ([`ServedDisk`]) or the device reads and writes a
+//! regular file in place ([`DiskSource::InPlace`]).
 
+use std::fs::File;
 use std::sync::Arc;
 
 use crate::fs::{async_trait, FsError, FsResult};
@@ -27,18 +30,45 @@ pub(super) async fn run_whole<T: Send + 'static>(
     tokio::spawn(operation).await.unwrap_or(Err(FsError::IO))
 }
 
-/// A disk a sandbox's VM gets besides its root, found by the serial [`OUTPUT_DISK_SERIAL`]: an
-/// image build's output (crate-internal; `SandboxBuilder::output_disk`).
+/// Where a served disk's blocks are, as the helper's device reaches them.
 #[derive(Clone)]
-pub(crate) struct OutputDisk(pub Arc<dyn ServedDisk>);
+pub(crate) enum DiskSource {
+    /// The library serves each request (over a socket, `device::service`).
+    Library(Arc<dyn ServedDisk>),
+    /// The device reads and writes this regular file (open read-write) in place, block `i` of
+    /// the disk at byte `i * 512`; holes and what lies past its end read as zeros.
+    InPlace {
+        /// The file.
+        file: Arc<File>,
+        /// The disk's size in bytes.
+        size: u64,
+    },
+}
 
-impl std::fmt::Debug for OutputDisk {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("OutputDisk")
-            .field("size", &self.0.size())
-            .finish()
+impl DiskSource {
+    /// The disk's size in bytes.
+    pub(crate) fn size(&self) -> u64 {
+        match self {
+            DiskSource::Library(disk) => disk.size(),
+            DiskSource::InPlace { size, .. } => *size,
+        }
     }
 }
+
+impl std::fmt::Debug for DiskSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self {
+            DiskSource::Library(_) => "Library",
+            DiskSource::InPlace { .. } => "InPlace",
+        };
+        f.debug_struct(kind).field("size", &self.size()).finish()
+    }
+}
+
+/// A disk a sandbox's VM gets besides its root, found by the serial [`OUTPUT_DISK_SERIAL`]: an
+/// image build's output (crate-internal; `SandboxBuilder::output_disk`).
+#[derive(Clone, Debug)]
+pub(crate) struct OutputDisk(pub DiskSource);
 
 /// The serial an [`OutputDisk`] shows the guest.
 pub(crate) const OUTPUT_DISK_SERIAL: &str = "krunbox-output";

@@ -1,17 +1,19 @@
 //! The fuzz property of a copy-on-write root's layer disk device
 //! (`fuzz/fuzz_targets/virtio_blk_queue.rs`): a hostile guest's virtqueue (any descriptor
 //! table, any available ring, any bytes in memory, any disk size), served by the device's own
-//! code over a real socket pair to the library's real service over a real layer.
+//! code over a real socket pair to the library's real service over a real layer, and again
+//! (the same guest afresh) served in place from a memfd.
 //!
 //! Checks: nothing panics or hangs; the service accepts every header the device sends (it
 //! ends the connection on one it refuses, which fails the property); once the guest stops, no
 //! request is still waiting; every completion names a chain the guest offered, says at most a
-//! request's data and status, and nothing is completed twice.
+//! request's data and status, and nothing is completed twice; in place, the file never grows
+//! past the disk; both ways complete the same chains.
 
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 
-use super::{drain, serve_replies, service, Pending, Shared, MAX_DATA, SERIAL_LEN};
+use super::{drain, drain_in_place, serve_replies, service, Pending, Shared, MAX_DATA, SERIAL_LEN};
 use crate::rootfs::cow::CowLayer;
 use crate::rootfs::MemoryStore;
 use crate::virtqueue::laid_out::{check_completions, laid_out_queue, HostileQueue, Input};
@@ -23,21 +25,72 @@ pub(crate) fn fuzz_queue(data: &[u8]) {
     run(data);
 }
 
-/// Runs one input: the completions.
+/// Runs one input, forwarded to the library and again served in place: the completions.
 fn run(data: &[u8]) -> usize {
+    let forwarded = run_forwarded(data);
+    let in_place = run_in_place(data);
+    // Both pop the same chains (the descriptors and the ring lie where no device writes) and
+    // complete every chain they pop, once. What each wrote may differ: a read's data can land
+    // on a later request's header sooner or later when forwarded.
+    let heads = |completions: &[(u32, u32)]| {
+        let mut heads: Vec<u32> = completions.iter().map(|(head, _)| *head).collect();
+        heads.sort_unstable();
+        heads
+    };
+    assert_eq!(
+        heads(&forwarded),
+        heads(&in_place),
+        "the two backings completed other chains"
+    );
+    forwarded.len()
+}
+
+/// The hostile guest of one input: its queue and memory, and the disk's size as the device
+/// shows it (up to 32 MiB; the layer behind it is larger).
+fn guest(data: &[u8]) -> (HostileQueue, Arc<Shared>) {
     let mut input = Input(data);
-    let HostileQueue { mem, size, offered } = HostileQueue::from_input(&mut input);
-    // The disk as the device shows it: up to 32 MiB (the layer behind it is larger).
+    let queue = HostileQueue::from_input(&mut input);
     let capacity = u64::from(input.u16()) * 512;
-    input.fill_memory(&mem);
+    input.fill_memory(&queue.mem);
     let shared = Arc::new(Shared {
-        mem: mem.clone(),
+        mem: queue.mem.clone(),
         signal: Box::new(|| {}),
-        ring: Mutex::new(laid_out_queue(size)),
+        ring: Mutex::new(laid_out_queue(queue.size)),
         pending: Mutex::new(Pending::default()),
         capacity,
         serial: [b's'; SERIAL_LEN],
     });
+    (queue, shared)
+}
+
+/// Served in place from a memfd: no panic, every completion checked, and the file never
+/// written past the disk's end.
+fn run_in_place(data: &[u8]) -> Vec<(u32, u32)> {
+    let (HostileQueue { mem, size, offered }, shared) = guest(data);
+    let file = std::fs::File::from(
+        nix::sys::memfd::memfd_create(c"fuzz-disk", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
+            .expect("a memfd"),
+    );
+    drain_in_place(&shared, &file).expect("the file is served");
+    let length = file.metadata().expect("the memfd's size").len();
+    assert!(
+        length <= shared.capacity,
+        "the file grew to {length} bytes past a disk of {}",
+        shared.capacity
+    );
+    let completions = check_completions(&mem, size, offered);
+    for (head, len) in &completions {
+        assert!(
+            *len <= MAX_DATA + 1,
+            "head {head} completed with {len} bytes written"
+        );
+    }
+    completions
+}
+
+/// Forwarded over a real socket pair to the library's real service over a real layer.
+fn run_forwarded(data: &[u8]) -> Vec<(u32, u32)> {
+    let (HostileQueue { mem, size, offered }, shared) = guest(data);
 
     let (mut helper, library) = UnixStream::pair().expect("a socket pair");
     let replies = helper.try_clone().expect("a second handle");
@@ -87,7 +140,7 @@ fn run(data: &[u8]) -> usize {
             "head {head} completed with {len} bytes written"
         );
     }
-    completions.len()
+    completions
 }
 
 /// Inputs that reach each path: a write, a flush and a read of the same sectors; the serial;

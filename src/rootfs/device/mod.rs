@@ -1,14 +1,20 @@
-//! A copy-on-write root's layer disk as a virtio-blk device whose requests the library serves.
+//! A disk the host serves (a copy-on-write root's layer disk, an image build's output) as a
+//! virtio-blk device of ours.
 //!
 //! The guest's block layer puts each request on the device's queue: a 16-byte header (type,
 //! sector) the driver reads from, a write's data or room for a read's, and a status byte the
 //! device writes last. This device runs in the `krunbox-vmm` helper (attached through
-//! [`krun_sys::device`]) and holds no data itself: it checks each request, forwards reads,
-//! writes and flushes to the library over a socket ([`wire`]: its own header, then a write's
-//! data straight from guest memory), and completes each when the library's reply comes back
-//! (a read's data straight into guest memory, then the status). The library serves them from
-//! the layer ([`super::cow::CowLayer`], through [`service`]). Requests go on while earlier
-//! ones wait: the guest keeps up to a queue's worth in flight.
+//! [`krun_sys::device`]) and checks each request; then, by the disk's [`Backing`]:
+//! - **the library**: it holds no data itself; it forwards reads, writes and flushes to the
+//!   library over a socket ([`wire`]: its own header, then a write's data straight from guest
+//!   memory), and completes each when the library's reply comes back (a read's data straight
+//!   into guest memory, then the status). The library serves them from a layer over a
+//!   [`BlockStore`](crate::rootfs::BlockStore) ([`super::cow::CowLayer`], through [`service`]).
+//!   Requests go on while earlier ones wait: the guest keeps up to a queue's worth in flight.
+//! - **a file** the library opened (a store that keeps its blocks in one local file, an image
+//!   build's sparse output): it reads and writes the file in place, straight between guest
+//!   memory and the file (`preadv`/`pwritev`, the one copy a raw disk makes), and a flush is
+//!   `fdatasync`. Nothing crosses to the library while the guest runs.
 //!
 //! Everything of the guest is bounded here: a request's data (at most [`wire::MAX_DATA`],
 //! whole 512-byte sectors, inside the disk), its chain (at most [`QUEUE_SIZE`] descriptors, as
@@ -23,6 +29,7 @@
 //! docs/architecture.md, "Writable roots".
 
 use std::collections::HashMap;
+use std::fs::File;
 use std::io::Read;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
@@ -33,8 +40,9 @@ use krun_sys::device::{
 };
 
 use crate::virtqueue::{
-    self, complete, complete_unsignalled, gather, receive_buffered_into_guest, scatter,
-    send_from_guest, serve_notifications, Chain, ChainLimits, Drained, Popped,
+    self, complete, complete_unsignalled, gather, read_at_into_guest, receive_buffered_into_guest,
+    scatter, send_from_guest, serve_notifications, write_at_from_guest, Chain, ChainLimits,
+    Drained, Popped,
 };
 use wire::{Operation, ReplyHeader, RequestHeader, Status, MAX_DATA, REPLY_HEADER_LEN};
 
@@ -92,24 +100,40 @@ const LIMITS: ChainLimits = ChainLimits {
 /// `GET_ID`'s answer is at most this long.
 const SERIAL_LEN: usize = krunbox_protocol::LAYER_DISK_SERIAL_MAX;
 
-/// The layer disk's device, built in the helper before the VM, activated by the guest's
+/// Where a served disk's requests go.
+pub(crate) enum Backing {
+    /// To the library, over this socket.
+    Library(UnixStream),
+    /// Into this file, read and written in place (a regular file: blocks at their disk
+    /// offsets, holes and the part past its end reading as zeros).
+    File(File),
+}
+
+/// What activation hands the device's threads.
+enum Ready {
+    /// The socket, twice (one for each thread).
+    Library(UnixStream, UnixStream),
+    File(File),
+}
+
+/// A served disk's device, built in the helper before the VM, activated by the guest's
 /// driver.
-pub(crate) struct ForwardingBlock {
+pub(crate) struct ServedBlock {
     /// `struct virtio_blk_config` up to `blk_size`: capacity in sectors, `size_max`,
     /// `seg_max`, geometry (unused), `blk_size`.
     config: [u8; 24],
     serial: [u8; SERIAL_LEN],
     acked_features: u64,
-    /// The socket, twice (one for each thread), until activation hands them over.
-    sockets: Option<(UnixStream, UnixStream)>,
+    /// The backing, until activation hands it over.
+    backing: Option<Ready>,
     capacity: u64,
     activated: bool,
 }
 
-impl ForwardingBlock {
+impl ServedBlock {
     /// A disk of `size` bytes (whole sectors: rounded down) named `serial` (at most 20 bytes
-    /// are shown), whose requests go to, and replies come from, `socket`.
-    pub(crate) fn new(size: u64, serial: &str, socket: UnixStream) -> std::io::Result<Self> {
+    /// are shown), served from `backing`.
+    pub(crate) fn new(size: u64, serial: &str, backing: Backing) -> std::io::Result<Self> {
         let capacity = size / SECTOR;
         let mut config = [0u8; 24];
         config[0..8].copy_from_slice(&capacity.to_le_bytes());
@@ -119,14 +143,28 @@ impl ForwardingBlock {
         let mut name = [0u8; SERIAL_LEN];
         let bytes = serial.as_bytes();
         name[..bytes.len().min(SERIAL_LEN)].copy_from_slice(&bytes[..bytes.len().min(SERIAL_LEN)]);
-        // Cloned now, not when the guest activates the device: by then the guest could have
-        // used up the helper's descriptors.
-        let replies = socket.try_clone()?;
-        Ok(ForwardingBlock {
+        let backing = match backing {
+            Backing::Library(socket) => {
+                // Cloned now, not when the guest activates the device: by then the guest could
+                // have used up the helper's descriptors.
+                let replies = socket.try_clone()?;
+                Ready::Library(socket, replies)
+            }
+            Backing::File(file) => {
+                if !file.metadata()?.is_file() {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::InvalidInput,
+                        "an in-place disk must be a regular file",
+                    ));
+                }
+                Ready::File(file)
+            }
+        };
+        Ok(ServedBlock {
             config,
             serial: name,
             acked_features: 0,
-            sockets: Some((socket, replies)),
+            backing: Some(backing),
             capacity: capacity * SECTOR,
             activated: false,
         })
@@ -137,13 +175,13 @@ impl ForwardingBlock {
     /// transport panics on a failed activation.
     fn inert(&mut self, why: &str) -> ActivateResult {
         eprintln!("krunbox-vmm: the layer disk's device: {why}; it serves nothing");
-        self.sockets = None;
+        self.backing = None;
         self.activated = true;
         Ok(())
     }
 }
 
-impl VirtioDevice for ForwardingBlock {
+impl VirtioDevice for ServedBlock {
     fn avail_features(&self) -> u64 {
         [
             VIRTIO_F_VERSION_1,
@@ -193,7 +231,7 @@ impl VirtioDevice for ForwardingBlock {
     ) -> ActivateResult {
         // Activated once (a reset is refused: `reset` is not implemented, so libkrun marks the
         // device failed and never activates it again).
-        let Some((socket, replies)) = self.sockets.take() else {
+        let Some(backing) = self.backing.take() else {
             return self.inert("activated twice");
         };
         let mut queues = queues;
@@ -213,18 +251,25 @@ impl VirtioDevice for ForwardingBlock {
             capacity: self.capacity,
             serial: self.serial,
         });
-        let forwarding = shared.clone();
         let event = queue.event;
-        let spawned = std::thread::Builder::new()
-            .name("krunbox-blk-reply".into())
-            .spawn(move || {
-                let _ = serve_replies(&shared, replies);
-            })
-            .and_then(|_| {
+        let spawned = match backing {
+            Ready::Library(socket, replies) => {
+                let forwarding = shared.clone();
                 std::thread::Builder::new()
-                    .name("krunbox-blk-req".into())
-                    .spawn(move || forward_requests(&forwarding, event, socket))
-            });
+                    .name("krunbox-blk-reply".into())
+                    .spawn(move || {
+                        let _ = serve_replies(&shared, replies);
+                    })
+                    .and_then(|_| {
+                        std::thread::Builder::new()
+                            .name("krunbox-blk-req".into())
+                            .spawn(move || forward_requests(&forwarding, event, socket))
+                    })
+            }
+            Ready::File(file) => std::thread::Builder::new()
+                .name("krunbox-blk-file".into())
+                .spawn(move || serve_in_place(&shared, event, &file)),
+        };
         if spawned.is_err() {
             return self.inert("its threads could not start");
         }
@@ -389,6 +434,100 @@ fn forward(shared: &Shared, request: Popped, socket: &mut UnixStream) -> std::io
         data,
         socket,
     )
+}
+
+/// Serves the queue from `file` in place whenever the guest notifies it.
+fn serve_in_place(shared: &Shared, event: Arc<EventFd>, file: &File) {
+    serve_notifications(&[event], "a served disk", |_| drain_in_place(shared, file));
+}
+
+/// Serves everything on the queue from `file`, interrupting the guest once for every
+/// [`IN_PLACE_SIGNAL_EVERY`] completions it asked to hear of, and once for the rest.
+fn drain_in_place(shared: &Shared, file: &File) -> std::io::Result<Drained> {
+    let mut unsignalled = 0usize;
+    let drained = virtqueue::drain(&shared.mem, &shared.ring, LIMITS, |request| {
+        if in_place(shared, request, file)? {
+            unsignalled += 1;
+        }
+        // A long queue of requests is not held back until the last one is done.
+        if unsignalled >= IN_PLACE_SIGNAL_EVERY {
+            (shared.signal)();
+            unsignalled = 0;
+        }
+        Ok(())
+    });
+    if unsignalled > 0 {
+        (shared.signal)();
+    }
+    drained
+}
+
+/// Requests completed in place between two interrupts, at most: the guest hears of a batch
+/// at once (an interrupt is costly), and of a long batch's first requests before its last.
+const IN_PLACE_SIGNAL_EVERY: usize = 32;
+
+/// Serves one request from `file`; returns whether the guest asked to hear of its completion.
+fn in_place(shared: &Shared, request: Popped, file: &File) -> std::io::Result<bool> {
+    let head = request.head;
+    let Some(chain) = request.chain.filter(|chain| chain.writable_len() > 0) else {
+        // Broke the bounds, or has no room for a status: nothing can be said to the guest.
+        return Ok(complete_unsignalled(&shared.mem, &shared.ring, head, 0));
+    };
+    let (status, data) = match decide(shared, &chain)? {
+        Decision::Answer(status, data) => (status, data),
+        Decision::Forward(header) => {
+            let length = header.length as usize;
+            let done = match header.operation {
+                Operation::Read => {
+                    read_at_into_guest(&shared.mem, &chain.writable, 0, length, file, header.offset)
+                }
+                Operation::Write => write_at_from_guest(
+                    &shared.mem,
+                    &chain.readable,
+                    BLK_HEADER_LEN,
+                    length,
+                    file,
+                    header.offset,
+                ),
+                Operation::Flush => file.sync_data(),
+            };
+            match done {
+                // A read's data is in place already: the status is all that is left to write.
+                Ok(()) if header.operation == Operation::Read => {
+                    let room = chain.writable_len();
+                    scatter(&shared.mem, &chain.writable, room - 1, &[Status::Ok.byte()])?;
+                    let written = length as u32 + 1;
+                    return Ok(complete_unsignalled(
+                        &shared.mem,
+                        &shared.ring,
+                        head,
+                        written,
+                    ));
+                }
+                Ok(()) => (Status::Ok, Vec::new()),
+                Err(err) => {
+                    // Told a few times, not once per request: a full host disk fails every
+                    // write the guest retries, and the log is bounded.
+                    static TOLD: std::sync::atomic::AtomicU32 =
+                        std::sync::atomic::AtomicU32::new(0);
+                    if TOLD.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < 4 {
+                        eprintln!(
+                            "krunbox-vmm: a served disk's {:?} failed: {err}",
+                            header.operation
+                        );
+                    }
+                    (Status::IoError, Vec::new())
+                }
+            }
+        }
+    };
+    let written = answer(&shared.mem, &chain.writable, status, &data)?;
+    Ok(complete_unsignalled(
+        &shared.mem,
+        &shared.ring,
+        head,
+        written,
+    ))
 }
 
 /// Writes `data` at the start of `writable` and `status` into its last byte; returns the bytes

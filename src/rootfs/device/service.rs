@@ -15,7 +15,32 @@ use tokio::net::UnixStream;
 use tokio::task::JoinHandle;
 
 use super::wire::{Operation, ReplyHeader, RequestHeader, Status, REQUEST_HEADER_LEN};
-use crate::rootfs::served::{run_whole, ServedDisk};
+use crate::rootfs::served::{run_whole, DiskSource, ServedDisk};
+
+/// One served disk's link to its device in the helper, for the instance's life: a service of
+/// the library's, or a file the device reads and writes in place.
+pub(crate) enum DiskLink {
+    Library(BlockService),
+    InPlace(Arc<std::fs::File>),
+}
+
+impl DiskLink {
+    pub(crate) fn new(source: &DiskSource) -> Self {
+        match source {
+            DiskSource::Library(disk) => DiskLink::Library(BlockService::new(disk.clone())),
+            DiskSource::InPlace { file, .. } => DiskLink::InPlace(file.clone()),
+        }
+    }
+
+    /// The descriptor the helper gets for one boot attempt: a fresh socket served from now
+    /// on, or the file (a descriptor of its own, sharing the open file).
+    pub(crate) fn connect(&mut self) -> std::io::Result<OwnedFd> {
+        match self {
+            DiskLink::Library(service) => service.connect(),
+            DiskLink::InPlace(file) => Ok(OwnedFd::from(file.try_clone()?)),
+        }
+    }
+}
 
 /// Serves one disk's device while the instance lives.
 pub(crate) struct BlockService {
@@ -94,10 +119,6 @@ pub(crate) async fn serve<D: ServedDisk + ?Sized>(
             if data.len() != request.length as usize {
                 return Err(std::io::ErrorKind::UnexpectedEof.into());
             }
-        }
-        if request.operation == Operation::Flush {
-            // The replies at hand go out first: a flush may wait for the store a long time.
-            writer.flush().await?;
         }
         if request.operation == Operation::Flush {
             // The replies at hand go out first: a flush may wait for the store a long time.

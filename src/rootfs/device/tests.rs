@@ -319,3 +319,143 @@ fn the_service_fails_a_request_outside_the_disk_and_stops_at_a_header_no_device_
     );
     drop(runtime);
 }
+
+/// In place: a write lands in the file at its sector, a flush succeeds, a read of it and of a
+/// hole past the file's end comes back (zeros there, whatever the guest's buffer held); what
+/// the device answers itself and a request outside the disk never touch the file; one
+/// interrupt for the batch.
+#[test]
+fn in_place_writes_land_in_the_file_and_reads_past_its_end_are_zeros() {
+    use std::os::unix::fs::FileExt;
+    let (shared, signals) = device(DISK);
+    let data: Vec<u8> = (0..8192).map(|i| (i % 253) as u8).collect();
+    shared
+        .mem
+        .write_slice(&data, GuestAddress(0x10000))
+        .unwrap();
+    header(&shared, 0x8000, T_OUT, 16);
+    offer(
+        &shared,
+        0,
+        &[
+            (0x8000, 16, false),
+            (0x10000, 4096, false),
+            (0x11000, 4096, false),
+            (0x9000, 1, true),
+        ],
+    );
+    header(&shared, 0x8100, T_FLUSH, 0);
+    offer(&shared, 4, &[(0x8100, 16, false), (0x9100, 1, true)]);
+    // The 8 KiB just written and 8 KiB past it (past the file's end: never written).
+    header(&shared, 0x8200, T_IN, 16);
+    offer(
+        &shared,
+        6,
+        &[
+            (0x8200, 16, false),
+            (0x20000, 16384, true),
+            (0x9200, 1, true),
+        ],
+    );
+    shared
+        .mem
+        .write_slice(&[0xee; 16384], GuestAddress(0x20000))
+        .unwrap();
+    // A write past the disk's end, and a serial request: answered, the file untouched.
+    header(&shared, 0x8300, T_OUT, DISK / 512 - 1);
+    offer(
+        &shared,
+        9,
+        &[
+            (0x8300, 16, false),
+            (0x10000, 4096, false),
+            (0x9300, 1, true),
+        ],
+    );
+    header(&shared, 0x8400, T_GET_ID, 0);
+    offer(
+        &shared,
+        12,
+        &[(0x8400, 16, false), (0x30000, 20, true), (0x9400, 1, true)],
+    );
+    for at in [0x9000, 0x9100, 0x9200, 0x9300, 0x9400] {
+        shared.mem.write_obj(0xffu8, GuestAddress(at)).unwrap();
+    }
+    let file = tempfile::tempfile().unwrap();
+    assert_eq!(drain_in_place(&shared, &file).unwrap(), Drained::Empty);
+    assert_eq!(
+        used(&shared),
+        vec![(0, 1), (4, 1), (6, 16385), (9, 1), (12, 21)]
+    );
+    let statuses: Vec<u8> = [0x9000, 0x9100, 0x9200, 0x9300, 0x9400]
+        .iter()
+        .map(|at| status(&shared, *at))
+        .collect();
+    assert_eq!(statuses, [0, 0, 0, 1, 0]);
+    assert_eq!(
+        signals.load(Ordering::SeqCst),
+        1,
+        "one interrupt for the batch"
+    );
+    let mut stored = vec![0u8; 8192];
+    file.read_exact_at(&mut stored, 16 * 512).unwrap();
+    assert_eq!(stored, data);
+    assert_eq!(
+        file.metadata().unwrap().len(),
+        16 * 512 + 8192,
+        "nothing written past the disk's end"
+    );
+    let mut landed = vec![0u8; 16384];
+    shared
+        .mem
+        .read_slice(&mut landed, GuestAddress(0x20000))
+        .unwrap();
+    assert_eq!(&landed[..8192], &data[..]);
+    assert!(
+        landed[8192..].iter().all(|b| *b == 0),
+        "a hole reads as zeros"
+    );
+}
+
+/// A file the device cannot write (opened read-only): the guest's write fails with an I/O
+/// error, its read of the same place still works. And a socket is not a file to serve.
+#[test]
+fn in_place_failures_are_io_errors_for_the_guest() {
+    let (shared, _signals) = device(DISK);
+    let written = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(written.path(), [7u8; 4096]).unwrap();
+    let read_only = std::fs::File::open(written.path()).unwrap();
+    header(&shared, 0x8000, T_OUT, 0);
+    offer(
+        &shared,
+        0,
+        &[
+            (0x8000, 16, false),
+            (0x10000, 4096, false),
+            (0x9000, 1, true),
+        ],
+    );
+    header(&shared, 0x8100, T_IN, 0);
+    offer(
+        &shared,
+        3,
+        &[
+            (0x8100, 16, false),
+            (0x20000, 4096, true),
+            (0x9100, 1, true),
+        ],
+    );
+    assert_eq!(drain_in_place(&shared, &read_only).unwrap(), Drained::Empty);
+    assert_eq!(used(&shared), vec![(0, 1), (3, 4097)]);
+    assert_eq!([status(&shared, 0x9000), status(&shared, 0x9100)], [1, 0]);
+    let mut read = [0u8; 4096];
+    shared
+        .mem
+        .read_slice(&mut read, GuestAddress(0x20000))
+        .unwrap();
+    assert_eq!(read, [7u8; 4096]);
+
+    let (socket, _other) = UnixStream::pair().unwrap();
+    let not_a_file = std::fs::File::from(std::os::fd::OwnedFd::from(socket));
+    assert!(ServedBlock::new(DISK, SERIAL, Backing::File(not_a_file)).is_err());
+}

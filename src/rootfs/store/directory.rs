@@ -9,7 +9,9 @@
 //! ```
 //!
 //! A write is a `pwrite` into the file; a flush is `fdatasync` (and the file's name was made
-//! durable when it was made). So what was flushed is on disk. What a crash leaves of a block
+//! durable when it was made). Attached to a running VM, the file is its layer disk served in
+//! place ([`BlockStore::blocks_file`]): the VMM helper does those `pwrite`s and `fdatasync`s
+//! itself, straight from guest memory. So what was flushed is on disk. What a crash leaves of a block
 //! written since the last flush is what the host's filesystem and disk leave of an in-place
 //! write: on an ordered-data filesystem (ext4's default, XFS) over a disk whose sectors are
 //! written whole, each sector old or new, which is all the guest's journalling filesystem
@@ -410,6 +412,10 @@ impl BlockStore for DirectoryStore {
 
     async fn flush(&self) -> Result<(), StoreError> {
         self.blocking(|store| store.flush_blocking()).await
+    }
+
+    fn blocks_file(&self) -> Option<Arc<File>> {
+        self.data().ok()
     }
 
     async fn detach(&self) -> Result<(), StoreError> {

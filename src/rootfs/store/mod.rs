@@ -5,8 +5,10 @@
 //! the program supplies: a database, an object store, a directory, memory. The guest's writes
 //! collect in host memory (at most the root's `max_dirty_bytes`) and reach the store
 //! as [`BlockStore::write_blocks`] calls when that bound fills, when the guest syncs (then
-//! followed by [`BlockStore::flush`]) and when the VM stops. Two stores ship: [`MemoryStore`]
-//! and [`DirectoryStore`].
+//! followed by [`BlockStore::flush`]) and when the VM stops. A store whose blocks are one local
+//! file ([`BlockStore::blocks_file`]) is served from that file in place instead: each write
+//! the guest's disk completes is in the file at once, and a guest sync makes it durable. Two
+//! stores ship: [`MemoryStore`] and [`DirectoryStore`] (served in place).
 //!
 //! ```
 //! use krunbox::rootfs::{BlockStore, MemoryStore};
@@ -72,7 +74,9 @@ pub enum StoreError {
 
 /// Storage for a copy-on-write root's layer disk, in blocks of [`BlockStore::block_size`]
 /// bytes. Implement it to keep a sandbox's root in your own storage; every method is async,
-/// and the trait is object safe, so a binding's runtime can implement it too.
+/// and the trait is object safe, so a binding's runtime can implement it too. A store that
+/// keeps its blocks in one local file can hand it over ([`BlockStore::blocks_file`]) and have
+/// the disk served from it in place, at a raw disk's speed.
 ///
 /// krunbox calls, for one boot: [`attach`](BlockStore::attach) first; then
 /// [`written_blocks`](BlockStore::written_blocks) once; then reads, writes and flushes as
@@ -154,6 +158,23 @@ pub trait BlockStore: Send + Sync + 'static {
     /// default does nothing.
     async fn detach(&self) -> Result<(), StoreError> {
         Ok(())
+    }
+
+    /// The one local file the store keeps its blocks in, if it keeps them so: a regular file
+    /// open for reading and writing, block `i` at byte `i * block_size`, a block never
+    /// written a hole or past the file's end (reading as zeros). The default is `None`.
+    ///
+    /// A store that returns it (as [`DirectoryStore`] does) has its layer disk served in
+    /// place: while the VM runs, krunbox's VMM helper reads and writes the file itself,
+    /// straight between guest memory and the file, as it would a raw disk, and makes it
+    /// durable with `fdatasync` when the guest flushes. The blocks then never pass through
+    /// this process: no dirty pages are held (`max_dirty_bytes` bounds nothing), and
+    /// `read_blocks` and `write_blocks` are not called between the layer's first use and
+    /// the VM's end; `written_blocks` at the next attach must count what the file holds.
+    /// Asked once per boot, after `written_blocks`; `flush` and `detach` are still called
+    /// when the VM stops.
+    fn blocks_file(&self) -> Option<std::sync::Arc<std::fs::File>> {
+        None
     }
 }
 

@@ -1,7 +1,7 @@
 //! Writable roots: the guest's sequential and random write and read MiB/s on each kind of root
 //! (`src/rootfs/`), against a raw disk in the same run.
 //!
-//! Three agent VMs (1 vCPU, 384 MiB) are booted, one per writable root, and kept up for the
+//! Four agent VMs (1 vCPU, 384 MiB) are booted, one per writable root, and kept up for the
 //! whole run:
 //!
 //! - **ephemeral** (`Rootfs::ephemeral`): the root is an overlay whose upper layer is ext4 on a
@@ -11,7 +11,9 @@
 //!   - **image**: the read-only image (EROFS) under the overlay: a sequential read of its
 //!     largest file under `/usr/lib` (it has no writes);
 //! - **cow** (`Rootfs::cow` over a `DirectoryStore` in a host temporary directory): ext4 on a
-//!   virtio-blk device of ours whose requests the library serves from the layer;
+//!   virtio-blk device of ours that reads and writes the store's file in place;
+//! - **cow-memory** (`Rootfs::cow` over a `MemoryStore`): the same device, its requests
+//!   served by the library from the layer, as for any store of the program's own;
 //! - **persistent** (`Rootfs::persistent`, a qcow2 in a host temporary directory).
 //!
 //! Each side runs the same Python script in the guest (the agent image's python3), its time
@@ -33,7 +35,7 @@ mod common;
 use std::time::Duration;
 
 use common::{checked_output, env_or, median};
-use krunbox::rootfs::DirectoryStore;
+use krunbox::rootfs::{DirectoryStore, MemoryStore};
 use krunbox::{BuiltinImage, Instance, Rootfs, Sandbox};
 
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(1800);
@@ -118,7 +120,7 @@ const WORKLOADS: [&str; 4] = ["seq-write", "seq-read", "random-write", "random-r
 
 struct Side {
     name: &'static str,
-    /// Which VM: 0 ephemeral, 1 cow, 2 persistent.
+    /// Which VM: 0 ephemeral, 1 cow, 2 persistent, 3 cow over a memory store.
     vm: usize,
     dir: &'static str,
     rates: Vec<[f64; 4]>,
@@ -165,6 +167,7 @@ fn main() {
                 64 << 20,
             ),
             Rootfs::persistent(base(), dir.path().join("root.qcow2")),
+            Rootfs::cow(base(), MemoryStore::new(), 64 << 20),
         ];
         let mut vms = Vec::new();
         for root in roots {
@@ -192,6 +195,7 @@ fn main() {
             ("ephemeral", 0, "/var/bench"),
             ("cow", 1, "/var/bench"),
             ("persistent", 2, "/var/bench"),
+            ("cow-memory", 3, "/var/bench"),
         ]
         .map(|(name, vm, dir)| Side {
             name,

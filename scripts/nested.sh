@@ -624,6 +624,9 @@ serve() {
     while :; do
         gen=$((gen + 1))
         share=$pool/gen-$gen
+        # A pool served before leaves its generations behind: an old one's ready and heartbeat
+        # files would make this fresh L1 look dead at once.
+        rm -rf -- "$share"
         mkdir -p "$share"
         touch "$share/serve"
         write_keep "$share/keep" "$PWD" "${keep[@]}"

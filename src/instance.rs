@@ -355,8 +355,14 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             for (index, end) in fs_ends.iter().enumerate() {
                 inherited.push((end.as_raw_fd(), vmm::FS_DEVICE_FD_BASE + index as i32));
             }
-            for (index, end) in disk_ends.iter().enumerate() {
+            for (index, (end, failures)) in disk_ends.iter().enumerate() {
                 inherited.push((end.as_raw_fd(), vmm::SERVED_DISK_FD_BASE + index as i32));
+                if let Some(failures) = failures {
+                    inherited.push((
+                        failures.as_raw_fd(),
+                        vmm::SERVED_DISK_FAILURES_FD_BASE + index as i32,
+                    ));
+                }
             }
             vmm::spawn(
                 &config.artifacts.vmm_helper,

@@ -61,6 +61,12 @@ pub const SERVED_DISK_FD_BASE: i32 = 9;
 /// The most served disks: a copy-on-write root's layer disk and an image build's output disk.
 pub const MAX_SERVED_DISKS: usize = 2;
 
+/// For a disk served in place, the first of its failure counts: an eventfd per such disk
+/// (`SERVED_DISK_FAILURES_FD_BASE + i` for [`VmmConfig::served_disks`] entry `i`), to which
+/// the helper's device adds one for every read, write or flush of the file that failed, so
+/// that the library, which sees none of the I/O, can report them once the VM has stopped.
+pub const SERVED_DISK_FAILURES_FD_BASE: i32 = SERVED_DISK_FD_BASE + MAX_SERVED_DISKS as i32;
+
 /// The first of the helper's filesystem device sockets (see [`VmmConfig::fs_devices`]); one
 /// per mount (at most [`MAX_MOUNTS`](crate::fs::MAX_MOUNTS), fewer beside a network, a writable
 /// root's layer or an output disk, which take devices too).
@@ -475,7 +481,11 @@ fn configure(
         // a regular file, for a disk served in place), one per `served_disks` entry, and
         // nothing else in the helper owns them.
         let backing = if disk.in_place {
-            Backing::File(unsafe { std::fs::File::from_raw_fd(fd) })
+            let failures = SERVED_DISK_FAILURES_FD_BASE + index as i32;
+            // SAFETY: for a disk served in place the library also passes its failure count's
+            // eventfd at SERVED_DISK_FAILURES_FD_BASE + i, owned by nothing else here.
+            let failures = unsafe { std::fs::File::from_raw_fd(failures) };
+            Backing::File(unsafe { std::fs::File::from_raw_fd(fd) }, failures)
         } else {
             Backing::Library(unsafe { std::os::unix::net::UnixStream::from_raw_fd(fd) })
         };

@@ -1,7 +1,8 @@
 //! A copy-on-write root's layer disk, served block by block from a [`BlockStore`].
 //!
 //! libkrun's disks are files it opens itself, so the layer disk is a virtio-blk device of our
-//! own in the helper (`device/`), which forwards the guest's requests to the library; guest-init
+//! own in the helper (`device/`), which forwards the guest's requests to the library (or serves
+//! a store's one local file in place, see below); guest-init
 //! mounts the ext4 on it as the overlay's upper layer. Every block the guest's kernel writes
 //! arrives here as a write; a guest `fsync` (its filesystem's flush of the disk's volatile
 //! cache) arrives as a flush. docs/architecture.md has the alternatives.
@@ -100,9 +101,9 @@ pub(crate) struct CowLayer {
     max_dirty_bytes: u64,
     /// The first store failure, as `(operation, message)`, for `shutdown` to report.
     failure: Mutex<Option<(&'static str, String)>>,
-    /// The store's blocks file, when the disk is served from it in place
-    /// ([`BlockStore::blocks_file`]): then nothing of the guest's I/O comes here.
-    in_place: Option<Arc<std::fs::File>>,
+    /// The disk served in place from the store's blocks file ([`BlockStore::blocks_file`]):
+    /// then nothing of the guest's I/O comes here (only the count of what failed).
+    in_place: Option<DiskSource>,
 }
 
 impl std::fmt::Debug for CowLayer {
@@ -114,19 +115,26 @@ impl std::fmt::Debug for CowLayer {
     }
 }
 
-/// A store's [`BlockStore::blocks_file`] must be a regular file open for reading and writing:
-/// the helper's device takes nothing else, and would fail every guest write on a read-only one.
+/// A store's [`BlockStore::blocks_file`] must be a regular file open for reading and writing,
+/// without `O_APPEND` (Linux's `pwritev` then appends, whatever the offset: every guest write
+/// would land in the wrong place) or `O_DIRECT` (a request's data follows its header in guest
+/// memory, unaligned: every write would fail).
 fn check_blocks_file(file: &std::fs::File) -> std::result::Result<(), StoreError> {
+    use nix::fcntl::OFlag;
     use std::os::fd::AsFd;
     let mode = nix::fcntl::fcntl(file.as_fd(), nix::fcntl::FcntlArg::F_GETFL)
         .map_err(std::io::Error::from)?;
-    let read_write = nix::fcntl::OFlag::from_bits_truncate(mode) & nix::fcntl::OFlag::O_ACCMODE
-        == nix::fcntl::OFlag::O_RDWR;
-    if file.metadata()?.is_file() && read_write {
+    let flags = OFlag::from_bits_truncate(mode);
+    let fit = file.metadata()?.is_file()
+        && flags & OFlag::O_ACCMODE == OFlag::O_RDWR
+        && !flags.intersects(OFlag::O_APPEND | OFlag::O_DIRECT);
+    if fit {
         Ok(())
     } else {
         Err(StoreError::Failed(
-            "its blocks_file is not a regular file open for reading and writing".into(),
+            "its blocks_file is not a regular file open for reading and writing (without \
+             O_APPEND or O_DIRECT)"
+                .into(),
         ))
     }
 }
@@ -174,9 +182,13 @@ impl CowLayer {
         layer.load(base_sha256).await?;
         // Asked once everything before the guest went through the trait (the format, block 0
         // read for its record): the cache holds nothing dirty, and no clean copy goes stale.
-        layer.in_place = layer.store.blocks_file();
-        if let Some(file) = &layer.in_place {
-            check_blocks_file(file).map_err(store_error("attach"))?;
+        if let Some(file) = layer.store.blocks_file() {
+            check_blocks_file(&file).map_err(store_error("attach"))?;
+            let size = layer.blocks_on_disk * layer.block_size;
+            layer.in_place = Some(
+                DiskSource::in_place(file, size)
+                    .map_err(Error::io("counting the layer disk's failures"))?,
+            );
         }
         claim.disarm();
         Ok(layer)
@@ -185,12 +197,8 @@ impl CowLayer {
     /// How the helper's device reaches this layer's blocks: the store's file in place, or
     /// through this layer.
     pub(crate) fn source(self: &Arc<Self>) -> DiskSource {
-        let size = self.blocks_on_disk * self.block_size;
         match &self.in_place {
-            Some(file) => DiskSource::InPlace {
-                file: file.clone(),
-                size,
-            },
+            Some(in_place) => in_place.clone(),
             None => DiskSource::Library(self.clone()),
         }
     }
@@ -485,6 +493,18 @@ impl CowLayer {
             return;
         }
         blocks.finished = true;
+        if let Some(DiskSource::InPlace { failures, .. }) = &self.in_place {
+            let count = failures.take();
+            if count > 0 {
+                self.fail(
+                    "write",
+                    &StoreError::Failed(format!(
+                        "{count} of the guest's reads, writes or flushes of the store's file \
+                         failed in the VMM (its log says why; the guest got EIO for each)"
+                    )),
+                );
+            }
+        }
         if self.store_dirty(&mut blocks).await.is_ok() {
             if let Err(err) = self.store.flush().await {
                 self.fail("flush", &err);
@@ -608,7 +628,7 @@ mod tests {
             .await
             .unwrap(),
         );
-        let DiskSource::InPlace { file, size } = layer.source() else {
+        let DiskSource::InPlace { file, size, .. } = layer.source() else {
             panic!("a directory store is served in place");
         };
         assert_eq!(size, COW_LAYER_BYTES);
@@ -619,6 +639,34 @@ mod tests {
         file.write_all_at(b"written in place", 1 << 30).unwrap();
         layer.finish().await;
         assert!(layer.failure().is_none());
+        // What failed in the device is counted, and reported when the VM has stopped.
+        let failing = Arc::new(
+            CowLayer::attach(
+                Arc::new(DirectoryStore::open(dir.path()).unwrap()),
+                Arc::new(AtomicBool::new(false)),
+                BASE,
+                1 << 20,
+            )
+            .await
+            .unwrap(),
+        );
+        let DiskSource::InPlace { failures, .. } = failing.source() else {
+            panic!("in place");
+        };
+        let helper = std::fs::File::from(failures.for_helper().unwrap());
+        std::io::Write::write_all(&mut &helper, &2u64.to_ne_bytes()).unwrap();
+        failing.finish().await;
+        assert!(
+            matches!(
+                failing.failure(),
+                Some(Error::BlockStore {
+                    operation: "write",
+                    ..
+                })
+            ),
+            "{:?}",
+            failing.failure()
+        );
         let again = CowLayer::attach(
             Arc::new(DirectoryStore::open(dir.path()).unwrap()),
             Arc::new(AtomicBool::new(false)),
@@ -634,12 +682,15 @@ mod tests {
         assert!(matches!(memory.source(), DiskSource::Library(_)));
         memory.finish().await;
 
-        /// A memory store that claims a file opened read-only.
-        struct ReadOnlyFile(MemoryStore, Arc<std::fs::File>);
+        /// A directory store that hands over a file the device could not use.
+        struct UnfitFile(DirectoryStore, Arc<std::fs::File>);
         #[async_trait]
-        impl BlockStore for ReadOnlyFile {
+        impl BlockStore for UnfitFile {
             fn block_size(&self) -> u32 {
                 self.0.block_size()
+            }
+            async fn attach(&self, context: &StoreContext) -> std::result::Result<(), StoreError> {
+                self.0.attach(context).await
             }
             async fn written_blocks(&self) -> std::result::Result<Vec<u64>, StoreError> {
                 self.0.written_blocks().await
@@ -659,39 +710,63 @@ mod tests {
                 self.0.write_blocks(first, data).await
             }
             async fn flush(&self) -> std::result::Result<(), StoreError> {
-                Ok(())
+                self.0.flush().await
+            }
+            async fn detach(&self) -> std::result::Result<(), StoreError> {
+                self.0.detach().await
             }
             fn blocks_file(&self) -> Option<Arc<std::fs::File>> {
                 Some(self.1.clone())
             }
         }
-        let read_only = std::fs::File::open(dir.path().join("blocks.img")).unwrap();
-        let attached = Arc::new(AtomicBool::new(false));
-        let refused = CowLayer::attach(
-            Arc::new(ReadOnlyFile(MemoryStore::new(), Arc::new(read_only))),
-            attached.clone(),
-            BASE,
-            1 << 20,
-        )
-        .await;
-        assert!(
-            matches!(
-                &refused,
-                Err(Error::BlockStore {
-                    operation: "attach",
-                    ..
-                })
-            ),
-            "{refused:?}"
-        );
-        // And the refused boot gave the store back.
-        for _ in 0..100 {
-            if !attached.load(Ordering::SeqCst) {
-                break;
+        let blocks = dir.path().join("blocks.img");
+        let read_only = std::fs::File::open(&blocks).unwrap();
+        // Linux's pwritev ignores the offset on an O_APPEND file.
+        let appending = std::fs::OpenOptions::new()
+            .read(true)
+            .append(true)
+            .open(&blocks)
+            .unwrap();
+        for unfit in [read_only, appending] {
+            let attached = Arc::new(AtomicBool::new(false));
+            let refused = CowLayer::attach(
+                Arc::new(UnfitFile(
+                    DirectoryStore::open(dir.path()).unwrap(),
+                    Arc::new(unfit),
+                )),
+                attached.clone(),
+                BASE,
+                1 << 20,
+            )
+            .await;
+            assert!(
+                matches!(
+                    &refused,
+                    Err(Error::BlockStore {
+                        operation: "attach",
+                        ..
+                    })
+                ),
+                "{refused:?}"
+            );
+            // And the refused boot gave the store back: its lock too.
+            for _ in 0..100 {
+                if !attached.load(Ordering::SeqCst) {
+                    break;
+                }
+                tokio::task::yield_now().await;
             }
-            tokio::task::yield_now().await;
+            assert!(!attached.load(Ordering::SeqCst));
+            let after = CowLayer::attach(
+                Arc::new(DirectoryStore::open(dir.path()).unwrap()),
+                Arc::new(AtomicBool::new(false)),
+                BASE,
+                1 << 20,
+            )
+            .await
+            .expect("the store's lock was released");
+            after.finish().await;
         }
-        assert!(!attached.load(Ordering::SeqCst));
     }
 
     /// Reads see every write, whole or partial, dirty or stored; the dirty bytes never pass

@@ -174,15 +174,16 @@ impl ImageBuild {
             .await
             .map_err(|e| Error::WritableLayer(e.to_string()))??;
         // Served in place: the helper's device writes the guest's blocks straight into it.
-        let disk = DiskSource::InPlace {
-            file: Arc::new(
+        let disk = DiskSource::in_place(
+            Arc::new(
                 scratch
                     .as_file()
                     .try_clone()
                     .map_err(failed("opening the scratch disk"))?,
             ),
-            size: FLAT_DISK_BYTES,
-        };
+            FLAT_DISK_BYTES,
+        )
+        .map_err(failed("counting the scratch disk's failures"))?;
         Ok(ImageBuild {
             output: output.to_path_buf(),
             scratch,
@@ -200,6 +201,15 @@ impl ImageBuild {
     pub(crate) async fn finish(self) -> Result<FlatImage> {
         let output = self.output;
         let failed = failed_at(&output);
+        // The guest's copy got EIO for these, and may not have said so.
+        if let DiskSource::InPlace { failures, .. } = &self.disk {
+            let count = failures.take();
+            if count > 0 {
+                return Err(failed("writing the scratch disk")(std::io::Error::other(format!(
+                    "{count} of the VM's reads, writes or flushes of it failed (the VMM's log says why)"
+                ))));
+            }
+        }
         let raw = self
             .scratch
             .as_file()

@@ -42,7 +42,50 @@ pub(crate) enum DiskSource {
         file: Arc<File>,
         /// The disk's size in bytes.
         size: u64,
+        /// What failed in the helper.
+        failures: Arc<InPlaceFailures>,
     },
+}
+
+impl DiskSource {
+    /// `file` served in place as a disk of `size` bytes.
+    pub(crate) fn in_place(file: Arc<File>, size: u64) -> std::io::Result<DiskSource> {
+        Ok(DiskSource::InPlace {
+            file,
+            size,
+            failures: Arc::new(InPlaceFailures::new()?),
+        })
+    }
+}
+
+/// The reads, writes and flushes of a disk served in place that failed in the helper's device
+/// (a full host disk, an I/O error): the guest got `EIO` for each, and the library, which
+/// sees none of the I/O, learns of them here once the VM has stopped. An eventfd: the helper
+/// adds one per failure to its copy (`vmm::SERVED_DISK_FAILURES_FD_BASE`), and reading it
+/// takes the count.
+#[derive(Debug)]
+pub(crate) struct InPlaceFailures(nix::sys::eventfd::EventFd);
+
+impl InPlaceFailures {
+    fn new() -> std::io::Result<Self> {
+        use nix::sys::eventfd::{EfdFlags, EventFd};
+        let flags = EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK;
+        Ok(InPlaceFailures(
+            EventFd::from_flags(flags).map_err(std::io::Error::from)?,
+        ))
+    }
+
+    /// A descriptor of the count for the helper.
+    pub(crate) fn for_helper(&self) -> std::io::Result<std::os::fd::OwnedFd> {
+        use std::os::fd::AsFd;
+        self.0.as_fd().try_clone_to_owned()
+    }
+
+    /// The failures counted since the last call (0 for none).
+    pub(crate) fn take(&self) -> u64 {
+        // EAGAIN (nothing counted) and anything else alike: no failure was reported.
+        self.0.read().unwrap_or(0)
+    }
 }
 
 impl DiskSource {
@@ -61,7 +104,9 @@ impl std::fmt::Debug for DiskSource {
             DiskSource::Library(_) => "Library",
             DiskSource::InPlace { .. } => "InPlace",
         };
-        f.debug_struct(kind).field("size", &self.size()).finish()
+        f.debug_struct(kind)
+            .field("size", &self.size())
+            .finish_non_exhaustive()
     }
 }
 

@@ -71,7 +71,10 @@ fn run_in_place(data: &[u8]) -> Vec<(u32, u32)> {
         nix::sys::memfd::memfd_create(c"fuzz-disk", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
             .expect("a memfd"),
     );
-    drain_in_place(&shared, &file).expect("the file is served");
+    let failures = failure_count();
+    drain_in_place(&shared, &file, &failures).expect("the file is served");
+    // A memfd within the disk takes every read, write and flush.
+    assert_eq!(counted(&failures), 0, "an in-place request failed");
     let length = file.metadata().expect("the memfd's size").len();
     assert!(
         length <= shared.capacity,
@@ -86,6 +89,23 @@ fn run_in_place(data: &[u8]) -> Vec<(u32, u32)> {
         );
     }
     completions
+}
+
+/// A failure count as the library gives the device one: an eventfd (non-blocking).
+pub(super) fn failure_count() -> std::fs::File {
+    use nix::sys::eventfd::{EfdFlags, EventFd};
+    let count =
+        EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK).expect("an eventfd");
+    std::fs::File::from(std::os::fd::OwnedFd::from(count))
+}
+
+/// What a failure count holds (taking it).
+pub(super) fn counted(count: &std::fs::File) -> u64 {
+    let mut bytes = [0u8; 8];
+    match std::io::Read::read(&mut &*count, &mut bytes) {
+        Ok(8) => u64::from_ne_bytes(bytes),
+        _ => 0,
+    }
 }
 
 /// Forwarded over a real socket pair to the library's real service over a real layer.

@@ -105,15 +105,16 @@ pub(crate) enum Backing {
     /// To the library, over this socket.
     Library(UnixStream),
     /// Into this file, read and written in place (a regular file: blocks at their disk
-    /// offsets, holes and the part past its end reading as zeros).
-    File(File),
+    /// offsets, holes and the part past its end reading as zeros); each request that fails
+    /// adds one to the eventfd after it, the library's count of failures.
+    File(File, File),
 }
 
 /// What activation hands the device's threads.
 enum Ready {
     /// The socket, twice (one for each thread).
     Library(UnixStream, UnixStream),
-    File(File),
+    File(File, File),
 }
 
 /// A served disk's device, built in the helper before the VM, activated by the guest's
@@ -150,14 +151,14 @@ impl ServedBlock {
                 let replies = socket.try_clone()?;
                 Ready::Library(socket, replies)
             }
-            Backing::File(file) => {
+            Backing::File(file, failures) => {
                 if !file.metadata()?.is_file() {
                     return Err(std::io::Error::new(
                         std::io::ErrorKind::InvalidInput,
                         "an in-place disk must be a regular file",
                     ));
                 }
-                Ready::File(file)
+                Ready::File(file, failures)
             }
         };
         Ok(ServedBlock {
@@ -174,7 +175,7 @@ impl ServedBlock {
     /// forever): for a guest that broke the device's setup. Never an error to libkrun, whose
     /// transport panics on a failed activation.
     fn inert(&mut self, why: &str) -> ActivateResult {
-        eprintln!("krunbox-vmm: the layer disk's device: {why}; it serves nothing");
+        eprintln!("krunbox-vmm: a served disk's device: {why}; it serves nothing");
         self.backing = None;
         self.activated = true;
         Ok(())
@@ -266,9 +267,9 @@ impl VirtioDevice for ServedBlock {
                             .spawn(move || forward_requests(&forwarding, event, socket))
                     })
             }
-            Ready::File(file) => std::thread::Builder::new()
+            Ready::File(file, failures) => std::thread::Builder::new()
                 .name("krunbox-blk-file".into())
-                .spawn(move || serve_in_place(&shared, event, &file)),
+                .spawn(move || serve_in_place(&shared, event, &file, &failures)),
         };
         if spawned.is_err() {
             return self.inert("its threads could not start");
@@ -436,17 +437,20 @@ fn forward(shared: &Shared, request: Popped, socket: &mut UnixStream) -> std::io
     )
 }
 
-/// Serves the queue from `file` in place whenever the guest notifies it.
-fn serve_in_place(shared: &Shared, event: Arc<EventFd>, file: &File) {
-    serve_notifications(&[event], "a served disk", |_| drain_in_place(shared, file));
+/// Serves the queue from `file` in place whenever the guest notifies it, counting failures in
+/// the eventfd `failures`.
+fn serve_in_place(shared: &Shared, event: Arc<EventFd>, file: &File, failures: &File) {
+    serve_notifications(&[event], "a served disk", |_| {
+        drain_in_place(shared, file, failures)
+    });
 }
 
 /// Serves everything on the queue from `file`, interrupting the guest once for every
 /// [`IN_PLACE_SIGNAL_EVERY`] completions it asked to hear of, and once for the rest.
-fn drain_in_place(shared: &Shared, file: &File) -> std::io::Result<Drained> {
+fn drain_in_place(shared: &Shared, file: &File, failures: &File) -> std::io::Result<Drained> {
     let mut unsignalled = 0usize;
     let drained = virtqueue::drain(&shared.mem, &shared.ring, LIMITS, |request| {
-        if in_place(shared, request, file)? {
+        if in_place(shared, request, file, failures)? {
             unsignalled += 1;
         }
         // A long queue of requests is not held back until the last one is done.
@@ -467,7 +471,13 @@ fn drain_in_place(shared: &Shared, file: &File) -> std::io::Result<Drained> {
 const IN_PLACE_SIGNAL_EVERY: usize = 32;
 
 /// Serves one request from `file`; returns whether the guest asked to hear of its completion.
-fn in_place(shared: &Shared, request: Popped, file: &File) -> std::io::Result<bool> {
+/// A failure adds one to the eventfd `failures`.
+fn in_place(
+    shared: &Shared,
+    request: Popped,
+    file: &File,
+    failures: &File,
+) -> std::io::Result<bool> {
     let head = request.head;
     let Some(chain) = request.chain.filter(|chain| chain.writable_len() > 0) else {
         // Broke the bounds, or has no room for a status: nothing can be said to the guest.
@@ -506,6 +516,10 @@ fn in_place(shared: &Shared, request: Popped, file: &File) -> std::io::Result<bo
                 }
                 Ok(()) => (Status::Ok, Vec::new()),
                 Err(err) => {
+                    // Counted for the library, which reports it when the VM has stopped (an
+                    // eventfd write of 8 bytes adds them; it fails only at the counter's
+                    // maximum, far past any count that matters).
+                    let _ = std::io::Write::write(&mut &*failures, &1u64.to_ne_bytes());
                     // Told a few times, not once per request: a full host disk fails every
                     // write the guest retries, and the log is bounded.
                     static TOLD: std::sync::atomic::AtomicU32 =

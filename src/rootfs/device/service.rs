@@ -15,29 +15,35 @@ use tokio::net::UnixStream;
 use tokio::task::JoinHandle;
 
 use super::wire::{Operation, ReplyHeader, RequestHeader, Status, REQUEST_HEADER_LEN};
-use crate::rootfs::served::{run_whole, DiskSource, ServedDisk};
+use crate::rootfs::served::{run_whole, DiskSource, InPlaceFailures, ServedDisk};
 
 /// One served disk's link to its device in the helper, for the instance's life: a service of
 /// the library's, or a file the device reads and writes in place.
 pub(crate) enum DiskLink {
     Library(BlockService),
-    InPlace(Arc<std::fs::File>),
+    InPlace(Arc<std::fs::File>, Arc<InPlaceFailures>),
 }
 
 impl DiskLink {
     pub(crate) fn new(source: &DiskSource) -> Self {
         match source {
             DiskSource::Library(disk) => DiskLink::Library(BlockService::new(disk.clone())),
-            DiskSource::InPlace { file, .. } => DiskLink::InPlace(file.clone()),
+            DiskSource::InPlace { file, failures, .. } => {
+                DiskLink::InPlace(file.clone(), failures.clone())
+            }
         }
     }
 
-    /// The descriptor the helper gets for one boot attempt: a fresh socket served from now
-    /// on, or the file (a descriptor of its own, sharing the open file).
-    pub(crate) fn connect(&mut self) -> std::io::Result<OwnedFd> {
+    /// The descriptors the helper gets for one boot attempt: a fresh socket served from now
+    /// on; or the file (a descriptor of its own, sharing the open file) and the count of its
+    /// failures.
+    pub(crate) fn connect(&mut self) -> std::io::Result<(OwnedFd, Option<OwnedFd>)> {
         match self {
-            DiskLink::Library(service) => service.connect(),
-            DiskLink::InPlace(file) => Ok(OwnedFd::from(file.try_clone()?)),
+            DiskLink::Library(service) => Ok((service.connect()?, None)),
+            DiskLink::InPlace(file, failures) => Ok((
+                OwnedFd::from(file.try_clone()?),
+                Some(failures.for_helper()?),
+            )),
         }
     }
 }

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use krun_sys::device::Bytes;
 
+use super::fuzz::{counted, failure_count};
 use super::*;
 use crate::rootfs::cow::CowLayer;
 use crate::rootfs::served::ServedDisk;
@@ -382,7 +383,12 @@ fn in_place_writes_land_in_the_file_and_reads_past_its_end_are_zeros() {
         shared.mem.write_obj(0xffu8, GuestAddress(at)).unwrap();
     }
     let file = tempfile::tempfile().unwrap();
-    assert_eq!(drain_in_place(&shared, &file).unwrap(), Drained::Empty);
+    let failures = failure_count();
+    assert_eq!(
+        drain_in_place(&shared, &file, &failures).unwrap(),
+        Drained::Empty
+    );
+    assert_eq!(counted(&failures), 0);
     assert_eq!(
         used(&shared),
         vec![(0, 1), (4, 1), (6, 16385), (9, 1), (12, 21)]
@@ -418,7 +424,8 @@ fn in_place_writes_land_in_the_file_and_reads_past_its_end_are_zeros() {
 }
 
 /// A file the device cannot write (opened read-only): the guest's write fails with an I/O
-/// error, its read of the same place still works. And a socket is not a file to serve.
+/// error and is counted for the library, its read of the same place still works. And a socket
+/// is not a file to serve.
 #[test]
 fn in_place_failures_are_io_errors_for_the_guest() {
     let (shared, _signals) = device(DISK);
@@ -445,9 +452,18 @@ fn in_place_failures_are_io_errors_for_the_guest() {
             (0x9100, 1, true),
         ],
     );
-    assert_eq!(drain_in_place(&shared, &read_only).unwrap(), Drained::Empty);
+    let failures = failure_count();
+    assert_eq!(
+        drain_in_place(&shared, &read_only, &failures).unwrap(),
+        Drained::Empty
+    );
     assert_eq!(used(&shared), vec![(0, 1), (3, 4097)]);
     assert_eq!([status(&shared, 0x9000), status(&shared, 0x9100)], [1, 0]);
+    assert_eq!(
+        counted(&failures),
+        1,
+        "the failed write is counted for the library"
+    );
     let mut read = [0u8; 4096];
     shared
         .mem
@@ -457,5 +473,6 @@ fn in_place_failures_are_io_errors_for_the_guest() {
 
     let (socket, _other) = UnixStream::pair().unwrap();
     let not_a_file = std::fs::File::from(std::os::fd::OwnedFd::from(socket));
-    assert!(ServedBlock::new(DISK, SERIAL, Backing::File(not_a_file)).is_err());
+    let backing = Backing::File(not_a_file, failure_count());
+    assert!(ServedBlock::new(DISK, SERIAL, backing).is_err());
 }

@@ -161,8 +161,9 @@ pub trait BlockStore: Send + Sync + 'static {
     }
 
     /// The one local file the store keeps its blocks in, if it keeps them so: a regular file
-    /// open for reading and writing, block `i` at byte `i * block_size`, a block never
-    /// written a hole or past the file's end (reading as zeros). The default is `None`.
+    /// open for reading and writing (not `O_APPEND` or `O_DIRECT`: the attach refuses them),
+    /// block `i` at byte `i * block_size`, a block never written a hole or past the file's end
+    /// (reading as zeros). The default is `None`.
     ///
     /// A store that returns it (as [`DirectoryStore`] does) has its layer disk served in
     /// place: while the VM runs, krunbox's VMM helper reads and writes the file itself,
@@ -172,7 +173,8 @@ pub trait BlockStore: Send + Sync + 'static {
     /// `read_blocks` and `write_blocks` are not called between the layer's first use and
     /// the VM's end; `written_blocks` at the next attach must count what the file holds.
     /// Asked once per boot, after `written_blocks`; `flush` and `detach` are still called
-    /// when the VM stops.
+    /// when the VM stops. A read, write or flush of the file that fails is `EIO` to the guest
+    /// and makes `shutdown` return [`Error::BlockStore`](crate::Error::BlockStore).
     fn blocks_file(&self) -> Option<std::sync::Arc<std::fs::File>> {
         None
     }

@@ -513,7 +513,8 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     tracing::debug!(kernel = %hello.kernel_release, guest_init = %hello.guest_init, "guest ready");
 
     // With a pid namespace the VM runs in a child of the helper the library started (`child`):
-    // that child is the VMM process; killing `child` ends it too.
+    // that child is the VMM process; killing `child` ends it too, soon after.
+    let vmm_process = vmm::VmmProcess::watch(vmm_pid);
     let vmm_pid = Some(vmm_pid);
     let control = Control::start(
         stream,
@@ -589,6 +590,14 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             }
         };
         c.fail_all(description.clone());
+        // The VMM itself may outlive the helper `child` by a moment (killed, it dies by
+        // PDEATHSIG): its last writes to the layer land before the layer is let go (a
+        // persistent layer's lock, a copy-on-write store's flush and detach).
+        if !vmm_process.exited_within(VMM_EXIT_DEADLINE).await {
+            tracing::warn!(
+                "the VMM process outlived its helper by {VMM_EXIT_DEADLINE:?}; letting its layer go"
+            );
+        }
         let layer = layer_of_vm.lock().unwrap_or_else(|e| e.into_inner()).take();
         // A copy-on-write layer's last blocks go to its store before anyone hears the VM
         // has stopped (so `shutdown` returns after they are stored).
@@ -636,6 +645,11 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
 
 /// How long a copy-on-write root's last blocks may take to reach its store when the VM stops.
 const STORE_FINISH_DEADLINE: Duration = Duration::from_secs(120);
+
+/// How long the supervisor waits for the VMM process after its helper exited, before it lets
+/// go of the root's layer anyway (the VMM dies by `PDEATHSIG` within moments; this bounds a
+/// process the kernel cannot kill, one stuck in an uninterruptible write).
+const VMM_EXIT_DEADLINE: Duration = Duration::from_secs(30);
 
 /// Gives a copy-on-write root's store back (what is dirty stored, then detached) if a boot
 /// fails after attaching it.

@@ -636,3 +636,69 @@ pub(crate) fn log_tail(paths: &[&Path], lines: usize) -> String {
     }
     out
 }
+
+/// The VMM process, watched through a pidfd from the moment its pid is known. With a pid
+/// namespace it is not the helper the library started but that helper's child, which dies by
+/// `PR_SET_PDEATHSIG` after the helper, asynchronously: waiting for it before letting go of
+/// what it writes to (a persistent layer's lock, a store served in place) means no write of
+/// its lands after the next holder took over.
+pub(crate) struct VmmProcess(Option<tokio::io::unix::AsyncFd<std::os::fd::OwnedFd>>);
+
+impl VmmProcess {
+    /// Watches process `pid` (nothing to wait for where it cannot: a kernel without pidfds,
+    /// before 5.3, or a process already gone).
+    pub(crate) fn watch(pid: u32) -> VmmProcess {
+        use std::os::fd::FromRawFd;
+        let Ok(pid) = libc::pid_t::try_from(pid) else {
+            return VmmProcess(None);
+        };
+        // SAFETY: pidfd_open takes a pid and flags (none: the descriptor is close-on-exec
+        // anyway) and returns a new descriptor or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        if fd < 0 {
+            return VmmProcess(None);
+        }
+        // SAFETY: a descriptor pidfd_open just gave us, owned by nothing else.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
+        // A pidfd is readable once its process has exited.
+        // SAFETY: `fd` is an open descriptor the AsyncFd takes ownership of, so it stays open
+        // and the same for the AsyncFd's whole life.
+        let watched = unsafe {
+            tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE)
+        };
+        VmmProcess(watched.ok())
+    }
+
+    /// Waits until the process has exited (a zombie counts: none of its threads runs), at most
+    /// `deadline`; false if it is still running then.
+    pub(crate) async fn exited_within(&self, deadline: std::time::Duration) -> bool {
+        let Some(fd) = &self.0 else { return true };
+        tokio::time::timeout(deadline, fd.readable()).await.is_ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A watched process is seen running until it is killed, and exited right after, before
+    /// anyone reaps it.
+    #[tokio::test]
+    async fn a_watched_process_is_waited_for_until_it_exits() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .expect("sleep");
+        let watched = VmmProcess::watch(child.id());
+        assert!(watched.0.is_some(), "pidfd_open");
+        let short = std::time::Duration::from_millis(200);
+        assert!(!watched.exited_within(short).await, "it still runs");
+        child.kill().unwrap();
+        assert!(
+            watched
+                .exited_within(std::time::Duration::from_secs(10))
+                .await
+        );
+        child.wait().unwrap();
+    }
+}

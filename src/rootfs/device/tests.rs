@@ -73,6 +73,30 @@ fn wait_for_completions(shared: &Shared, count: usize) -> Vec<(u32, u32)> {
     }
 }
 
+/// Offers a write of 8 KiB (returned) at sector 16 over two data descriptors (heads 0..4,
+/// status at 0x9000), then a flush (heads 4..6, status at 0x9100).
+fn offer_write_and_flush(shared: &Shared) -> Vec<u8> {
+    let data: Vec<u8> = (0..8192).map(|i| (i % 253) as u8).collect();
+    shared
+        .mem
+        .write_slice(&data, GuestAddress(0x10000))
+        .unwrap();
+    header(shared, 0x8000, T_OUT, 16);
+    offer(
+        shared,
+        0,
+        &[
+            (0x8000, 16, false),
+            (0x10000, 4096, false),
+            (0x11000, 4096, false),
+            (0x9000, 1, true),
+        ],
+    );
+    header(shared, 0x8100, T_FLUSH, 0);
+    offer(shared, 4, &[(0x8100, 16, false), (0x9100, 1, true)]);
+    data
+}
+
 /// The library's side: the real service over a fresh layer, on a runtime of its own.
 fn library(socket: UnixStream) -> (Arc<CowLayer>, tokio::runtime::Runtime) {
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -96,26 +120,9 @@ fn library(socket: UnixStream) -> (Arc<CowLayer>, tokio::runtime::Runtime) {
 #[test]
 fn writes_reach_the_layer_a_flush_follows_and_reads_come_back_into_the_guest() {
     let (shared, signals) = device(DISK);
-    let data: Vec<u8> = (0..8192).map(|i| (i % 253) as u8).collect();
-    shared
-        .mem
-        .write_slice(&data, GuestAddress(0x10000))
-        .unwrap();
     // A write of 8 KiB at sector 16 over two data descriptors; a flush; a read of the same
     // 8 KiB into two other descriptors. Each with its own status byte.
-    header(&shared, 0x8000, T_OUT, 16);
-    offer(
-        &shared,
-        0,
-        &[
-            (0x8000, 16, false),
-            (0x10000, 4096, false),
-            (0x11000, 4096, false),
-            (0x9000, 1, true),
-        ],
-    );
-    header(&shared, 0x8100, T_FLUSH, 0);
-    offer(&shared, 4, &[(0x8100, 16, false), (0x9100, 1, true)]);
+    let data = offer_write_and_flush(&shared);
     header(&shared, 0x8200, T_IN, 16);
     offer(
         &shared,
@@ -329,24 +336,7 @@ fn the_service_fails_a_request_outside_the_disk_and_stops_at_a_header_no_device_
 fn in_place_writes_land_in_the_file_and_reads_past_its_end_are_zeros() {
     use std::os::unix::fs::FileExt;
     let (shared, signals) = device(DISK);
-    let data: Vec<u8> = (0..8192).map(|i| (i % 253) as u8).collect();
-    shared
-        .mem
-        .write_slice(&data, GuestAddress(0x10000))
-        .unwrap();
-    header(&shared, 0x8000, T_OUT, 16);
-    offer(
-        &shared,
-        0,
-        &[
-            (0x8000, 16, false),
-            (0x10000, 4096, false),
-            (0x11000, 4096, false),
-            (0x9000, 1, true),
-        ],
-    );
-    header(&shared, 0x8100, T_FLUSH, 0);
-    offer(&shared, 4, &[(0x8100, 16, false), (0x9100, 1, true)]);
+    let data = offer_write_and_flush(&shared);
     // The 8 KiB just written and 8 KiB past it (past the file's end: never written).
     header(&shared, 0x8200, T_IN, 16);
     offer(

@@ -208,6 +208,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         root_image: image.path.clone(),
         control_socket: socket.clone(),
         fs_devices,
+        guest_memory_file: fs_devices > 0,
         console: dir.path().join(crate::console::CONSOLE_FIFO),
         jail: jail.config.clone(),
         kernel: config.kernel.clone(),
@@ -330,8 +331,18 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             )),
         };
         // The mounts' devices: fresh connections, so a retried boot starts new sessions.
+        // The mounts' queues are served here, in the guest's memory (a fresh file for each
+        // attempt).
+        let guest_memory = if fs_devices > 0 {
+            Some(std::sync::Arc::new(
+                crate::guest_memory::GuestMemoryFile::create(config.memory_mib)
+                    .map_err(Error::io("creating the guest's memory"))?,
+            ))
+        } else {
+            None
+        };
         let fs_ends = fs_service
-            .connect()
+            .connect(guest_memory.clone())
             .map_err(Error::io("connecting the filesystem devices"))?;
         let disk_ends = disk_services
             .iter_mut()
@@ -351,6 +362,9 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             }
             if let Some(file) = layer.as_ref().and_then(|layer| layer.file()) {
                 inherited.push((file.as_raw_fd(), vmm::WRITABLE_LAYER_FD));
+            }
+            if let Some(memory) = &guest_memory {
+                inherited.push((memory.file().as_raw_fd(), vmm::GUEST_MEMORY_FD));
             }
             for (index, end) in fs_ends.iter().enumerate() {
                 inherited.push((end.as_raw_fd(), vmm::FS_DEVICE_FD_BASE + index as i32));

@@ -46,6 +46,7 @@ mod files;
 pub mod fs;
 #[doc(hidden)]
 pub mod fuzzing;
+mod guest_memory;
 mod instance;
 mod jail;
 mod limits;

@@ -111,34 +111,54 @@ pub(crate) fn drain(
     mut forward: impl FnMut(Popped) -> std::io::Result<()>,
 ) -> std::io::Result<Drained> {
     loop {
-        let request = {
-            let mut queue = ring.lock().unwrap_or_else(|p| p.into_inner());
-            // The ring was checked to lie in guest memory when the device was activated, so
-            // reading its index does not fail. The index is read once here and the decision
-            // made on that reading: the guest adds entries while we look, so a second reading
-            // (after `pop` found none) may show one that was not there for `pop`, and taking
-            // that for a broken ring stopped the queue for good under a busy guest.
-            let available = queue.len(mem);
-            if available > queue.actual_size() {
-                return Ok(Drained::Broken);
+        match next_request(mem, ring, limits) {
+            Next::Request(request) => forward(request)?,
+            Next::Drained(drained) => return Ok(drained),
+        }
+    }
+}
+
+/// What [`next_request`] found on a queue.
+pub(crate) enum Next {
+    /// A request, taken off the queue (notifications are off).
+    Request(Popped),
+    /// None: the queue is empty or broken.
+    Drained(Drained),
+}
+
+/// The next request on one queue, with notifications off while there is more, or how the
+/// queue was left when there is none.
+pub(crate) fn next_request(
+    mem: &GuestMemoryMmap,
+    ring: &Mutex<Queue>,
+    limits: ChainLimits,
+) -> Next {
+    let mut queue = ring.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        // The ring was checked to lie in guest memory when the device was activated, so
+        // reading its index does not fail. The index is read once here and the decision
+        // made on that reading: the guest adds entries while we look, so a second reading
+        // (after `pop` found none) may show one that was not there for `pop`, and taking
+        // that for a broken ring stopped the queue for good under a busy guest.
+        let available = queue.len(mem);
+        if available > queue.actual_size() {
+            return Next::Drained(Drained::Broken);
+        }
+        if available == 0 {
+            // Notifications back on; if the guest added requests meanwhile, go on.
+            let more = queue.enable_notification(mem).unwrap_or(false);
+            if more {
+                let _ = queue.disable_notification(mem);
+                continue;
             }
-            if available == 0 {
-                // Notifications back on; if the guest added requests meanwhile, go on.
-                let more = queue.enable_notification(mem).unwrap_or(false);
-                if more {
-                    let _ = queue.disable_notification(mem);
-                    continue;
-                }
-                return Ok(Drained::Empty);
-            }
-            match pop(&mut queue, mem, limits) {
-                Some(request) => request,
-                // An entry was there (the index never goes back for an honest guest), and no
-                // chain starts at it.
-                None => return Ok(Drained::Broken),
-            }
+            return Next::Drained(Drained::Empty);
+        }
+        return match pop(&mut queue, mem, limits) {
+            Some(request) => Next::Request(request),
+            // An entry was there (the index never goes back for an honest guest), and no
+            // chain starts at it.
+            None => Next::Drained(Drained::Broken),
         };
-        forward(request)?;
     }
 }
 

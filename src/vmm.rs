@@ -72,6 +72,9 @@ pub const SERVED_DISK_FAILURES_FD_BASE: i32 = SERVED_DISK_FD_BASE + MAX_SERVED_D
 /// root's layer or an output disk, which take devices too).
 pub const FS_DEVICE_FD_BASE: i32 = 16;
 
+/// The guest's memory: a sealed memfd of the library's (see [`VmmConfig::guest_memory_file`]).
+pub const GUEST_MEMORY_FD: i32 = 13;
+
 /// The helper's exit code when it refused to start the VM because its jail did not hold (a
 /// canary got through) or a required isolation layer is missing. The report says which.
 pub const ISOLATION_EXIT_CODE: i32 = 71;
@@ -104,6 +107,11 @@ pub struct VmmConfig {
     /// [`FS_DEVICE_FD_BASE`]` + i`.
     #[serde(default)]
     pub fs_devices: u32,
+    /// The guest's memory is the file on [`GUEST_MEMORY_FD`] (every region, the kernel's
+    /// too), which the library maps as well; the filesystem devices then hand their queues
+    /// over to the library when the guest activates them, instead of forwarding each request.
+    #[serde(default)]
+    pub guest_memory_file: bool,
     /// The FIFO the guest console goes to; the library drains it into a bounded log.
     pub console: PathBuf,
     /// The helper's jail.
@@ -463,9 +471,21 @@ fn configure(
         // `fs_devices` of them, and nothing else in the helper owns them.
         let socket = unsafe { std::os::unix::net::UnixStream::from_raw_fd(fd) };
         let tag = krunbox_protocol::mount_tag(index);
-        let device = crate::fs::virtio::ForwardingFs::new(&tag, socket)
+        let device = crate::fs::virtio::ForwardingFs::new(&tag, socket, config.guest_memory_file)
             .map_err(|e| format!("the filesystem device {tag}: {e}"))?;
-        krun_sys::device::attach(&tag, std::sync::Arc::new(std::sync::Mutex::new(device)));
+        let device = std::sync::Arc::new(std::sync::Mutex::new(device));
+        if config.guest_memory_file {
+            krun_sys::device::attach_served_elsewhere(&tag, device);
+        } else {
+            krun_sys::device::attach(&tag, device);
+        }
+    }
+    if config.guest_memory_file {
+        use std::os::fd::FromRawFd;
+        // SAFETY: the library passes GUEST_MEMORY_FD, open on its memfd, exactly when
+        // `guest_memory_file` is set, and nothing else in the helper owns it.
+        let file = unsafe { std::fs::File::from_raw_fd(GUEST_MEMORY_FD) };
+        krun_sys::device::use_guest_memory_file(file);
     }
     if config.served_disks.len() > MAX_SERVED_DISKS {
         return Err(format!(

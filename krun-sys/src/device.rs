@@ -21,7 +21,10 @@ pub use krun_devices::virtio::{
     Queue, QueueConfig, VirtioDevice,
 };
 pub use krun_utils::eventfd::EventFd;
-pub use vm_memory::{Bytes, GuestAddress, GuestMemory, GuestMemoryError, GuestMemoryMmap};
+pub use vm_memory::{
+    Bytes, FileOffset, GuestAddress, GuestMemory, GuestMemoryError, GuestMemoryMmap,
+    GuestMemoryRegion,
+};
 
 /// The virtio feature bit every modern device offers (`VIRTIO_F_VERSION_1`).
 pub const VIRTIO_F_VERSION_1: u32 = 32;
@@ -29,8 +32,38 @@ pub const VIRTIO_F_VERSION_1: u32 = 32;
 /// Adds `device` to the devices the next VM this process starts gets, named `id` in libkrun's
 /// device manager (ids must differ from each other and from libkrun's own, e.g. `"kbfs0"`).
 pub fn attach(id: &str, device: Arc<Mutex<dyn VirtioDevice>>) {
+    push(id, device, false);
+}
+
+/// [`attach`] for a device whose queues another process serves (in guest memory from
+/// [`use_guest_memory_file`], told of the rings, the queues' notification eventfds and the
+/// interrupt eventfd when the device activates). That process cannot set the transport's
+/// interrupt status, so the transport reports a used buffer at every read of it: the guest's
+/// driver then checks its rings on every interrupt of the device.
+pub fn attach_served_elsewhere(id: &str, device: Arc<Mutex<dyn VirtioDevice>>) {
+    push(id, device, true);
+}
+
+fn push(id: &str, device: Arc<Mutex<dyn VirtioDevice>>, served_elsewhere: bool) {
     krun_vmm::builder::EMBEDDER_DEVICES
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
-        .push((id.to_owned(), device));
+        .push((id.to_owned(), device, served_elsewhere));
+}
+
+/// Puts the next VM's guest memory in `file` instead of anonymous memory: every region of
+/// guest memory, the kernel's range included (libkrunfw's kernel is copied there rather than
+/// mapped), one after another at page-aligned offsets from 0, mapped shared. Another process
+/// that maps the same file sees guest memory as the guest does. The file is not grown: the
+/// VM fails to build, saying how many bytes it needs, when it is too small.
+///
+/// ```no_run
+/// # fn memfd() -> std::fs::File { unimplemented!() }
+/// krun_sys::device::use_guest_memory_file(memfd());
+/// // ... then Context::start_enter() builds the VM in it.
+/// ```
+pub fn use_guest_memory_file(file: std::fs::File) {
+    *krun_vmm::builder::EMBEDDER_GUEST_MEMORY
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(file);
 }

@@ -8,10 +8,11 @@
 //! directory, read-only or read-write, that nothing in the guest can escape).
 //!
 //! The transport is FUSE over virtio-fs: each mount is a virtio-fs device in the VMM helper
-//! (`virtio/`) that forwards the guest kernel's requests, unparsed, over a socket of its
-//! own to this process (`service.rs`); this module decodes each one (bounded and validated: the guest is hostile, see `fuse/`), calls the
-//! implementation, and encodes the reply. docs/architecture.md says why (and what else was
-//! weighed), and what the guest caches.
+//! (`virtio/`) whose queues, once the guest's driver activates it, this process serves itself
+//! in the guest's memory (a file of ours the VM is built in: `served/`); this module decodes
+//! each request (bounded and validated: the guest is hostile, see `fuse/`), calls the
+//! implementation, and writes the reply into the request's buffers. docs/architecture.md
+//! says why (and what else was weighed), and what the guest caches.
 //!
 //! ```no_run
 //! # async fn demo() -> krunbox::Result<()> {
@@ -34,6 +35,7 @@
 pub(crate) mod fuse;
 mod host_dir;
 mod memory;
+mod served;
 pub(crate) mod service;
 mod types;
 pub(crate) mod virtio;

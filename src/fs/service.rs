@@ -18,6 +18,7 @@ use tokio::task::{JoinHandle, JoinSet};
 
 use super::fuse::{Session, IN_HEADER_LEN, MAX_REQUEST};
 use super::Mount;
+use crate::guest_memory::GuestMemoryFile;
 
 /// Requests of one mount answered at once.
 pub(crate) const MAX_IN_FLIGHT: usize = 64;
@@ -48,8 +49,14 @@ impl FsService {
 
     /// Connects every mount afresh, for one boot attempt: a socket pair each, whose one end is
     /// served from now on (with a new FUSE session, replacing an earlier attempt's) and whose
-    /// other ends, in mount order, go to the helper. Must run inside the tokio runtime.
-    pub(crate) fn connect(&mut self) -> std::io::Result<Vec<OwnedFd>> {
+    /// other ends, in mount order, go to the helper. With `memory` (the VM's memory is that
+    /// file) each device hands its queues over and they are served here
+    /// ([`super::served`]); without, the device forwards each request on the socket. Must run
+    /// inside the tokio runtime.
+    pub(crate) fn connect(
+        &mut self,
+        memory: Option<Arc<GuestMemoryFile>>,
+    ) -> std::io::Result<Vec<OwnedFd>> {
         for connection in self.connections.drain(..) {
             connection.abort();
         }
@@ -60,8 +67,13 @@ impl FsService {
             let stream = UnixStream::from_std(ours)?;
             let session = Arc::new(Session::new(mount.fs.clone(), mount.options));
             let path = mount.guest_path.clone();
+            let memory = memory.clone();
             self.connections.push(tokio::spawn(async move {
-                if let Err(err) = serve(stream, session).await {
+                let served = match memory {
+                    Some(memory) => super::served::serve(stream, session, memory).await,
+                    None => serve(stream, session).await,
+                };
+                if let Err(err) = served {
                     tracing::warn!(target: "krunbox::fs", mount = %path, %err, "a mount's connection ended");
                 }
             }));

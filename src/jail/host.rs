@@ -122,6 +122,7 @@ pub(crate) async fn probe(
         root_image: "/dev/null".into(),
         control_socket: socket,
         fs_devices: 0,
+        guest_memory_file: false,
         served_disks: Vec::new(),
         console,
         jail: jail.config.clone(),

@@ -61,7 +61,7 @@ fn converse(data: &[u8]) -> Vec<(u64, i32)> {
     replies
 }
 
-fn check_reply(reply: &[u8], unique: u64) {
+pub(crate) fn check_reply(reply: &[u8], unique: u64) {
     assert!(
         reply.len() >= OUT_HEADER_LEN,
         "a reply shorter than its header"

@@ -23,6 +23,8 @@ use crate::virtqueue::laid_out::{seed, DATA};
 /// Runs one input; panics where the property does not hold.
 pub(crate) fn fuzz_queue(data: &[u8]) {
     run(data);
+    // The same guest with the queue handed over to the library.
+    crate::fs::served::fuzz::run(data);
 }
 
 /// Runs one input: the requests that reached the library, and the completions.
@@ -162,6 +164,7 @@ mod tests {
     fn each_seed_reaches_the_library_and_is_completed() {
         for seed in seeds() {
             assert_eq!(run(&seed), (1, 1));
+            assert_eq!(crate::fs::served::fuzz::run(&seed), 1);
         }
     }
 

@@ -18,6 +18,11 @@
 //!
 //! Two threads per device: one pops both queues and forwards (blocking on the socket when the
 //! library is busy, which holds the guest back), one reads replies and completes requests.
+//!
+//! That forwarding is the fallback. When the VM's memory is the library's file (every VM with
+//! mounts: `crate::guest_memory`), the device instead hands its queues over at activation
+//! ([`handover`]) and the library serves them itself (`crate::fs::served`), with no thread
+//! here and no hop per request.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -39,6 +44,7 @@ use crate::virtqueue::{
 use super::fuse::{is_unanswered, IN_HEADER_LEN, MAX_REQUEST};
 
 pub(crate) mod fuzz;
+pub(crate) mod handover;
 
 /// virtio's device type for a filesystem (`VIRTIO_ID_FS`).
 const VIRTIO_ID_FS: u32 = 26;
@@ -75,11 +81,19 @@ pub(crate) struct ForwardingFs {
     sockets: Option<(UnixStream, UnixStream)>,
     tag: String,
     activated: bool,
+    /// Hand the queues over to the library at activation ([`handover`]) rather than
+    /// forward each request: the VM's memory is the library's file.
+    hand_over: bool,
+    /// After a hand-over, the mount's socket, kept open while the helper lives: the library
+    /// sees the device gone when it closes.
+    handed_over: Option<UnixStream>,
 }
 
 impl ForwardingFs {
-    /// A device named `tag` whose requests go to, and replies come from, `socket`.
-    pub(crate) fn new(tag: &str, socket: UnixStream) -> std::io::Result<Self> {
+    /// A device named `tag` whose requests go to, and replies come from, `socket`; or, when
+    /// `hand_over`, that hands its queues over to the library on `socket` at activation (the
+    /// VM's memory must then be the library's file).
+    pub(crate) fn new(tag: &str, socket: UnixStream, hand_over: bool) -> std::io::Result<Self> {
         let mut config = [0u8; 40];
         let name = tag.as_bytes();
         config[..name.len().min(36)].copy_from_slice(&name[..name.len().min(36)]);
@@ -93,7 +107,59 @@ impl ForwardingFs {
             sockets: Some((socket, replies)),
             tag: tag.to_owned(),
             activated: false,
+            hand_over,
+            handed_over: None,
         })
+    }
+
+    /// Tells the library where the activated queues and guest memory lie, with the eventfds
+    /// to serve them by ([`handover`]); nothing of the device runs here after.
+    fn hand_over(
+        &mut self,
+        socket: UnixStream,
+        mem: &GuestMemoryMmap,
+        interrupt: &InterruptTransport,
+        queues: &[DeviceQueue],
+    ) -> ActivateResult {
+        use krun_sys::device::{GuestMemory, GuestMemoryRegion};
+        use std::os::fd::AsRawFd;
+        let mut regions = Vec::new();
+        for region in mem.iter() {
+            let Some(offset) = region.file_offset() else {
+                return self.inert("guest memory that is not in the library's file");
+            };
+            regions.push(crate::guest_memory::MemoryRegion {
+                guest_address: region.start_addr().0,
+                len: region.len(),
+                file_offset: offset.start(),
+            });
+        }
+        if regions.len() > crate::guest_memory::MAX_REGIONS {
+            return self.inert("guest memory in too many regions to hand over");
+        }
+        let layout = |queue: &Queue| handover::RingLayout {
+            size: queue.size,
+            descriptors: queue.desc_table.0,
+            available: queue.avail_ring.0,
+            used: queue.used_ring.0,
+        };
+        let message = handover::HandOver {
+            features: self.acked_features,
+            rings: [layout(&queues[0].queue), layout(&queues[1].queue)],
+            regions,
+        };
+        let notifications = [queues[0].event.as_raw_fd(), queues[1].event.as_raw_fd()];
+        if let Err(err) = handover::send(
+            &socket,
+            &message,
+            notifications,
+            interrupt.event().as_raw_fd(),
+        ) {
+            return self.inert(&format!("its queues could not be handed over: {err}"));
+        }
+        self.handed_over = Some(socket);
+        self.activated = true;
+        Ok(())
     }
 
     /// Leaves the device activated but serving nothing (its mount's calls in the guest then
@@ -159,6 +225,9 @@ impl VirtioDevice for ForwardingFs {
         if queues.iter().any(|q| !q.queue.is_valid(&mem)) {
             return self.inert("a queue outside guest memory or of a bad size");
         }
+        if self.hand_over {
+            return self.hand_over(socket, &mem, &interrupt, &queues);
+        }
         let mut events = Vec::new();
         let mut rings = Vec::new();
         for queue in queues {
@@ -221,7 +290,7 @@ const SMALL_MESSAGE: usize = 64 * 1024;
 
 /// The bounds of a request chain: a request's bytes within [`MAX_REQUEST`], its reply's room in
 /// at most [`MAX_REPLY_DESCRIPTORS`] descriptors.
-const LIMITS: ChainLimits = ChainLimits {
+pub(crate) const LIMITS: ChainLimits = ChainLimits {
     max_readable: MAX_REQUEST,
     max_writable_descriptors: MAX_REPLY_DESCRIPTORS,
 };
@@ -334,7 +403,11 @@ fn forward(
 /// header whatever the used length says, so a request completed with no header would
 /// "succeed" with whatever its buffers held). Returns the bytes written: 16, or 0 when the
 /// chain has no room for a header.
-fn fail_request(mem: &GuestMemoryMmap, reply_to: &[(GuestAddress, u32)], unique: u64) -> u32 {
+pub(crate) fn fail_request(
+    mem: &GuestMemoryMmap,
+    reply_to: &[(GuestAddress, u32)],
+    unique: u64,
+) -> u32 {
     let room: usize = reply_to.iter().map(|(_, l)| *l as usize).sum();
     if room < OUT_HEADER_LEN {
         return 0;
@@ -350,7 +423,7 @@ fn fail_request(mem: &GuestMemoryMmap, reply_to: &[(GuestAddress, u32)], unique:
 }
 
 /// The opcode and `unique` of a request header whose length field is `total`.
-fn parse_in_header(header: &[u8; IN_HEADER_LEN], total: usize) -> Option<(u32, u64)> {
+pub(crate) fn parse_in_header(header: &[u8; IN_HEADER_LEN], total: usize) -> Option<(u32, u64)> {
     let length = u32::from_le_bytes(header[0..4].try_into().ok()?) as usize;
     if length != total {
         return None;

@@ -1,0 +1,238 @@
+//! The transport's library side when the helper hands a mount's queues over: the virtqueues
+//! served here, in guest memory this process maps, with no helper thread per request.
+//!
+//! The VM's memory is a file of this process's (`crate::guest_memory`). When the guest's
+//! driver activates a mount's device, the helper sends where the rings and memory lie with
+//! each queue's notification eventfd and the interrupt eventfd ([`super::virtio::handover`]),
+//! and does nothing more for the device. Here a task per mount waits on the notifications
+//! (KVM signals them when the guest notifies a queue), takes each request off its ring with
+//! the same bounded code the helper's device uses (`crate::virtqueue`), copies its bytes out
+//! once, answers it in a task of its own (at most [`MAX_IN_FLIGHT`] at once, past which the
+//! rest wait on the ring), writes the reply into the request's own buffers and interrupts the
+//! guest through the irqfd. A request costs the guest's exit, this process's wake-up and the
+//! interrupt, as a request to libkrun's own devices does.
+//!
+//! Everything of the guest is bounded as in the helper's device: a request's bytes (at most
+//! `MAX_REQUEST`), its reply's room (at most 300 descriptors), the requests in flight. A
+//! malformed request is answered `EIO` or completed empty; a broken ring stops being served.
+
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, Mutex};
+
+use krun_sys::device::{GuestAddress, GuestMemoryMmap, Queue};
+use tokio::io::unix::AsyncFd;
+use tokio::net::UnixStream;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+
+use super::fuse::{is_unanswered, Session, IN_HEADER_LEN};
+use super::service::MAX_IN_FLIGHT;
+use super::virtio::handover::{self, RINGS};
+use super::virtio::{fail_request, parse_in_header, LIMITS, QUEUE_SIZE};
+use crate::guest_memory::GuestMemoryFile;
+use crate::virtqueue::{complete, gather, next_request, scatter, Drained, Next, Popped};
+
+pub(crate) mod fuzz;
+
+/// Serves one mount's device once the helper hands it over on `stream`, until the helper
+/// closes the socket (the VM stopped).
+pub(crate) async fn serve(
+    stream: UnixStream,
+    session: Arc<Session>,
+    memory: Arc<GuestMemoryFile>,
+) -> std::io::Result<()> {
+    let Some(received) = handover::receive(&stream, QUEUE_SIZE).await? else {
+        // The VM stopped before the guest's driver activated the device.
+        return Ok(());
+    };
+    let invalid = |why: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, why.to_owned());
+    let mem = memory.map(&received.hand_over.regions)?;
+    let mut rings = Vec::with_capacity(RINGS);
+    for layout in received.hand_over.rings {
+        let mut queue = Queue::new(QUEUE_SIZE);
+        queue.size = layout.size;
+        queue.ready = true;
+        queue.desc_table = GuestAddress(layout.descriptors);
+        queue.avail_ring = GuestAddress(layout.available);
+        queue.used_ring = GuestAddress(layout.used);
+        // The same check as the helper's device makes: the rings lie in guest memory, are
+        // aligned and of a valid size, so reading them never fails.
+        if !queue.is_valid(&mem) {
+            return Err(invalid(
+                "a handed-over ring outside guest memory or of a bad size",
+            ));
+        }
+        rings.push(Arc::new(Mutex::new(queue)));
+    }
+    let device = Arc::new(Device {
+        mem,
+        rings,
+        interrupt: received.interrupt,
+        session,
+        slots: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
+    });
+    let mut notifications = Vec::with_capacity(RINGS);
+    for fd in received.notifications {
+        // The eventfd's file is shared with the helper and KVM; nothing but this task reads it.
+        set_nonblocking(&fd)?;
+        // SAFETY: `fd` is an open descriptor the AsyncFd takes ownership of, so it stays open
+        // and the same for the AsyncFd's whole life.
+        notifications
+            .push(unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }?);
+    }
+    tracing::debug!(target: "krunbox::fs", regions = received.hand_over.regions.len(), "a mount's queues were handed over; serving them here");
+    let mut requests = JoinSet::new();
+    let mut broken = [false; RINGS];
+    loop {
+        let notified = tokio::select! {
+            ready = notifications[0].readable() => (0, ready?),
+            ready = notifications[1].readable() => (1, ready?),
+            ready = stream.readable() => {
+                ready?;
+                let mut byte = [0u8; 1];
+                match stream.try_read(&mut byte) {
+                    Ok(0) => return Ok(()),
+                    Ok(_) => return Err(invalid("the helper wrote to a handed-over device's socket")),
+                    Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => continue,
+                    Err(err) => return Err(err),
+                }
+            }
+        };
+        let (index, mut guard) = notified;
+        let mut count = [0u8; 8];
+        if guard
+            .try_io(|fd| Ok(nix::unistd::read(fd.get_ref(), &mut count)?))
+            .is_err()
+        {
+            // Not notified after all (the readiness was stale).
+            continue;
+        }
+        drop(guard);
+        while requests.try_join_next().is_some() {}
+        if broken[index] {
+            continue;
+        }
+        if device.serve_ring(index, &mut requests).await == Drained::Broken {
+            tracing::warn!(target: "krunbox::fs", ring = index, "the guest broke a ring of a mount's device; it is no longer served");
+            broken[index] = true;
+        }
+    }
+}
+
+fn set_nonblocking(fd: &OwnedFd) -> std::io::Result<()> {
+    use nix::fcntl::{fcntl, FcntlArg, OFlag};
+    let flags = OFlag::from_bits_truncate(fcntl(fd, FcntlArg::F_GETFL)?);
+    fcntl(fd, FcntlArg::F_SETFL(flags | OFlag::O_NONBLOCK))?;
+    Ok(())
+}
+
+/// One handed-over device, shared by its requests' tasks.
+struct Device {
+    mem: GuestMemoryMmap,
+    rings: Vec<Arc<Mutex<Queue>>>,
+    /// The device's irqfd: writing it interrupts the guest.
+    interrupt: OwnedFd,
+    session: Arc<Session>,
+    /// Requests answered at once.
+    slots: Arc<Semaphore>,
+}
+
+impl Device {
+    /// Takes every request off ring `index` and starts answering each, waiting for a slot
+    /// before taking the next.
+    async fn serve_ring(self: &Arc<Self>, index: usize, requests: &mut JoinSet<()>) -> Drained {
+        loop {
+            let permit = self
+                .slots
+                .clone()
+                .acquire_owned()
+                .await
+                .expect("never closed");
+            match next_request(&self.mem, &self.rings[index], LIMITS) {
+                Next::Drained(drained) => return drained,
+                Next::Request(request) => self.take(index, request, permit, requests),
+            }
+        }
+    }
+
+    /// Interrupts the guest: some request is complete.
+    fn signal(&self) {
+        // An eventfd write fails only when its count would overflow, which an irqfd's
+        // consumer (KVM) never lets happen.
+        let _ = nix::unistd::write(&self.interrupt, &1u64.to_ne_bytes());
+    }
+
+    fn complete(&self, index: usize, head: u16, written: u32) {
+        complete(&self.mem, &self.rings[index], head, written, &|| {
+            self.signal()
+        });
+    }
+
+    /// Copies one request out of guest memory and answers it in a task of its own.
+    fn take(
+        self: &Arc<Self>,
+        index: usize,
+        request: Popped,
+        permit: OwnedSemaphorePermit,
+        requests: &mut JoinSet<()>,
+    ) {
+        let Some(chain) = request.chain else {
+            self.complete(index, request.head, 0);
+            return;
+        };
+        let fail = |unique: u64| {
+            let written = fail_request(&self.mem, &chain.writable, unique);
+            self.complete(index, request.head, written);
+        };
+        let mut header = [0u8; IN_HEADER_LEN];
+        let parsed = if chain.readable_len >= IN_HEADER_LEN {
+            gather(&self.mem, &chain.readable, 0, &mut header).ok();
+            parse_in_header(&header, chain.readable_len)
+        } else {
+            None
+        };
+        let Some((opcode, unique)) = parsed else {
+            return fail(0);
+        };
+        // The header as checked, then the rest: a guest changing its memory meanwhile
+        // changes only the bytes after it.
+        let mut message = vec![0u8; chain.readable_len];
+        message[..IN_HEADER_LEN].copy_from_slice(&header);
+        if gather(
+            &self.mem,
+            &chain.readable,
+            IN_HEADER_LEN,
+            &mut message[IN_HEADER_LEN..],
+        )
+        .is_err()
+        {
+            return fail(unique);
+        }
+        let device = self.clone();
+        if is_unanswered(opcode) {
+            // Nothing to write back: the chain is done now, the request is handled after.
+            self.complete(index, request.head, 0);
+            requests.spawn(async move {
+                let _permit = permit;
+                let _ = device.session.handle(&message).await;
+            });
+            return;
+        }
+        requests.spawn(async move {
+            let _permit = permit;
+            let written = match device.session.handle(&message).await {
+                Ok(Some(reply)) => {
+                    let fits = reply.len().min(chain.writable_len());
+                    match scatter(&device.mem, &chain.writable, 0, &reply[..fits]) {
+                        Ok(()) => fits as u32,
+                        Err(_) => 0,
+                    }
+                }
+                // The session answers every request it decoded; one it could not decode (or
+                // did not answer) fails, so the guest's call does not wait forever.
+                Ok(None) | Err(_) => fail_request(&device.mem, &chain.writable, unique),
+            };
+            device.complete(index, request.head, written);
+        });
+    }
+}

@@ -25,6 +25,19 @@ pub(crate) fn read_config_space(config: &[u8], offset: u64, data: &mut [u8]) {
     data[..end - start].copy_from_slice(&config[start..end]);
 }
 
+/// Whether `queue` is ready, of a valid size, aligned, and each of its three rings lies
+/// wholly in guest memory. libkrun's `Queue::is_valid` checks only the address just past each
+/// ring's end, and its queue reads the rings with `unwrap`: a ring starting in a hole of guest
+/// memory (below 4 GiB for a guest of more than 3.25 GiB) would panic the device.
+pub(crate) fn rings_in_memory(queue: &Queue, mem: &GuestMemoryMmap) -> bool {
+    let size = usize::from(queue.actual_size());
+    // With VIRTIO_RING_F_EVENT_IDX each ring has two bytes more; counted either way.
+    queue.is_valid(mem)
+        && mem.check_range(queue.desc_table, 16 * size)
+        && mem.check_range(queue.avail_ring, 6 + 2 * size + 2)
+        && mem.check_range(queue.used_ring, 6 + 8 * size + 2)
+}
+
 /// A device's bounds on one request chain.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ChainLimits {
@@ -746,6 +759,31 @@ mod tests {
             )
         };
         assert_eq!(done, 0);
+    }
+
+    /// A ring whose end lies in guest memory and whose start lies in a hole is refused (libkrun's
+    /// own check passes it, and its queue would then panic reading the ring).
+    #[test]
+    fn a_ring_starting_in_a_hole_of_guest_memory_is_refused() {
+        let mem = GuestMemoryMmap::from_ranges(&[
+            (GuestAddress(0), 0x10000),
+            (GuestAddress(0x20000), 0x10000),
+        ])
+        .unwrap();
+        let mut queue = Queue::new(1024);
+        queue.size = 1024;
+        queue.ready = true;
+        queue.desc_table = GuestAddress(0x20000);
+        queue.used_ring = GuestAddress(0x24000);
+        queue.avail_ring = GuestAddress(0x2a000);
+        assert!(rings_in_memory(&queue, &mem), "a queue wholly in memory");
+        // 2054 bytes from 0x20000 - 1024: ends in the second region, starts in the hole.
+        queue.avail_ring = GuestAddress(0x20000 - 1024);
+        assert!(queue.is_valid(&mem), "libkrun's check passes it");
+        assert!(!rings_in_memory(&queue, &mem));
+        queue.avail_ring = GuestAddress(0x2a000);
+        queue.desc_table = GuestAddress(0x20000 - 0x1000);
+        assert!(!rings_in_memory(&queue, &mem));
     }
 
     /// 1500 regions (more than one `writev` takes), some of them empty, through a socket whose

@@ -27,6 +27,9 @@ pub(crate) const RINGS: usize = 2;
 /// The fds that come with the message: each ring's notification, then the interrupt.
 pub(crate) const FDS: usize = RINGS + 1;
 
+/// The most fds one `SCM_RIGHTS` message carries (Linux's `SCM_MAX_FD`).
+const SCM_MAX_FD: usize = 253;
+
 /// The message's length in bytes.
 pub(crate) const LEN: usize = 8 * (4 + 4 * RINGS + 3 * MAX_REGIONS);
 
@@ -187,7 +190,10 @@ pub(crate) async fn receive(
     while filled < LEN {
         socket.readable().await?;
         let got = socket.try_io(tokio::io::Interest::READABLE, || {
-            let mut space = nix::cmsg_space!([RawFd; FDS]);
+            // Room for as many fds as one message can carry (`SCM_MAX_FD`), so the kernel
+            // never truncates the control data: fds it installed for a truncated message
+            // could not be closed.
+            let mut space = nix::cmsg_space!([RawFd; SCM_MAX_FD]);
             let mut iov = [std::io::IoSliceMut::new(&mut bytes[filled..])];
             let message = recvmsg::<()>(
                 socket.as_raw_fd(),
@@ -215,7 +221,9 @@ pub(crate) async fn receive(
             Err(err) => return Err(err),
         };
         fds.extend(received);
-        if truncated {
+        // Counted as they come: a helper sending a byte at a time with fds each would
+        // otherwise fill this process's descriptor table before the message ends.
+        if truncated || fds.len() > FDS {
             return Err(invalid(
                 "the helper sent more fds than a hand-over has".into(),
             ));
@@ -348,6 +356,24 @@ mod tests {
         let stranger = std::os::unix::net::UnixStream::pair().unwrap().0;
         send(&helper, &sample(), [raw[0], stranger.as_raw_fd()], raw[2]).unwrap();
         assert!(receive(&library, 1024).await.is_err());
+
+        // A helper that sends fds with every byte is stopped at the fourth fd.
+        let (helper, library) = std::os::unix::net::UnixStream::pair().unwrap();
+        library.set_nonblocking(true).unwrap();
+        let library = tokio::net::UnixStream::from_std(library).unwrap();
+        for _ in 0..2 {
+            let control = [nix::sys::socket::ControlMessage::ScmRights(&raw)];
+            nix::sys::socket::sendmsg::<()>(
+                helper.as_raw_fd(),
+                &[std::io::IoSlice::new(&sample().encode()[..1])],
+                &control,
+                nix::sys::socket::MsgFlags::empty(),
+                None,
+            )
+            .unwrap();
+        }
+        let err = receive(&library, 1024).await.unwrap_err();
+        assert!(err.to_string().contains("more fds"), "{err}");
 
         // A helper that closes first sends nothing.
         let (helper, library) = std::os::unix::net::UnixStream::pair().unwrap();

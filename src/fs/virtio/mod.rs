@@ -3,26 +3,29 @@
 //! The guest kernel's virtio-fs driver puts each FUSE request on a virtqueue: the request's
 //! bytes in the descriptors it reads from, room for the reply in those it writes to. This
 //! device, one per mount, runs in the `krunbox-vmm` helper (attached through
-//! [`krun_sys::device`]) and serves no filesystem itself: it copies each request's bytes to
-//! the mount's socket, unparsed beyond the FUSE header's length, opcode and `unique`, and
-//! writes each reply the library sends back into the guest's descriptors of the request with
-//! that `unique`. Requests go on while earlier ones wait, so the library answers many at once
-//! and in any order ([`super::service`]).
+//! [`krun_sys::device`]) and serves no filesystem itself.
 //!
-//! Everything of the guest is bounded here: a request's readable bytes (at most
-//! [`MAX_REQUEST`]) and its chain (libkrun's queue walks at most the queue's size of
-//! descriptors; at most [`MAX_REPLY_DESCRIPTORS`] of them writable), the requests waiting for a
-//! reply (at most [`QUEUE_SIZE`]), and a `unique` reused while in flight is answered with
-//! nothing rather than replacing the first. A malformed request is completed with no reply; the guest's own
-//! filesystem call fails, nothing else does.
+//! Every VM with mounts is built in the library's memory file (`crate::guest_memory`): the
+//! device then only keeps the transport (configuration, features, the rings' set-up) and,
+//! when the guest's driver activates it, hands the queues over ([`handover`]): the rings'
+//! addresses, the queues' notification eventfds and the interrupt eventfd go to the library
+//! on the mount's socket, and the library serves the queues itself (`crate::fs::served`), with
+//! no thread here and no hop per request. A ring that does not lie wholly in guest memory
+//! leaves the device inert.
 //!
-//! Two threads per device: one pops both queues and forwards (blocking on the socket when the
+//! Without that file (the device's unit tests and the `virtio_fs_queue` fuzz target, which
+//! drive both ways) the device forwards: it copies each request's bytes to the mount's
+//! socket, unparsed beyond the FUSE header's length, opcode and `unique`, and writes each
+//! reply the library sends back into the guest's descriptors of the request with that
+//! `unique`. Requests go on while earlier ones wait, so the library answers many at once and
+//! in any order ([`super::service`]). Everything of the guest is bounded there: a request's
+//! readable bytes (at most [`MAX_REQUEST`]) and its chain (libkrun's queue walks at most the
+//! queue's size of descriptors; at most [`MAX_REPLY_DESCRIPTORS`] of them writable), the
+//! requests waiting for a reply (at most [`QUEUE_SIZE`]), and a `unique` reused while in
+//! flight is answered with nothing rather than replacing the first. A malformed request is
+//! completed with no reply; the guest's own filesystem call fails, nothing else does. Two
+//! threads per device: one pops both queues and forwards (blocking on the socket when the
 //! library is busy, which holds the guest back), one reads replies and completes requests.
-//!
-//! That forwarding is the fallback. When the VM's memory is the library's file (every VM with
-//! mounts: `crate::guest_memory`), the device instead hands its queues over at activation
-//! ([`handover`]) and the library serves them itself (`crate::fs::served`), with no thread
-//! here and no hop per request.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -222,7 +225,10 @@ impl VirtioDevice for ForwardingFs {
         }
         // libkrun's transport does not check the rings the guest set up; its queue reads them
         // with `unwrap`. Rings outside guest memory, or of a bad size, leave the device inert.
-        if queues.iter().any(|q| !q.queue.is_valid(&mem)) {
+        if queues
+            .iter()
+            .any(|q| !virtqueue::rings_in_memory(&q.queue, &mem))
+        {
             return self.inert("a queue outside guest memory or of a bad size");
         }
         if self.hand_over {

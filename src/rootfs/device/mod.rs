@@ -241,7 +241,7 @@ impl VirtioDevice for ServedBlock {
         };
         // libkrun's transport does not check the rings the guest set up; its queue reads them
         // with `unwrap`. Rings outside guest memory, or of a bad size, leave the device inert.
-        if !queue.queue.is_valid(&mem) {
+        if !virtqueue::rings_in_memory(&queue.queue, &mem) {
             return self.inert("a queue outside guest memory or of a bad size");
         }
         let shared = Arc::new(Shared {

@@ -35,11 +35,19 @@ const MAX_DIR_ENTRIES: usize = 1 << 20;
 /// The most bytes one read or write moves.
 const MAX_IO: usize = 4 << 20;
 
+/// Reads up to this size are made on the calling task's thread; larger ones on tokio's
+/// blocking pool (see `HostDir::run`).
+const INLINE_IO: usize = 64 << 10;
+
 /// Entries returned by one `readdir` call (the guest asks again from the last one).
 const READDIR_CHUNK: usize = 512;
 
 /// The most in-memory ownership records kept for inodes the guest has forgotten.
 const MAX_VOLATILE: usize = 65_536;
+
+/// The most host records remembered, with the ctime they were read at, for inodes the guest
+/// has forgotten (see `Table::known`).
+const MAX_KNOWN: usize = 65_536;
 
 /// Inode numbers from here on are HostDir's own (inodes on another device than the root's);
 /// below, they are host inode numbers.
@@ -92,7 +100,11 @@ const PATH_MAX: usize = libc::PATH_MAX as usize;
 /// behind the guest's back, the host's value shows again. Linux allows `user.` attributes only
 /// on regular files and directories, so for symlinks, fifos and sockets (and on a host
 /// filesystem without user attributes) the record lives in memory for this `HostDir`'s life
-/// (at most 65,536 inodes once the guest forgets them).
+/// (at most 65,536 inodes once the guest forgets them). A record read from the host is
+/// remembered with the inode's ctime when the guest forgets the inode (at most 65,536), and
+/// taken again while the ctime is unchanged (any change of an attribute changes it), so a
+/// lookup of the same file again costs no read of the attribute; on a filesystem that said
+/// it keeps no user attributes none is read again.
 ///
 /// # Inode numbers
 ///
@@ -100,6 +112,20 @@ const PATH_MAX: usize = libc::PATH_MAX as usize;
 /// host file lives, so `ls -i` and git's index agree across lookups); the root is
 /// [`InodeId::ROOT`]; inodes on another device (btrfs subvolumes, overlayfs layers) are
 /// numbered from 2^62 while the guest holds them.
+///
+/// # Threads
+///
+/// Calls that only look or make a name (lookup, getattr, readlink, statfs, extended
+/// attributes, opening without truncating, mkdir, symlink, link, mknod, a chmod, chown or
+/// utimes) and reads of up to 64 KiB are made on the calling task's thread: on a local
+/// filesystem they take microseconds, less than the hop to tokio's blocking pool and back,
+/// which was a third of a cold `stat`'s cost. What frees or writes data, or may wait on it,
+/// goes to the blocking pool: writes (the host's dirty-page throttling can hold a writer),
+/// truncation, unlink, rmdir, rename, `fsync`, `fallocate`, directory listings, larger
+/// reads; a file is closed there too, without waiting (its last close may free it). A
+/// directory on a filesystem whose every call can stall (a network filesystem) holds up the
+/// runtime thread that serves its mount meanwhile; serve such a directory through a
+/// [`VirtualFs`] of your own that makes its calls on the blocking pool.
 ///
 /// # Limits
 ///
@@ -177,6 +203,10 @@ struct Node {
 struct OverlayState {
     record: Option<Overlay>,
     persisted: bool,
+    /// The record is the host's as of this ctime of the inode (seconds, nanoseconds): it was
+    /// read then. Changing an extended attribute changes the ctime, so while the ctime is the
+    /// same the record is too.
+    read_at: Option<Ctime>,
 }
 
 #[derive(Default)]
@@ -188,6 +218,14 @@ struct Table {
     next_foreign: u64,
     /// Records that live only in memory, of inodes the guest forgot.
     volatile: HashMap<(u64, u64), Overlay>,
+    /// Host records (or their absence) of inodes the guest forgot, with the ctime they were
+    /// read at: a lookup of the same inode with the same ctime takes it instead of reading
+    /// the attribute again (two system calls and an open of the file, a third of a cold
+    /// lookup's cost). At most [`MAX_KNOWN`].
+    known: HashMap<(u64, u64), (Ctime, Option<Overlay>)>,
+    /// Devices whose filesystem keeps no user extended attributes (a read said
+    /// `EOPNOTSUPP`): no record is read there.
+    without_xattrs: std::collections::HashSet<u64>,
 }
 
 enum Handle {
@@ -307,7 +345,7 @@ impl HostDir {
         })?;
         let st = sys::fstat(fd.as_fd())?;
         let root_key = (st.st_dev, st.st_ino);
-        let overlay = load_overlay(&proc, fd.as_fd(), FileKind::Directory);
+        let (overlay, _) = load_overlay(&proc, fd.as_fd(), FileKind::Directory, ctime(&st));
         let root = Arc::new(Node {
             id: InodeId::ROOT,
             fd,
@@ -335,8 +373,25 @@ impl HostDir {
         })
     }
 
-    /// Runs `op` on the blocking pool (every host system call can block).
+    /// Runs `op` here, on the calling task's thread. A metadata call or a read of up to
+    /// [`INLINE_IO`] on a local filesystem takes microseconds, less than the hop to tokio's
+    /// blocking pool and back (two thread wake-ups), which was a third of a cold `stat`'s cost
+    /// and a fifth of a small read's (docs/architecture.md, "Workspaces"); nginx serves files
+    /// from its event loop the same way. What can take long goes to [`run_blocking`] (see
+    /// "Threads" on [`HostDir`]).
+    ///
+    /// [`run_blocking`]: Self::run_blocking
     async fn run<T: Send + 'static>(
+        &self,
+        op: impl FnOnce(&Inner) -> FsResult<T> + Send + 'static,
+    ) -> FsResult<T> {
+        op(&self.inner)
+    }
+
+    /// Runs `op` on tokio's blocking pool: for calls that can take long however local the
+    /// filesystem is (writes, what frees blocks, `fsync`, `fallocate`, a directory listed
+    /// whole, a read of more than [`INLINE_IO`]).
+    async fn run_blocking<T: Send + 'static>(
         &self,
         op: impl FnOnce(&Inner) -> FsResult<T> + Send + 'static,
     ) -> FsResult<T> {
@@ -425,20 +480,60 @@ fn timespec(time: Option<TimeOrNow>) -> libc::timespec {
 }
 
 /// Reads an inode's ownership record from the host (regular files and directories only).
-fn load_overlay(proc: &sys::ProcFd, fd: BorrowedFd<'_>, kind: FileKind) -> OverlayState {
+/// An inode's ctime: (seconds, nanoseconds).
+type Ctime = (i64, i64);
+
+/// The ctime of `st`.
+fn ctime(st: &libc::stat) -> Ctime {
+    (st.st_ctime, st.st_ctime_nsec)
+}
+
+/// Reads the host's record of the inode `fd`, whose ctime was `ctime` before the read; and
+/// whether its filesystem keeps no user extended attributes at all (`EOPNOTSUPP`: tmpfs
+/// before Linux 6.6, some network filesystems).
+fn load_overlay(
+    proc: &sys::ProcFd,
+    fd: BorrowedFd<'_>,
+    kind: FileKind,
+    ctime: Ctime,
+) -> (OverlayState, bool) {
     let io = match kind {
         FileKind::File => proc.reopen(fd, libc::O_RDONLY | libc::O_NONBLOCK),
         FileKind::Directory => sys::open_dir(fd),
-        _ => return OverlayState::default(),
+        _ => return (OverlayState::default(), false),
     };
-    let record = io
-        .ok()
-        .and_then(|io| sys::fgetxattr(io.as_fd(), XATTR).ok())
-        .and_then(|value| Overlay::decode(&value));
-    OverlayState {
+    let value = io.ok().map(|io| sys::fgetxattr(io.as_fd(), XATTR));
+    // Remembered across forgets only when the host said for certain: a record, or none.
+    let (record, certain, unsupported) = match value {
+        Some(Ok(value)) => (Overlay::decode(&value), true, false),
+        Some(Err(err)) => match err.raw_os_error() {
+            Some(libc::ENODATA) => (None, true, false),
+            Some(libc::EOPNOTSUPP) => (None, true, true),
+            _ => (None, false, false),
+        },
+        None => (None, false, false),
+    };
+    let state = OverlayState {
         record,
         persisted: true,
-    }
+        read_at: (certain && settled(ctime)).then_some(ctime),
+    };
+    (state, unsupported)
+}
+
+/// Whether a ctime lies far enough back that a change made now would show as another ctime.
+/// A filesystem's timestamps may be as coarse as the kernel's clock tick (before Linux 6.13's
+/// fine-grained ones), so a change in the same tick as the read would keep the ctime the
+/// read saw: as git does with its index, what changed in the last two seconds is not taken
+/// for settled.
+fn settled(ctime: Ctime) -> bool {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec we own.
+    let read = unsafe { libc::clock_gettime(libc::CLOCK_REALTIME_COARSE, &mut now) };
+    read == 0 && ctime.0 < now.tv_sec - 1
 }
 
 /// Extended attribute names the guest may use: `user.*`, other than HostDir's own.
@@ -557,7 +652,34 @@ impl Inner {
         let made = fresh.is_some();
         let mut overlay = match fresh {
             Some(fresh) => fresh,
-            None => load_overlay(&self.proc, fd.as_fd(), kind),
+            None => {
+                let (known, without_records) = {
+                    let mut table = lock(&self.table);
+                    let known = table.known.remove(&key);
+                    (known, table.without_xattrs.contains(&st.st_dev))
+                };
+                match known {
+                    Some((read_at, record)) if read_at == ctime(st) => OverlayState {
+                        record,
+                        persisted: true,
+                        read_at: Some(read_at),
+                    },
+                    // Nothing to read on a filesystem that keeps no records.
+                    _ if without_records => OverlayState {
+                        record: None,
+                        persisted: true,
+                        read_at: None,
+                    },
+                    _ => {
+                        let (state, unsupported) =
+                            load_overlay(&self.proc, fd.as_fd(), kind, ctime(st));
+                        if unsupported {
+                            lock(&self.table).without_xattrs.insert(st.st_dev);
+                        }
+                        state
+                    }
+                }
+            }
         };
         let mut table = lock(&self.table);
         if let Some(node) = self.bump(&mut table, key) {
@@ -574,6 +696,7 @@ impl Inner {
                 overlay = OverlayState {
                     record: Some(record),
                     persisted: false,
+                    read_at: None,
                 };
             }
         }
@@ -613,6 +736,14 @@ impl Inner {
             let (node, _) = table.nodes.remove(&id).expect("present");
             table.foreign.remove(&node.key);
             let state = *lock(&node.overlay);
+            if let (true, Some(read_at)) = (state.persisted, state.read_at) {
+                if table.known.len() >= MAX_KNOWN {
+                    if let Some(&old) = table.known.keys().next() {
+                        table.known.remove(&old);
+                    }
+                }
+                table.known.insert(node.key, (read_at, state.record));
+            }
             if let (Some(record), false) = (state.record, state.persisted) {
                 if table.volatile.len() >= MAX_VOLATILE {
                     if let Some(&old) = table.volatile.keys().next() {
@@ -700,6 +831,11 @@ impl Inner {
     /// Records the guest's view `record` for `node` (on the host where it can be kept).
     fn set_overlay(&self, node: &Node, record: Option<Overlay>, io: Option<BorrowedFd<'_>>) {
         let state = self.persist_overlay(node.kind, node.fd.as_fd(), record, io);
+        if state.persisted && state.record.is_some() {
+            // Its filesystem keeps records after all (one that said it did not, for another
+            // inode, may differ per inode: an overlay's upper layer, a FUSE server).
+            lock(&self.table).without_xattrs.remove(&node.key.0);
+        }
         *lock(&node.overlay) = state;
     }
 
@@ -739,7 +875,11 @@ impl Inner {
             }
             _ => record.is_none(),
         };
-        OverlayState { record, persisted }
+        OverlayState {
+            record,
+            persisted,
+            read_at: None,
+        }
     }
 
     /// Owner, group and permission bits of a new inode of kind `kind` (`S_IFMT` bits) made by
@@ -1175,6 +1315,12 @@ impl VirtualFs for HostDir {
     async fn setattr(&self, ino: InodeId, change: SetAttr, _caller: Caller) -> FsResult<Attr> {
         self.inner.writable()?;
         let node = self.inner.node(ino)?;
+        if change.size.is_some() {
+            // A truncate frees the file's blocks inside the call.
+            return self
+                .run_blocking(move |inner| inner.setattr(&node, &change))
+                .await;
+        }
         self.run(move |inner| inner.setattr(&node, &change)).await
     }
 
@@ -1219,7 +1365,8 @@ impl VirtualFs for HostDir {
         self.inner.writable()?;
         let name = component(name)?;
         let parent = self.inner.dir(parent)?;
-        self.run(move |_| Ok(sys::unlinkat(parent.fd.as_fd(), &name, 0)?))
+        // Removing a file's last name frees its blocks inside the call.
+        self.run_blocking(move |_| Ok(sys::unlinkat(parent.fd.as_fd(), &name, 0)?))
             .await
     }
 
@@ -1227,7 +1374,7 @@ impl VirtualFs for HostDir {
         self.inner.writable()?;
         let name = component(name)?;
         let parent = self.inner.dir(parent)?;
-        self.run(move |_| Ok(sys::unlinkat(parent.fd.as_fd(), &name, libc::AT_REMOVEDIR)?))
+        self.run_blocking(move |_| Ok(sys::unlinkat(parent.fd.as_fd(), &name, libc::AT_REMOVEDIR)?))
             .await
     }
 
@@ -1269,7 +1416,8 @@ impl VirtualFs for HostDir {
         } else {
             0
         };
-        self.run(move |_| {
+        // A rename over a file frees the file it replaces.
+        self.run_blocking(move |_| {
             Ok(sys::renameat2(
                 parent.fd.as_fd(),
                 &name,
@@ -1292,6 +1440,11 @@ impl VirtualFs for HostDir {
 
     async fn open(&self, ino: InodeId, flags: OpenFlags) -> FsResult<FileHandle> {
         let node = self.inner.node(ino)?;
+        if flags.0 & libc::O_TRUNC != 0 {
+            return self
+                .run_blocking(move |inner| inner.open(&node, flags))
+                .await;
+        }
         self.run(move |inner| inner.open(&node, flags)).await
     }
 
@@ -1306,6 +1459,11 @@ impl VirtualFs for HostDir {
         self.inner.writable()?;
         let name = component(name)?;
         let parent = self.inner.dir(parent)?;
+        if flags.0 & libc::O_TRUNC != 0 {
+            return self
+                .run_blocking(move |inner| inner.create(&parent, &name, mode, flags, caller))
+                .await;
+        }
         self.run(move |inner| inner.create(&parent, &name, mode, flags, caller))
             .await
     }
@@ -1319,8 +1477,12 @@ impl VirtualFs for HostDir {
     ) -> FsResult<Vec<u8>> {
         let file = self.inner.file(ino, handle)?;
         let size = (size as usize).min(MAX_IO);
-        self.run(move |_| Ok(sys::pread_full(file.fd.as_fd(), offset, size)?))
-            .await
+        let read = move |_: &Inner| Ok(sys::pread_full(file.fd.as_fd(), offset, size)?);
+        if size <= INLINE_IO {
+            self.run(read).await
+        } else {
+            self.run_blocking(read).await
+        }
     }
 
     async fn write(
@@ -1338,8 +1500,19 @@ impl VirtualFs for HostDir {
         if data.len() > MAX_IO {
             return Err(FsError::INVALID);
         }
+        // Any write can be held up by the host's dirty-page throttling, which a guest writing
+        // fast brings about on purpose: never on a runtime thread that other tasks wait for.
+        // On a multi-threaded runtime this thread hands its other tasks to another worker and
+        // writes the guest's bytes where they are; elsewhere they are copied for the pool.
+        if tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
+        {
+            return tokio::task::block_in_place(|| {
+                Ok(sys::pwrite_full(file.fd.as_fd(), offset, data)? as u32)
+            });
+        }
         let data = data.to_vec();
-        self.run(move |_| Ok(sys::pwrite_full(file.fd.as_fd(), offset, &data)? as u32))
+        self.run_blocking(move |_| Ok(sys::pwrite_full(file.fd.as_fd(), offset, &data)? as u32))
             .await
     }
 
@@ -1361,7 +1534,7 @@ impl VirtualFs for HostDir {
         if mode != 0 && mode != libc::FALLOC_FL_KEEP_SIZE {
             return Err(FsError::NOT_SUPPORTED);
         }
-        self.run(move |_| Ok(sys::fallocate(file.fd.as_fd(), mode, offset, length)?))
+        self.run_blocking(move |_| Ok(sys::fallocate(file.fd.as_fd(), mode, offset, length)?))
             .await
     }
 
@@ -1376,22 +1549,23 @@ impl VirtualFs for HostDir {
                 _ => return Err(FsError::BAD_HANDLE),
             }
         };
-        // Closing can block (a network filesystem flushes on close).
-        self.run(move |_| {
-            drop(removed);
-            Ok(())
-        })
-        .await
+        // Closed on the blocking pool, not waited for: the last close of an unlinked file
+        // frees its blocks, a network filesystem flushes on close; nothing of it is the
+        // guest's to hear (every write reached the host before it returned).
+        if let (Some(removed), Ok(runtime)) = (removed, tokio::runtime::Handle::try_current()) {
+            runtime.spawn_blocking(move || drop(removed));
+        }
+        Ok(())
     }
 
     async fn fsync(&self, ino: InodeId, handle: FileHandle, data_only: bool) -> FsResult<()> {
-        self.run(move |inner| inner.fsync(ino, handle, data_only))
+        self.run_blocking(move |inner| inner.fsync(ino, handle, data_only))
             .await
     }
 
     async fn opendir(&self, ino: InodeId) -> FsResult<FileHandle> {
         let node = self.inner.dir(ino)?;
-        self.run(move |inner| {
+        self.run_blocking(move |inner| {
             let entries = inner.list(&node)?;
             inner.add_handle(Handle::Dir(Arc::new(OpenDir {
                 node,
@@ -1411,7 +1585,8 @@ impl VirtualFs for HostDir {
         offset: u64,
     ) -> FsResult<Vec<DirEntry>> {
         let dir = self.inner.open_dir(ino, handle)?;
-        self.run(move |inner| inner.readdir(&dir, offset)).await
+        self.run_blocking(move |inner| inner.readdir(&dir, offset))
+            .await
     }
 
     async fn releasedir(&self, ino: InodeId, handle: FileHandle) -> FsResult<()> {

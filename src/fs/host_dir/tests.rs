@@ -575,6 +575,28 @@ mod xattr {
         };
         (len >= 0).then(|| String::from_utf8(buf[..len as usize].to_vec()).unwrap())
     }
+
+    pub fn set(path: &Path, value: &str) {
+        let path = CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: NUL-terminated strings, a value as long as we say.
+        let ret = unsafe {
+            libc::lsetxattr(
+                path.as_ptr(),
+                c"user.krunbox.stat".as_ptr(),
+                value.as_ptr().cast(),
+                value.len(),
+                0,
+            )
+        };
+        assert_eq!(ret, 0, "{}", std::io::Error::last_os_error());
+    }
+
+    pub fn remove(path: &Path) {
+        let path = CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: NUL-terminated strings.
+        let ret = unsafe { libc::lremovexattr(path.as_ptr(), c"user.krunbox.stat".as_ptr()) };
+        assert_eq!(ret, 0, "{}", std::io::Error::last_os_error());
+    }
 }
 
 #[tokio::test]
@@ -600,6 +622,45 @@ async fn chown_is_recorded_never_applied_on_the_host() {
     assert_eq!((again.attr.uid, again.attr.gid), (4242, 4343));
     // Hidden from the guest's attribute listing.
     assert!(f.fs.listxattr(ino).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn a_record_changed_on_the_host_while_the_inode_was_forgotten_is_read_again() {
+    let f = fixture();
+    let file = write_file(&f.fs, InodeId::ROOT, "a", b"").await;
+    let ino = file.attr.ino;
+    let change = SetAttr {
+        uid: Some(4242),
+        ..Default::default()
+    };
+    f.fs.setattr(ino, change, me()).await.unwrap();
+    let path = f.root.join("a");
+    // A record is remembered only once its ctime is two seconds old (a change within the
+    // same clock tick could keep the ctime).
+    tokio::time::sleep(std::time::Duration::from_millis(2100)).await;
+    // Read from the host once, then forgotten: remembered with the inode's ctime.
+    f.fs.forget(ino, 1).await;
+    let again = f.fs.lookup(InodeId::ROOT, name("a")).await.unwrap();
+    assert_eq!(again.attr.uid, 4242);
+    f.fs.forget(ino, 1).await;
+    let unchanged = f.fs.lookup(InodeId::ROOT, name("a")).await.unwrap();
+    assert_eq!(unchanged.attr.uid, 4242);
+    f.fs.forget(ino, 1).await;
+    // Someone on the host rewrites the record (which changes the ctime).
+    let record = xattr::get(&path).unwrap();
+    let rewritten = record.replacen("4242", "5151", 1);
+    xattr::set(&path, &rewritten);
+    let seen = f.fs.lookup(InodeId::ROOT, name("a")).await.unwrap();
+    assert_eq!(
+        seen.attr.uid, 5151,
+        "the record remembered before the change was used"
+    );
+    f.fs.forget(ino, 1).await;
+    // And removes it: the host's owner shows.
+    xattr::remove(&path);
+    let host = std::fs::metadata(&path).unwrap();
+    let seen = f.fs.lookup(InodeId::ROOT, name("a")).await.unwrap();
+    assert_eq!(seen.attr.uid, host.uid());
 }
 
 #[tokio::test]

@@ -20,6 +20,13 @@ use super::types::*;
 ///
 /// Calls may run concurrently, also on the same inode: an implementation synchronises itself.
 ///
+/// A call is first polled by the task that serves its mount (most calls are answered without
+/// waiting, and a task each would cost them more than their work); only if it returns
+/// `Pending` does it get a task of its own. So a call must not block its thread: one that
+/// does holds up every request of its mount meanwhile. Make blocking work on tokio's
+/// blocking pool (`spawn_blocking`, or `block_in_place` after a first `yield_now().await`),
+/// as [`HostDir`](super::HostDir) does for its writes.
+///
 /// # Example
 ///
 /// A read-only filesystem of one file:

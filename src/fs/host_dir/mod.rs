@@ -480,6 +480,31 @@ fn timespec(time: Option<TimeOrNow>) -> libc::timespec {
 }
 
 /// Reads an inode's ownership record from the host (regular files and directories only).
+/// Closes waiting on tokio's blocking pool; past [`MAX_CLOSING`] a close is made in place,
+/// so descriptors cannot pile up behind a busy pool.
+static CLOSING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// The most closes left waiting on the blocking pool at once.
+const MAX_CLOSING: usize = 1024;
+
+/// Drops `held` (and so closes what it holds, when it is the last holder) on tokio's blocking
+/// pool without waiting for it: the last close of an unlinked file frees its blocks, and a
+/// network filesystem flushes on close. In place outside a runtime or past [`MAX_CLOSING`].
+fn close_later<T: Send + 'static>(held: T) {
+    use std::sync::atomic::Ordering;
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    if CLOSING.fetch_add(1, Ordering::Relaxed) >= MAX_CLOSING {
+        CLOSING.fetch_sub(1, Ordering::Relaxed);
+        return;
+    }
+    runtime.spawn_blocking(move || {
+        drop(held);
+        CLOSING.fetch_sub(1, Ordering::Relaxed);
+    });
+}
+
 /// An inode's ctime: (seconds, nanoseconds).
 type Ctime = (i64, i64);
 
@@ -533,7 +558,7 @@ fn settled(ctime: Ctime) -> bool {
     };
     // SAFETY: clock_gettime writes one timespec we own.
     let read = unsafe { libc::clock_gettime(libc::CLOCK_REALTIME_COARSE, &mut now) };
-    read == 0 && ctime.0 < now.tv_sec - 1
+    read == 0 && ctime.0 < now.tv_sec - 2
 }
 
 /// Extended attribute names the guest may use: `user.*`, other than HostDir's own.
@@ -754,8 +779,11 @@ impl Inner {
             }
             node
         };
-        // The descriptor closes here (or when the last operation using it ends).
-        drop(gone);
+        // The descriptor closes here (or when the last operation using it ends). A file's
+        // last descriptor may be what holds an unlinked file's blocks: closed off this thread.
+        if gone.kind == FileKind::File {
+            close_later(gone);
+        }
     }
 
     fn attr(&self, node: &Node, st: &libc::stat) -> Attr {
@@ -1501,7 +1529,10 @@ impl VirtualFs for HostDir {
             return Err(FsError::INVALID);
         }
         // Any write can be held up by the host's dirty-page throttling, which a guest writing
-        // fast brings about on purpose: never on a runtime thread that other tasks wait for.
+        // fast brings about on purpose: never on a runtime thread that other tasks wait for,
+        // and never in the caller's first poll (the mount's task answers requests that are
+        // ready at once in place: this one gets a task of its own).
+        tokio::task::yield_now().await;
         // On a multi-threaded runtime this thread hands its other tasks to another worker and
         // writes the guest's bytes where they are; elsewhere they are copied for the pool.
         if tokio::runtime::Handle::try_current()
@@ -1552,8 +1583,8 @@ impl VirtualFs for HostDir {
         // Closed on the blocking pool, not waited for: the last close of an unlinked file
         // frees its blocks, a network filesystem flushes on close; nothing of it is the
         // guest's to hear (every write reached the host before it returned).
-        if let (Some(removed), Ok(runtime)) = (removed, tokio::runtime::Handle::try_current()) {
-            runtime.spawn_blocking(move || drop(removed));
+        if let Some(removed) = removed {
+            close_later(removed);
         }
         Ok(())
     }

@@ -1320,3 +1320,23 @@ async fn fallocate_allocates_on_the_host_in_the_allocating_modes_only() {
         libc::EROFS
     );
 }
+
+/// On a multi-threaded runtime a write is made with `block_in_place` from the guest's bytes:
+/// small and large writes reach the host file whole, and a file released and unlinked is
+/// closed on the blocking pool while the next file is created and read at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_on_a_multi_threaded_runtime_reach_the_host() {
+    let f = fixture();
+    let large: Vec<u8> = (0..(1u32 << 20) + 4097).map(|i| (i % 251) as u8).collect();
+    let entry = write_file(&f.fs, InodeId::ROOT, "large", &large).await;
+    assert_eq!(std::fs::read(f.root.join("large")).unwrap(), large);
+    assert_eq!(read_all(&f.fs, entry.attr.ino).await.len(), 1 << 20);
+    f.fs.unlink(InodeId::ROOT, name("large")).await.unwrap();
+    f.fs.forget(entry.attr.ino, 1).await;
+    for i in 0..50 {
+        let file = format!("small{i}");
+        let entry = write_file(&f.fs, InodeId::ROOT, &file, file.as_bytes()).await;
+        assert_eq!(read_all(&f.fs, entry.attr.ino).await, file.as_bytes());
+        assert_eq!(std::fs::read(f.root.join(&file)).unwrap(), file.as_bytes());
+    }
+}

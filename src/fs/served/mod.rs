@@ -29,7 +29,7 @@ use tokio::task::JoinSet;
 use super::fuse::{is_unanswered, Session, IN_HEADER_LEN};
 use super::service::MAX_IN_FLIGHT;
 use super::virtio::handover::{self, RINGS};
-use super::virtio::{fail_request, parse_in_header, LIMITS, QUEUE_SIZE};
+use super::virtio::{fail_request, read_in_header, LIMITS, QUEUE_SIZE};
 use crate::guest_memory::GuestMemoryFile;
 use crate::virtqueue::{
     complete, gather, next_request, rings_in_memory, scatter, Drained, Next, Popped,
@@ -267,14 +267,7 @@ impl Device {
             let written = fail_request(&self.mem, &chain.writable, unique);
             self.complete(index, request.head, written);
         };
-        let mut header = [0u8; IN_HEADER_LEN];
-        let parsed = if chain.readable_len >= IN_HEADER_LEN {
-            gather(&self.mem, &chain.readable, 0, &mut header).ok();
-            parse_in_header(&header, chain.readable_len)
-        } else {
-            None
-        };
-        let Some((opcode, unique)) = parsed else {
+        let Some((header, opcode, unique)) = read_in_header(&self.mem, &chain) else {
             return fail(0);
         };
         // The header as checked, then the rest: a guest changing its memory meanwhile

@@ -346,14 +346,7 @@ fn forward(
         complete(&shared.mem, ring, request.head, written, &*shared.signal);
         Ok(())
     };
-    let mut header = [0u8; IN_HEADER_LEN];
-    let parsed = if chain.readable_len >= IN_HEADER_LEN {
-        gather(&shared.mem, &chain.readable, 0, &mut header).ok();
-        parse_in_header(&header, chain.readable_len)
-    } else {
-        None
-    };
-    let Some((opcode, unique)) = parsed else {
+    let Some((header, opcode, unique)) = read_in_header(&shared.mem, &chain) else {
         return fail(0);
     };
     let answered = !is_unanswered(opcode);
@@ -428,8 +421,24 @@ pub(crate) fn fail_request(
     }
 }
 
+/// A request chain's FUSE header, copied out of guest memory once, with its opcode and
+/// `unique`; `None` when the chain is shorter than a header or the header's length is not
+/// the chain's.
+pub(crate) fn read_in_header(
+    mem: &GuestMemoryMmap,
+    chain: &virtqueue::Chain,
+) -> Option<([u8; IN_HEADER_LEN], u32, u64)> {
+    if chain.readable_len < IN_HEADER_LEN {
+        return None;
+    }
+    let mut header = [0u8; IN_HEADER_LEN];
+    gather(mem, &chain.readable, 0, &mut header).ok();
+    let (opcode, unique) = parse_in_header(&header, chain.readable_len)?;
+    Some((header, opcode, unique))
+}
+
 /// The opcode and `unique` of a request header whose length field is `total`.
-pub(crate) fn parse_in_header(header: &[u8; IN_HEADER_LEN], total: usize) -> Option<(u32, u64)> {
+fn parse_in_header(header: &[u8; IN_HEADER_LEN], total: usize) -> Option<(u32, u64)> {
     let length = u32::from_le_bytes(header[0..4].try_into().ok()?) as usize;
     if length != total {
         return None;

@@ -841,13 +841,27 @@ impl Instance {
     }
 
     /// The host pid of the process that runs this VM (for monitoring its CPU and memory), or
-    /// `None` once it has stopped. It is `krunbox-vmm`; where the host allows a pid namespace
-    /// it is the helper's child, pid 1 in that namespace (see [`Instance::isolation`]).
+    /// `None` once it is no longer running ([`Instance::is_running`] is false). It is
+    /// `krunbox-vmm`; where the host allows a pid namespace it is the helper's child, pid 1 in
+    /// that namespace (see [`Instance::isolation`]).
+    ///
+    /// ```no_run
+    /// # async fn demo(vm: krunbox::Instance) {
+    /// if let Some(pid) = vm.vmm_pid() {
+    ///     let status = std::fs::read_to_string(format!("/proc/{pid}/status"));
+    ///     println!("{status:?}");
+    /// }
+    /// # }
+    /// ```
     pub fn vmm_pid(&self) -> Option<u32> {
-        if self.inner.exited.borrow().is_some() {
-            None
-        } else {
+        // Not only once the supervisor has recorded the exit: a VM declared hung, or one whose
+        // guest hung up, is being killed, and its process may be reaped (its pid free for
+        // reuse) a while before the supervisor gets there (the console drained, the VMM's
+        // last writes waited for).
+        if self.is_running() {
             self.inner.vmm_pid
+        } else {
+            None
         }
     }
 

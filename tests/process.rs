@@ -350,15 +350,24 @@ fn a_timeout_does_not_blame_the_command_for_a_slow_reader() {
         // the rest waits in the guest until the host reads. Nobody reads until well past the
         // timeout: the command still finished in time, and nothing of its output is lost.
         let total = OUTPUT_WINDOW as usize + 32 * 1024;
-        let mut child = vm()
-            .await
+        let vm = vm().await;
+        let args = ["-c".to_string(), total.to_string(), "/dev/zero".to_string()];
+        // "In time" is this run's pace: the window crosses the emulation at 0.5-5 MiB/s
+        // depending on the machine's load. The same command, read at once, shows how long it
+        // takes here; the timeout is three times that.
+        let started = Instant::now();
+        let eager = vm.command("head").args(&args).output().await.unwrap();
+        assert_eq!(eager.stdout.len(), total);
+        let timeout = (started.elapsed() * 3).max(Duration::from_secs(2));
+        let mut child = vm
             .command("head")
-            .args(["-c", &total.to_string(), "/dev/zero"])
-            .timeout(Duration::from_secs(2))
+            .args(&args)
+            .timeout(timeout)
             .spawn()
             .await
             .unwrap();
-        tokio::time::sleep(Duration::from_secs(8)).await;
+        // Past the timeout by seconds: a library that blamed the command would have killed it.
+        tokio::time::sleep(timeout + Duration::from_secs(4)).await;
         let mut stdout = child.stdout.take().unwrap();
         let mut out = Vec::new();
         stdout.read_to_end(&mut out).await.unwrap();

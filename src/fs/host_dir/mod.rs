@@ -119,10 +119,13 @@ const PATH_MAX: usize = libc::PATH_MAX as usize;
 /// attributes, opening without truncating, mkdir, symlink, link, mknod, a chmod, chown or
 /// utimes) and reads of up to 64 KiB are made on the calling task's thread: on a local
 /// filesystem they take microseconds, less than the hop to tokio's blocking pool and back,
-/// which was a third of a cold `stat`'s cost. What frees or writes data, or may wait on it,
-/// goes to the blocking pool: writes (the host's dirty-page throttling can hold a writer),
-/// truncation, unlink, rmdir, rename, `fsync`, `fallocate`, directory listings, larger
-/// reads; a file is closed there too, without waiting (its last close may free it). A
+/// which was a third of a cold `stat`'s cost. Writes are made where the runtime's other tasks
+/// cannot wait on them (the host's dirty-page throttling can hold a writer): on a
+/// multi-threaded runtime in [`tokio::task::block_in_place`], a write of up to 64 KiB in the
+/// calling task, a larger one in a task of its own; elsewhere on the blocking pool. What
+/// frees data, or may wait on it, goes to the blocking pool: truncation, unlink, rmdir,
+/// rename, `fsync`, `fallocate`, directory listings, larger reads; a file is closed there too,
+/// without waiting (its last close may free it). A
 /// directory on a filesystem whose every call can stall (a network filesystem) holds up the
 /// runtime thread that serves its mount meanwhile; serve such a directory through a
 /// [`VirtualFs`] of your own that makes its calls on the blocking pool.
@@ -1529,15 +1532,20 @@ impl VirtualFs for HostDir {
             return Err(FsError::INVALID);
         }
         // Any write can be held up by the host's dirty-page throttling, which a guest writing
-        // fast brings about on purpose: never on a runtime thread that other tasks wait for,
-        // and never in the caller's first poll (the mount's task answers requests that are
-        // ready at once in place: this one gets a task of its own).
-        tokio::task::yield_now().await;
+        // fast brings about on purpose: never on a runtime thread that other tasks wait for.
         // On a multi-threaded runtime this thread hands its other tasks to another worker and
         // writes the guest's bytes where they are; elsewhere they are copied for the pool.
-        if tokio::runtime::Handle::try_current()
-            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
-        {
+        let multi_threaded = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        // A large write is also kept out of the caller's first poll (the mount's task answers
+        // requests that are ready at once in place: this one gets a task of its own), so its
+        // throttling holds up only itself. A small one is written in place, as small reads
+        // are: the kernel's throttling pause grows with the pages a write dirties, and a task
+        // of its own cost small writes a tenth of their rate (docs/testing.md).
+        if data.len() > INLINE_IO || !multi_threaded {
+            tokio::task::yield_now().await;
+        }
+        if multi_threaded {
             return tokio::task::block_in_place(|| {
                 Ok(sys::pwrite_full(file.fd.as_fd(), offset, data)? as u32)
             });

@@ -97,9 +97,10 @@ impl FileData {
             .sum()
     }
 
-    /// Chunk `index`, made and grown (with zeros) to hold at least `length` bytes, and how
-    /// many more bytes that made the buffers hold (not yet added to `charged`).
-    fn chunk_of_length(&mut self, index: u64, length: usize) -> (&mut Vec<u8>, u64) {
+    /// Chunk `index`, made and given the capacity for at least `length` bytes (its length
+    /// unchanged), and how many more bytes that made the buffers hold (not yet added to
+    /// `charged`).
+    fn chunk_with_room(&mut self, index: u64, length: usize) -> (&mut Vec<u8>, u64) {
         let mut added = 0;
         let chunk = self.chunks.entry(index).or_insert_with(|| {
             added += CHUNK_COST;
@@ -109,7 +110,6 @@ impl FileData {
         if chunk.len() < length {
             let capacity = grown(before, length);
             chunk.reserve_exact(capacity - chunk.len());
-            chunk.resize(length, 0);
         }
         added += (chunk.capacity() - before) as u64;
         (chunk, added)
@@ -121,8 +121,21 @@ impl FileData {
         let end = offset + data.len() as u64;
         let mut added = 0;
         for (index, from, to, at) in spans(offset, end) {
-            let (chunk, grew) = self.chunk_of_length(index, to);
-            chunk[from..to].copy_from_slice(&data[at..at + (to - from)]);
+            let (chunk, grew) = self.chunk_with_room(index, to);
+            let bytes = &data[at..at + (to - from)];
+            // Bytes past the chunk's end are appended rather than zeroed and then
+            // overwritten: a file written from start to end is copied once, not twice.
+            let len = chunk.len();
+            if to <= len {
+                chunk[from..to].copy_from_slice(bytes);
+            } else if from >= len {
+                chunk.resize(from, 0);
+                chunk.extend_from_slice(bytes);
+            } else {
+                let (inside, past) = bytes.split_at(len - from);
+                chunk[from..].copy_from_slice(inside);
+                chunk.extend_from_slice(past);
+            }
             added += grew;
         }
         self.charged += added;
@@ -138,7 +151,11 @@ impl FileData {
         let end = if grow { end } else { end.min(self.size) };
         let mut added = 0;
         for (index, _, to, _) in spans(offset, end) {
-            added += self.chunk_of_length(index, to).1;
+            let (chunk, grew) = self.chunk_with_room(index, to);
+            if chunk.len() < to {
+                chunk.resize(to, 0);
+            }
+            added += grew;
         }
         self.charged += added;
         if grow {
@@ -261,5 +278,25 @@ mod tests {
         // The full chunks exactly, the last one's buffer at most half empty.
         assert!(data.charged() <= 65536 + 2 * (100_000 - 65536) + 2 * CHUNK_COST);
         assert!(data.read(0, 100_000).iter().all(|&b| b == 7));
+    }
+
+    #[test]
+    fn writes_inside_across_and_past_a_chunks_end_keep_its_bytes_and_zeros() {
+        let mut data = FileData::default();
+        data.write(0, b"hello");
+        // Across the end: the first bytes overwrite, the rest append.
+        data.write(3, b"world");
+        // Past the end with a gap: zeros between.
+        data.write(12, b"!");
+        // Inside.
+        data.write(1, b"E");
+        assert_eq!(data.read(0, 100), b"hElworld\0\0\0\0!");
+        assert_eq!(data.size(), 13);
+        assert_eq!(data.charged(), data.recount());
+        // A sparse chunk made by `allocate` (zeros) and then written across its end.
+        data.allocate(CHUNK, CHUNK + 4, true);
+        data.write(CHUNK + 2, b"abcd");
+        assert_eq!(data.read(CHUNK, 10), b"\0\0abcd");
+        assert_eq!(data.charged(), data.recount());
     }
 }

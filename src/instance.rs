@@ -57,6 +57,9 @@ pub struct Instance {
 struct Inner {
     control: Arc<Control>,
     vmm_pid: Option<u32>,
+    /// The VMM process's pidfd: `vmm_pid` is not handed out once it has exited. (Only ever
+    /// polled, never left half-changed by a panic: unwind-safe as the rest of `Inner` is.)
+    vmm_process: std::panic::AssertUnwindSafe<Arc<vmm::VmmProcess>>,
     shutdown_requested: Arc<AtomicBool>,
     next_id: AtomicU32,
     kernel_release: String,
@@ -528,7 +531,8 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
 
     // With a pid namespace the VM runs in a child of the helper the library started (`child`):
     // that child is the VMM process; killing `child` ends it too, soon after.
-    let vmm_process = vmm::VmmProcess::watch(vmm_pid);
+    let vmm_process = Arc::new(vmm::VmmProcess::watch(vmm_pid));
+    let watched_vmm = vmm_process.clone();
     let vmm_pid = Some(vmm_pid);
     let control = Control::start(
         stream,
@@ -638,6 +642,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         inner: Arc::new(Inner {
             control,
             vmm_pid,
+            vmm_process: std::panic::AssertUnwindSafe(watched_vmm),
             shutdown_requested,
             next_id: AtomicU32::new(1),
             kernel_release: hello.kernel_release,
@@ -841,9 +846,11 @@ impl Instance {
     }
 
     /// The host pid of the process that runs this VM (for monitoring its CPU and memory), or
-    /// `None` once it is no longer running ([`Instance::is_running`] is false). It is
-    /// `krunbox-vmm`; where the host allows a pid namespace it is the helper's child, pid 1 in
-    /// that namespace (see [`Instance::isolation`]).
+    /// `None` once that process has exited or the VM is no longer running
+    /// ([`Instance::is_running`] is false). It is `krunbox-vmm`; where the host allows a pid
+    /// namespace it is the helper's child, pid 1 in that namespace (see
+    /// [`Instance::isolation`]). Like any pid it is a snapshot: the process may exit right
+    /// after this returns.
     ///
     /// ```no_run
     /// # async fn demo(vm: krunbox::Instance) {
@@ -854,11 +861,11 @@ impl Instance {
     /// # }
     /// ```
     pub fn vmm_pid(&self) -> Option<u32> {
-        // Not only once the supervisor has recorded the exit: a VM declared hung, or one whose
-        // guest hung up, is being killed, and its process may be reaped (its pid free for
-        // reuse) a while before the supervisor gets there (the console drained, the VMM's
-        // last writes waited for).
-        if self.is_running() {
+        // Not only once the supervisor has recorded the exit: a VM declared hung is being
+        // killed, and a VM whose process ended is reaped (its pid free for reuse) a while
+        // before the supervisor gets there (the console drained, the VMM's last writes
+        // waited for).
+        if self.is_running() && !self.inner.vmm_process.has_exited() {
             self.inner.vmm_pid
         } else {
             None

@@ -695,6 +695,21 @@ impl VmmProcess {
         let Some(fd) = &self.0 else { return true };
         tokio::time::timeout(deadline, fd.readable()).await.is_ok()
     }
+
+    /// Whether the process is known to have exited now (a zombie counts); false where it
+    /// cannot be watched.
+    pub(crate) fn has_exited(&self) -> bool {
+        use std::os::fd::AsRawFd;
+        let Some(fd) = &self.0 else { return false };
+        let mut poll = libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd of ours, a descriptor the AsyncFd keeps open; no waiting.
+        let ready = unsafe { libc::poll(&mut poll, 1, 0) };
+        ready == 1 && poll.revents & libc::POLLIN != 0
+    }
 }
 
 #[cfg(test)]
@@ -713,12 +728,15 @@ mod tests {
         assert!(watched.0.is_some(), "pidfd_open");
         let short = std::time::Duration::from_millis(200);
         assert!(!watched.exited_within(short).await, "it still runs");
+        assert!(!watched.has_exited());
         child.kill().unwrap();
         assert!(
             watched
                 .exited_within(std::time::Duration::from_secs(10))
                 .await
         );
+        assert!(watched.has_exited(), "a zombie has exited");
         child.wait().unwrap();
+        assert!(watched.has_exited(), "and a reaped process too");
     }
 }

@@ -23,9 +23,11 @@ use super::types::*;
 /// A call is first polled by the task that serves its mount (most calls are answered without
 /// waiting, and a task each would cost them more than their work); only if it returns
 /// `Pending` does it get a task of its own. So a call must not block its thread: one that
-/// does holds up every request of its mount meanwhile. Make blocking work on tokio's
-/// blocking pool (`spawn_blocking`, or `block_in_place` after a first `yield_now().await`),
-/// as [`HostDir`](super::HostDir) does for its writes.
+/// does holds up every request of its mount meanwhile (and, unless it is in `block_in_place`,
+/// the runtime's other tasks on that thread). Make blocking work on tokio's blocking pool
+/// (`spawn_blocking`, or `block_in_place` after a first `yield_now().await`), as
+/// [`HostDir`](super::HostDir) does for its large writes; it makes a small write in
+/// `block_in_place` without yielding, holding its mount for the write's microseconds.
 ///
 /// # Example
 ///

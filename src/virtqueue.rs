@@ -354,7 +354,7 @@ pub(crate) fn write_at_from_guest(
     regions: &[(GuestAddress, u32)],
     skip: usize,
     len: usize,
-    file: &std::fs::File,
+    file: &impl AsRawFd,
     offset: u64,
 ) -> std::io::Result<()> {
     let mut iovecs = Vec::new();
@@ -362,6 +362,36 @@ pub(crate) fn write_at_from_guest(
     // SAFETY: the iovecs point into guest memory (mapped while `mem` lives), and `pwritev`
     // only reads through them.
     unsafe { transfer_all(file.as_raw_fd(), &mut iovecs, Direction::WriteAt(offset)) }
+}
+
+/// Writes bytes `skip..skip + len` of `regions` into `file` at `offset` as
+/// [`write_at_from_guest`] does, but a failure after some bytes were written is not an error:
+/// it returns how many were (as `pwrite` does, so a write that fills the disk is a short one).
+pub(crate) fn write_some_at_from_guest(
+    mem: &GuestMemoryMmap,
+    regions: &[(GuestAddress, u32)],
+    skip: usize,
+    len: usize,
+    file: &impl AsRawFd,
+    offset: u64,
+) -> std::io::Result<usize> {
+    let mut iovecs = Vec::new();
+    host_iovecs(mem, regions, skip, len, &mut iovecs)?;
+    let mut done = 0;
+    // SAFETY: the iovecs point into guest memory (mapped while `mem` lives), and `pwritev`
+    // only reads through them.
+    let result = unsafe {
+        transfer_counted(
+            file.as_raw_fd(),
+            &mut iovecs,
+            Direction::WriteAt(offset),
+            &mut done,
+        )
+    };
+    match result {
+        Err(err) if done == 0 => Err(err),
+        _ => Ok(done as usize),
+    }
 }
 
 /// Reads `len` bytes of `file` at `offset` into bytes `skip..skip + len` of `regions`,
@@ -449,10 +479,26 @@ unsafe fn transfer_all(
     iovecs: &mut [libc::iovec],
     direction: Direction,
 ) -> std::io::Result<()> {
+    let mut done = 0;
+    // SAFETY: the caller vouches for the iovecs.
+    unsafe { transfer_counted(fd, iovecs, direction, &mut done) }
+}
+
+/// [`transfer_all`], counting in `done` (0 on entry: a positional transfer's offset advances
+/// by it) the bytes moved, also those before a failure.
+///
+/// # Safety
+/// As for [`transfer_all`].
+unsafe fn transfer_counted(
+    fd: std::os::fd::RawFd,
+    iovecs: &mut [libc::iovec],
+    direction: Direction,
+    done: &mut u64,
+) -> std::io::Result<()> {
     /// Linux's `IOV_MAX`.
     const IOV_MAX: usize = 1024;
+    debug_assert_eq!(*done, 0, "a positional transfer starts at its offset");
     let mut at = 0;
-    let mut done: u64 = 0;
     loop {
         while at < iovecs.len() && iovecs[at].iov_len == 0 {
             at += 1;
@@ -468,10 +514,10 @@ unsafe fn transfer_all(
                 Direction::Send => libc::writev(fd, batch.as_ptr(), count),
                 Direction::Receive => libc::readv(fd, batch.as_ptr(), count),
                 Direction::WriteAt(offset) => {
-                    libc::pwritev(fd, batch.as_ptr(), count, (offset + done) as libc::off_t)
+                    libc::pwritev(fd, batch.as_ptr(), count, (offset + *done) as libc::off_t)
                 }
                 Direction::ReadAt(offset) => {
-                    libc::preadv(fd, batch.as_ptr(), count, (offset + done) as libc::off_t)
+                    libc::preadv(fd, batch.as_ptr(), count, (offset + *done) as libc::off_t)
                 }
             }
         };
@@ -500,7 +546,7 @@ unsafe fn transfer_all(
                 }
             };
         }
-        done += moved as u64;
+        *done += moved as u64;
         let mut moved = moved as usize;
         while moved > 0 {
             let first = &mut iovecs[at];

@@ -40,6 +40,7 @@ pub(crate) mod service;
 mod types;
 pub(crate) mod virtio;
 mod virtual_fs;
+mod write_data;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -49,6 +50,7 @@ pub use host_dir::HostDir;
 pub use memory::MemoryFs;
 pub use types::*;
 pub use virtual_fs::VirtualFs;
+pub use write_data::WriteData;
 
 /// How a filesystem is mounted in the guest.
 ///

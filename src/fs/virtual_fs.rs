@@ -3,6 +3,7 @@
 use std::ffi::OsStr;
 
 use super::types::*;
+use super::WriteData;
 
 /// A filesystem whose every operation the host implements: the guest sees it as an ordinary
 /// POSIX directory tree at the path it is mounted on, and never sees a host path.
@@ -224,6 +225,62 @@ pub trait VirtualFs: Send + Sync + 'static {
     ) -> FsResult<u32> {
         let _ = (ino, handle, offset, data);
         Err(FsError::UNSUPPORTED)
+    }
+
+    /// Writes `data` at `offset`, as [`write`](VirtualFs::write) does, given the bytes where
+    /// the guest put them: every write of the guest's arrives here. The default copies them
+    /// into a buffer (where they are not in one already) and calls `write`.
+    ///
+    /// Implement it to save that copy: when the library serves a mount's queues, the data is
+    /// still in guest memory, and [`WriteData::copy_to`] copies any part of it straight to
+    /// where it goes.
+    ///
+    /// ```
+    /// use krunbox::fs::{FileHandle, FsError, FsResult, InodeId, VirtualFs, WriteData};
+    /// # use std::sync::Mutex;
+    ///
+    /// /// One file of at most 4 KiB, written in place.
+    /// struct Page(Mutex<[u8; 4096]>);
+    ///
+    /// #[krunbox::fs::async_trait]
+    /// impl VirtualFs for Page {
+    /// #   async fn lookup(&self, _: InodeId, _: &std::ffi::OsStr) -> FsResult<krunbox::fs::Entry> {
+    /// #       Err(FsError::NOT_FOUND)
+    /// #   }
+    /// #   async fn getattr(&self, _: InodeId) -> FsResult<krunbox::fs::Attr> { Err(FsError::NOT_FOUND) }
+    /// #   async fn readdir(&self, _: InodeId, _: FileHandle, _: u64) -> FsResult<Vec<krunbox::fs::DirEntry>> {
+    /// #       Ok(Vec::new())
+    /// #   }
+    ///     async fn write_data(
+    ///         &self,
+    ///         _ino: InodeId,
+    ///         _handle: FileHandle,
+    ///         offset: u64,
+    ///         data: WriteData<'_>,
+    ///     ) -> FsResult<u32> {
+    ///         let mut page = self.0.lock().unwrap();
+    ///         let start = usize::try_from(offset).map_err(|_| FsError::NO_SPACE)?;
+    ///         let end = start.checked_add(data.len()).ok_or(FsError::NO_SPACE)?;
+    ///         let target = page.get_mut(start..end).ok_or(FsError::NO_SPACE)?;
+    ///         data.copy_to(0, target)?;
+    ///         Ok(data.len() as u32)
+    ///     }
+    /// }
+    /// ```
+    async fn write_data(
+        &self,
+        ino: InodeId,
+        handle: FileHandle,
+        offset: u64,
+        data: WriteData<'_>,
+    ) -> FsResult<u32> {
+        match data.as_bytes() {
+            Some(bytes) => self.write(ino, handle, offset, bytes).await,
+            None => {
+                let bytes = data.to_vec()?;
+                self.write(ino, handle, offset, &bytes).await
+            }
+        }
     }
 
     /// A descriptor of the open file was closed (`close(2)`); the file stays open while others

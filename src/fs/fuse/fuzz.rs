@@ -1,14 +1,18 @@
 //! The fuzz property of a mount's connection (`fuzz/fuzz_targets/fs_request.rs`): a hostile
-//! guest's bytes, read as the service reads them, answered by a [`MemoryFs`].
+//! guest's bytes, read as the service reads them, answered by a [`MemoryFs`]. Every other
+//! write (by its request id) has its data in guest memory, spread over buffers of the id's
+//! choosing, as the library's serving of a mount's queues hands writes over.
 
 use std::sync::Arc;
 
 use fuse_backend_rs::abi::fuse_abi as abi;
 use vm_memory::ByteValued;
 
-use super::request::{IN_HEADER_LEN, MAX_REQUEST};
+use krun_sys::device::{Bytes, GuestAddress, GuestMemoryMmap};
+
+use super::request::{IN_HEADER_LEN, MAX_REQUEST, WRITE_IN_LEN, WRITE_OPCODE};
 use super::Session;
-use crate::fs::{MemoryFs, MountOptions};
+use crate::fs::{MemoryFs, MountOptions, WriteData};
 
 const OUT_HEADER_LEN: usize = std::mem::size_of::<abi::OutHeader>();
 
@@ -20,6 +24,28 @@ const OUT_HEADER_LEN: usize = std::mem::size_of::<abi::OutHeader>();
 /// field is its length, its unique id the request's, its error 0 or a negated errno.
 pub(crate) fn fuzz_session(data: &[u8]) {
     converse(data);
+}
+
+/// `data` in guest memory as a driver might lay it out: pieces of a size `unique` chooses (at
+/// most 256 of them), apart from each other, the first after `skip` bytes of something else.
+fn in_guest_memory(data: &[u8], unique: u64) -> (GuestMemoryMmap, Vec<(GuestAddress, u32)>, usize) {
+    let piece = (1 + (unique >> 1) as usize % 4093).max(data.len() / 256 + 1);
+    let skip = (unique >> 13) as usize % 3;
+    let stride = skip + piece + 8;
+    let count = data.len().div_ceil(piece);
+    let size = (count * stride).next_multiple_of(4096);
+    let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), size)]).expect("guest memory");
+    let mut regions = Vec::with_capacity(count);
+    for (i, chunk) in data.chunks(piece).enumerate() {
+        let at = (i * stride) as u64;
+        let lead = if i == 0 { skip } else { 0 };
+        mem.write_slice(&vec![0xee; lead], GuestAddress(at))
+            .expect("in memory");
+        mem.write_slice(chunk, GuestAddress(at + lead as u64))
+            .expect("in memory");
+        regions.push((GuestAddress(at), (lead + chunk.len()) as u32));
+    }
+    (mem, regions, skip)
 }
 
 /// Answers `data` as [`fuzz_session`] does and returns each reply's request id and error.
@@ -47,7 +73,17 @@ fn converse(data: &[u8]) -> Vec<(u64, i32)> {
             let (message, after) = rest.split_at(length);
             rest = after;
             let unique = u64::from_le_bytes(message[8..16].try_into().unwrap());
-            match session.handle(message).await {
+            let opcode = u32::from_le_bytes(message[4..8].try_into().unwrap());
+            let head_len = IN_HEADER_LEN + WRITE_IN_LEN;
+            let handled = if opcode == WRITE_OPCODE && message.len() > head_len && unique % 2 == 0 {
+                let (head, data) = message.split_at(head_len);
+                let (mem, regions, skip) = in_guest_memory(data, unique);
+                let data = WriteData::in_guest(&mem, &regions, skip, data.len());
+                session.handle_with(head, Some(data)).await
+            } else {
+                session.handle(message).await
+            };
+            match handled {
                 Ok(Some(reply)) => {
                     check_reply(&reply, unique);
                     let error = i32::from_le_bytes(reply[4..8].try_into().unwrap());

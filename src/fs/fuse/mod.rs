@@ -13,5 +13,5 @@ pub(crate) mod reply;
 pub(crate) mod request;
 pub(crate) mod session;
 
-pub(crate) use request::{is_unanswered, IN_HEADER_LEN, MAX_REQUEST};
+pub(crate) use request::{is_unanswered, IN_HEADER_LEN, MAX_REQUEST, WRITE_IN_LEN, WRITE_OPCODE};
 pub(crate) use session::Session;

@@ -11,8 +11,14 @@ use std::os::unix::ffi::OsStrExt;
 use fuse_backend_rs::abi::fuse_abi as abi;
 use vm_memory::ByteValued;
 
+use crate::fs::WriteData;
+
 /// The FUSE request header's size.
 pub(crate) const IN_HEADER_LEN: usize = std::mem::size_of::<abi::InHeader>();
+
+/// A write's opcode, and the length of its own header after the request's (its data follows).
+pub(crate) const WRITE_OPCODE: u32 = abi::Opcode::Write as u32;
+pub(crate) const WRITE_IN_LEN: usize = std::mem::size_of::<abi::WriteIn>();
 
 /// The largest write the session negotiates (`max_write`): 1 MiB, 256 pages.
 pub(crate) const MAX_WRITE: u32 = 1 << 20;
@@ -149,7 +155,7 @@ pub(crate) enum Operation<'a> {
     Write {
         handle: u64,
         offset: u64,
-        data: &'a [u8],
+        data: WriteData<'a>,
         /// Clear set-user-ID and set-group-ID first (a caller without `CAP_FSETID`, under
         /// `HANDLE_KILLPRIV_V2`).
         kill_suid_sgid: bool,
@@ -296,7 +302,18 @@ fn kills_on_open(flags: u32, fuse_flags: u32) -> bool {
 }
 
 /// Decodes one whole request (exactly the bytes its header's length covers).
+#[cfg(test)]
 pub(crate) fn decode(message: &[u8]) -> Result<Request<'_>, DecodeError> {
+    decode_with(message, None)
+}
+
+/// Decodes one request whose write data, if `data_elsewhere` is given, is not in `message`
+/// but follows it (the request's bytes in guest memory, of which `message` is the copied
+/// head: the headers). Only a write may have data elsewhere, and then none in `message`.
+pub(crate) fn decode_with<'a>(
+    message: &'a [u8],
+    data_elsewhere: Option<WriteData<'a>>,
+) -> Result<Request<'a>, DecodeError> {
     if message.len() < IN_HEADER_LEN {
         return Err(DecodeError::Truncated(message.len()));
     }
@@ -304,10 +321,13 @@ pub(crate) fn decode(message: &[u8]) -> Result<Request<'_>, DecodeError> {
     header
         .as_mut_slice()
         .copy_from_slice(&message[..IN_HEADER_LEN]);
-    if header.len as usize != message.len() || message.len() > MAX_REQUEST {
+    let total = message
+        .len()
+        .saturating_add(data_elsewhere.map_or(0, |data| data.len()));
+    if header.len as usize != total || total > MAX_REQUEST {
         return Err(DecodeError::BadLength {
             said: header.len,
-            got: message.len(),
+            got: total,
         });
     }
     let opcode = header.opcode;
@@ -323,6 +343,9 @@ pub(crate) fn decode(message: &[u8]) -> Result<Request<'_>, DecodeError> {
         bytes: &message[IN_HEADER_LEN..],
         opcode,
     };
+    if data_elsewhere.is_some() && opcode != WRITE_OPCODE {
+        return Err(body.malformed("data after the headers of a request that is not a write"));
+    }
     // Matched as numbers: fuse-backend-rs's `From<u32> for Opcode` transmutes any value below
     // its last opcode, and the numbers FUSE skips (0, 7, 19) are no variant of the enum.
     use abi::Opcode as Op;
@@ -488,7 +511,13 @@ pub(crate) fn decode(message: &[u8]) -> Result<Request<'_>, DecodeError> {
         }
         WRITE => {
             let args: abi::WriteIn = body.take()?;
-            let data = body.rest();
+            let data = match data_elsewhere {
+                None => WriteData::from_bytes(body.rest()),
+                Some(data) if body.rest().is_empty() => data,
+                Some(_) => {
+                    return Err(body.malformed("a write with data both in and after its headers"))
+                }
+            };
             if data.len() != args.size as usize {
                 return Err(body.malformed("a write whose size disagrees with its data"));
             }
@@ -675,6 +704,73 @@ pub(crate) mod tests {
         // A body shorter than its fixed arguments.
         assert!(matches!(
             decode(&message(15, 1, 2, &[0; 8])),
+            Err(DecodeError::Malformed { .. })
+        ));
+    }
+
+    /// A write whose data follows its headers in guest memory: its header's length counts
+    /// the data, its size must match it, and only a write may have any.
+    #[test]
+    fn data_after_the_headers_is_a_writes_alone_and_its_length_is_checked() {
+        let data = [7u8; 100];
+        let args = abi::WriteIn {
+            fh: 3,
+            offset: 4096,
+            size: 100,
+            ..Default::default()
+        };
+        // The header's length says headers plus data, as the guest's does.
+        let mut head = message(16, 1, 2, args.as_slice());
+        let said = (head.len() + data.len()) as u32;
+        head[..4].copy_from_slice(&said.to_le_bytes());
+        let request = decode_with(&head, Some(WriteData::from_bytes(&data))).unwrap();
+        match request.operation {
+            Operation::Write {
+                handle,
+                offset,
+                data: written,
+                ..
+            } => {
+                assert_eq!((handle, offset), (3, 4096));
+                assert_eq!(written.to_vec().unwrap(), data);
+            }
+            other => panic!("{other:?}"),
+        }
+        // A header's length that counts only the headers.
+        let unframed = message(16, 1, 2, args.as_slice());
+        assert!(matches!(
+            decode_with(&unframed, Some(WriteData::from_bytes(&data))),
+            Err(DecodeError::BadLength { .. })
+        ));
+        // A size that is not the data's.
+        assert!(matches!(
+            decode_with(&head, Some(WriteData::from_bytes(&data[..99]))),
+            Err(DecodeError::BadLength { .. })
+        ));
+        let mut short = head.clone();
+        short[..4].copy_from_slice(&((head.len() + 99) as u32).to_le_bytes());
+        assert!(matches!(
+            decode_with(&short, Some(WriteData::from_bytes(&data[..99]))),
+            Err(DecodeError::Malformed { .. })
+        ));
+        // Data both in the message and after it.
+        let mut both = message(16, 1, 2, &[args.as_slice(), &data].concat());
+        let said = (both.len() + 100) as u32;
+        both[..4].copy_from_slice(&said.to_le_bytes());
+        assert!(matches!(
+            decode_with(&both, Some(WriteData::from_bytes(&data))),
+            Err(DecodeError::Malformed { .. })
+        ));
+        // Data after a read's headers.
+        let read = abi::ReadIn {
+            size: 100,
+            ..Default::default()
+        };
+        let mut head = message(15, 1, 2, read.as_slice());
+        let said = (head.len() + data.len()) as u32;
+        head[..4].copy_from_slice(&said.to_le_bytes());
+        assert!(matches!(
+            decode_with(&head, Some(WriteData::from_bytes(&data))),
             Err(DecodeError::Malformed { .. })
         ));
     }

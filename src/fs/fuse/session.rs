@@ -13,7 +13,7 @@ use fuse_backend_rs::abi::fuse_abi as abi;
 use super::reply;
 use super::request::{self, Operation, Request, MAX_WRITE};
 use crate::fs::types::*;
-use crate::fs::{MountOptions, VirtualFs};
+use crate::fs::{MountOptions, VirtualFs, WriteData};
 
 /// The FUSE protocol minor version the session speaks (7.33: `max_pages`, cached symlinks,
 /// parallel directory operations, `HANDLE_KILLPRIV_V2`). A newer kernel speaks it too; an older one is refused.
@@ -105,7 +105,17 @@ impl Session {
         &self,
         message: &[u8],
     ) -> Result<Option<Vec<u8>>, request::DecodeError> {
-        let request = match request::decode(message) {
+        self.handle_with(message, None).await
+    }
+
+    /// Answers one request whose write data, if `data_elsewhere` is given, follows `message`
+    /// in guest memory rather than being in it (see [`request::decode_with`]).
+    pub(crate) async fn handle_with(
+        &self,
+        message: &[u8],
+        data_elsewhere: Option<WriteData<'_>>,
+    ) -> Result<Option<Vec<u8>>, request::DecodeError> {
+        let request = match request::decode_with(message, data_elsewhere) {
             Ok(request) => request,
             Err(
                 err @ (request::DecodeError::BadLength { .. } | request::DecodeError::Truncated(_)),
@@ -416,7 +426,9 @@ impl Session {
                 if kill_suid_sgid {
                     self.kill_suid_sgid(node, caller).await?;
                 }
-                let written = fs.write(node, FileHandle(handle), offset, data).await?;
+                let written = fs
+                    .write_data(node, FileHandle(handle), offset, data)
+                    .await?;
                 reply::write(unique, written.min(data.len() as u32))
             }
             Operation::Flush { handle } => {

@@ -4,6 +4,8 @@
 mod overlay;
 mod sys;
 
+pub(crate) use sys::pwrite_full;
+
 #[cfg(test)]
 mod escape_tests;
 #[cfg(test)]
@@ -20,7 +22,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use overlay::{host_perm, Overlay, PRIVATE_PREFIX, XATTR};
 
 use super::types::*;
-use super::VirtualFs;
+use super::{VirtualFs, WriteData};
 
 /// The most inodes the guest can hold at once (each is an open `O_PATH` descriptor of the
 /// host process): past that, a lookup fails with `ENFILE` until the guest forgets some.
@@ -1523,6 +1525,17 @@ impl VirtualFs for HostDir {
         offset: u64,
         data: &[u8],
     ) -> FsResult<u32> {
+        self.write_data(ino, handle, offset, WriteData::from_bytes(data))
+            .await
+    }
+
+    async fn write_data(
+        &self,
+        ino: InodeId,
+        handle: FileHandle,
+        offset: u64,
+        data: WriteData<'_>,
+    ) -> FsResult<u32> {
         self.inner.writable()?;
         let file = self.inner.file(ino, handle)?;
         if !file.write {
@@ -1534,7 +1547,8 @@ impl VirtualFs for HostDir {
         // Any write can be held up by the host's dirty-page throttling, which a guest writing
         // fast brings about on purpose: never on a runtime thread that other tasks wait for.
         // On a multi-threaded runtime this thread hands its other tasks to another worker and
-        // writes the guest's bytes where they are; elsewhere they are copied for the pool.
+        // writes the guest's bytes where they are (in guest memory when the library serves
+        // the mount's queues: `pwritev` from there); elsewhere they are copied for the pool.
         let multi_threaded = tokio::runtime::Handle::try_current()
             .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
         // A large write is also kept out of the caller's first poll (the mount's task answers
@@ -1547,10 +1561,10 @@ impl VirtualFs for HostDir {
         }
         if multi_threaded {
             return tokio::task::block_in_place(|| {
-                Ok(sys::pwrite_full(file.fd.as_fd(), offset, data)? as u32)
+                Ok(data.write_at(file.fd.as_fd(), offset)? as u32)
             });
         }
-        let data = data.to_vec();
+        let data = data.to_vec()?;
         self.run_blocking(move |_| Ok(sys::pwrite_full(file.fd.as_fd(), offset, &data)? as u32))
             .await
     }

@@ -273,7 +273,7 @@ pub(super) fn pread_full(fd: BorrowedFd<'_>, offset: u64, size: usize) -> io::Re
 
 /// Writes all of `data` at `offset`, or as much as fits (a partial count, if the filesystem
 /// fills after some was written).
-pub(super) fn pwrite_full(fd: BorrowedFd<'_>, offset: u64, data: &[u8]) -> io::Result<usize> {
+pub(crate) fn pwrite_full(fd: BorrowedFd<'_>, offset: u64, data: &[u8]) -> io::Result<usize> {
     let mut done = 0;
     while done < data.len() {
         let at = offset

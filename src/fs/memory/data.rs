@@ -8,6 +8,8 @@
 
 use std::collections::BTreeMap;
 
+use crate::fs::{FsResult, WriteData};
+
 /// The size of one chunk.
 pub(super) const CHUNK: u64 = 64 * 1024;
 
@@ -118,29 +120,51 @@ impl FileData {
     /// Writes `data` at `offset` (the caller checked the size and the cost) and returns how
     /// many more bytes the buffers hold.
     pub(super) fn write(&mut self, offset: u64, data: &[u8]) -> u64 {
+        // Bytes in a buffer always copy.
+        self.write_data(offset, WriteData::from_bytes(data)).0
+    }
+
+    /// Writes `data` at `offset` (the caller checked the size and the cost), copying it
+    /// straight from where it is (guest memory, or a buffer). Returns how many more bytes the
+    /// buffers hold, and whether every byte copied: guest memory that could not be read
+    /// (never expected: its ranges were checked) leaves zeros, and `EIO` for the guest.
+    pub(super) fn write_data(&mut self, offset: u64, data: WriteData<'_>) -> (u64, FsResult<()>) {
         let end = offset + data.len() as u64;
         let mut added = 0;
+        let mut copied = Ok(());
         for (index, from, to, at) in spans(offset, end) {
             let (chunk, grew) = self.chunk_with_room(index, to);
-            let bytes = &data[at..at + (to - from)];
+            added += grew;
+            let n = to - from;
             // Bytes past the chunk's end are appended rather than zeroed and then
             // overwritten: a file written from start to end is copied once, not twice.
+            // (Guest memory is copied into zeros: it is never seen as a slice.)
             let len = chunk.len();
-            if to <= len {
-                chunk[from..to].copy_from_slice(bytes);
+            let (inside, past) = if to <= len {
+                (n, 0)
             } else if from >= len {
                 chunk.resize(from, 0);
-                chunk.extend_from_slice(bytes);
+                (0, n)
             } else {
-                let (inside, past) = bytes.split_at(len - from);
-                chunk[from..].copy_from_slice(inside);
-                chunk.extend_from_slice(past);
+                (len - from, to - len)
+            };
+            if inside > 0 {
+                copied = copied.and(data.copy_to(at, &mut chunk[from..from + inside]));
             }
-            added += grew;
+            if past > 0 {
+                match data.as_bytes() {
+                    Some(bytes) => chunk.extend_from_slice(&bytes[at + inside..at + n]),
+                    None => {
+                        let start = chunk.len();
+                        chunk.resize(start + past, 0);
+                        copied = copied.and(data.copy_to(at + inside, &mut chunk[start..]));
+                    }
+                }
+            }
         }
         self.charged += added;
         self.size = self.size.max(end);
-        added
+        (added, copied)
     }
 
     /// Gives `[offset, end)` buffers (zeros where nothing was written; written bytes stay) and
@@ -298,5 +322,48 @@ mod tests {
         data.write(CHUNK + 2, b"abcd");
         assert_eq!(data.read(CHUNK, 10), b"\0\0abcd");
         assert_eq!(data.charged(), data.recount());
+    }
+
+    /// The same writes with their bytes in guest memory (pieces of 3 bytes, apart) leave the
+    /// same file and the same accounting as from a buffer: inside, across and past a
+    /// chunk's end, over a chunk boundary.
+    #[test]
+    fn writes_from_guest_memory_leave_what_writes_from_a_buffer_leave() {
+        use krun_sys::device::{Bytes, GuestAddress, GuestMemoryMmap};
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 16)]).unwrap();
+        let in_guest = |bytes: &[u8]| {
+            let regions: Vec<(GuestAddress, u32)> = bytes
+                .chunks(3)
+                .enumerate()
+                .map(|(i, piece)| {
+                    let at = GuestAddress(i as u64 * 16);
+                    mem.write_slice(piece, at).unwrap();
+                    (at, piece.len() as u32)
+                })
+                .collect();
+            regions
+        };
+        let writes: [(u64, &[u8]); 6] = [
+            (0, b"hello"),
+            (3, b"world"),
+            (12, b"!"),
+            (1, b"E"),
+            (CHUNK - 4, b"across the boundary"),
+            (2 * CHUNK + 100, b"far past the end"),
+        ];
+        let mut from_guest = FileData::default();
+        let mut from_buffer = FileData::default();
+        for (offset, bytes) in writes {
+            let regions = in_guest(bytes);
+            let (added, copied) =
+                from_guest.write_data(offset, WriteData::in_guest(&mem, &regions, 0, bytes.len()));
+            copied.unwrap();
+            assert_eq!(added, from_buffer.write(offset, bytes));
+            assert_eq!(from_guest.charged(), from_guest.recount());
+        }
+        assert_eq!(from_guest.size(), from_buffer.size());
+        let size = from_guest.size();
+        assert_eq!(from_guest.read(0, size), from_buffer.read(0, size));
+        assert_eq!(from_guest.read(CHUNK - 4, 19), b"across the boundary");
     }
 }

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use self::data::FileData;
 use self::tree::{Limits, NewNode, Tree};
 use super::types::*;
-use super::VirtualFs;
+use super::{VirtualFs, WriteData};
 
 /// A POSIX filesystem held in host memory: mount it in a sandbox, seed it before the boot, read
 /// what the guest wrote while it runs or after, change files the guest then sees.
@@ -475,6 +475,18 @@ impl VirtualFs for MemoryFs {
         offset: u64,
         data: &[u8],
     ) -> FsResult<u32> {
+        self.write_data(ino, handle, offset, WriteData::from_bytes(data))
+            .await
+    }
+
+    async fn write_data(
+        &self,
+        ino: InodeId,
+        handle: FileHandle,
+        offset: u64,
+        data: WriteData<'_>,
+    ) -> FsResult<u32> {
+        // Straight from guest memory into the file's chunks.
         self.lock().write(ino.0, handle.0, offset, data)
     }
 

@@ -50,7 +50,6 @@ pub(crate) fn run(data: &[u8]) -> usize {
             interrupt,
             session: Arc::new(session),
             slots: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
-            spare: Mutex::new(Vec::new()),
         });
         let mut requests = JoinSet::new();
         // Turns until the ring is drained (a broken ring is only a reason to stop): a ring

@@ -7,9 +7,10 @@
 //! and does nothing more for the device. Here a task per mount waits on the notifications
 //! (KVM signals them when the guest notifies a queue), takes each request off its ring with
 //! the same bounded code the helper's device uses (`crate::virtqueue`), copies its bytes out
-//! once, answers it in a task of its own (at most [`MAX_IN_FLIGHT`] at once, past which the
-//! rest wait on the ring), writes the reply into the request's own buffers and interrupts the
-//! guest through the irqfd. A request costs the guest's exit, this process's wake-up and the
+//! once (a write's data not even that: the filesystem takes it from guest memory, see
+//! [`WriteData`]), answers it in place, or in a task of its own when it must wait (at most
+//! [`MAX_IN_FLIGHT`] at once, past which the rest wait on the ring), writes the reply into the
+//! request's own buffers and interrupts the guest through the irqfd. A request costs the guest's exit, this process's wake-up and the
 //! interrupt, as a request to libkrun's own devices does.
 //!
 //! Everything of the guest is bounded as in the helper's device: a request's bytes (at most
@@ -26,10 +27,11 @@ use tokio::net::UnixStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
-use super::fuse::{is_unanswered, Session, IN_HEADER_LEN};
+use super::fuse::{is_unanswered, Session, IN_HEADER_LEN, WRITE_IN_LEN, WRITE_OPCODE};
 use super::service::MAX_IN_FLIGHT;
 use super::virtio::handover::{self, RINGS};
 use super::virtio::{fail_request, read_in_header, LIMITS, QUEUE_SIZE};
+use super::WriteData;
 use crate::guest_memory::GuestMemoryFile;
 use crate::virtqueue::{
     complete, gather, next_request, rings_in_memory, scatter, Drained, Next, Popped,
@@ -82,7 +84,6 @@ pub(crate) async fn serve(
         interrupt: received.interrupt,
         session,
         slots: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
-        spare: Mutex::new(Vec::new()),
     });
     let mut notifications = Vec::with_capacity(RINGS);
     for fd in received.notifications {
@@ -165,17 +166,7 @@ struct Device {
     session: Arc<Session>,
     /// Requests answered at once.
     slots: Arc<Semaphore>,
-    /// Buffers of large requests (file data) done with, at most [`SPARE_BUFFERS`]: a new one
-    /// would be zeroed before the request's bytes overwrite it, a pass over a MiB that cost
-    /// large writes a tenth of their rate under nested emulation.
-    spare: Mutex<Vec<Vec<u8>>>,
 }
-
-/// Requests larger than this get their buffer from [`Device::spare`] when it holds one.
-const LARGE: usize = 64 * 1024;
-
-/// The most spare buffers a mount keeps (each at most `MAX_REQUEST`).
-const SPARE_BUFFERS: usize = 4;
 
 impl Device {
     /// Takes up to [`TURN`] requests off ring `index` and starts answering each, waiting for
@@ -196,33 +187,6 @@ impl Device {
             while requests.try_join_next().is_some() {}
         }
         Turn::More
-    }
-
-    /// A buffer of `len` bytes for a request, to be overwritten whole: a spare one for a large
-    /// request (not zeroed again, only what it lacks), else a new one.
-    fn buffer(&self, len: usize) -> Vec<u8> {
-        if len > LARGE {
-            let spare = self.spare.lock().unwrap_or_else(|p| p.into_inner()).pop();
-            if let Some(mut buffer) = spare {
-                if buffer.len() >= len {
-                    buffer.truncate(len);
-                } else {
-                    buffer.resize(len, 0);
-                }
-                return buffer;
-            }
-        }
-        vec![0u8; len]
-    }
-
-    /// Keeps a large request's buffer for the next.
-    fn give_back(&self, buffer: Vec<u8>) {
-        if buffer.len() > LARGE {
-            let mut spare = self.spare.lock().unwrap_or_else(|p| p.into_inner());
-            if spare.len() < SPARE_BUFFERS {
-                spare.push(buffer);
-            }
-        }
     }
 
     /// Interrupts the guest: some request is complete.
@@ -251,7 +215,8 @@ impl Device {
         });
     }
 
-    /// Copies one request out of guest memory and answers it in a task of its own.
+    /// Copies one request's headers out of guest memory (the rest too unless it is a write's
+    /// data) and answers it ([`answer`]).
     fn take(
         self: &Arc<Self>,
         index: usize,
@@ -270,9 +235,17 @@ impl Device {
         let Some((header, opcode, unique)) = read_in_header(&self.mem, &chain) else {
             return fail(0);
         };
+        // A write's data stays in guest memory: the filesystem takes it from there
+        // (`VirtualFs::write_data`), one pass over its bytes rather than two.
+        let head_len =
+            if opcode == WRITE_OPCODE && chain.readable_len > IN_HEADER_LEN + WRITE_IN_LEN {
+                IN_HEADER_LEN + WRITE_IN_LEN
+            } else {
+                chain.readable_len
+            };
         // The header as checked, then the rest: a guest changing its memory meanwhile
         // changes only the bytes after it.
-        let mut message = self.buffer(chain.readable_len);
+        let mut message = vec![0u8; head_len];
         message[..IN_HEADER_LEN].copy_from_slice(&header);
         if gather(
             &self.mem,
@@ -299,8 +272,17 @@ impl Device {
         }
         let answering = async move {
             let _permit = permit;
-            let handled = device.session.handle(&message).await;
-            device.give_back(message);
+            let handled = if head_len < chain.readable_len {
+                let data = WriteData::in_guest(
+                    &device.mem,
+                    &chain.readable,
+                    head_len,
+                    chain.readable_len - head_len,
+                );
+                device.session.handle_with(&message, Some(data)).await
+            } else {
+                device.session.handle(&message).await
+            };
             let written = match handled {
                 Ok(Some(reply)) => {
                     let fits = reply.len().min(chain.writable_len());
@@ -340,5 +322,119 @@ fn answer(answering: impl Future<Output = ()> + Send + 'static, requests: &mut J
         Err(_) => {
             tracing::error!(target: "krunbox::fs", "a filesystem call panicked; its request is not answered");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use fuse_backend_rs::abi::fuse_abi as abi;
+    use krun_sys::device::Bytes;
+    use vm_memory::ByteValued;
+
+    use super::*;
+    use crate::fs::fuse::fuzz::{init_request, request};
+    use crate::fs::{MemoryFs, MountOptions};
+    use crate::virtqueue::laid_out::{laid_out_queue, offer, USED_RING};
+
+    /// A write whose data lies over several of the guest's buffers, the first shared with its
+    /// headers, is taken from guest memory (not copied with the request) and lands whole in
+    /// the file; its reply says how much was written.
+    #[tokio::test]
+    async fn a_write_spread_over_guest_buffers_lands_whole_in_the_file() {
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let session = Session::new(Arc::new(MemoryFs::new()), MountOptions::new());
+        session.handle(&init_request(1)).await.unwrap().unwrap();
+        let create = abi::CreateIn {
+            flags: (libc::O_RDWR | libc::O_CREAT) as u32,
+            mode: libc::S_IFREG | 0o644,
+            umask: 0o022,
+            fuse_flags: 0,
+        };
+        // The root is node 1; the new file node 2, its handle 1 (MemoryFs counts from there).
+        let created = session
+            .handle(&request(35, 2, 1, &[create.as_slice(), b"f\0"].concat()))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(i32::from_le_bytes(created[4..8].try_into().unwrap()), 0);
+
+        let data: Vec<u8> = (0..3100u32).map(|i| (i % 253) as u8).collect();
+        let args = abi::WriteIn {
+            fh: 1,
+            offset: 10,
+            size: data.len() as u32,
+            ..Default::default()
+        };
+        let mut head = request(16, 3, 2, args.as_slice());
+        let said = (head.len() + data.len()) as u32;
+        head[..4].copy_from_slice(&said.to_le_bytes());
+        // The headers and the first 100 bytes of data in one buffer, the rest in three.
+        let first = [&head[..], &data[..100]].concat();
+        mem.write_slice(&first, GuestAddress(0x10000)).unwrap();
+        mem.write_slice(&data[100..1100], GuestAddress(0x20000))
+            .unwrap();
+        mem.write_slice(&data[1100..2600], GuestAddress(0x30000))
+            .unwrap();
+        mem.write_slice(&data[2600..], GuestAddress(0x40000))
+            .unwrap();
+        offer(
+            &mem,
+            16,
+            0,
+            &[
+                (0x10000, first.len() as u32, false),
+                (0x20000, 1000, false),
+                (0x30000, 1500, false),
+                (0x40000, 500, false),
+                (0x50000, 4096, true),
+            ],
+        );
+        let ring = Arc::new(Mutex::new(laid_out_queue(16)));
+        let device = Arc::new(Device {
+            mem: mem.clone(),
+            rings: vec![ring.clone(), ring],
+            interrupt: OwnedFd::from(nix::sys::eventfd::EventFd::new().unwrap()),
+            session: Arc::new(session),
+            slots: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
+        });
+        let mut requests = JoinSet::new();
+        assert!(matches!(
+            device.serve_ring(1, &mut requests).await,
+            Turn::Drained(Drained::Empty)
+        ));
+        while let Some(done) = requests.join_next().await {
+            done.unwrap();
+        }
+
+        // The used ring: one completion of the chain at descriptor 0, a write's reply long.
+        let used_idx: u16 = mem.read_obj(GuestAddress(USED_RING + 2)).unwrap();
+        assert_eq!(used_idx, 1);
+        let written_len: u32 = mem.read_obj(GuestAddress(USED_RING + 8)).unwrap();
+        let mut reply = vec![0u8; written_len as usize];
+        mem.read_slice(&mut reply, GuestAddress(0x50000)).unwrap();
+        assert_eq!(
+            i32::from_le_bytes(reply[4..8].try_into().unwrap()),
+            0,
+            "no error"
+        );
+        assert_eq!(u32::from_le_bytes(reply[16..20].try_into().unwrap()), 3100);
+
+        // What the file holds, read back through the session.
+        let read = abi::ReadIn {
+            fh: 1,
+            offset: 0,
+            size: 8192,
+            ..Default::default()
+        };
+        let back = device
+            .session
+            .handle(&request(15, 4, 2, read.as_slice()))
+            .await
+            .unwrap()
+            .unwrap();
+        let content = &back[16..];
+        assert_eq!(content.len(), 3110);
+        assert!(content[..10].iter().all(|&b| b == 0));
+        assert_eq!(&content[10..], &data[..]);
     }
 }

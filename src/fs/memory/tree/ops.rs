@@ -5,6 +5,7 @@ use std::ffi::OsString;
 use std::os::unix::ffi::OsStringExt;
 
 use super::*;
+use crate::fs::WriteData;
 
 impl Tree {
     // --- attributes ----------------------------------------------------------------------
@@ -150,7 +151,7 @@ impl Tree {
         ino: u64,
         fh: u64,
         offset: u64,
-        bytes: &[u8],
+        bytes: WriteData<'_>,
     ) -> FsResult<u32> {
         let Handle::File { write, append, .. } = self.file_handle(ino, fh)? else {
             return Err(FsError::BAD_HANDLE);
@@ -178,11 +179,12 @@ impl Tree {
         if used.checked_add(cost).is_none_or(|total| total > max) {
             return Err(FsError::NO_SPACE);
         }
-        let added = data.write(offset, bytes);
+        let (added, copied) = data.write_data(offset, bytes);
         let now = SystemTime::now();
         node.mtime = now;
         node.ctime = now;
         self.used += added;
+        copied?;
         Ok(len)
     }
 

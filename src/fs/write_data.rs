@@ -12,7 +12,7 @@
 //! own business: the write then holds some mix of its bytes), so it is read with volatile
 //! copies or by the kernel.
 
-use std::os::fd::BorrowedFd;
+use std::os::fd::{AsRawFd, BorrowedFd};
 
 use krun_sys::device::{GuestAddress, GuestMemoryMmap};
 
@@ -131,7 +131,7 @@ impl<'a> WriteData<'a> {
     /// `pwrite`'s (a write that fills the disk), and returns how many.
     pub(crate) fn write_at(&self, file: BorrowedFd<'_>, offset: u64) -> std::io::Result<usize> {
         match self.0 {
-            Source::Bytes(bytes) => super::host_dir::pwrite_full(file, offset, bytes),
+            Source::Bytes(bytes) => pwrite_full(file, offset, bytes),
             Source::Guest {
                 mem,
                 regions,
@@ -140,6 +140,42 @@ impl<'a> WriteData<'a> {
             } => write_some_at_from_guest(mem, regions, skip, len, &file, offset),
         }
     }
+}
+
+/// Writes all of `data` at `offset`, or as much as fits (a partial count, if the filesystem
+/// fills after some was written).
+fn pwrite_full(fd: BorrowedFd<'_>, offset: u64, data: &[u8]) -> std::io::Result<usize> {
+    let mut done = 0;
+    while done < data.len() {
+        let at = offset
+            .checked_add(done as u64)
+            .and_then(|at| i64::try_from(at).ok())
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EFBIG))?;
+        // SAFETY: the slice from `done` is in bounds.
+        let n = unsafe {
+            libc::pwrite(
+                fd.as_raw_fd(),
+                data[done..].as_ptr().cast(),
+                data.len() - done,
+                at,
+            )
+        };
+        if n < 0 {
+            let err = std::io::Error::last_os_error();
+            if err.raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            if done > 0 {
+                return Ok(done);
+            }
+            return Err(err);
+        }
+        if n == 0 {
+            break;
+        }
+        done += n as usize;
+    }
+    Ok(done)
 }
 
 impl std::fmt::Debug for WriteData<'_> {

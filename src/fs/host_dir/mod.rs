@@ -4,8 +4,6 @@
 mod overlay;
 mod sys;
 
-pub(crate) use sys::pwrite_full;
-
 #[cfg(test)]
 mod escape_tests;
 #[cfg(test)]
@@ -405,6 +403,19 @@ impl HostDir {
             .await
             .unwrap_or_else(|_| Err(FsError::IO))
     }
+
+    /// [`run_blocking`](Self::run_blocking) when `blocking`, else [`run`](Self::run).
+    async fn run_where<T: Send + 'static>(
+        &self,
+        blocking: bool,
+        op: impl FnOnce(&Inner) -> FsResult<T> + Send + 'static,
+    ) -> FsResult<T> {
+        if blocking {
+            self.run_blocking(op).await
+        } else {
+            self.run(op).await
+        }
+    }
 }
 
 impl std::fmt::Debug for HostDir {
@@ -508,6 +519,16 @@ fn close_later<T: Send + 'static>(held: T) {
         drop(held);
         CLOSING.fetch_sub(1, Ordering::Relaxed);
     });
+}
+
+/// Inserts into a map that holds at most `max` entries, letting an arbitrary one go when full.
+fn insert_bounded<V>(map: &mut HashMap<(u64, u64), V>, max: usize, key: (u64, u64), value: V) {
+    if map.len() >= max {
+        if let Some(&old) = map.keys().next() {
+            map.remove(&old);
+        }
+    }
+    map.insert(key, value);
 }
 
 /// An inode's ctime: (seconds, nanoseconds).
@@ -767,20 +788,15 @@ impl Inner {
             table.foreign.remove(&node.key);
             let state = *lock(&node.overlay);
             if let (true, Some(read_at)) = (state.persisted, state.read_at) {
-                if table.known.len() >= MAX_KNOWN {
-                    if let Some(&old) = table.known.keys().next() {
-                        table.known.remove(&old);
-                    }
-                }
-                table.known.insert(node.key, (read_at, state.record));
+                insert_bounded(
+                    &mut table.known,
+                    MAX_KNOWN,
+                    node.key,
+                    (read_at, state.record),
+                );
             }
             if let (Some(record), false) = (state.record, state.persisted) {
-                if table.volatile.len() >= MAX_VOLATILE {
-                    if let Some(&old) = table.volatile.keys().next() {
-                        table.volatile.remove(&old);
-                    }
-                }
-                table.volatile.insert(node.key, record);
+                insert_bounded(&mut table.volatile, MAX_VOLATILE, node.key, record);
             }
             node
         };
@@ -1348,13 +1364,11 @@ impl VirtualFs for HostDir {
     async fn setattr(&self, ino: InodeId, change: SetAttr, _caller: Caller) -> FsResult<Attr> {
         self.inner.writable()?;
         let node = self.inner.node(ino)?;
-        if change.size.is_some() {
-            // A truncate frees the file's blocks inside the call.
-            return self
-                .run_blocking(move |inner| inner.setattr(&node, &change))
-                .await;
-        }
-        self.run(move |inner| inner.setattr(&node, &change)).await
+        // A truncate frees the file's blocks inside the call.
+        self.run_where(change.size.is_some(), move |inner| {
+            inner.setattr(&node, &change)
+        })
+        .await
     }
 
     async fn readlink(&self, ino: InodeId) -> FsResult<Vec<u8>> {
@@ -1473,12 +1487,10 @@ impl VirtualFs for HostDir {
 
     async fn open(&self, ino: InodeId, flags: OpenFlags) -> FsResult<FileHandle> {
         let node = self.inner.node(ino)?;
-        if flags.0 & libc::O_TRUNC != 0 {
-            return self
-                .run_blocking(move |inner| inner.open(&node, flags))
-                .await;
-        }
-        self.run(move |inner| inner.open(&node, flags)).await
+        self.run_where(flags.0 & libc::O_TRUNC != 0, move |inner| {
+            inner.open(&node, flags)
+        })
+        .await
     }
 
     async fn create(
@@ -1492,13 +1504,10 @@ impl VirtualFs for HostDir {
         self.inner.writable()?;
         let name = component(name)?;
         let parent = self.inner.dir(parent)?;
-        if flags.0 & libc::O_TRUNC != 0 {
-            return self
-                .run_blocking(move |inner| inner.create(&parent, &name, mode, flags, caller))
-                .await;
-        }
-        self.run(move |inner| inner.create(&parent, &name, mode, flags, caller))
-            .await
+        self.run_where(flags.0 & libc::O_TRUNC != 0, move |inner| {
+            inner.create(&parent, &name, mode, flags, caller)
+        })
+        .await
     }
 
     async fn read(
@@ -1510,12 +1519,10 @@ impl VirtualFs for HostDir {
     ) -> FsResult<Vec<u8>> {
         let file = self.inner.file(ino, handle)?;
         let size = (size as usize).min(MAX_IO);
-        let read = move |_: &Inner| Ok(sys::pread_full(file.fd.as_fd(), offset, size)?);
-        if size <= INLINE_IO {
-            self.run(read).await
-        } else {
-            self.run_blocking(read).await
-        }
+        self.run_where(size > INLINE_IO, move |_| {
+            Ok(sys::pread_full(file.fd.as_fd(), offset, size)?)
+        })
+        .await
     }
 
     async fn write(
@@ -1565,8 +1572,10 @@ impl VirtualFs for HostDir {
             });
         }
         let data = data.to_vec()?;
-        self.run_blocking(move |_| Ok(sys::pwrite_full(file.fd.as_fd(), offset, &data)? as u32))
-            .await
+        self.run_blocking(move |_| {
+            Ok(WriteData::from_bytes(&data).write_at(file.fd.as_fd(), offset)? as u32)
+        })
+        .await
     }
 
     async fn fallocate(

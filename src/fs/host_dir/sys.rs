@@ -271,42 +271,6 @@ pub(super) fn pread_full(fd: BorrowedFd<'_>, offset: u64, size: usize) -> io::Re
     Ok(buf)
 }
 
-/// Writes all of `data` at `offset`, or as much as fits (a partial count, if the filesystem
-/// fills after some was written).
-pub(crate) fn pwrite_full(fd: BorrowedFd<'_>, offset: u64, data: &[u8]) -> io::Result<usize> {
-    let mut done = 0;
-    while done < data.len() {
-        let at = offset
-            .checked_add(done as u64)
-            .and_then(|at| i64::try_from(at).ok())
-            .ok_or_else(|| io::Error::from_raw_os_error(libc::EFBIG))?;
-        // SAFETY: the slice from `done` is in bounds.
-        let n = unsafe {
-            libc::pwrite(
-                fd.as_raw_fd(),
-                data[done..].as_ptr().cast(),
-                data.len() - done,
-                at,
-            )
-        };
-        if n < 0 {
-            let err = io::Error::last_os_error();
-            if err.raw_os_error() == Some(libc::EINTR) {
-                continue;
-            }
-            if done > 0 {
-                return Ok(done);
-            }
-            return Err(err);
-        }
-        if n == 0 {
-            break;
-        }
-        done += n as usize;
-    }
-    Ok(done)
-}
-
 /// One directory entry as the host lists it.
 pub(super) struct RawEntry {
     pub name: CString,

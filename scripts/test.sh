@@ -92,7 +92,7 @@ expected=$(env -u CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER cargo nextest lis
 # hypervisor (docs/testing.md), at most twice; a failure of ours never is.
 fault_signature='krunbox-nested-l1-died|krunbox-nested-emulation-fault|KVM_EXIT_SHUTDOWN'
 retry_faults=$([[ $where == nested ]] && echo 1 || echo 0)
-declare -A result=()
+declare -A result=() why=()
 retried=()
 filter=
 junit=$target/nextest/vm/junit.xml
@@ -108,8 +108,9 @@ for attempt in 1 2 3; do
         ((got == expected)) || die "the JUnit report has $got tests, nextest lists $expected"
     fi
     filter=
-    while IFS=$'\t' read -r status binary name fault; do
+    while IFS=$'\t' read -r status binary name fault reason; do
         result["$binary $name"]=$status
+        why["$binary $name"]=$reason
         if [[ $status == fail ]] && ((fault && retry_faults && attempt < 3)); then
             retried+=("$binary $name")
             filter+="${filter:+ | }(binary_id(=$binary) & test(=$name))"
@@ -148,6 +149,11 @@ ok=$( ((failed || skipped || passed == 0)) && echo 0 || echo 1)
 echo
 echo "VM-booting tests (each in its own process, with its own microVM; benches count once):"
 for key in "${retried[@]}"; do echo "run again after a fault of the nested hypervisor: $key"; done
+# Why each failed VM test failed, in the last lines, which are what a reader of CI's log sees
+# first (nextest's own report of a failure is far above, behind the passing runs' output).
+for key in "${broken[@]}"; do
+    if [[ -n ${why[$key]:-} ]]; then echo "why $key failed: ${why[$key]}"; fi
+done
 for p in "${pools[@]}"; do
     if [[ -s $p/deaths ]]; then
         echo "nested L1 deaths in ${p##*/} (each replaced by a fresh L1):"

@@ -13,6 +13,7 @@ use tokio::sync::watch;
 use crate::config::SandboxConfig;
 use crate::control::{self, Control, Gone, Liveness};
 use crate::error::{Error, Result};
+use crate::logs::{BoundedLog, InstanceLogs};
 use crate::process::{Command, Guest};
 use crate::protocol::{FrameDecoder, HostMessage, LayerDevice, RootMount, Setup, WritableLayer};
 use crate::rootfs::{self, Rootfs};
@@ -73,8 +74,9 @@ struct Inner {
     _lifeline: OwnedFd,
     /// What the VMM helper's jail holds, as it reported before the VM started.
     isolation: crate::Isolation,
-    /// Drains the guest console into the bounded log while the instance lives.
-    _console: Arc<crate::console::ConsoleLog>,
+    /// Drains the guest console and the helper's output into bounded logs while the instance
+    /// lives.
+    _logs: Arc<InstanceLogs>,
     /// Serves the guest's network link while the instance lives (dropping it stops the task).
     network: Option<crate::net::service::NetService>,
     /// Serves the guest's mounts of host filesystems while the instance lives.
@@ -109,11 +111,7 @@ impl Drop for Inner {
 }
 
 fn tail(dir: &Path) -> String {
-    let [older, newer] = crate::console::CONSOLE_LOGS;
-    vmm::log_tail(
-        &[&dir.join(older), &dir.join(newer), &dir.join("vmm.log")],
-        25,
-    )
+    crate::logs::tail(dir, 25)
 }
 
 /// The error for a helper that exited with [`vmm::ISOLATION_EXIT_CODE`]: it refused to start the
@@ -212,7 +210,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         control_socket: socket.clone(),
         fs_devices,
         guest_memory_file: fs_devices > 0,
-        console: dir.path().join(crate::console::CONSOLE_FIFO),
+        console: dir.path().join(crate::logs::CONSOLE_FIFO),
         jail: jail.config.clone(),
         kernel: config.kernel.clone(),
         log_level: config.vmm_log_level,
@@ -294,7 +292,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     };
     let console = dir.path().join("console.log");
     let mut attempt = 1;
-    let (mut child, lifeline_write, stream, decoder, hello, report, console_log, net_socket, layer) = loop {
+    let (mut child, lifeline_write, stream, decoder, hello, report, logs, net_socket, layer) = loop {
         // A writable root's layer. An ephemeral one is fresh for every attempt, so a retried
         // boot starts from the image again (formatting it runs mke2fs, off the async threads);
         // a persistent one is opened (and locked) once and handed to each attempt.
@@ -307,9 +305,12 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             (None, Some(cow)) => Some(rootfs::Layer::Cow(cow.clone())),
             (None, None) => persistent.take().map(rootfs::Layer::Persistent),
         };
-        let log = std::fs::File::create(dir.path().join("vmm.log"))
-            .map_err(Error::io("creating the VMM log"))?;
-        let console_log = crate::console::ConsoleLog::start(dir.path(), config.console_log_max)?;
+        // What the guest and the helper print, each drained into a bounded log.
+        let (vmm_log, log) = BoundedLog::vmm(dir.path(), crate::logs::VMM_LOG_MAX)?;
+        let logs = InstanceLogs {
+            console: BoundedLog::console(dir.path(), config.console_log_max)?,
+            vmm: vmm_log,
+        };
         let pipe = || nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC);
         let (lifeline_read, lifeline_write) =
             pipe().map_err(|e| Error::io("creating the lifeline pipe")(e.into()))?;
@@ -424,7 +425,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         let outcome = tokio::select! {
             result = handshake => result.map(Some),
             status = child.wait() => {
-                console_log.settle().await;
+                logs.settle().await;
                 match status {
                     Ok(s) if s.code() == Some(vmm::ISOLATION_EXIT_CODE) => {
                         let report = (&mut report).await.ok().flatten();
@@ -441,7 +442,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
                 }
             }
             _ = &mut deadline => {
-                console_log.settle().await;
+                logs.settle().await;
                 Err(Error::BootTimeout {
                     after: config.boot_timeout,
                     console_tail: tail(dir.path()),
@@ -460,7 +461,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
                     decoder,
                     hello,
                     report,
-                    console_log,
+                    logs,
                     net_socket,
                     layer,
                 );
@@ -480,7 +481,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             Err(err) => {
                 let _ = child.start_kill();
                 let _ = child.wait().await;
-                console_log.settle().await;
+                logs.settle().await;
                 // A guest that died while the handshake failed explains the failure better.
                 return Err(match err {
                     Error::GuestSetup { message } => Error::GuestSetup {
@@ -513,7 +514,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         ));
     }
     drop(jail);
-    let console_log = Arc::new(console_log);
+    let logs = Arc::new(logs);
     let network = match (&config.network, net_socket) {
         (Some(network), Some(socket)) => {
             match crate::net::service::NetService::start(network, socket, certificate_authority) {
@@ -549,7 +550,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     let hung = control.hung.clone();
     let c = control.clone();
     let dir_path = dir.path().to_path_buf();
-    let console = console_log.clone();
+    let logs_of_vm = logs.clone();
     // The writable root's layer goes when the VM does (not when the last handle does): a
     // persistent layer's lock must be free for the next boot once this one has shut down, and
     // an ephemeral layer's memory comes back at once.
@@ -581,8 +582,8 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
                 }
             }
         };
-        // The console's last lines may still be in the FIFO.
-        console.settle().await;
+        // The console's and the helper's last lines may still be in the FIFO and the pipe.
+        logs_of_vm.settle().await;
         let description = if let Some(hung @ Gone::Hung(_)) = c.gone() {
             // The liveness check killed it: that, not the kill's signal, is the story.
             format!("{hung}\n{}", tail(&dir_path))
@@ -651,7 +652,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             kill,
             _lifeline: lifeline_write,
             isolation,
-            _console: console_log,
+            _logs: logs,
             network,
             _filesystems: fs_service,
             _served_disks: disk_services,

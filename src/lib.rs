@@ -39,7 +39,6 @@
 mod artifacts;
 mod capabilities;
 mod config;
-mod console;
 mod control;
 mod error;
 mod files;
@@ -50,6 +49,7 @@ mod guest_memory;
 mod instance;
 mod jail;
 mod limits;
+mod logs;
 pub mod net;
 mod output_queue;
 mod process;
@@ -68,7 +68,6 @@ pub mod protocol {
 
 pub use artifacts::{cache_dir, Artifacts};
 pub use capabilities::{HostCapabilities, ImageState, KvmStatus};
-pub use console::DEFAULT_CONSOLE_LOG_MAX;
 pub use error::{Error, Result};
 pub use files::{DirEntry, GuestFileReader, GuestFileWriter, Metadata};
 pub use instance::Instance;
@@ -77,6 +76,7 @@ pub use limits::{
     Limits, DEFAULT_MAX_PENDING_FILE_REQUESTS, DEFAULT_MAX_PROCESSES, DEFAULT_READ_DIR_MAX_ENTRIES,
     DEFAULT_READ_FILE_MAX, DEFAULT_REQUEST_TIMEOUT, MAX_REQUEST_TIMEOUT, MIN_REQUEST_TIMEOUT,
 };
+pub use logs::DEFAULT_CONSOLE_LOG_MAX;
 pub use net::Network;
 pub use process::{
     Child, ChildStderr, ChildStdin, ChildStdout, Command, ExitStatus, Output, Stdio,

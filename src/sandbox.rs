@@ -134,7 +134,7 @@ impl Default for SandboxBuilder {
                 // Info: a handful of lines per VM, among them how a vCPU stopped.
                 .unwrap_or(3),
             required_isolation: Vec::new(),
-            console_log_max: crate::console::DEFAULT_CONSOLE_LOG_MAX,
+            console_log_max: crate::logs::DEFAULT_CONSOLE_LOG_MAX,
             network: None,
             network_backend: None,
             mounts: Vec::new(),
@@ -440,7 +440,7 @@ impl SandboxBuilder {
 
     /// Checks the definition and finds the run-time files it needs.
     pub fn build(self) -> Result<Sandbox> {
-        let console_range = crate::console::CONSOLE_LOG_MAX_RANGE;
+        let console_range = crate::logs::CONSOLE_LOG_MAX_RANGE;
         if !console_range.contains(&self.console_log_max) {
             return Err(Error::InvalidConfig(format!(
                 "console_log_max must be between {} KiB and {} MiB, got {} bytes",

@@ -534,13 +534,14 @@ pub(crate) type Inherited = [(std::os::fd::RawFd, i32)];
 
 /// Starts the helper with `args`. Each inherited descriptor becomes the given number in the
 /// helper (for a VM: the root image [`ROOT_IMAGE_FD`], the lifeline [`LIFELINE_FD`], guest-init
-/// [`GUEST_INIT_FD`], the report pipe [`REPORT_FD`]).
+/// [`GUEST_INIT_FD`], the report pipe [`REPORT_FD`]). `log` becomes its stdout and stderr: for a
+/// VM the write end of a pipe the library drains into a bounded log.
 pub(crate) fn spawn(
     helper: &Path,
     libkrunfw_dir: &Path,
     args: &[&std::ffi::OsStr],
     inherited: &Inherited,
-    log: std::fs::File,
+    log: std::os::fd::OwnedFd,
 ) -> Result<tokio::process::Child> {
     const MAX_INHERITED: usize = 32;
     /// Above every target number: sources are moved here first.
@@ -560,7 +561,7 @@ pub(crate) fn spawn(
     let count = inherited.len();
     let log_err = log
         .try_clone()
-        .map_err(Error::io("duplicating the VMM log file"))?;
+        .map_err(Error::io("duplicating the VMM log descriptor"))?;
     let mut cmd = tokio::process::Command::new(helper);
     cmd.args(args)
         .env_clear()

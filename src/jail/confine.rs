@@ -16,9 +16,10 @@ use super::{Isolation, Layer};
 /// so this also bounds what a guest can make the helper hold.
 pub(crate) const MAX_OPEN_FILES: u64 = 512;
 
-/// The largest file the helper may write (its own log, libkrun's messages on stderr): past it,
-/// writes fail with EFBIG instead of filling the disk. SIGXFSZ is ignored so that is all that
-/// happens.
+/// The largest file the helper may write where it serves no disk: past it, writes fail with
+/// EFBIG instead of filling the disk. SIGXFSZ is ignored so that is all that happens. A VM's
+/// helper logs to a pipe the library drains into a bounded log (src/logs.rs), so this bounds
+/// only the isolation probe's log file and any file the jail would let it write.
 pub(crate) const MAX_LOG_BYTES: u64 = 16 << 20;
 
 /// What the library tells the helper about its jail (part of the VMM configuration).
@@ -348,7 +349,7 @@ fn pivot_into_jail(root_dir: &Path, host: &JailPaths) -> Result<JailPaths, Strin
 }
 
 /// rlimits: no core dumps (guest memory would land on disk), bounded descriptors, bounded file
-/// size (the helper's log; with a writable layer or a disk served in place, the disk's size,
+/// size ([`MAX_LOG_BYTES`]; with a writable layer or a disk served in place, the disk's size,
 /// since the limit applies to every file the helper writes, its disks too).
 pub(crate) fn set_rlimits(report: &mut Isolation, max_file_bytes: u64) {
     use nix::sys::resource::{setrlimit, Resource};

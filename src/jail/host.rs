@@ -104,7 +104,7 @@ pub(crate) async fn probe(
         .tempdir_in(crate::artifacts::runtime_dir())
         .map_err(|e| format!("creating a probe directory: {e}"))?;
     // What the jail binds into its root must exist, as at a boot.
-    let console = dir.path().join(crate::console::CONSOLE_FIFO);
+    let console = dir.path().join(crate::logs::CONSOLE_FIFO);
     nix::unistd::mkfifo(
         &console,
         nix::sys::stat::Mode::S_IRUSR | nix::sys::stat::Mode::S_IWUSR,
@@ -148,7 +148,7 @@ pub(crate) async fn probe(
         libkrunfw_dir,
         &["--probe-isolation".as_ref(), config_path.as_os_str()],
         &[(report_write.as_raw_fd(), crate::vmm::REPORT_FD)],
-        log,
+        log.into(),
     )
     .map_err(|e| e.to_string())?;
     drop(report_write);

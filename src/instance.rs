@@ -162,14 +162,19 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         _ => None,
     };
     // A copy-on-write root's store: attached (and its layer made on first use) for this
-    // instance; given back when the VM stops, or if the boot fails (the guard).
+    // instance; given back when the VM stops, or if the boot fails (the guard, which also holds
+    // each attempt's layer until the VMM that may write to it has exited).
     let cow = match config.rootfs.cow_store() {
         Some((store, max_dirty_bytes)) => Some(std::sync::Arc::new(
             store.attach(&image.sha256, max_dirty_bytes).await?,
         )),
         None => None,
     };
-    let mut cow_guard = CowGuard(cow.clone());
+    let mut guard = LayerGuard {
+        cow: cow.clone(),
+        layer: None,
+        vmm_gone: None,
+    };
     let mut dir = tempfile::Builder::new()
         .prefix("krunbox-")
         .tempdir_in(crate::artifacts::runtime_dir())
@@ -292,11 +297,11 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     };
     let console = dir.path().join("console.log");
     let mut attempt = 1;
-    let (mut child, lifeline_write, stream, decoder, hello, report, logs, net_socket, layer) = loop {
+    let (mut child, lifeline_write, stream, decoder, hello, report, logs, net_socket) = loop {
         // A writable root's layer. An ephemeral one is fresh for every attempt, so a retried
         // boot starts from the image again (formatting it runs mke2fs, off the async threads);
         // a persistent one is opened (and locked) once and handed to each attempt.
-        let layer = match (config.rootfs.layer_quota(), &cow) {
+        guard.layer = match (config.rootfs.layer_quota(), &cow) {
             (Some(quota), _) => Some(rootfs::Layer::Memory(
                 tokio::task::spawn_blocking(move || rootfs::MemoryLayer::create(quota))
                     .await
@@ -311,6 +316,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             console: BoundedLog::console(dir.path(), config.console_log_max)?,
             vmm: vmm_log,
         };
+        guard.vmm_gone = Some(logs.vmm.ended());
         let pipe = || nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC);
         let (lifeline_read, lifeline_write) =
             pipe().map_err(|e| Error::io("creating the lifeline pipe")(e.into()))?;
@@ -364,7 +370,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             if let Some((_, helper_end)) = &net_pair {
                 inherited.push((helper_end.as_raw_fd(), vmm::NET_FD));
             }
-            if let Some(file) = layer.as_ref().and_then(|layer| layer.file()) {
+            if let Some(file) = guard.layer.as_ref().and_then(|layer| layer.file()) {
                 inherited.push((file.as_raw_fd(), vmm::WRITABLE_LAYER_FD));
             }
             if let Some(memory) = &guest_memory {
@@ -463,19 +469,20 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
                     report,
                     logs,
                     net_socket,
-                    layer,
                 );
             }
             Ok(None) => {
-                if let Some(rootfs::Layer::Persistent(layer)) = layer {
-                    persistent = Some(layer);
-                }
                 tracing::warn!(
                     attempt,
                     "the guest kernel showed no sign of life within {BOOT_STALL:?} (guest-init never started); retrying the boot"
                 );
                 let _ = child.start_kill();
                 let _ = child.wait().await;
+                // The next attempt's VMM gets the persistent layer once this one's is gone.
+                vmm_gone(logs.vmm.ended()).await;
+                if let Some(rootfs::Layer::Persistent(layer)) = guard.layer.take() {
+                    persistent = Some(layer);
+                }
                 attempt += 1;
             }
             Err(err) => {
@@ -554,9 +561,8 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     // The writable root's layer goes when the VM does (not when the last handle does): a
     // persistent layer's lock must be free for the next boot once this one has shut down, and
     // an ephemeral layer's memory comes back at once.
-    let layer = Arc::new(std::sync::Mutex::new(layer));
-    // From here the supervisor gives the store back when the VM stops.
-    cow_guard.0 = None;
+    // From here the supervisor gives the layer and the store back when the VM stops.
+    let layer = Arc::new(std::sync::Mutex::new(guard.disarm()));
     let layer_of_vm = layer.clone();
     tokio::spawn(async move {
         let status = loop {
@@ -671,15 +677,66 @@ const STORE_FINISH_DEADLINE: Duration = Duration::from_secs(120);
 /// process the kernel cannot kill, one stuck in an uninterruptible write).
 const VMM_EXIT_DEADLINE: Duration = Duration::from_secs(30);
 
-/// Gives a copy-on-write root's store back (what is dirty stored, then detached) if a boot
-/// fails after attaching it.
-struct CowGuard(Option<Arc<rootfs::CowLayer>>);
+/// What a boot that fails or is dropped gives back: a copy-on-write root's store (what is
+/// dirty stored, then detached) and the attempt's writable layer (a persistent layer's lock).
+/// Both only once the helper and the VMM it started have exited (the end of the helper's log
+/// pipe), at most [`VMM_EXIT_DEADLINE`] later: with a pid namespace the VMM dies by
+/// `PDEATHSIG` after the helper, and a write of its must not land after the next holder took
+/// the layer over.
+struct LayerGuard {
+    cow: Option<Arc<rootfs::CowLayer>>,
+    layer: Option<rootfs::Layer>,
+    /// The current attempt's helper log: true once the helper and the VMM have exited.
+    vmm_gone: Option<watch::Receiver<bool>>,
+}
 
-impl Drop for CowGuard {
+impl LayerGuard {
+    /// The boot succeeded: the layer goes to the supervisor, which gives it and the store back
+    /// when the VM stops.
+    fn disarm(&mut self) -> Option<rootfs::Layer> {
+        self.cow = None;
+        self.vmm_gone = None;
+        self.layer.take()
+    }
+}
+
+impl Drop for LayerGuard {
     fn drop(&mut self) {
-        if let Some(cow) = self.0.take() {
-            tokio::spawn(async move { cow.finish().await });
+        let (cow, layer) = (self.cow.take(), self.layer.take());
+        if cow.is_none() && layer.is_none() {
+            return;
         }
+        let gone = self.vmm_gone.take();
+        let give_back = async move {
+            if let Some(gone) = gone {
+                vmm_gone(gone).await;
+            }
+            drop(layer);
+            if let Some(cow) = cow {
+                cow.finish().await;
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(give_back);
+            }
+            // A boot future dropped outside any runtime: nothing can wait; the layer goes now
+            // and the store stays attached until the program ends (its lock with it).
+            Err(_) => tracing::warn!(
+                "a boot was dropped outside a tokio runtime; its layer is let go without waiting for the VMM"
+            ),
+        }
+    }
+}
+
+/// Waits until the helper and the VMM have both exited (`gone`: the helper's log pipe ended),
+/// at most [`VMM_EXIT_DEADLINE`], then warns.
+async fn vmm_gone(mut gone: watch::Receiver<bool>) {
+    match tokio::time::timeout(VMM_EXIT_DEADLINE, gone.wait_for(|ended| *ended)).await {
+        Ok(_) => {}
+        Err(_) => tracing::warn!(
+            "the VMM outlived its helper by {VMM_EXIT_DEADLINE:?}; letting its layer go"
+        ),
     }
 }
 
@@ -947,5 +1004,55 @@ impl Guest for Inner {
 
     fn next_process_id(&self) -> u32 {
         self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A boot that fails or is dropped lets a persistent layer's lock go only once every process
+    /// holding the helper's log pipe has exited: here a `sleep` stands for a VMM that outlives
+    /// its helper (as one in a pid namespace does, dying by `PDEATHSIG`).
+    #[tokio::test]
+    async fn a_failed_boot_lets_its_layer_go_only_after_the_vmm_exited() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("root.qcow2");
+        let base = "ab".repeat(32);
+        let (log, write_end) = BoundedLog::vmm(dir.path(), 1 << 20).unwrap();
+        let mut vmm = std::process::Command::new("sleep")
+            .arg("30")
+            .stdout(std::process::Stdio::from(write_end))
+            .spawn()
+            .expect("sleep");
+        let layer = rootfs::PersistentLayer::open(&path, &base).await.unwrap();
+        let guard = LayerGuard {
+            cow: None,
+            layer: Some(rootfs::Layer::Persistent(layer)),
+            vmm_gone: Some(log.ended()),
+        };
+        // The boot fails: its guard and its logs go, the "VMM" lives on.
+        drop(guard);
+        drop(log);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            matches!(
+                rootfs::PersistentLayer::open(&path, &base).await,
+                Err(Error::RootInUse { .. })
+            ),
+            "the layer was let go while the VMM still ran"
+        );
+        vmm.kill().unwrap();
+        vmm.wait().unwrap();
+        let started = std::time::Instant::now();
+        loop {
+            match rootfs::PersistentLayer::open(&path, &base).await {
+                Ok(_) => break,
+                Err(Error::RootInUse { .. }) if started.elapsed() < Duration::from_secs(10) => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(err) => panic!("the layer was not let go after the VMM exited: {err}"),
+            }
+        }
     }
 }

@@ -16,7 +16,7 @@ use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
 use tokio::net::unix::pipe;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::error::{Error, Result};
 
@@ -39,18 +39,24 @@ pub(crate) const VMM_LOGS: [&str; 2] = ["vmm.log.1", "vmm.log"];
 /// `RLIMIT_FSIZE` allowed its log file before the log became a pipe).
 pub(crate) const VMM_LOG_MAX: u64 = 16 << 20;
 
-/// A running drain of one log. Dropping it stops the drain.
+/// A running drain of one log. Dropping it stops a FIFO's drain (which has no end); a pipe's
+/// runs on to the pipe's end, so that [`BoundedLog::ended`] still tells when its writers exited.
 #[derive(Debug)]
 pub(crate) struct BoundedLog {
     #[cfg(test)]
     fifo: PathBuf,
     settle: mpsc::Sender<oneshot::Sender<()>>,
+    ended: watch::Receiver<bool>,
+    /// A FIFO opened read-write never ends: its drain stops when this is dropped.
+    stop_on_drop: bool,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl Drop for BoundedLog {
     fn drop(&mut self) {
-        self.task.abort();
+        if self.stop_on_drop {
+            self.task.abort();
+        }
     }
 }
 
@@ -70,8 +76,8 @@ impl BoundedLog {
             .read_write(true)
             .open_receiver(&fifo)
             .map_err(Error::io("opening the console FIFO"))?;
-        #[allow(unused_mut)] // the FIFO's path is kept for the tests only
         let mut log = Self::start(receiver, dir, CONSOLE_LOGS, max_bytes, "console")?;
+        log.stop_on_drop = true;
         #[cfg(test)]
         {
             log.fifo = fifo;
@@ -105,6 +111,7 @@ impl BoundedLog {
         let log = std::fs::File::create(dir.join(names[1]))
             .map_err(Error::io(format!("creating the {what} log")))?;
         let (settle, requests) = mpsc::channel(4);
+        let (ended_tx, ended) = watch::channel(false);
         let task = tokio::spawn(drain(
             receiver,
             log,
@@ -114,13 +121,23 @@ impl BoundedLog {
             },
             max_bytes / 2,
             requests,
+            ended_tx,
         ));
         Ok(BoundedLog {
             #[cfg(test)]
             fifo: PathBuf::new(),
             settle,
+            ended,
+            stop_on_drop: false,
             task,
         })
+    }
+
+    /// Becomes true when the pipe ended: every process that held its write end has exited (or
+    /// closed it). For the helper's log that is the helper and the VMM both, whatever their
+    /// pids. A FIFO's never does.
+    pub(crate) fn ended(&self) -> watch::Receiver<bool> {
+        self.ended.clone()
     }
 
     /// The FIFO the VMM helper writes the console to.
@@ -193,6 +210,7 @@ async fn drain(
     generations: Generations,
     rotate_at: u64,
     mut requests: mpsc::Receiver<oneshot::Sender<()>>,
+    ended_tx: watch::Sender<bool>,
 ) {
     // `None` while a rotation failed: output is dropped rather than written past the bound,
     // and the next chunk tries to rotate again.
@@ -201,12 +219,28 @@ async fn drain(
     let mut buf = vec![0u8; 64 * 1024];
     let mut budget = DRAIN_BUDGET;
     // A pipe whose writers all exited reads as its end; a FIFO opened read-write never does.
-    // Past the end only settle requests are answered (at once: nothing more can come).
+    // Past the end only settle requests are answered (at once: nothing more can come), until
+    // the log's owner is gone.
     let mut ended = false;
     loop {
         let ack = tokio::select! {
-            ready = receiver.readable(), if !ended => { if ready.is_err() { return; } None }
-            request = requests.recv() => match request { Some(ack) => Some(ack), None => return },
+            ready = receiver.readable(), if !ended => {
+                if ready.is_err() {
+                    ended = true;
+                }
+                None
+            }
+            request = requests.recv() => match request {
+                Some(ack) => Some(ack),
+                None if ended => return,
+                // Dropped while the pipe still has writers: read on to its end.
+                None => {
+                    if receiver.readable().await.is_err() {
+                        ended = true;
+                    }
+                    None
+                }
+            },
         };
         // Everything available now, without waiting for more.
         while !ended {
@@ -240,6 +274,9 @@ async fn drain(
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(_) => ended = true,
             }
+        }
+        if ended {
+            ended_tx.send_replace(true);
         }
         if let Some(ack) = ack {
             let _ = ack.send(());

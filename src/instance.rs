@@ -431,7 +431,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         let outcome = tokio::select! {
             result = handshake => result.map(Some),
             status = child.wait() => {
-                logs.settle().await;
+                logs.settle_after_exit().await;
                 match status {
                     Ok(s) if s.code() == Some(vmm::ISOLATION_EXIT_CODE) => {
                         let report = (&mut report).await.ok().flatten();
@@ -488,7 +488,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             Err(err) => {
                 let _ = child.start_kill();
                 let _ = child.wait().await;
-                logs.settle().await;
+                logs.settle_after_exit().await;
                 // A guest that died while the handshake failed explains the failure better.
                 return Err(match err {
                     Error::GuestSetup { message } => Error::GuestSetup {
@@ -504,6 +504,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     let Some(crate::jail::HelperReport { vmm_pid, isolation }) = report else {
         let _ = child.start_kill();
         let _ = child.wait().await;
+        logs.settle_after_exit().await;
         return Err(Error::VmExited {
             status: "the VMM helper started the VM without a readable isolation report".into(),
             console_tail: tail(dir.path()),
@@ -514,6 +515,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     if crate::jail::refusal(&jail.config, &isolation).is_some() {
         let _ = child.start_kill();
         let _ = child.wait().await;
+        logs.settle_after_exit().await;
         return Err(isolation_refusal(
             Some(isolation),
             &config.required_isolation,
@@ -589,7 +591,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             }
         };
         // The console's and the helper's last lines may still be in the FIFO and the pipe.
-        logs_of_vm.settle().await;
+        logs_of_vm.settle_after_exit().await;
         let description = if let Some(hung @ Gone::Hung(_)) = c.gone() {
             // The liveness check killed it: that, not the kill's signal, is the story.
             format!("{hung}\n{}", tail(&dir_path))

@@ -168,7 +168,24 @@ impl InstanceLogs {
     pub(crate) async fn settle(&self) {
         tokio::join!(self.console.settle(), self.vmm.settle());
     }
+
+    /// After the helper exited: waits until the helper's log has ended (the VMM, dying by
+    /// `PDEATHSIG`, may write a moment longer), so every line of theirs is in the file, at most
+    /// [`LOG_END_WAIT`]; then settles what is there. The tail an error report reads, and the
+    /// `KVM_EXIT_SHUTDOWN` the test harness looks for in it, must not depend on how soon the
+    /// drain got its turn.
+    pub(crate) async fn settle_after_exit(&self) {
+        let mut ended = self.vmm.ended();
+        let vmm = async {
+            let _ = tokio::time::timeout(LOG_END_WAIT, ended.wait_for(|ended| *ended)).await;
+            self.vmm.settle().await;
+        };
+        tokio::join!(self.console.settle(), vmm);
+    }
 }
+
+/// How long [`InstanceLogs::settle_after_exit`] waits for the helper's log to end.
+const LOG_END_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The last `lines` lines of the console's and the helper's logs in `dir`, for error reports.
 pub(crate) fn tail(dir: &Path, lines: usize) -> String {
@@ -222,32 +239,49 @@ async fn drain(
     // Past the end only settle requests are answered (at once: nothing more can come), until
     // the log's owner is gone.
     let mut ended = false;
+    // The owner (and so the instance directory, or a later boot attempt's log in it) may be
+    // gone: read on to the end only to tell `ended`, writing and rotating nothing.
+    let mut orphaned = false;
     loop {
+        // Requests first: a settle drains what is there before its answer anyway, and a log
+        // dropped is seen before more bytes are written for it.
         let ack = tokio::select! {
-            ready = receiver.readable(), if !ended => {
-                if ready.is_err() {
-                    ended = true;
-                }
-                None
-            }
+            biased;
             request = requests.recv() => match request {
                 Some(ack) => Some(ack),
                 None if ended => return,
                 // Dropped while the pipe still has writers: read on to its end.
                 None => {
+                    orphaned = true;
+                    log = None;
                     if receiver.readable().await.is_err() {
                         ended = true;
                     }
                     None
                 }
             },
+            ready = receiver.readable(), if !ended => {
+                if ready.is_err() {
+                    ended = true;
+                }
+                None
+            }
         };
         // Everything available now, without waiting for more.
         while !ended {
-            match receiver.try_read(&mut buf) {
+            let read = match receiver.try_read(&mut buf) {
+                // tokio answers WouldBlock until its reactor has seen the pipe readable; a
+                // settle must not miss bytes already written, so it asks the pipe itself.
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && ack.is_some() => {
+                    read_now(&receiver, &mut buf)
+                }
+                other => other,
+            };
+            match read {
                 Ok(0) => ended = true,
                 Ok(n) => {
-                    let mut rest = &buf[..n];
+                    // Orphaned: nothing to write to.
+                    let mut rest = if orphaned { &[][..] } else { &buf[..n] };
                     while !rest.is_empty() {
                         if log.is_none() || written >= rotate_at {
                             log = generations.rotate();
@@ -281,6 +315,19 @@ async fn drain(
         if let Some(ack) = ack {
             let _ = ack.send(());
         }
+    }
+}
+
+/// One `read(2)` of the non-blocking pipe, whatever tokio knows of its readiness.
+fn read_now(receiver: &pipe::Receiver, buf: &mut [u8]) -> std::io::Result<usize> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a read into our own buffer, of at most its length, from a descriptor the
+    // receiver keeps open.
+    let n = unsafe { libc::read(receiver.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+    if n < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
     }
 }
 
@@ -356,5 +403,29 @@ mod tests {
         // Past the end the drain still answers, and the tail reads the helper's last line.
         log.settle().await;
         assert!(tail(dir.path(), 1).contains(&format!("line {:010}", lines - 1)));
+    }
+
+    /// A boot that fails drops its logs while the VMM may still run: the drain reads on, writes
+    /// nothing more (the directory may be gone, or hold a later attempt's log), and still says
+    /// when the pipe ended.
+    #[tokio::test]
+    async fn a_dropped_pipe_log_still_tells_its_end_and_writes_nothing_more() {
+        let dir = tempfile::tempdir().unwrap();
+        let (log, write_end) = BoundedLog::vmm(dir.path(), 1 << 20).unwrap();
+        let mut writer = std::fs::File::from(write_end);
+        writer.write_all(b"before\n").unwrap();
+        log.settle().await;
+        let mut ended = log.ended();
+        drop(log);
+        writer.write_all(b"after\n").unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        assert!(!*ended.borrow(), "ended while a writer still held the pipe");
+        drop(writer);
+        tokio::time::timeout(std::time::Duration::from_secs(10), ended.wait_for(|e| *e))
+            .await
+            .expect("the end of the pipe was never told")
+            .unwrap();
+        let text = std::fs::read_to_string(dir.path().join(VMM_LOGS[1])).unwrap();
+        assert_eq!(text, "before\n");
     }
 }

@@ -378,21 +378,34 @@ fn watch_lifeline() {
 /// guest-init's bytes, from the descriptor the library passed. Leaked: libkrun serves them for
 /// the life of the VM, which is the life of this process.
 fn read_guest_init() -> std::io::Result<&'static [u8]> {
-    use std::io::Read;
     use std::os::fd::FromRawFd;
     // SAFETY: the library hands this process fd GUEST_INIT_FD open on guest-init; nothing else
     // in the helper owns it.
     let file = unsafe { std::fs::File::from_raw_fd(GUEST_INIT_FD) };
+    Ok(Vec::leak(read_whole_guest_init(&file)?))
+}
+
+/// guest-init's bytes, read from the file's start whatever its offset: a retried boot hands
+/// the next helper the same open file (one file description, one offset), which the first
+/// helper's reads left at its end.
+fn read_whole_guest_init(file: &std::fs::File) -> std::io::Result<Vec<u8>> {
+    use std::os::unix::fs::FileExt;
     let mut bytes = Vec::new();
-    file.take(GUEST_INIT_MAX_BYTES + 1)
-        .read_to_end(&mut bytes)?;
+    let mut chunk = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read_at(&mut chunk, bytes.len() as u64)?;
+        if n == 0 || bytes.len() as u64 > GUEST_INIT_MAX_BYTES {
+            break;
+        }
+        bytes.extend_from_slice(&chunk[..n]);
+    }
     if bytes.len() as u64 > GUEST_INIT_MAX_BYTES || bytes.is_empty() {
         return Err(std::io::Error::other(format!(
             "{} bytes: not a guest-init binary",
             bytes.len()
         )));
     }
-    Ok(Vec::leak(bytes))
+    Ok(bytes)
 }
 
 /// libkrun's context. Creating it loads libkrunfw, so it happens before the jail's root
@@ -716,6 +729,26 @@ impl VmmProcess {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// CI saw a retried boot fail with "cannot read guest-init from fd 5: 0 bytes": the
+    /// retry's helper got the same open file, its offset at the end. Reads start at 0 now.
+    #[test]
+    fn guest_init_is_read_whole_from_a_file_already_read_to_its_end() {
+        use std::io::{Read, Write};
+        let mut file = tempfile::tempfile().unwrap();
+        let binary: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+        file.write_all(&binary).unwrap();
+        let mut first = Vec::new();
+        (&file).read_to_end(&mut first).unwrap();
+        assert_eq!(
+            first.len(),
+            0,
+            "the offset is at the end, as a first helper leaves it"
+        );
+        assert_eq!(read_whole_guest_init(&file).unwrap(), binary);
+        let empty = tempfile::tempfile().unwrap();
+        assert!(read_whole_guest_init(&empty).is_err());
+    }
 
     /// A watched process is seen running until it is killed, and exited right after, before
     /// anyone reaps it.

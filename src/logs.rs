@@ -335,18 +335,9 @@ fn read_now(receiver: &pipe::Receiver, buf: &mut [u8]) -> std::io::Result<usize>
 mod tests {
     use super::*;
 
-    #[tokio::test]
-    async fn the_log_rotates_and_never_holds_more_than_two_generations() {
-        let dir = tempfile::tempdir().unwrap();
-        const MAX: u64 = 256 << 10;
-        let console = BoundedLog::console(dir.path(), MAX).unwrap();
-        let mut writer = std::fs::OpenOptions::new()
-            .write(true)
-            .open(console.fifo())
-            .unwrap();
-        // Three generations' worth of numbered lines, written by another thread (the FIFO
-        // fills while the drain is not polled).
-        let lines = (3 * MAX / 2 / 16) as usize;
+    /// Writes `lines` numbered 16-byte lines from another thread (the FIFO or pipe fills while
+    /// the drain is not polled), then drops `writer`.
+    async fn write_numbered_lines(mut writer: std::fs::File, lines: usize) {
         let writer_thread = std::thread::spawn(move || {
             for i in 0..lines {
                 writer
@@ -358,6 +349,21 @@ mod tests {
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
         writer_thread.join().unwrap();
+    }
+
+    #[tokio::test]
+    async fn the_log_rotates_and_never_holds_more_than_two_generations() {
+        let dir = tempfile::tempdir().unwrap();
+        const MAX: u64 = 256 << 10;
+        let console = BoundedLog::console(dir.path(), MAX).unwrap();
+        let writer = std::fs::OpenOptions::new()
+            .write(true)
+            .open(console.fifo())
+            .unwrap();
+        // Three generations' worth of numbered lines, written by another thread (the FIFO
+        // fills while the drain is not polled).
+        let lines = (3 * MAX / 2 / 16) as usize;
+        write_numbered_lines(writer, lines).await;
         console.settle().await;
         let old = std::fs::metadata(dir.path().join("console.log.1"))
             .unwrap()
@@ -378,20 +384,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         const MAX: u64 = 128 << 10;
         let (log, write_end) = BoundedLog::vmm(dir.path(), MAX).unwrap();
-        let mut writer = std::fs::File::from(write_end);
+        let writer = std::fs::File::from(write_end);
         // Two and a half generations' worth, then the writer exits: the pipe's end.
         let lines = (5 * MAX / 4 / 16) as usize;
-        let writer_thread = std::thread::spawn(move || {
-            for i in 0..lines {
-                writer
-                    .write_all(format!("line {i:010}\n").as_bytes())
-                    .unwrap();
-            }
-        });
-        while !writer_thread.is_finished() {
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
-        writer_thread.join().unwrap();
+        write_numbered_lines(writer, lines).await;
         log.settle().await;
         let old = std::fs::metadata(dir.path().join(VMM_LOGS[0]))
             .unwrap()

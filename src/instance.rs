@@ -734,11 +734,13 @@ impl Drop for LayerGuard {
 /// Waits until the helper and the VMM have both exited (`gone`: the helper's log pipe ended),
 /// at most [`VMM_EXIT_DEADLINE`], then warns.
 async fn vmm_gone(mut gone: watch::Receiver<bool>) {
-    match tokio::time::timeout(VMM_EXIT_DEADLINE, gone.wait_for(|ended| *ended)).await {
-        Ok(_) => {}
-        Err(_) => tracing::warn!(
+    if tokio::time::timeout(VMM_EXIT_DEADLINE, gone.wait_for(|ended| *ended))
+        .await
+        .is_err()
+    {
+        tracing::warn!(
             "the VMM outlived its helper by {VMM_EXIT_DEADLINE:?}; letting its layer go"
-        ),
+        );
     }
 }
 

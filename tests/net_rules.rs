@@ -6,9 +6,11 @@
 mod common;
 #[path = "common/http_origin.rs"]
 mod http_origin;
+#[path = "common/https_origin.rs"]
+mod https_origin;
 
 use std::process::Output;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// The paths of the kept request heads.
 fn paths(heads: &Mutex<Vec<String>>) -> Vec<String> {
@@ -33,15 +35,33 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
-/// One microVM: an allowed name reaches its origin, with the header `--inject-header` adds; a
-/// name with a static answer but no allow, the allowed name on another port, and a name no
-/// rule mentions do not; a rule from a `--rules` file lets its name through too.
+/// One microVM: an allowed name reaches its origin; a name with a static answer but no allow,
+/// the allowed name on another port, and a name no rule mentions do not; a rule from a
+/// `--rules` file lets its name through too. `--inject-header` adds its header to HTTPS
+/// requests, verified upstream against `--upstream-ca`, and refuses a plain HTTP request that
+/// would carry it (issue 33: the host sent the credential in clear), which reaches nothing.
 #[test]
 fn cli_rules_let_the_allowed_name_and_port_through_and_nothing_else() {
     common::run(async {
         let (port, heads) = http_origin::start().await;
         // The same name on a port no rule allows: must never see a request.
         let (other_port, other_heads) = http_origin::start().await;
+        let tls_heads: Arc<Mutex<Vec<String>>> = Arc::default();
+        let kept = tls_heads.clone();
+        let tls_origin = https_origin::start(
+            &["origin.test"],
+            Arc::new(move |request: hyper::Request<bytes::Bytes>| {
+                let injected = request
+                    .headers()
+                    .get("x-injected")
+                    .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+                kept.lock()
+                    .unwrap()
+                    .push(format!("{} x-injected={injected:?}", request.uri().path()));
+                https_origin::respond(200, "text/plain", "tls origin says hi\n")
+            }),
+        )
+        .await;
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("rules.json");
         std::fs::write(
@@ -52,32 +72,47 @@ fn cli_rules_let_the_allowed_name_and_port_through_and_nothing_else() {
             ),
         )
         .unwrap();
+        let ca = dir.path().join("origin-ca.pem");
+        std::fs::write(&ca, &tls_origin.ca_pem).unwrap();
+        let tls_port = tls_origin.port;
         let script = format!(
-            "wget -q -O - http://origin.test:{port}/allowed; echo rc-allowed=$?; \
-             wget -q -O - http://other.test:{port}/other; echo rc-other=$?; \
-             wget -q -O - http://origin.test:{other_port}/port; echo rc-port=$?; \
-             wget -q -O - http://file.test:{port}/file; echo rc-file=$?; \
-             nslookup unlisted.test 2>&1; echo rc-unlisted=$?"
+            "curl -sS http://plain.test:{port}/allowed; echo rc-allowed=$?; \
+             curl -sS http://other.test:{port}/other; echo rc-other=$?; \
+             curl -sS http://plain.test:{other_port}/port; echo rc-port=$?; \
+             curl -sS http://file.test:{port}/file; echo rc-file=$?; \
+             getent hosts unlisted.test; echo rc-unlisted=$?; \
+             curl -sS -w 'status=%{{http_code}}\\n' http://origin.test:{port}/cleartext; \
+             curl -sS https://origin.test:{tls_port}/injected; echo rc-injected=$?"
         );
-        let allow = format!("origin.test:{port}");
+        let allow_plain = format!("plain.test:{port}");
+        let allow_origin = format!("origin.test:{port}");
+        let allow_tls = format!("origin.test:{tls_port}");
         let out = krunbox(&[
             "run",
             "--image",
-            "busybox",
+            "agent",
             "--memory",
-            "256",
+            "384",
             "--timeout",
             "120",
+            "--dns-static",
+            "plain.test=127.0.0.1",
             "--dns-static",
             "origin.test=127.0.0.1",
             "--dns-static",
             "other.test=127.0.0.1",
             "--allow-domain",
-            &allow,
+            &allow_plain,
+            "--allow-domain",
+            &allow_origin,
+            "--allow-domain",
+            &allow_tls,
             "--rules",
             file.to_str().unwrap(),
             "--inject-header",
             "origin.test:X-Injected=KRUNBOX_TEST_INJECTED",
+            "--upstream-ca",
+            ca.to_str().unwrap(),
             "--",
             "sh",
             "-c",
@@ -101,20 +136,28 @@ fn cli_rules_let_the_allowed_name_and_port_through_and_nothing_else() {
         assert!(stdout.contains("origin says /file"), "{context}");
         assert!(stdout.contains("rc-file=0"), "{context}");
         // A name no rule mentions is refused at the DNS.
-        assert!(stdout.contains("REFUSED"), "{context}");
         assert!(!stdout.contains("rc-unlisted=0"), "{context}");
+        assert!(stderr.contains("(unlisted.test) verdict=deny"), "{context}");
 
+        // A plain request to the name a header is injected for: refused by the host (403,
+        // saying why), sent nowhere.
+        assert!(stdout.contains("only over HTTPS"), "{context}");
+        assert!(stdout.contains("status=403"), "{context}");
         assert_eq!(paths(&heads), ["/allowed", "/file"], "{context}");
         assert!(other_heads.lock().unwrap().is_empty(), "{context}");
-        // --inject-header: the origin.test request carried the host's value (the guest never
-        // had it: it is not in the script), file.test's did not.
-        let injected = |head: &str| {
-            head.to_ascii_lowercase()
-                .contains("x-injected: value-from-the-host")
-        };
-        let kept = heads.lock().unwrap().clone();
-        assert!(injected(&kept[0]), "{}", kept[0]);
-        assert!(!injected(&kept[1]), "{}", kept[1]);
+        // Over HTTPS: the origin got the host's value (the guest never had it: it is not in
+        // the script), verified against the CA --upstream-ca named.
+        assert!(stdout.contains("tls origin says hi"), "{context}");
+        assert!(stdout.contains("rc-injected=0"), "{context}");
+        assert_eq!(
+            *tls_heads.lock().unwrap(),
+            [r#"/injected x-injected=Some("value-from-the-host")"#],
+            "{context}"
+        );
+        // The plain origin's requests carried no injected header.
+        for head in heads.lock().unwrap().iter() {
+            assert!(!head.to_ascii_lowercase().contains("x-injected"), "{head}");
+        }
         // Each decision is logged where the user sees it, as plain text.
         assert!(stderr.contains("(other.test) verdict=deny"), "{context}");
     });

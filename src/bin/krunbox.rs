@@ -9,7 +9,7 @@ use clap::{Parser, Subcommand};
 use krunbox::fs::{HostDir, MemoryFs, MountOptions};
 use krunbox::net::{
     DomainPattern, Flow, HeaderName, HeaderValue, Network, Ports, Protocol, Rule, RuleError, Rules,
-    Verdict,
+    UpstreamTrust, Verdict,
 };
 use krunbox::rootfs::oci::{Credentials, ImageConfig, LocalImages, PullOptions};
 use krunbox::{BuiltinImage, HostCapabilities, Rootfs, Sandbox, Stdio};
@@ -242,10 +242,16 @@ struct NetworkArgs {
     ///
     /// The connection must still be allowed (--allow-domain); it is then intercepted: the host
     /// terminates the guest's TLS with the sandbox's own CA (which the guest trusts), adds the
-    /// header, and sends the request on over verified TLS. The value never enters the guest.
+    /// header, and sends the request on over verified TLS. The value never enters the guest,
+    /// and never leaves the host in clear: a plain http:// request to DOMAIN is answered 403.
     /// Example: --inject-header 'api.github.com:Authorization=GITHUB_AUTH'. Repeatable.
     #[arg(long, value_name = "DOMAIN:HEADER=ENVVAR", value_parser = parse_inject_header)]
     inject_header: Vec<HeaderInjection>,
+    /// Verify the upstreams of intercepted HTTPS (--inject-header, method rules) against the
+    /// PEM certificates in FILE only, instead of the host's trust store: for origins with a
+    /// private CA.
+    #[arg(long, value_name = "FILE", value_parser = parse_upstream_ca)]
+    upstream_ca: Option<UpstreamTrust>,
     /// Make the guest's TCP port GUEST reachable on the host at 127.0.0.1:HOST (a free port
     /// if HOST is left out; the address is printed on stderr). Repeatable.
     #[arg(long, value_name = "GUEST[:HOST]", value_parser = parse_publish)]
@@ -784,7 +790,16 @@ fn network(args: &NetworkArgs) -> Result<Option<Network>, RuleError> {
     for (guest, host) in &args.publish {
         network = network.publish(*guest, *host);
     }
+    if let Some(trust) = &args.upstream_ca {
+        network = network.upstream_trust(trust.clone());
+    }
     Ok(Some(network))
+}
+
+/// `--upstream-ca FILE`.
+fn parse_upstream_ca(path: &str) -> Result<UpstreamTrust, String> {
+    let pem = std::fs::read(path).map_err(|e| format!("cannot read {path}: {e}"))?;
+    UpstreamTrust::pem(&pem).map_err(|e| format!("{path}: {e}"))
 }
 
 /// `--rules FILE`.

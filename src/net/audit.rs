@@ -123,6 +123,14 @@ pub enum RequestOutcome {
         /// Why, for people.
         reason: String,
     },
+    /// The request was plain HTTP and would have carried a credential the host adds (a header
+    /// middleware set, or a secret's value in place of its placeholder): answered `403`, sent
+    /// nowhere. Credentials leave the host only over verified TLS.
+    Cleartext {
+        /// What it would have carried: the names of the headers middleware added or changed,
+        /// and the variables of the secrets whose placeholders it held.
+        credentials: Vec<String>,
+    },
     /// The guest's connection ended (or the network stopped) before it was answered.
     Abandoned,
 }
@@ -137,6 +145,11 @@ impl std::fmt::Display for RequestOutcome {
             }
             RequestOutcome::InvalidPath => f.write_str("refused: not a valid path"),
             RequestOutcome::Unreachable { reason } => write!(f, "unreachable: {reason}"),
+            RequestOutcome::Cleartext { credentials } => write!(
+                f,
+                "refused: plain HTTP that would carry {}",
+                credentials.join(", ")
+            ),
             RequestOutcome::Abandoned => f.write_str("abandoned before its answer"),
         }
     }

@@ -17,7 +17,9 @@ use crate::error::{Error, Result};
 ///
 /// A placeholder sent anywhere else goes out as it is (it is worth nothing) and the attempt is
 /// reported (`tracing`, target `krunbox::net`). The swap happens only on requests that go
-/// upstream over TLS: on plain HTTP the placeholder stays, even to a bound host. A connection
+/// upstream over TLS: a plain-HTTP request to a bound host that holds the placeholder (in a
+/// header, or in the query of a secret opted in to it) is refused with `403` and goes nowhere,
+/// as the value would travel in clear. A connection
 /// to a bound host on port 443 that the policy [accepts](crate::net::Verdict::accept) is
 /// intercepted, so the swap can happen; on other ports, grant
 /// [`Verdict::intercept`](crate::net::Verdict::intercept) yourself.

@@ -23,6 +23,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use ::http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use ::http::uri::Scheme;
 use ::http::{Method, Request, Response, StatusCode, Uri};
 use bytes::Bytes;
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
@@ -285,6 +286,7 @@ where
 #[derive(Debug)]
 pub struct RequestHead {
     hostname: Arc<str>,
+    scheme: Scheme,
     method: Method,
     path_and_query: String,
     headers: HeaderMap,
@@ -300,6 +302,26 @@ impl RequestHead {
     /// ```
     pub fn hostname(&self) -> &str {
         &self.hostname
+    }
+
+    /// How the guest sent the request, and so how it goes upstream: [`Scheme::HTTPS`] inside
+    /// the guest's TLS (sent on over TLS verified against
+    /// [`Network::upstream_trust`](crate::net::Network::upstream_trust)), [`Scheme::HTTP`] in
+    /// clear. A plain request that leaves middleware with a header it did not have is refused
+    /// (`403`, [`RequestOutcome::Cleartext`](crate::net::RequestOutcome::Cleartext)), so a
+    /// credential added here goes out only over TLS; middleware that adds something harmless
+    /// to plain requests too can look here first.
+    ///
+    /// ```
+    /// # fn f(request: &mut krunbox::net::RequestHead) {
+    /// use krunbox::net::Scheme;
+    /// if request.scheme() == &Scheme::HTTPS {
+    ///     request.headers_mut().insert("authorization", "Bearer real".parse().unwrap());
+    /// }
+    /// # }
+    /// ```
+    pub fn scheme(&self) -> &Scheme {
+        &self.scheme
     }
 
     /// The request's method.
@@ -575,6 +597,48 @@ async fn drain_unsent(version: ::http::Version, expects_continue: bool, body: In
         .unwrap_or(false)
 }
 
+/// The answer to a request that goes nowhere: its body is read and dropped first where that
+/// keeps an HTTP/1 connection usable ([`drain_unsent`]), else the connection closes after it.
+async fn answer_unsent(
+    version: ::http::Version,
+    expects_continue: bool,
+    body: Incoming,
+    status: StatusCode,
+    text: String,
+) -> Response<Body> {
+    let reusable = drain_unsent(version, expects_continue, body).await;
+    let mut response = answer(status, text);
+    if !reusable {
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    response
+}
+
+/// The credentials a plain HTTP request would carry upstream: the headers middleware added or
+/// changed (`head` against what the guest sent, `guest_headers`), and the secrets bound to the
+/// hostname whose placeholders it holds where they would be swapped over TLS. Such a request
+/// is refused: in clear, anyone on the path (or behind a forged DNS answer) would read them.
+fn cleartext_credentials(
+    context: &Context,
+    guest_headers: &HeaderMap,
+    head: &RequestHead,
+) -> Vec<String> {
+    let mut credentials: Vec<String> = Vec::new();
+    for (name, value) in &head.headers {
+        let sent = guest_headers.get_all(name).iter().any(|v| v == value);
+        if !sent && !credentials.iter().any(|c| c == name.as_str()) {
+            credentials.push(name.as_str().to_owned());
+        }
+    }
+    // The swap as it would run over TLS, on copies: what it would put in is a credential.
+    let (mut headers, mut path) = (head.headers.clone(), head.path_and_query.clone());
+    let would = super::secrets::swap(&context.secrets, &context.hostname, &mut headers, &mut path);
+    credentials.extend(would.replaced);
+    credentials
+}
+
 /// A path without its query string (which may hold credentials), for logs and the audit.
 fn without_query(path_and_query: &str) -> &str {
     path_and_query
@@ -643,8 +707,10 @@ async fn forward(
     strip_hop_by_hop(&mut parts.headers);
     // The client sets Host from the URI it is given, which names the trusted hostname.
     parts.headers.remove(header::HOST);
+    let tls = context.scheme == "https";
     let mut head = RequestHead {
         hostname: context.hostname.clone(),
+        scheme: if tls { Scheme::HTTPS } else { Scheme::HTTP },
         method: parts.method.clone(),
         path_and_query: parts
             .uri
@@ -652,6 +718,8 @@ async fn forward(
             .map_or_else(|| "/".to_owned(), |p| p.as_str().to_owned()),
         headers: std::mem::take(&mut parts.headers),
     };
+    // On plain HTTP, what the guest sent, to tell what middleware added.
+    let guest_headers = (!tls).then(|| head.headers.clone());
     let answered = context
         .intercept
         .middleware
@@ -674,24 +742,50 @@ async fn forward(
                 reason: answered.text.trim_end().to_owned(),
             },
         );
-        let reusable = drain_unsent(parts.version, expects_continue, body).await;
-        let mut response = answer(answered.status, answered.text);
-        if !reusable {
-            response
-                .headers_mut()
-                .insert(header::CONNECTION, HeaderValue::from_static("close"));
-        }
-        return response;
+        return answer_unsent(
+            parts.version,
+            expects_continue,
+            body,
+            answered.status,
+            answered.text,
+        )
+        .await;
     }
     strip_hop_by_hop(&mut head.headers);
     head.headers.remove(header::HOST);
-    // Secrets go upstream only over TLS: on plain HTTP every placeholder is left as it is
-    // (and reported), as for a host no secret is bound to.
-    let swap_for = if context.scheme == "https" {
-        &*context.hostname
-    } else {
-        ""
-    };
+    if let Some(guest_headers) = guest_headers {
+        let credentials = cleartext_credentials(context, &guest_headers, &head);
+        if !credentials.is_empty() {
+            tracing::warn!(
+                target: "krunbox::net",
+                hostname = %context.hostname,
+                port = context.port,
+                credentials = %credentials.join(", "),
+                "refused a plain HTTP request that would carry a credential: credentials go \
+                 only over TLS"
+            );
+            let text = format!(
+                "krunbox: requests to {}:{} carry a credential the host adds, which goes only \
+                 over HTTPS; this one was plain HTTP and went nowhere\n",
+                context.hostname, context.port,
+            );
+            record.answered(
+                StatusCode::FORBIDDEN,
+                RequestOutcome::Cleartext { credentials },
+            );
+            return answer_unsent(
+                parts.version,
+                expects_continue,
+                body,
+                StatusCode::FORBIDDEN,
+                text,
+            )
+            .await;
+        }
+    }
+    // Secrets go upstream only over TLS (a plain request holding a bound secret's placeholder
+    // was refused just above).
+    let swap_for = if tls { &*context.hostname } else { "" };
     let swapped = super::secrets::swap(
         &context.secrets,
         swap_for,

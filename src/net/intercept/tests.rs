@@ -718,3 +718,121 @@ async fn a_get_with_a_body_of_unknown_length_keeps_its_body() {
     assert_eq!(received[0].body, "key=real");
     assert_eq!(received[0].headers[header::TRANSFER_ENCODING], "chunked");
 }
+
+/// The finding of issue 33: middleware (as `--inject-header` adds) ran on plain HTTP too, and
+/// the request went upstream in clear with the credential. Now a plain request that would carry
+/// a credential (a header middleware added or changed, a bound secret's value) goes nowhere and
+/// is answered 403; one that would carry none goes on, and middleware can tell the two apart.
+#[tokio::test]
+async fn a_plain_request_that_would_carry_a_credential_is_refused_and_goes_nowhere() {
+    use crate::net::{NetworkEvent, RequestOutcome};
+    let tls = tls();
+    let bound = Secret::new("BOUND_KEY", "real-bound")
+        .unwrap()
+        .bind_to(HOSTNAME);
+    let schemes = Arc::new(Mutex::new(Vec::new()));
+    let seen = schemes.clone();
+    let intercept = Intercept::new().middleware(move |request: &mut RequestHead| {
+        seen.lock().unwrap().push(request.scheme().clone());
+        if request.path().starts_with("/inject") {
+            request
+                .headers_mut()
+                .insert("authorization", "Bearer real-token".parse().unwrap());
+        }
+        // Removing is no credential.
+        request.headers_mut().remove("cookie");
+    });
+    let job = job(&tls, 80, intercept, vec![bound.clone()]);
+    let mut events = job.audit.subscribe();
+    let mut harness = serve_in_memory(&tls, job).await;
+
+    let (status, connection, body) = send(&mut harness, request(Method::GET, "/inject", b"")).await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+    assert!(body.contains("only over HTTPS"), "{body}");
+    assert_eq!(connection, None, "the connection goes on");
+    // A changed value counts as much as a new header: the guest's own is replaced.
+    let mut replaced = request(Method::POST, "/inject/x", b"a body");
+    replaced
+        .headers_mut()
+        .insert(header::AUTHORIZATION, "Bearer guest".parse().unwrap());
+    let (status, _, _) = send(&mut harness, replaced).await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    // A bound secret's placeholder would become its value over TLS: refused here.
+    let mut placeholder = request(Method::GET, "/key", b"");
+    placeholder
+        .headers_mut()
+        .insert("x-key", bound.placeholder().parse().unwrap());
+    let (status, _, _) = send(&mut harness, placeholder).await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    // Nothing to add: through, in clear, with the guest's own header and without the cookie.
+    let mut plain = request(Method::GET, "/public", b"");
+    plain
+        .headers_mut()
+        .insert(header::AUTHORIZATION, "Bearer guest".parse().unwrap());
+    plain
+        .headers_mut()
+        .insert(header::COOKIE, "a=1".parse().unwrap());
+    let (status, _, body) = send(&mut harness, plain).await;
+    assert_eq!(
+        (status, body.as_str()),
+        (StatusCode::OK, "origin says /public")
+    );
+
+    let received = harness.origin.received.lock().unwrap().clone();
+    assert_eq!(
+        received.len(),
+        1,
+        "only the request with nothing to add: {received:?}"
+    );
+    assert_eq!(received[0].headers[header::AUTHORIZATION], "Bearer guest");
+    assert!(!received[0].headers.contains_key(header::COOKIE));
+    assert!(schemes.lock().unwrap().iter().all(|s| *s == Scheme::HTTP));
+
+    let events = wait_for_request_events(&mut events, 4).await;
+    let outcomes: Vec<_> = events
+        .iter()
+        .map(|e| match e {
+            NetworkEvent::Request {
+                status, outcome, ..
+            } => (*status, outcome.clone()),
+            _ => unreachable!(),
+        })
+        .collect();
+    let cleartext = |names: &[&str]| RequestOutcome::Cleartext {
+        credentials: names.iter().map(|n| (*n).to_owned()).collect(),
+    };
+    assert_eq!(
+        outcomes,
+        [
+            (Some(StatusCode::FORBIDDEN), cleartext(&["authorization"])),
+            (Some(StatusCode::FORBIDDEN), cleartext(&["authorization"])),
+            (Some(StatusCode::FORBIDDEN), cleartext(&["BOUND_KEY"])),
+            (Some(StatusCode::OK), RequestOutcome::Forwarded),
+        ]
+    );
+    let text = format!("{events:?}");
+    assert!(!text.contains("real-"), "no value in the audit: {text}");
+}
+
+/// Over TLS the same middleware's header goes upstream, and the scheme it saw says so.
+#[tokio::test]
+async fn middleware_sees_https_and_its_credential_goes_upstream_over_tls() {
+    let tls = tls();
+    let schemes = Arc::new(Mutex::new(Vec::new()));
+    let seen = schemes.clone();
+    let intercept = Intercept::new().middleware(move |request: &mut RequestHead| {
+        seen.lock().unwrap().push(request.scheme().clone());
+        request
+            .headers_mut()
+            .insert("authorization", "Bearer real-token".parse().unwrap());
+    });
+    let mut harness = serve_in_memory(&tls, job(&tls, 443, intercept, Vec::new())).await;
+    let (status, _, _) = send(&mut harness, request(Method::GET, "/inject", b"")).await;
+    assert_eq!(status, StatusCode::OK);
+    let received = harness.origin.received.lock().unwrap().clone();
+    assert_eq!(
+        received[0].headers[header::AUTHORIZATION],
+        "Bearer real-token"
+    );
+    assert_eq!(*schemes.lock().unwrap(), [Scheme::HTTPS]);
+}

@@ -544,3 +544,72 @@ fn a_published_guest_port_is_reached_from_host_loopback_while_the_instance_lives
         }
     });
 }
+
+/// Issue 33's reproduction: a guest that starts hundreds of connections to a granted origin
+/// without waiting and exits at once leaves the host's replies to its SYNs unanswered but for
+/// its kernel's resets. On 88bb6c9 each reset put the gateway's socket back to listening; the
+/// next connections landed on those listeners, two connections came to own one socket, and
+/// removing it a second time panicked the network task: every later connection failed. Now
+/// each reset ends its connection, later connections work one after another, and nothing in
+/// this process panics.
+#[test]
+fn connections_the_guest_abandons_mid_handshake_leave_its_network_working() {
+    let panics = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = panics.clone();
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        previous(info);
+    }));
+    common::run(async {
+        let (port, heads) = http_origin::start().await;
+        let network = Network::with_policy(move |flow: Flow| async move {
+            match (flow.protocol(), flow.hostname()) {
+                (Protocol::Dns, Some("origin.test")) => {
+                    Verdict::resolve(Resolver::fixed([LOOPBACK]))
+                }
+                (Protocol::Tcp, Some("origin.test")) => Verdict::accept(),
+                _ => Verdict::deny(),
+            }
+        });
+        let vm = guest::sandbox(BuiltinImage::Agent, Some(network))
+            .boot()
+            .await
+            .expect("boot");
+        // 300 non-blocking connects, then exit before any completes (os._exit: no close).
+        let abandon = format!(
+            "python3 -c 'import os, socket\n\
+             a = socket.gethostbyname(\"origin.test\")\n\
+             s = [socket.socket() for _ in range(300)]\n\
+             for x in s:\n    x.setblocking(False)\n    x.connect_ex((a, {port}))\n\
+             os._exit(0)'; echo abandoned rc=$?"
+        );
+        let (text, _) = sh(&vm, &abandon, SH_TIMEOUT).await;
+        assert!(text.contains("abandoned rc=0"), "{text}");
+        // Three connections one after another, each closed before the next: on the old code
+        // the first landed on a left-over listener and its close panicked the network task.
+        let fetch = format!(
+            "sleep 2; for i in 1 2 3; do curl -sS --max-time 20 http://origin.test:{port}/after-$i; \
+             echo rc-$i=$?; done"
+        );
+        let (text, _) = sh(&vm, &fetch, SH_TIMEOUT).await;
+        for i in 1..=3 {
+            assert!(text.contains(&format!("origin says /after-{i}")), "{text}");
+            assert!(text.contains(&format!("rc-{i}=0")), "{text}");
+        }
+        let fetched: Vec<String> = heads
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|h| h.contains("/after-"))
+            .cloned()
+            .collect();
+        assert_eq!(fetched.len(), 3, "{fetched:?}");
+        vm.shutdown().await.unwrap();
+    });
+    assert_eq!(
+        panics.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "host code panicked (its backtrace is above)"
+    );
+}

@@ -54,7 +54,7 @@ pub(crate) mod stack;
 use std::net::Ipv4Addr;
 use std::sync::Arc;
 
-pub use ::http::{HeaderName, HeaderValue, Method, StatusCode};
+pub use ::http::{uri::Scheme, HeaderName, HeaderValue, Method, StatusCode};
 pub use address::{classify, AddressClass};
 pub use audit::{NetworkEvent, Outcome, RequestOutcome};
 pub use intercept::{Answer, Intercept, Middleware, RequestHead, UpstreamTrust};
@@ -342,35 +342,55 @@ impl Default for Addressing {
 /// The fuzz entry point over what the guest controls on its link (see
 /// [`crate::fuzzing::net_link`]): `data` is the byte stream libkrun would write, cut into reads
 /// at lengths taken from its own bytes, fed through the frame decoder into the gateway with time
-/// advancing. The service's part is played without I/O: new connections and UDP flows are
-/// accepted or refused by their port's parity, accepted ones echo what the guest sends (UDP
+/// advancing. A cut byte of [`fuzz_ops::FIRST`] or more is instead an op of a well-formed guest
+/// ([`fuzz_ops`]): a TCP segment with valid checksums and, for an ACK, RST or data, sequence
+/// numbers the gateway accepts, or a jump in time past its timers, which random bytes would
+/// almost never reach. The service's part is played without I/O: new connections and UDP flows
+/// are accepted or refused by their port's parity, accepted ones echo what the guest sends (UDP
 /// flows are forgotten in batches), DNS datagrams are parsed and answered. Checks that nothing
-/// panics, that the gateway's output stays within its
-/// bound and decodes into frames of at most [`frame::MAX_FRAME`] bytes, and that its
-/// connections stay within theirs.
+/// panics, that the gateway's output stays within its bound and decodes into frames of at most
+/// [`frame::MAX_FRAME`] bytes, that its connections stay within theirs, and that every
+/// connection owns a socket of its own ([`stack::Gateway::check_invariants`]).
 pub(crate) fn fuzz_link(data: &[u8]) {
     let mut gateway = stack::Gateway::new(Addressing::default(), smoltcp::time::Instant::ZERO);
     let mut decoder = frame::FrameDecoder::new();
+    let mut guest = fuzz_ops::Guest::default();
     let mut open: Vec<stack::FlowKey> = Vec::new();
     let mut udp_open: Vec<stack::FlowKey> = Vec::new();
     let mut rest = data;
     let mut millis = 0;
     while let Some((&cut, tail)) = rest.split_first() {
-        let (chunk, tail) = tail.split_at((cut as usize * 16).min(tail.len()));
-        rest = tail;
-        let mut input = chunk;
-        while let Some(item) = decoder.decode(&mut input) {
-            if let Ok(frame) = item {
-                assert!(frame.len() <= frame::MAX_FRAME);
-                let _ = gateway.receive(frame);
+        if cut >= fuzz_ops::FIRST {
+            let (args, tail) = tail.split_at(2.min(tail.len()));
+            rest = tail;
+            let (a, b) = (
+                args.first().copied().unwrap_or(0),
+                args.get(1).copied().unwrap_or(0),
+            );
+            match guest.op(cut - fuzz_ops::FIRST, a, b) {
+                fuzz_ops::Step::Frame(frame) => {
+                    let _ = gateway.receive(frame);
+                }
+                fuzz_ops::Step::Wait(seconds) => millis += i64::from(seconds) * 1000,
             }
-            if !gateway.has_room() {
-                gateway.poll(smoltcp::time::Instant::from_millis(millis));
+        } else {
+            let (chunk, tail) = tail.split_at((cut as usize * 16).min(tail.len()));
+            rest = tail;
+            let mut input = chunk;
+            while let Some(item) = decoder.decode(&mut input) {
+                if let Ok(frame) = item {
+                    assert!(frame.len() <= frame::MAX_FRAME);
+                    let _ = gateway.receive(frame);
+                }
+                if !gateway.has_room() {
+                    gateway.poll(smoltcp::time::Instant::from_millis(millis));
+                }
             }
+            millis += i64::from(cut);
         }
-        millis += i64::from(cut);
         let now = smoltcp::time::Instant::from_millis(millis);
         gateway.poll(now);
+        gateway.check_invariants();
         for key in gateway.take_new_flows() {
             if key.destination.port() % 2 == 0 && gateway.accept_tcp(key) {
                 open.push(key);
@@ -410,6 +430,7 @@ pub(crate) fn fuzz_link(data: &[u8]) {
                 dns::Incoming::Ignore => {}
             }
         }
+        // The service's pump: echo, and forget what is over.
         open.retain(|key| {
             let Some(socket) = gateway.tcp(key) else {
                 return false;
@@ -428,6 +449,7 @@ pub(crate) fn fuzz_link(data: &[u8]) {
             !done
         });
         gateway.poll(now);
+        gateway.check_invariants();
         let out = std::mem::take(gateway.output());
         assert!(out.len() <= stack::OUTPUT_MAX);
         let mut sent = frame::FrameDecoder::new();
@@ -435,8 +457,204 @@ pub(crate) fn fuzz_link(data: &[u8]) {
         while let Some(item) = sent.decode(&mut input) {
             let frame = item.expect("the gateway sends only well-formed frames");
             assert!(frame.len() <= frame::MAX_FRAME);
+            guest.saw(&frame);
         }
         sent.finish().expect("the gateway sends whole frames");
+    }
+}
+
+/// The well-formed guest of [`fuzz_link`]: TCP segments from a few guest ports to a few
+/// destinations, with valid checksums and the sequence numbers a real guest would use, so
+/// that inputs reach every state of a connection (and a reset in each), not only the gate.
+pub(crate) mod fuzz_ops {
+    use std::collections::HashMap;
+    use std::net::Ipv4Addr;
+
+    use smoltcp::phy::ChecksumCapabilities;
+    use smoltcp::wire::{
+        EthernetAddress, EthernetFrame, EthernetProtocol, EthernetRepr, IpProtocol, Ipv4Packet,
+        Ipv4Repr, TcpControl, TcpPacket, TcpRepr, TcpSeqNumber,
+    };
+
+    use super::Addressing;
+
+    /// The first cut byte that is an op.
+    pub(crate) const FIRST: u8 = 0xf0;
+
+    /// What an op does.
+    pub(crate) enum Step {
+        /// A frame from the guest.
+        Frame(Vec<u8>),
+        /// Time passes, in seconds (the gateway's timers are tens of seconds).
+        Wait(u8),
+    }
+
+    /// The ops, by `cut - FIRST`.
+    pub(crate) const SYN: u8 = 0;
+    pub(crate) const ACK: u8 = 1;
+    pub(crate) const RST: u8 = 2;
+    pub(crate) const FIN: u8 = 3;
+    pub(crate) const DATA: u8 = 4;
+    pub(crate) const BAD_CHECKSUM_SYN: u8 = 5;
+    pub(crate) const SYN_RST: u8 = 6;
+    pub(crate) const WAIT: u8 = 7;
+
+    /// The destinations, by index: even ports are accepted by the harness, odd refused.
+    const DESTINATIONS: [(Ipv4Addr, u16); 4] = [
+        (Ipv4Addr::new(192, 0, 2, 1), 80),
+        (Ipv4Addr::new(192, 0, 2, 1), 8080),
+        (Ipv4Addr::new(192, 0, 2, 2), 80),
+        (Ipv4Addr::new(192, 0, 2, 1), 81),
+    ];
+
+    /// A connection as the guest knows it: its next sequence number, and the next it expects.
+    #[derive(Default, Clone, Copy)]
+    struct Flow {
+        seq: u32,
+        ack: Option<u32>,
+    }
+
+    /// The guest's side of its connections.
+    #[derive(Default)]
+    pub(crate) struct Guest {
+        flows: HashMap<(u16, (Ipv4Addr, u16)), Flow>,
+    }
+
+    impl Guest {
+        /// The frame (or wait) op `op` makes, from guest port `a` (one of 8) to destination
+        /// `b` (one of [`DESTINATIONS`]); `b` is the seconds of a wait, or a data length.
+        pub(crate) fn op(&mut self, op: u8, a: u8, b: u8) -> Step {
+            let port = 40000 + u16::from(a & 7);
+            let destination = DESTINATIONS[usize::from(b & 3)];
+            let flow = self.flows.entry((port, destination)).or_default();
+            let (control, payload_len, checksum_ok) = match op {
+                SYN => {
+                    // A new connection: a fresh sequence number, as after a close.
+                    *flow = Flow {
+                        seq: u32::from(a) << 20 | 1000,
+                        ack: None,
+                    };
+                    (TcpControl::Syn, 0, true)
+                }
+                ACK => (TcpControl::None, 0, true),
+                RST => (TcpControl::Rst, 0, true),
+                FIN => (TcpControl::Fin, 0, true),
+                DATA => (TcpControl::Psh, usize::from(b >> 2) * 8 + 1, true),
+                BAD_CHECKSUM_SYN => (TcpControl::Syn, 0, false),
+                SYN_RST => {
+                    return Step::Frame(Self::raw_syn_rst(port, destination, flow.seq));
+                }
+                WAIT => return Step::Wait(b),
+                _ => return Step::Wait(1),
+            };
+            let payload = vec![b'x'; payload_len];
+            let repr = TcpRepr {
+                src_port: port,
+                dst_port: destination.1,
+                control,
+                seq_number: TcpSeqNumber(flow.seq as i32),
+                ack_number: flow.ack.map(|a| TcpSeqNumber(a as i32)),
+                window_len: 64240,
+                window_scale: None,
+                max_seg_size: (control == TcpControl::Syn).then_some(1460),
+                sack_permitted: false,
+                sack_ranges: [None; 3],
+                timestamp: None,
+                payload: &payload,
+            };
+            let advance = payload_len as u32
+                + u32::from(matches!(control, TcpControl::Syn | TcpControl::Fin));
+            flow.seq = flow.seq.wrapping_add(advance);
+            Step::Frame(segment(&repr, destination.0, checksum_ok))
+        }
+
+        /// What the gateway sent: a SYN-ACK or a segment with data or FIN tells the guest what
+        /// to acknowledge next.
+        pub(crate) fn saw(&mut self, frame: &[u8]) {
+            let Ok(eth) = EthernetFrame::new_checked(frame) else {
+                return;
+            };
+            let Ok(ip) = Ipv4Packet::new_checked(eth.payload()) else {
+                return;
+            };
+            let Ok(tcp) = TcpPacket::new_checked(ip.payload()) else {
+                return;
+            };
+            let key = (tcp.dst_port(), (ip.src_addr(), tcp.src_port()));
+            let Some(flow) = self.flows.get_mut(&key) else {
+                return;
+            };
+            if tcp.rst() {
+                flow.ack = None;
+                return;
+            }
+            let data = ip
+                .payload()
+                .len()
+                .saturating_sub(usize::from(tcp.header_len())) as u32;
+            let end = (tcp.seq_number().0 as u32)
+                .wrapping_add(data)
+                .wrapping_add(u32::from(tcp.syn()) + u32::from(tcp.fin()));
+            flow.ack = Some(end);
+        }
+
+        /// A SYN with RST set too, checksums valid: a frame `TcpRepr` cannot express.
+        fn raw_syn_rst(port: u16, destination: (Ipv4Addr, u16), seq: u32) -> Vec<u8> {
+            let repr = TcpRepr {
+                src_port: port,
+                dst_port: destination.1,
+                control: TcpControl::Syn,
+                seq_number: TcpSeqNumber(seq as i32),
+                ack_number: None,
+                window_len: 64240,
+                window_scale: None,
+                max_seg_size: None,
+                sack_permitted: false,
+                sack_ranges: [None; 3],
+                timestamp: None,
+                payload: &[],
+            };
+            let mut frame = segment(&repr, destination.0, true);
+            // Set RST beside SYN and fill in the checksum again.
+            let guest = Addressing::default().guest;
+            let mut eth = EthernetFrame::new_unchecked(&mut frame[..]);
+            let mut ip = Ipv4Packet::new_unchecked(eth.payload_mut());
+            let mut tcp = TcpPacket::new_unchecked(ip.payload_mut());
+            tcp.set_rst(true);
+            tcp.fill_checksum(&guest.into(), &destination.0.into());
+            frame
+        }
+    }
+
+    /// `repr` from the guest to `to`, framed for the link; its TCP checksum broken unless
+    /// `checksum_ok`.
+    fn segment(repr: &TcpRepr<'_>, to: Ipv4Addr, checksum_ok: bool) -> Vec<u8> {
+        let addressing = Addressing::default();
+        let checksums = ChecksumCapabilities::default();
+        let ip_repr = Ipv4Repr {
+            src_addr: addressing.guest,
+            dst_addr: to,
+            next_header: IpProtocol::Tcp,
+            payload_len: repr.buffer_len(),
+            hop_limit: 64,
+        };
+        let eth_repr = EthernetRepr {
+            src_addr: EthernetAddress(addressing.guest_mac),
+            dst_addr: EthernetAddress(addressing.gateway_mac),
+            ethertype: EthernetProtocol::Ipv4,
+        };
+        let mut buf = vec![0u8; eth_repr.buffer_len() + ip_repr.buffer_len() + repr.buffer_len()];
+        let mut eth = EthernetFrame::new_unchecked(&mut buf[..]);
+        eth_repr.emit(&mut eth);
+        let mut ip = Ipv4Packet::new_unchecked(eth.payload_mut());
+        ip_repr.emit(&mut ip, &checksums);
+        let mut tcp = TcpPacket::new_unchecked(ip.payload_mut());
+        repr.emit(&mut tcp, &addressing.guest.into(), &to.into(), &checksums);
+        if !checksum_ok {
+            let sum = tcp.checksum();
+            tcp.set_checksum(sum ^ 0x5a5a);
+        }
+        buf
     }
 }
 

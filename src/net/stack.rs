@@ -89,6 +89,20 @@ const UDP_BYTES: usize = 64 * 1024;
 /// the stack's memory at 64 MiB; the window the guest sees is this size.
 pub(crate) const TCP_BUFFER: usize = 64 * 1024;
 
+/// A connection whose guest end sends nothing for this long is aborted: smoltcp's timeout,
+/// which with [`TCP_KEEP_ALIVE`] covers every state with a peer (a SYN-RECEIVED never
+/// acknowledged, a guest that vanished from an established or half-closed connection). A live
+/// guest kernel answers keep-alives and window probes, so an idle healthy connection stays.
+const TCP_TIMEOUT: Duration = Duration::from_secs(75);
+
+/// How often an idle connection asks the guest whether it is still there.
+const TCP_KEEP_ALIVE: Duration = Duration::from_secs(20);
+
+/// How long a connection may stay in FIN-WAIT-2 (the host finished, the guest acknowledged but
+/// never finishes its side): Linux's own `tcp_fin_timeout`. A guest's kernel answers the
+/// keep-alives of such a connection for ever, so [`TCP_TIMEOUT`] alone never ends it.
+const FIN_WAIT_2_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// The ports the gateway's own connections into the guest (to published ports) come from.
 const GATEWAY_PORTS: std::ops::Range<u16> = 49152..65535;
 
@@ -136,10 +150,19 @@ pub(crate) struct Counters {
     pub last_drop: Option<Dropped>,
 }
 
+/// A frame from the guest waiting for the stack: for an accepted connection's replayed SYN,
+/// whose it is.
+struct Queued {
+    frame: Vec<u8>,
+    syn_of: Option<FlowKey>,
+}
+
 /// The smoltcp device: frames from the guest wait in `rx`; frames to it are framed into `out`.
 struct Port {
-    rx: VecDeque<Vec<u8>>,
+    rx: VecDeque<Queued>,
     out: Vec<u8>,
+    /// Accepted connections whose replayed SYN the stack took since the last look.
+    offered: Vec<FlowKey>,
 }
 
 impl Port {
@@ -181,8 +204,9 @@ impl Device for Port {
         if self.output_full() {
             return None;
         }
-        let frame = self.rx.pop_front()?;
-        Some((Rx(frame), Tx(&mut self.out)))
+        let queued = self.rx.pop_front()?;
+        self.offered.extend(queued.syn_of);
+        Some((Rx(queued.frame), Tx(&mut self.out)))
     }
 
     fn transmit(&mut self, _: Instant) -> Option<Tx<'_>> {
@@ -208,8 +232,13 @@ pub(crate) struct Gateway {
     held: HashMap<FlowKey, Vec<u8>>,
     /// Connections held since the last [`Gateway::take_new_flows`].
     new_flows: Vec<FlowKey>,
-    /// Accepted connections and their sockets.
+    /// Accepted connections and their sockets: each socket belongs to exactly one.
     open: HashMap<FlowKey, SocketHandle>,
+    /// Accepted connections whose replayed SYN the stack has not taken yet: their sockets
+    /// listen, rightly.
+    awaiting_syn: std::collections::HashSet<FlowKey>,
+    /// Connections seen in FIN-WAIT-2, and since when.
+    fin_wait_2: HashMap<FlowKey, Instant>,
     /// New UDP flows' first datagrams, waiting for a decision.
     udp_held: HashMap<FlowKey, Vec<u8>>,
     /// UDP flows held since the last [`Gateway::take_new_udp_flows`].
@@ -236,6 +265,7 @@ impl Gateway {
         let mut port = Port {
             rx: VecDeque::with_capacity(RX_QUEUE_FRAMES),
             out: Vec::new(),
+            offered: Vec::new(),
         };
         let mut config = Config::new(HardwareAddress::Ethernet(EthernetAddress(
             addressing.gateway_mac,
@@ -273,6 +303,8 @@ impl Gateway {
             held: HashMap::new(),
             new_flows: Vec::new(),
             open: HashMap::new(),
+            awaiting_syn: std::collections::HashSet::new(),
+            fin_wait_2: HashMap::new(),
             udp_held: HashMap::new(),
             new_udp_flows: Vec::new(),
             udp_open: std::collections::HashSet::new(),
@@ -307,7 +339,10 @@ impl Gateway {
         match verdict {
             Ok(Admit::Stack) => {
                 self.counters.admitted += 1;
-                self.port.rx.push_back(frame);
+                self.port.rx.push_back(Queued {
+                    frame,
+                    syn_of: None,
+                });
                 Ok(())
             }
             Ok(Admit::NewConnection(key)) => {
@@ -355,6 +390,24 @@ impl Gateway {
                             TcpPacket::new_checked(ip.payload()).map_err(|_| Dropped::Malformed)?;
                         if !tcp.syn() || tcp.ack() {
                             return Ok(Admit::Stack);
+                        }
+                        // A SYN is held (and put to the policy) only if the stack will take
+                        // it when it is replayed: a listener made for one it drops (a bad
+                        // checksum, SYN with RST or FIN) would be left listening, and take
+                        // another connection's SYN.
+                        let checksums = ChecksumCapabilities::default();
+                        if !ip.verify_checksum()
+                            || TcpRepr::parse(
+                                &tcp,
+                                &ip.src_addr().into(),
+                                &ip.dst_addr().into(),
+                                &checksums,
+                            )
+                            .is_err()
+                            || tcp.rst()
+                            || tcp.fin()
+                        {
+                            return Err(Dropped::Malformed);
                         }
                         let key = FlowKey {
                             guest: SocketAddrV4::new(ip.src_addr(), tcp.src_port()),
@@ -405,7 +458,10 @@ impl Gateway {
     /// output.
     pub(crate) fn poll(&mut self, now: Instant) {
         self.iface.poll(now, &mut self.port, &mut self.sockets);
-        self.match_listeners();
+        for key in self.port.offered.drain(..) {
+            self.awaiting_syn.remove(&key);
+        }
+        self.settle_sockets(now);
     }
 
     /// Connections held since the last call, for the policy.
@@ -420,18 +476,20 @@ impl Gateway {
         let Some(syn) = self.held.remove(&key) else {
             return false;
         };
-        let buffer = || tcp::SocketBuffer::new(vec![0u8; TCP_BUFFER]);
-        let mut socket = tcp::Socket::new(buffer(), buffer());
-        // Data is relayed as it comes: coalescing is the upstream's and the guest's business.
-        socket.set_nagle_enabled(false);
+        let mut socket = new_socket();
         if socket.listen(IpEndpoint::from(key.destination)).is_err() {
             return false;
         }
         let handle = self.sockets.add(socket);
         self.open.insert(key, handle);
-        // Ahead of anything queued: no other SYN for this address can reach the listener
-        // first (new ones are held, repeated ones dropped at the gate).
-        self.port.rx.push_front(syn);
+        self.awaiting_syn.insert(key);
+        // Ahead of anything queued. Another listener on the same address may still take it
+        // (one accepted in the same pass): `settle_sockets` gives each socket to its
+        // connection after the poll.
+        self.port.rx.push_front(Queued {
+            frame: syn,
+            syn_of: Some(key),
+        });
         true
     }
 
@@ -456,9 +514,7 @@ impl Gateway {
             };
             (!self.open.contains_key(&key)).then_some(key)
         })?;
-        let buffer = || tcp::SocketBuffer::new(vec![0u8; TCP_BUFFER]);
-        let mut socket = tcp::Socket::new(buffer(), buffer());
-        socket.set_nagle_enabled(false);
+        let mut socket = new_socket();
         socket
             .connect(
                 self.iface.context(),
@@ -487,42 +543,93 @@ impl Gateway {
     /// Forgets a connection and its socket (its state is the caller's to judge: closed, or
     /// given up).
     pub(crate) fn remove_tcp(&mut self, key: &FlowKey) {
+        self.awaiting_syn.remove(key);
+        self.fin_wait_2.remove(key);
         if let Some(handle) = self.open.remove(key) {
             self.sockets.remove(handle);
         }
     }
 
-    /// Two connections accepted to the same address at once each got a listener, and either
-    /// listener may have taken either SYN: swap them to their connections.
-    fn match_listeners(&mut self) {
-        let mut misplaced: Vec<(FlowKey, SocketAddrV4)> = Vec::new();
+    /// After a poll: gives each socket to the connection whose guest end it talks to, and
+    /// aborts those that can no longer serve theirs, so that the service sees them closed.
+    ///
+    /// Listeners on one address are interchangeable to smoltcp: of two connections accepted to
+    /// it in one pass either listener may take either SYN, and a listener left over takes the
+    /// next one. A listener is left over when its SYN was taken and then reset by the guest
+    /// (SYN-RECEIVED returns to LISTEN on a reset) or its SYN never took (the gate holds only
+    /// SYNs the stack parses, so that is a bug's case): such a connection is over. Left as it
+    /// was, two connections would own one socket, and the second `remove_tcp` of it panics.
+    fn settle_sockets(&mut self, now: Instant) {
+        let mut unsettled: Vec<SocketAddrV4> = Vec::new();
         for (key, handle) in &self.open {
             let socket = self.sockets.get::<tcp::Socket>(*handle);
-            if let Some(IpEndpoint {
-                addr: smoltcp::wire::IpAddress::Ipv4(addr),
-                port,
-            }) = socket.remote_endpoint()
-            {
-                let remote = SocketAddrV4::new(addr, port);
-                if remote != key.guest {
-                    misplaced.push((*key, remote));
+            let wrong = match remote_of(socket) {
+                Some(remote) => remote != key.guest,
+                None => socket.state() == tcp::State::Listen && !self.awaiting_syn.contains(key),
+            };
+            if wrong && !unsettled.contains(&key.destination) {
+                unsettled.push(key.destination);
+            }
+            if socket.state() == tcp::State::FinWait2 {
+                self.fin_wait_2.entry(*key).or_insert(now);
+            }
+        }
+        for destination in unsettled {
+            self.reassign(destination);
+        }
+        let expired: Vec<FlowKey> = self
+            .fin_wait_2
+            .iter()
+            .filter(|(_, since)| now >= **since + FIN_WAIT_2_TIMEOUT)
+            .map(|(key, _)| *key)
+            .collect();
+        for key in expired {
+            self.fin_wait_2.remove(&key);
+            if let Some(handle) = self.open.get(&key) {
+                let socket = self.sockets.get_mut::<tcp::Socket>(*handle);
+                if socket.state() == tcp::State::FinWait2 {
+                    tracing::debug!(target: "krunbox::net", ?key, "FIN-WAIT-2 expired");
+                    socket.abort();
                 }
             }
         }
-        // Each misplaced socket goes to the connection it took; the one that connection had
-        // was misplaced too, and moves in its own turn. Sockets are read from the map as it
-        // was, so two that traded places are not swapped back.
-        let before: Vec<(FlowKey, SocketHandle)> = misplaced
-            .iter()
-            .filter_map(|(key, _)| Some((*key, *self.open.get(key)?)))
+    }
+
+    /// The sockets of the connections to `destination`, each to the connection whose guest
+    /// end it talks to; the rest to the rest, and those then wrong are aborted.
+    fn reassign(&mut self, destination: SocketAddrV4) {
+        let keys: Vec<FlowKey> = self
+            .open
+            .keys()
+            .filter(|key| key.destination == destination)
+            .copied()
             .collect();
-        for ((key, remote), (_, handle)) in misplaced.iter().zip(before) {
-            let owner = FlowKey {
-                guest: *remote,
-                destination: key.destination,
+        let mut handles: Vec<SocketHandle> = keys.iter().map(|key| self.open[key]).collect();
+        let mut homeless: Vec<FlowKey> = Vec::new();
+        for key in &keys {
+            let talks_to_key = |handle: &SocketHandle| {
+                remote_of(self.sockets.get::<tcp::Socket>(*handle)) == Some(key.guest)
             };
-            if self.open.contains_key(&owner) {
-                self.open.insert(owner, handle);
+            match handles.iter().position(talks_to_key) {
+                Some(i) => {
+                    self.open.insert(*key, handles.swap_remove(i));
+                }
+                None => homeless.push(*key),
+            }
+        }
+        for (key, handle) in homeless.into_iter().zip(handles) {
+            self.open.insert(key, handle);
+            let waiting = self.awaiting_syn.contains(&key);
+            let socket = self.sockets.get_mut::<tcp::Socket>(handle);
+            let listening = socket.state() == tcp::State::Listen;
+            if !(listening && waiting) && socket.state() != tcp::State::Closed {
+                tracing::debug!(
+                    target: "krunbox::net",
+                    ?key,
+                    state = %socket.state(),
+                    "a connection lost its socket (reset in SYN-RECEIVED, or its SYN never took)"
+                );
+                socket.abort();
             }
         }
     }
@@ -576,7 +683,10 @@ impl Gateway {
         };
         entry.1 += 1;
         self.udp_open.insert(key);
-        self.port.rx.push_front(datagram);
+        self.port.rx.push_front(Queued {
+            frame: datagram,
+            syn_of: None,
+        });
         true
     }
 
@@ -668,6 +778,52 @@ impl Gateway {
     /// Framed bytes for the guest, to be written to the stream and drained from the front.
     pub(crate) fn output(&mut self) -> &mut Vec<u8> {
         &mut self.port.out
+    }
+
+    /// Panics unless every accepted connection owns a socket of its own and the stack holds
+    /// no socket that nothing owns (the fuzz harness and tests check this after every step).
+    pub(crate) fn check_invariants(&self) {
+        let mut owned: std::collections::HashSet<SocketHandle> =
+            self.open.values().copied().collect();
+        assert_eq!(
+            owned.len(),
+            self.open.len(),
+            "two connections share a socket"
+        );
+        for (handle, _) in self.udp_sockets.values() {
+            assert!(owned.insert(*handle), "a UDP socket is also a connection's");
+        }
+        owned.insert(self.dns);
+        let all = self.sockets.iter().count();
+        assert_eq!(all, owned.len(), "the stack holds a socket nothing owns");
+        assert!(self.open.len() + self.held.len() <= MAX_CONNECTIONS);
+        for key in &self.awaiting_syn {
+            assert!(
+                self.open.contains_key(key),
+                "waiting for the SYN of no connection"
+            );
+        }
+    }
+}
+
+/// A socket for one connection, with its buffers and timers.
+fn new_socket() -> tcp::Socket<'static> {
+    let buffer = || tcp::SocketBuffer::new(vec![0u8; TCP_BUFFER]);
+    let mut socket = tcp::Socket::new(buffer(), buffer());
+    // Data is relayed as it comes: coalescing is the upstream's and the guest's business.
+    socket.set_nagle_enabled(false);
+    socket.set_timeout(Some(TCP_TIMEOUT));
+    socket.set_keep_alive(Some(TCP_KEEP_ALIVE));
+    socket
+}
+
+/// The guest end a socket talks to, once it has one.
+fn remote_of(socket: &tcp::Socket<'_>) -> Option<SocketAddrV4> {
+    match socket.remote_endpoint()? {
+        IpEndpoint {
+            addr: smoltcp::wire::IpAddress::Ipv4(addr),
+            port,
+        } => Some(SocketAddrV4::new(addr, port)),
     }
 }
 
@@ -983,6 +1139,165 @@ mod tests {
         }
     }
 
+    /// A guest of well-formed segments (the fuzz harness's), on the link to `gw`.
+    struct Link {
+        guest: crate::net::fuzz_ops::Guest,
+        millis: i64,
+    }
+
+    impl Link {
+        fn new() -> Self {
+            Self {
+                guest: crate::net::fuzz_ops::Guest::default(),
+                millis: 10,
+            }
+        }
+
+        /// Sends op `op` from guest port `40000 + port` to destination `to` (the harness's
+        /// indices: 0 is 192.0.2.1:80), then polls and lets the guest see the answers.
+        fn send(&mut self, gw: &mut Gateway, op: u8, port: u8, to: u8) -> Result<(), Dropped> {
+            let crate::net::fuzz_ops::Step::Frame(frame) = self.guest.op(op, port, to) else {
+                unreachable!("a frame op")
+            };
+            let result = gw.receive(frame);
+            self.poll(gw);
+            result
+        }
+
+        fn poll(&mut self, gw: &mut Gateway) {
+            self.millis += 10;
+            gw.poll(Instant::from_millis(self.millis));
+            gw.check_invariants();
+            for frame in sent(gw) {
+                self.guest.saw(&frame);
+            }
+        }
+
+        fn wait(&mut self, gw: &mut Gateway, seconds: i64) {
+            self.millis += seconds * 1000;
+            self.poll(gw);
+        }
+    }
+
+    fn flow_key(port: u8) -> FlowKey {
+        FlowKey {
+            guest: SocketAddrV4::new(GUEST, 40000 + u16::from(port)),
+            destination: SocketAddrV4::new(Ipv4Addr::new(192, 0, 2, 1), 80),
+        }
+    }
+
+    fn state(gw: &mut Gateway, key: &FlowKey) -> Option<tcp::State> {
+        gw.tcp(key).map(|s| s.state())
+    }
+
+    /// Issue 33's panic: a reset in SYN-RECEIVED put the socket back to LISTEN, the next
+    /// connection accepted to that address landed on it, both connections then owned it, and
+    /// the second `remove_tcp` panicked in smoltcp. Now the reset ends its connection, and the
+    /// next one gets its own socket.
+    #[test]
+    fn a_reset_in_syn_received_ends_its_connection_and_leaves_no_listener_behind() {
+        use crate::net::fuzz_ops::{ACK, RST, SYN};
+        let mut gw = with_guest_known();
+        let mut link = Link::new();
+        let (a, b) = (flow_key(0), flow_key(1));
+        link.send(&mut gw, SYN, 0, 0).unwrap();
+        assert_eq!(gw.take_new_flows(), [a]);
+        assert!(gw.accept_tcp(a));
+        link.poll(&mut gw);
+        assert_eq!(state(&mut gw, &a), Some(tcp::State::SynReceived));
+        link.send(&mut gw, RST, 0, 0).unwrap();
+        assert_eq!(
+            state(&mut gw, &a),
+            Some(tcp::State::Closed),
+            "no listener left"
+        );
+        // The service forgets a closed connection; the next one to the address is its own.
+        gw.remove_tcp(&a);
+        link.send(&mut gw, SYN, 1, 0).unwrap();
+        assert_eq!(gw.take_new_flows(), [b]);
+        assert!(gw.accept_tcp(b));
+        link.poll(&mut gw);
+        link.send(&mut gw, ACK, 1, 0).unwrap();
+        assert_eq!(state(&mut gw, &b), Some(tcp::State::Established));
+        gw.remove_tcp(&b);
+        gw.check_invariants();
+    }
+
+    /// The same with the reset landing while the next connection's listener is already there:
+    /// the old listener may take the new SYN; each connection still ends up with its own
+    /// socket, and the one the guest reset is over.
+    #[test]
+    fn a_listener_left_by_a_reset_gives_the_next_syn_to_its_connection() {
+        use crate::net::fuzz_ops::{ACK, RST, SYN};
+        let mut gw = with_guest_known();
+        let mut link = Link::new();
+        let (a, b) = (flow_key(0), flow_key(1));
+        link.send(&mut gw, SYN, 0, 0).unwrap();
+        link.send(&mut gw, SYN, 1, 0).unwrap();
+        assert_eq!(gw.take_new_flows(), [a, b]);
+        assert!(gw.accept_tcp(a));
+        link.poll(&mut gw);
+        // B's listener is made before A's reset reaches the stack: both are polled at once.
+        assert!(gw.accept_tcp(b));
+        link.send(&mut gw, RST, 0, 0).unwrap();
+        link.poll(&mut gw);
+        link.send(&mut gw, ACK, 1, 0).unwrap();
+        assert_eq!(state(&mut gw, &b), Some(tcp::State::Established));
+        let remote = gw.tcp(&b).unwrap().remote_endpoint().unwrap();
+        assert_eq!(remote.port, 40001);
+        assert_eq!(state(&mut gw, &a), Some(tcp::State::Closed));
+        gw.remove_tcp(&a);
+        gw.remove_tcp(&b);
+        gw.check_invariants();
+    }
+
+    /// A SYN the stack would not take is not put to the policy: a listener made for it would
+    /// never get its SYN and take the next connection's instead.
+    #[test]
+    fn a_syn_with_a_bad_checksum_or_other_flags_is_not_held() {
+        use crate::net::fuzz_ops::{BAD_CHECKSUM_SYN, SYN_RST};
+        let mut gw = with_guest_known();
+        let mut link = Link::new();
+        assert_eq!(
+            link.send(&mut gw, BAD_CHECKSUM_SYN, 0, 0),
+            Err(Dropped::Malformed)
+        );
+        assert_eq!(link.send(&mut gw, SYN_RST, 1, 0), Err(Dropped::Malformed));
+        assert!(gw.take_new_flows().is_empty());
+    }
+
+    /// The gateway's TCP timers: a SYN-RECEIVED the guest never acknowledges, and a
+    /// FIN-WAIT-2 the guest never finishes, both end (the connection's slot is not held for
+    /// ever), while an idle established connection stays, the guest answering keep-alives.
+    #[test]
+    fn half_open_and_half_closed_connections_expire_and_idle_ones_stay() {
+        use crate::net::fuzz_ops::{ACK, SYN};
+        let mut gw = with_guest_known();
+        let mut link = Link::new();
+        let (never_acked, half_closed, idle) = (flow_key(0), flow_key(1), flow_key(2));
+        for (port, key) in [(0, never_acked), (1, half_closed), (2, idle)] {
+            link.send(&mut gw, SYN, port, 0).unwrap();
+            assert_eq!(gw.take_new_flows(), [key]);
+            assert!(gw.accept_tcp(key));
+            link.poll(&mut gw);
+        }
+        link.send(&mut gw, ACK, 1, 0).unwrap();
+        link.send(&mut gw, ACK, 2, 0).unwrap();
+        // The host finishes half_closed; the guest acknowledges the FIN and never sends its own.
+        gw.tcp(&half_closed).unwrap().close();
+        link.poll(&mut gw);
+        link.send(&mut gw, ACK, 1, 0).unwrap();
+        assert_eq!(state(&mut gw, &half_closed), Some(tcp::State::FinWait2));
+        // Time passes in steps; the idle connection's guest answers each keep-alive.
+        for _ in 0..10 {
+            link.wait(&mut gw, 10);
+            link.send(&mut gw, ACK, 2, 0).unwrap();
+        }
+        assert_eq!(state(&mut gw, &never_acked), Some(tcp::State::Closed));
+        assert_eq!(state(&mut gw, &half_closed), Some(tcp::State::Closed));
+        assert_eq!(state(&mut gw, &idle), Some(tcp::State::Established));
+    }
+
     #[test]
     fn the_gateway_connects_to_a_published_port_from_a_port_of_its_own() {
         let mut gw = with_guest_known();
@@ -1177,20 +1492,67 @@ mod tests {
                 syn(gw, 22),
             ],
         ];
-        sessions
-            .into_iter()
-            .map(|frames| {
-                let mut stream = Vec::new();
-                for f in &frames {
-                    frame::encode(f, &mut stream).unwrap();
-                }
-                let cut = stream.len().div_ceil(16);
-                assert!(cut <= 255, "a seed is one read");
-                let mut input = vec![cut as u8];
-                input.extend(stream);
-                input
-            })
-            .collect()
+        let framed = |frames: &[Vec<u8>]| {
+            let mut stream = Vec::new();
+            for f in frames {
+                frame::encode(f, &mut stream).unwrap();
+            }
+            let cut = stream.len().div_ceil(16);
+            assert!(
+                cut < usize::from(crate::net::fuzz_ops::FIRST),
+                "a seed's read is one cut"
+            );
+            let mut input = vec![cut as u8];
+            input.extend(stream);
+            input
+        };
+        let mut seeds: Vec<Vec<u8>> = sessions.iter().map(|frames| framed(frames)).collect();
+        // Well-formed TCP from the harness's guest (ops: `fuzz_ops`), after ARP for the gateway:
+        // (op, guest port index, destination index or seconds or data length).
+        use crate::net::fuzz_ops::{
+            ACK, BAD_CHECKSUM_SYN, DATA, FIN, FIRST, RST, SYN, SYN_RST, WAIT,
+        };
+        let scripts: [&[(u8, u8, u8)]; 2] = [
+            // A reset in SYN-RECEIVED, then the next connection to that address, which a
+            // listener left behind would take (issue 33's panic); it carries data, finishes,
+            // and the timers run out.
+            &[
+                (SYN, 0, 0),
+                (RST, 0, 0),
+                (SYN, 1, 0),
+                (ACK, 1, 0),
+                (DATA, 1, 40),
+                (FIN, 1, 0),
+                (WAIT, 0, 80),
+            ],
+            // Two connections to one address at once, SYNs the gate must not hold, a refused
+            // port, and one never acknowledged past the timeout.
+            &[
+                (SYN, 0, 0),
+                (SYN, 1, 0),
+                (BAD_CHECKSUM_SYN, 2, 0),
+                (SYN_RST, 3, 0),
+                (SYN, 4, 3),
+                (ACK, 0, 0),
+                (WAIT, 0, 90),
+                (ACK, 1, 0),
+                (RST, 0, 0),
+            ],
+        ];
+        // The ARP frame padded (as Ethernet pads short frames) to a whole cut, so that its read
+        // ends where the ops begin.
+        let mut arp = arp_request(gw);
+        while !(arp.len() + frame::LENGTH_PREFIX).is_multiple_of(16) {
+            arp.push(0);
+        }
+        for script in scripts {
+            let mut input = framed(&[arp.clone()]);
+            for (op, a, b) in script {
+                input.extend([FIRST + op, *a, *b]);
+            }
+            seeds.push(input);
+        }
+        seeds
     }
 
     #[test]

@@ -37,6 +37,7 @@
 #![warn(missing_docs)]
 
 mod artifacts;
+mod callback;
 mod capabilities;
 mod config;
 mod control;

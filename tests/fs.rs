@@ -81,6 +81,57 @@ impl VirtualFs for OneFile {
     }
 }
 
+/// [`OneFile`], but the caller's code panics looking up `boom`.
+struct Foreign;
+
+#[async_trait]
+impl VirtualFs for Foreign {
+    async fn lookup(&self, parent: InodeId, name: &OsStr) -> FsResult<Entry> {
+        if name == "boom" {
+            panic!("the implementation's own bug");
+        }
+        OneFile.lookup(parent, name).await
+    }
+    async fn getattr(&self, ino: InodeId) -> FsResult<Attr> {
+        OneFile.getattr(ino).await
+    }
+    async fn readdir(&self, ino: InodeId, fh: FileHandle, offset: u64) -> FsResult<Vec<DirEntry>> {
+        OneFile.readdir(ino, fh, offset).await
+    }
+    async fn open(&self, ino: InodeId, flags: OpenFlags) -> FsResult<FileHandle> {
+        OneFile.open(ino, flags).await
+    }
+    async fn read(
+        &self,
+        ino: InodeId,
+        fh: FileHandle,
+        offset: u64,
+        size: u32,
+    ) -> FsResult<Vec<u8>> {
+        OneFile.read(ino, fh, offset, size).await
+    }
+}
+
+/// Issue 33: a panic in the caller's `VirtualFs` left the guest's call unanswered for ever (its
+/// process unkillable). Now it fails that call with EIO and the mount goes on serving.
+#[test]
+fn a_panicking_filesystem_call_fails_only_that_call() {
+    common::run(async {
+        let vm = boot(busybox().mount("/tmp/served", Foreign)).await;
+        let (out, took) = sh(
+            &vm,
+            "ls /tmp/served/boom 2>&1; echo rc-boom=$?; cat /tmp/served/hello.txt",
+            Duration::from_secs(60),
+        )
+        .await;
+        assert!(took < Duration::from_secs(50), "took {took:?}: {out}");
+        assert!(out.contains("Input/output error"), "{out}");
+        assert!(out.contains("rc-boom=1"), "{out}");
+        assert!(out.contains("served by the host"), "{out}");
+        vm.shutdown().await.unwrap();
+    })
+}
+
 fn busybox() -> krunbox::SandboxBuilder {
     Sandbox::builder()
         .rootfs(Rootfs::builtin(BuiltinImage::Busybox))

@@ -131,6 +131,11 @@ pub enum RequestOutcome {
         /// and the variables of the secrets whose placeholders it held.
         credentials: Vec<String>,
     },
+    /// The caller's middleware panicked on it: answered `500`, sent nowhere.
+    MiddlewarePanicked {
+        /// The panic's message.
+        message: String,
+    },
     /// The guest's connection ended (or the network stopped) before it was answered.
     Abandoned,
 }
@@ -150,6 +155,9 @@ impl std::fmt::Display for RequestOutcome {
                 "refused: plain HTTP that would carry {}",
                 credentials.join(", ")
             ),
+            RequestOutcome::MiddlewarePanicked { message } => {
+                write!(f, "middleware panicked: {message}")
+            }
             RequestOutcome::Abandoned => f.write_str("abandoned before its answer"),
         }
     }

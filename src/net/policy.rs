@@ -379,26 +379,17 @@ where
 /// Asks `policy` about `flow`, turning a panic (in the call or in its future) into a denial
 /// that is reported.
 pub(crate) async fn ask(policy: &dyn Policy, flow: Flow) -> Verdict {
-    use futures_util::FutureExt;
-    use std::panic::AssertUnwindSafe;
     let described = flow.to_string();
-    let decided = match std::panic::catch_unwind(AssertUnwindSafe(|| policy.decide(flow))) {
-        Ok(future) => AssertUnwindSafe(future).catch_unwind().await,
-        Err(panic) => Err(panic),
-    };
-    decided.unwrap_or_else(|panic| {
-        let message = panic
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| panic.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "a non-string payload".into());
-        tracing::error!(
-            target: "krunbox::net",
-            flow = %described,
-            "the network policy panicked ({message}); the flow is denied"
-        );
-        Verdict::deny()
-    })
+    crate::callback::guarded(|| policy.decide(flow))
+        .await
+        .unwrap_or_else(|panicked| {
+            tracing::error!(
+                target: "krunbox::net",
+                flow = %described,
+                "the network policy panicked ({panicked}); the flow is denied"
+            );
+            Verdict::deny()
+        })
 }
 
 #[cfg(test)]

@@ -33,7 +33,7 @@ use super::block_cache::{BlockCache, Fetched};
 use super::layer::{data_extents, formatted_memfd, Journal, RootUsage};
 use super::persistent::{parse_record, record};
 use super::served::{DiskSource, ServedDisk};
-use super::store::{check_block_size, BlockStore, StoreContext, StoreError};
+use super::store::{check_block_size, BlockStore, Guarded, StoreContext, StoreError};
 use crate::error::{Error, Result};
 use crate::fs::{async_trait, FsError, FsResult};
 
@@ -154,6 +154,7 @@ impl CowLayer {
         base_sha256: &str,
         max_dirty_bytes: u64,
     ) -> Result<CowLayer> {
+        let store: Arc<dyn BlockStore> = Arc::new(Guarded(store));
         let block_size = store.block_size();
         check_block_size(block_size).map_err(Error::InvalidConfig)?;
         if attached
@@ -813,39 +814,62 @@ mod tests {
     /// and are offered again, and the failure is kept for shutdown.
     #[tokio::test]
     async fn a_failing_store_is_eio_and_a_kept_failure_never_a_silent_loss() {
-        struct Failing(MemoryStore, AtomicBool);
-        #[async_trait]
-        impl BlockStore for Failing {
-            fn block_size(&self) -> u32 {
-                self.0.block_size()
-            }
-            async fn written_blocks(&self) -> std::result::Result<Vec<u64>, StoreError> {
-                self.0.written_blocks().await
-            }
-            async fn read_blocks(
-                &self,
-                first: u64,
-                buf: &mut [u8],
-            ) -> std::result::Result<(), StoreError> {
-                self.0.read_blocks(first, buf).await
-            }
-            async fn write_blocks(
-                &self,
-                first: u64,
-                data: &[u8],
-            ) -> std::result::Result<(), StoreError> {
-                if self.1.load(Ordering::SeqCst) {
-                    return Err(StoreError::Failed("down".into()));
-                }
-                self.0.write_blocks(first, data).await
-            }
-            async fn flush(&self) -> std::result::Result<(), StoreError> {
-                Ok(())
-            }
+        a_store_that_fails_writes(Failure::Error).await;
+    }
+
+    /// The same when the store panics (it is the caller's code): the panic fails that call only.
+    #[tokio::test]
+    async fn a_panicking_store_fails_only_its_call() {
+        a_store_that_fails_writes(Failure::Panic).await;
+    }
+
+    #[derive(Clone, Copy, PartialEq)]
+    enum Failure {
+        Error,
+        Panic,
+    }
+
+    /// A `MemoryStore` whose writes fail, the way `failure` says, while `failing` is set.
+    struct Failing(MemoryStore, AtomicBool, Failure);
+
+    #[async_trait]
+    impl BlockStore for Failing {
+        fn block_size(&self) -> u32 {
+            self.0.block_size()
         }
+        async fn written_blocks(&self) -> std::result::Result<Vec<u64>, StoreError> {
+            self.0.written_blocks().await
+        }
+        async fn read_blocks(
+            &self,
+            first: u64,
+            buf: &mut [u8],
+        ) -> std::result::Result<(), StoreError> {
+            self.0.read_blocks(first, buf).await
+        }
+        async fn write_blocks(
+            &self,
+            first: u64,
+            data: &[u8],
+        ) -> std::result::Result<(), StoreError> {
+            if self.1.load(Ordering::SeqCst) {
+                match self.2 {
+                    Failure::Error => return Err(StoreError::Failed("down".into())),
+                    Failure::Panic => panic!("the store's own bug"),
+                }
+            }
+            self.0.write_blocks(first, data).await
+        }
+        async fn flush(&self) -> std::result::Result<(), StoreError> {
+            Ok(())
+        }
+    }
+
+    async fn a_store_that_fails_writes(failure: Failure) {
         let store = Arc::new(Failing(
             MemoryStore::with_block_size(4096).unwrap(),
             AtomicBool::new(false),
+            failure,
         ));
         let attached = Arc::new(AtomicBool::new(false));
         let layer = CowLayer::attach(store.clone(), attached.clone(), BASE, 8192)
@@ -867,12 +891,15 @@ mod tests {
         assert_eq!(block, [1; 4096]);
         layer.finish().await;
         assert!(!attached.load(Ordering::SeqCst), "the handle is free again");
-        assert!(matches!(
-            layer.failure(),
-            Some(Error::BlockStore {
-                operation: "write",
-                ..
-            })
-        ));
+        let Some(Error::BlockStore {
+            operation: "write",
+            source,
+        }) = layer.failure()
+        else {
+            panic!("{:?}", layer.failure())
+        };
+        if failure == Failure::Panic {
+            assert!(source.to_string().contains("panicked"), "{source}");
+        }
     }
 }

@@ -205,8 +205,11 @@ pub(crate) enum Operation<'a> {
     Removexattr {
         name: &'a OsStr,
     },
-    /// Interrupts are not acted on: every operation finishes promptly on its own.
-    Interrupt,
+    /// The guest gives up the request `unique` (a signal reached the process waiting for
+    /// it): its call is dropped and it is answered `EINTR`, if it is still running.
+    Interrupt {
+        unique: u64,
+    },
     /// An opcode this session does not serve (locks are the guest kernel's, `ioctl`, `poll`,
     /// `bmap`, `fallocate`, `lseek`, `copy_file_range`, readdirplus, DAX mappings, anything
     /// newer): answered with `ENOSYS`.
@@ -601,7 +604,12 @@ pub(crate) fn decode_with<'a>(
         REMOVEXATTR => Operation::Removexattr {
             name: body.xattr_name()?,
         },
-        INTERRUPT => Operation::Interrupt,
+        INTERRUPT => {
+            let args: abi::InterruptIn = body.take()?;
+            Operation::Interrupt {
+                unique: args.unique,
+            }
+        }
         _ => Operation::Unsupported,
     };
     Ok(Request {

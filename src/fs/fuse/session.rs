@@ -59,6 +59,41 @@ pub(crate) struct Session {
     /// The handles the guest kernel has open through this session ((node id, handle) →
     /// whether it is a directory's), released with the session the same way.
     open: std::sync::Mutex<HashMap<(u64, u64), bool>>,
+    /// The calls running now, by their request's `unique`, so an interrupt can end one: at
+    /// most one entry per request in flight, which the transport bounds.
+    running: std::sync::Mutex<HashMap<u64, RunningCall>>,
+    /// Numbers the calls, so a call's guard removes its own entry and not a later request's
+    /// that reused the `unique` (a hostile guest may).
+    next_call: std::sync::atomic::AtomicU64,
+}
+
+/// A call of the implementation that an interrupt can end.
+struct RunningCall {
+    call: u64,
+    interrupt: tokio_util::sync::CancellationToken,
+}
+
+/// Removes its call's entry from [`Session::running`] when the call ends, however it ends.
+struct Registered<'a> {
+    session: &'a Session,
+    unique: u64,
+    call: u64,
+}
+
+impl Drop for Registered<'_> {
+    fn drop(&mut self) {
+        let mut running = self
+            .session
+            .running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if running
+            .get(&self.unique)
+            .is_some_and(|r| r.call == self.call)
+        {
+            running.remove(&self.unique);
+        }
+    }
 }
 
 impl Drop for Session {
@@ -96,6 +131,8 @@ impl Session {
             initialized: AtomicBool::new(false),
             held: std::sync::Mutex::new(HashMap::new()),
             open: std::sync::Mutex::new(HashMap::new()),
+            running: std::sync::Mutex::new(HashMap::new()),
+            next_call: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -152,7 +189,10 @@ impl Session {
                 }
                 return None;
             }
-            Operation::Interrupt => return None,
+            Operation::Interrupt { unique } => {
+                self.interrupt(unique);
+                return None;
+            }
             _ => {}
         }
         if !self.initialized.load(Ordering::Acquire) {
@@ -165,10 +205,64 @@ impl Session {
             return Some(reply::error(unique, libc::EROFS));
         }
         let header = request.header;
-        Some(match self.dispatch(header, operation).await {
-            Ok(message) => message,
-            Err(err) => reply::error(unique, err.errno()),
+        let (interrupt, _registered) = self.register(unique);
+        // The implementation is the caller's code: a panic answers this request with EIO
+        // (the guest's call fails; on 88bb6c9 it was never answered and the guest's process
+        // hung for ever), an interrupt drops the call and answers EINTR.
+        let call = crate::callback::guarded(|| self.dispatch(header, operation));
+        let outcome = tokio::select! {
+            outcome = call => outcome,
+            () = interrupt.cancelled() => {
+                tracing::debug!(target: "krunbox::fs", opcode = header.opcode, "a call was interrupted by the guest");
+                return Some(reply::error(unique, libc::EINTR));
+            }
+        };
+        Some(match outcome {
+            Ok(Ok(message)) => message,
+            Ok(Err(err)) => reply::error(unique, err.errno()),
+            Err(panicked) => {
+                tracing::error!(
+                    target: "krunbox::fs",
+                    opcode = header.opcode,
+                    node = header.nodeid,
+                    "the filesystem panicked ({panicked}); the guest's call fails with EIO"
+                );
+                reply::error(unique, libc::EIO)
+            }
         })
+    }
+
+    /// Records a call for request `unique`, which [`Session::interrupt`] can then end, until
+    /// the returned guard drops.
+    fn register(&self, unique: u64) -> (tokio_util::sync::CancellationToken, Registered<'_>) {
+        let call = self.next_call.fetch_add(1, Ordering::Relaxed);
+        let interrupt = tokio_util::sync::CancellationToken::new();
+        let mut running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        running.insert(
+            unique,
+            RunningCall {
+                call,
+                interrupt: interrupt.clone(),
+            },
+        );
+        (
+            interrupt,
+            Registered {
+                session: self,
+                unique,
+                call,
+            },
+        )
+    }
+
+    /// The guest gives up request `unique`: its call, if it is still running, is dropped and
+    /// answered `EINTR`. An interrupt for a request that is not running is ignored (it ended
+    /// already, or never came).
+    fn interrupt(&self, unique: u64) {
+        let running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(call) = running.get(&unique) {
+            call.interrupt.cancel();
+        }
     }
 
     /// The kernel gives back `count` lookups of `node`: passed on, at most what it holds.
@@ -186,7 +280,10 @@ impl Session {
             given_back
         };
         if given_back > 0 {
-            self.fs.forget(InodeId(node), given_back).await;
+            let forgotten = crate::callback::guarded(|| self.fs.forget(InodeId(node), given_back));
+            if let Err(panicked) = forgotten.await {
+                tracing::error!(target: "krunbox::fs", node, "the filesystem panicked in forget ({panicked})");
+            }
         }
     }
 
@@ -508,7 +605,7 @@ impl Session {
             Operation::Init { .. }
             | Operation::Forget { .. }
             | Operation::BatchForget { .. }
-            | Operation::Interrupt
+            | Operation::Interrupt { .. }
             | Operation::Unsupported => return Err(FsError::UNSUPPORTED),
         })
     }
@@ -597,6 +694,97 @@ mod tests {
     async fn used_inodes(fs: &MemoryFs) -> u64 {
         let stat = fs.statfs().await.unwrap();
         stat.files - stat.files_free
+    }
+
+    /// A `MemoryFs` whose lookups panic on `boom` and wait until dropped on `slow`.
+    struct Misbehaving(MemoryFs);
+
+    #[async_trait::async_trait]
+    impl VirtualFs for Misbehaving {
+        async fn lookup(&self, parent: InodeId, name: &std::ffi::OsStr) -> FsResult<Entry> {
+            match name.to_str() {
+                Some("boom") => panic!("a bug of the implementation's"),
+                Some("slow") => std::future::pending().await,
+                _ => self.0.lookup(parent, name).await,
+            }
+        }
+        async fn getattr(&self, ino: InodeId) -> FsResult<Attr> {
+            self.0.getattr(ino).await
+        }
+        async fn readdir(
+            &self,
+            ino: InodeId,
+            handle: FileHandle,
+            offset: u64,
+        ) -> FsResult<Vec<DirEntry>> {
+            self.0.readdir(ino, handle, offset).await
+        }
+    }
+
+    fn error_of(reply: &[u8]) -> i32 {
+        -i32::from_le_bytes(reply[4..8].try_into().unwrap())
+    }
+
+    /// Issue 33: a panic in the implementation answered nothing, and the guest's call waited
+    /// for ever. Now the call fails with EIO and the session goes on.
+    #[tokio::test]
+    async fn a_panicking_call_fails_with_eio_and_the_session_goes_on() {
+        let session = Session::new(Arc::new(Misbehaving(MemoryFs::new())), MountOptions::new());
+        session.handle(&init_request(1)).await.unwrap().unwrap();
+        const LOOKUP: u32 = 1;
+        let reply = session
+            .handle(&request(LOOKUP, 2, 1, b"boom\0"))
+            .await
+            .unwrap();
+        assert_eq!(error_of(&reply.unwrap()), libc::EIO);
+        // The next call is answered as ever: a name not there, as a cached negative entry.
+        let reply = session
+            .handle(&request(LOOKUP, 3, 1, b"other\0"))
+            .await
+            .unwrap();
+        assert_eq!(error_of(&reply.unwrap()), 0);
+        assert!(session.running.lock().unwrap().is_empty());
+    }
+
+    /// An interrupt for a running call drops it and answers it EINTR; one for a request that
+    /// is not running changes nothing. (Linux's virtio-fs sends none today: docs/security.md.)
+    #[tokio::test]
+    async fn an_interrupt_ends_a_running_call_with_eintr() {
+        const LOOKUP: u32 = 1;
+        const INTERRUPT: u32 = 36;
+        let session = Arc::new(Session::new(
+            Arc::new(Misbehaving(MemoryFs::new())),
+            MountOptions::new(),
+        ));
+        session.handle(&init_request(1)).await.unwrap().unwrap();
+        let waiting = tokio::spawn({
+            let session = session.clone();
+            async move { session.handle(&request(LOOKUP, 7, 1, b"slow\0")).await }
+        });
+        while !session.running.lock().unwrap().contains_key(&7) {
+            tokio::task::yield_now().await;
+        }
+        let stray = abi::InterruptIn { unique: 99 };
+        assert_eq!(
+            session
+                .handle(&request(INTERRUPT, 8, 0, stray.as_slice()))
+                .await
+                .unwrap(),
+            None
+        );
+        let interrupt = abi::InterruptIn { unique: 7 };
+        assert_eq!(
+            session
+                .handle(&request(INTERRUPT, 9, 0, interrupt.as_slice()))
+                .await
+                .unwrap(),
+            None,
+            "an interrupt gets no reply of its own"
+        );
+        let reply = waiting.await.unwrap().unwrap().unwrap();
+        assert_eq!(u64::from_le_bytes(reply[8..16].try_into().unwrap()), 7);
+        assert_eq!(error_of(&reply), libc::EINTR);
+        assert!(session.running.lock().unwrap().is_empty());
     }
 
     /// A session that ends (its guest kernel gone: a retried boot, a VM that stopped) gives

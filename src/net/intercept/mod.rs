@@ -597,6 +597,20 @@ async fn drain_unsent(version: ::http::Version, expects_continue: bool, body: In
         .unwrap_or(false)
 }
 
+/// Runs the middleware in order until one answers. A panic in one (the caller's code) is
+/// [`Panicked`](crate::callback::Panicked): the request fails, not the connection's task.
+fn run_middleware(
+    intercept: &Intercept,
+    head: &mut RequestHead,
+) -> Result<Option<Answer>, crate::callback::Panicked> {
+    crate::callback::guarded_sync(|| {
+        intercept
+            .middleware
+            .iter()
+            .find_map(|middleware| middleware.handle(head))
+    })
+}
+
 /// The answer to a request that goes nowhere: its body is read and dropped first where that
 /// keeps an HTTP/1 connection usable ([`drain_unsent`]), else the connection closes after it.
 async fn answer_unsent(
@@ -720,11 +734,32 @@ async fn forward(
     };
     // On plain HTTP, what the guest sent, to tell what middleware added.
     let guest_headers = (!tls).then(|| head.headers.clone());
-    let answered = context
-        .intercept
-        .middleware
-        .iter()
-        .find_map(|middleware| middleware.handle(&mut head));
+    let answered = match run_middleware(&context.intercept, &mut head) {
+        Ok(answered) => answered,
+        Err(panicked) => {
+            // The caller's code failed: this request only gets a 500, the connection goes on.
+            tracing::error!(
+                target: "krunbox::net",
+                hostname = %context.hostname,
+                "middleware panicked ({panicked}); the request is answered 500"
+            );
+            record.answered(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                RequestOutcome::MiddlewarePanicked {
+                    message: panicked.0.clone(),
+                },
+            );
+            let text = "krunbox: the host's middleware failed on this request\n".to_owned();
+            return answer_unsent(
+                parts.version,
+                expects_continue,
+                body,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                text,
+            )
+            .await;
+        }
+    };
     if let Some(mut answered) = answered {
         // A final status only: a 1xx is not an answer to send in place of a response.
         if answered.status.is_informational() {

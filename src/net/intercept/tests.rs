@@ -836,3 +836,39 @@ async fn middleware_sees_https_and_its_credential_goes_upstream_over_tls() {
     );
     assert_eq!(*schemes.lock().unwrap(), [Scheme::HTTPS]);
 }
+
+/// Middleware is the caller's code: a panic in it answers its request `500` and the connection
+/// carries the next request (on 88bb6c9 it ended the connection's task, whose slot leaked).
+#[tokio::test]
+async fn a_panicking_middleware_fails_only_its_request() {
+    use crate::net::{NetworkEvent, RequestOutcome};
+    let tls = tls();
+    let intercept = Intercept::new().middleware(|request: &mut RequestHead| {
+        if request.path() == "/boom" {
+            panic!("middleware bug");
+        }
+    });
+    let job = job(&tls, 443, intercept, Vec::new());
+    let mut events = job.audit.subscribe();
+    let mut harness = serve_in_memory(&tls, job).await;
+    let (status, connection, body) = send(&mut harness, request(Method::GET, "/boom", b"")).await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{body}");
+    assert_eq!(connection, None, "the connection goes on");
+    let (status, _, body) = send(&mut harness, request(Method::GET, "/fine", b"")).await;
+    assert_eq!(
+        (status, body.as_str()),
+        (StatusCode::OK, "origin says /fine")
+    );
+    let received = harness.origin.received.lock().unwrap().clone();
+    assert_eq!(received.len(), 1, "{received:?}");
+    let events = wait_for_request_events(&mut events, 2).await;
+    let NetworkEvent::Request { outcome, .. } = &events[0] else {
+        unreachable!()
+    };
+    assert_eq!(
+        *outcome,
+        RequestOutcome::MiddlewarePanicked {
+            message: "middleware bug".into()
+        }
+    );
+}

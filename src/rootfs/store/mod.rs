@@ -191,3 +191,71 @@ pub(crate) fn check_block_size(block_size: u32) -> Result<(), String> {
         ))
     }
 }
+
+/// A store whose every call is guarded: the store is the caller's code, and a panic in it fails
+/// that call ([`StoreError::Failed`], so the guest's I/O gets `EIO` and `shutdown` reports it)
+/// instead of the task serving the disk. The layer holds its store through this.
+pub(crate) struct Guarded(pub(crate) std::sync::Arc<dyn BlockStore>);
+
+impl Guarded {
+    fn failed(operation: &str, panicked: crate::callback::Panicked) -> StoreError {
+        tracing::error!(target: "krunbox::rootfs", "the block store panicked in {operation} ({panicked})");
+        StoreError::Failed(format!("the store panicked in {operation}: {panicked}"))
+    }
+}
+
+#[async_trait]
+impl BlockStore for Guarded {
+    fn block_size(&self) -> u32 {
+        // 0 is no block size: the layer refuses it, with the store's error.
+        crate::callback::guarded_sync(|| self.0.block_size()).unwrap_or_else(|panicked| {
+            Self::failed("block_size", panicked);
+            0
+        })
+    }
+
+    async fn attach(&self, context: &StoreContext) -> Result<(), StoreError> {
+        crate::callback::guarded(|| self.0.attach(context))
+            .await
+            .unwrap_or_else(|p| Err(Self::failed("attach", p)))
+    }
+
+    async fn written_blocks(&self) -> Result<Vec<u64>, StoreError> {
+        crate::callback::guarded(|| self.0.written_blocks())
+            .await
+            .unwrap_or_else(|p| Err(Self::failed("written_blocks", p)))
+    }
+
+    async fn read_blocks(&self, first: u64, buf: &mut [u8]) -> Result<(), StoreError> {
+        crate::callback::guarded(|| self.0.read_blocks(first, buf))
+            .await
+            .unwrap_or_else(|p| Err(Self::failed("read_blocks", p)))
+    }
+
+    async fn write_blocks(&self, first: u64, data: &[u8]) -> Result<(), StoreError> {
+        crate::callback::guarded(|| self.0.write_blocks(first, data))
+            .await
+            .unwrap_or_else(|p| Err(Self::failed("write_blocks", p)))
+    }
+
+    async fn flush(&self) -> Result<(), StoreError> {
+        crate::callback::guarded(|| self.0.flush())
+            .await
+            .unwrap_or_else(|p| Err(Self::failed("flush", p)))
+    }
+
+    async fn detach(&self) -> Result<(), StoreError> {
+        crate::callback::guarded(|| self.0.detach())
+            .await
+            .unwrap_or_else(|p| Err(Self::failed("detach", p)))
+    }
+
+    fn blocks_file(&self) -> Option<std::sync::Arc<std::fs::File>> {
+        crate::callback::guarded_sync(|| self.0.blocks_file()).unwrap_or_else(|panicked| {
+            // Without the file the layer serves the disk through the trait, whose calls are
+            // guarded the same way.
+            Self::failed("blocks_file", panicked);
+            None
+        })
+    }
+}

@@ -81,6 +81,8 @@ struct Inner {
     network: Option<crate::net::service::NetService>,
     /// Serves the guest's mounts of host filesystems while the instance lives.
     _filesystems: crate::fs::service::FsService,
+    /// The instance's share of the process's descriptors and blocking threads.
+    budget: Arc<crate::budget::Budget>,
     /// A copy-on-write root's layer disk and an image build's output disk, served while the
     /// instance lives.
     _served_disks: Vec<rootfs::device::service::DiskLink>,
@@ -193,7 +195,10 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     // ready). A copy-on-write root's layer disk, or an image build's output disk, is a
     // virtio-blk device after them, served the same way.
     let fs_devices = config.mounts.len() as u32;
-    let mut fs_service = crate::fs::service::FsService::new(config.mounts.clone());
+    // The instance's share of what all instances of this process share (descriptors held for
+    // its guest, blocking threads): its mounts and network draw on it.
+    let budget = crate::budget::Budget::new(&config.limits);
+    let mut fs_service = crate::fs::service::FsService::new(config.mounts.clone(), budget.clone());
     let mut served_disks: Vec<(rootfs::served::DiskSource, &str)> = Vec::new();
     if let Some(cow) = &cow {
         served_disks.push((cow.source(), krunbox_protocol::LAYER_DISK_SERIAL));
@@ -526,7 +531,12 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     let logs = Arc::new(logs);
     let network = match (&config.network, net_socket) {
         (Some(network), Some(socket)) => {
-            match crate::net::service::NetService::start(network, socket, certificate_authority) {
+            match crate::net::service::NetService::start(
+                network,
+                socket,
+                certificate_authority,
+                budget.clone(),
+            ) {
                 Ok(service) => Some(service),
                 Err(err) => {
                     let _ = child.start_kill();
@@ -663,6 +673,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             _logs: logs,
             network,
             _filesystems: fs_service,
+            budget,
             _served_disks: disk_services,
             layer,
             cow: std::sync::Mutex::new(cow),
@@ -905,6 +916,38 @@ impl Instance {
     pub fn root_usage(&self) -> Option<crate::RootUsage> {
         let layer = self.inner.layer.lock().unwrap_or_else(|e| e.into_inner());
         layer.as_ref().map(|layer| layer.usage())
+    }
+
+    /// What the VM has cost the host since it booted, and holds now: its processes' CPU time,
+    /// memory (now and at most), block I/O, the network's totals, the descriptors the host
+    /// holds for its guest, the writable root's use. Fails with
+    /// [`Error::InstanceGone`] once the VM has stopped.
+    ///
+    /// ```no_run
+    /// # async fn demo(vm: &krunbox::Instance) -> krunbox::Result<()> {
+    /// vm.command("sh").args(["-c", "head -c 100000000 /dev/zero | sha256sum"]).status().await?;
+    /// let metrics = vm.metrics()?;
+    /// println!("{:?} of CPU, {} MiB at most", metrics.cpu_time, metrics.memory_peak_bytes >> 20);
+    /// # Ok(()) }
+    /// ```
+    pub fn metrics(&self) -> Result<crate::Metrics> {
+        let gone = || Error::InstanceGone {
+            reason: "its VMM process has exited: no metrics to read".into(),
+        };
+        let pid = self.vmm_pid().ok_or_else(gone)?;
+        let figures = crate::metrics::of_process(pid).ok_or_else(gone)?;
+        Ok(crate::Metrics {
+            cpu_time: figures.cpu_time,
+            memory_bytes: figures.memory_bytes,
+            memory_peak_bytes: figures.memory_peak_bytes,
+            disk_read_bytes: figures.disk_read_bytes,
+            disk_written_bytes: figures.disk_written_bytes,
+            network: self.inner.network.as_ref().map(|n| n.metrics()),
+            host_descriptors: self.inner.budget.descriptors_held() as u64,
+            host_descriptors_max: self.inner.budget.max_descriptors() as u64,
+            root: self.root_usage(),
+            source: crate::MetricsSource::Process,
+        })
     }
 
     /// The host pid of the process that runs this VM (for monitoring its CPU and memory), or

@@ -37,6 +37,7 @@
 #![warn(missing_docs)]
 
 mod artifacts;
+mod budget;
 mod callback;
 mod capabilities;
 mod config;
@@ -51,6 +52,7 @@ mod instance;
 mod jail;
 mod limits;
 mod logs;
+mod metrics;
 pub mod net;
 mod output_queue;
 mod process;
@@ -74,10 +76,12 @@ pub use files::{DirEntry, GuestFileReader, GuestFileWriter, Metadata};
 pub use instance::Instance;
 pub use jail::{Canary, CanaryReport, Isolation, Layer, LayerReport};
 pub use limits::{
-    Limits, DEFAULT_MAX_PENDING_FILE_REQUESTS, DEFAULT_MAX_PROCESSES, DEFAULT_READ_DIR_MAX_ENTRIES,
-    DEFAULT_READ_FILE_MAX, DEFAULT_REQUEST_TIMEOUT, MAX_REQUEST_TIMEOUT, MIN_REQUEST_TIMEOUT,
+    Limits, DEFAULT_HOST_DESCRIPTORS, DEFAULT_MAX_PENDING_FILE_REQUESTS, DEFAULT_MAX_PROCESSES,
+    DEFAULT_READ_DIR_MAX_ENTRIES, DEFAULT_READ_FILE_MAX, DEFAULT_REQUEST_TIMEOUT,
+    MAX_REQUEST_TIMEOUT, MIN_REQUEST_TIMEOUT,
 };
 pub use logs::DEFAULT_CONSOLE_LOG_MAX;
+pub use metrics::{Metrics, MetricsSource, NetworkMetrics};
 pub use net::Network;
 pub use process::{
     Child, ChildStderr, ChildStdin, ChildStdout, Command, ExitStatus, Output, Stdio,

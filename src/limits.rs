@@ -26,6 +26,9 @@ pub const DEFAULT_READ_DIR_MAX_ENTRIES: usize = 65_536;
 pub const DEFAULT_MAX_PROCESSES: usize = 1024;
 /// The default [`Limits::max_pending_file_requests`].
 pub const DEFAULT_MAX_PENDING_FILE_REQUESTS: usize = 1024;
+/// The default for [`Limits::host_descriptors`]: room for a `HostDir`'s whole inode table and
+/// every handle, and the network's sockets.
+pub const DEFAULT_HOST_DESCRIPTORS: usize = 1 << 17;
 
 /// Bounds for one instance, set on the definition with
 /// [`SandboxBuilder::limits`](crate::SandboxBuilder::limits). Every field has a default that
@@ -49,6 +52,7 @@ pub struct Limits {
     pub(crate) read_dir_max_entries: usize,
     pub(crate) max_processes: usize,
     pub(crate) max_pending_file_requests: usize,
+    pub(crate) host_descriptors: usize,
 }
 
 impl Default for Limits {
@@ -59,6 +63,7 @@ impl Default for Limits {
             read_dir_max_entries: DEFAULT_READ_DIR_MAX_ENTRIES,
             max_processes: DEFAULT_MAX_PROCESSES,
             max_pending_file_requests: DEFAULT_MAX_PENDING_FILE_REQUESTS,
+            host_descriptors: DEFAULT_HOST_DESCRIPTORS,
         }
     }
 }
@@ -118,6 +123,23 @@ impl Limits {
         self
     }
 
+    /// The most descriptors the host process holds at once for this instance's guest: a
+    /// `HostDir`'s inodes and open files, the network's upstream sockets (default
+    /// [`DEFAULT_HOST_DESCRIPTORS`]). Whatever this says, one instance never holds more than
+    /// half of what the process may open beyond a reserve the library keeps for its own work
+    /// (its soft `RLIMIT_NOFILE`, raised to the hard one, less an eighth and at least 1024),
+    /// so a guest that floods a mount or the network cannot make another instance's boot,
+    /// connection or file call fail. Past it the guest's own call fails: a lookup or open with
+    /// `ENFILE`, a connection refused.
+    ///
+    /// ```
+    /// let limits = krunbox::Limits::new().host_descriptors(4096);
+    /// ```
+    pub fn host_descriptors(mut self, descriptors: usize) -> Self {
+        self.host_descriptors = descriptors;
+        self
+    }
+
     /// Refuses values that would make the instance unusable.
     pub(crate) fn validate(&self) -> Result<()> {
         if !(MIN_REQUEST_TIMEOUT..=MAX_REQUEST_TIMEOUT).contains(&self.request_timeout) {
@@ -130,6 +152,12 @@ impl Limits {
         if self.max_processes == 0 {
             return Err(Error::InvalidConfig(
                 "limits: max_processes must be at least 1".into(),
+            ));
+        }
+        if self.host_descriptors < 64 {
+            return Err(Error::InvalidConfig(
+                "limits: host_descriptors must be at least 64 (a network and a mount need some)"
+                    .into(),
             ));
         }
         if self.max_pending_file_requests < 2 {
@@ -155,6 +183,7 @@ mod tests {
         assert_eq!(limits.read_dir_max_entries, 65_536);
         assert_eq!(limits.max_processes, 1024);
         assert_eq!(limits.max_pending_file_requests, 1024);
+        assert_eq!(limits.host_descriptors, 131_072);
         limits.validate().unwrap();
     }
 
@@ -165,6 +194,7 @@ mod tests {
             Limits::new().request_timeout(Duration::from_secs(7200)),
             Limits::new().max_processes(0),
             Limits::new().max_pending_file_requests(1),
+            Limits::new().host_descriptors(10),
         ] {
             assert!(
                 matches!(bad.validate(), Err(Error::InvalidConfig(_))),

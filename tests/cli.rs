@@ -56,6 +56,8 @@ fn run_with_a_timeout_exits_124_in_seconds() {
     );
 }
 
+/// Also `--stats=json`: what the VM cost, one JSON object on stderr after the command's own
+/// output, stdout untouched.
 #[test]
 fn run_keeps_stdout_and_stderr_apart_and_passes_env_and_workdir() {
     let out = krunbox(&[
@@ -66,6 +68,7 @@ fn run_keeps_stdout_and_stderr_apart_and_passes_env_and_workdir() {
         "WHO=guest",
         "--workdir",
         "/tmp",
+        "--stats=json",
         "--",
         "sh",
         "-c",
@@ -73,12 +76,17 @@ fn run_keeps_stdout_and_stderr_apart_and_passes_env_and_workdir() {
     ]);
     assert!(out.status.success(), "stderr: {}", text(&out.stderr));
     assert_eq!(text(&out.stdout), "out guest /tmp\n");
-    assert!(
-        text(&out.stderr).contains("err-line\n"),
-        "{}",
-        text(&out.stderr)
-    );
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("err-line\n"), "{stderr}");
     assert!(!text(&out.stdout).contains("err-line"));
+    let stats = stderr
+        .lines()
+        .find(|line| line.starts_with('{'))
+        .unwrap_or_else(|| panic!("no stats line: {stderr}"));
+    let stats: serde_json::Value = serde_json::from_str(stats).unwrap();
+    assert!(stats["cpu_time"].as_f64().unwrap() > 0.0, "{stats}");
+    assert!(stats["memory_peak_bytes"].as_u64().unwrap() > 0, "{stats}");
+    assert!(stats["source"].is_string(), "{stats}");
 }
 
 #[test]

@@ -197,6 +197,11 @@ struct RunArgs {
     /// Repeatable.
     #[arg(long, value_name = "GUEST_PATH")]
     memfs: Vec<String>,
+    /// When the command ends, print on stderr what the VM cost the host: CPU time, memory
+    /// (now and at most), block I/O, network totals. `--stats=json` prints one JSON object
+    /// instead, for machines.
+    #[arg(long, value_enum, value_name = "FORMAT", num_args = 0..=1, default_missing_value = "text")]
+    stats: Option<StatsFormat>,
     /// The command and its arguments (optional with an imported image that has an
     /// entrypoint or command).
     #[arg(last = true)]
@@ -958,8 +963,61 @@ async fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     r2?;
     let status = child.wait().await?;
     drop(raw);
+    if let Some(format) = args.stats {
+        // Read before the VM stops: its processes are what is measured.
+        match vm.metrics() {
+            Ok(metrics) => eprintln!("{}", stats_text(&metrics, format)),
+            Err(e) => eprintln!("krunbox: no stats: {e}"),
+        }
+    }
     vm.shutdown().await?;
     Ok(ExitCode::from(exit_code(status.code(), status.signal())))
+}
+
+/// `--stats`: how metrics are printed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum StatsFormat {
+    Text,
+    Json,
+}
+
+/// The `--stats` report.
+fn stats_text(metrics: &krunbox::Metrics, format: StatsFormat) -> String {
+    if format == StatsFormat::Json {
+        return serde_json::to_string(metrics)
+            .unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"));
+    }
+    let mib = |bytes: u64| bytes as f64 / (1024.0 * 1024.0);
+    let mut text = format!(
+        "krunbox stats: cpu {:.2} s, memory {:.1} MiB (peak {:.1} MiB)",
+        metrics.cpu_time.as_secs_f64(),
+        mib(metrics.memory_bytes),
+        mib(metrics.memory_peak_bytes),
+    );
+    if let (Some(read), Some(written)) = (metrics.disk_read_bytes, metrics.disk_written_bytes) {
+        text += &format!(
+            ", disk read {:.1} MiB, written {:.1} MiB",
+            mib(read),
+            mib(written)
+        );
+    }
+    if let Some(net) = &metrics.network {
+        text += &format!(
+            ", network {:.1} MiB out, {:.1} MiB in, {} flows granted, {} denied",
+            mib(net.bytes_from_guest),
+            mib(net.bytes_to_guest),
+            net.flows_granted,
+            net.flows_denied,
+        );
+    }
+    if let Some(root) = &metrics.root {
+        text += &format!(
+            ", root {:.1} of {:.1} MiB",
+            mib(root.held_bytes),
+            mib(root.max_bytes)
+        );
+    }
+    text
 }
 
 /// The CLI's exit code for a command that exited with `code` or was killed by `signal`, as a

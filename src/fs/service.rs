@@ -28,6 +28,8 @@ pub(crate) struct FsService {
     /// Read only to connect (no state of theirs is held here across a call that can panic).
     mounts: std::panic::AssertUnwindSafe<Vec<Mount>>,
     connections: Vec<JoinHandle<()>>,
+    /// The instance's share of the process's descriptors and blocking threads.
+    budget: Arc<crate::budget::Budget>,
 }
 
 impl Drop for FsService {
@@ -39,11 +41,13 @@ impl Drop for FsService {
 }
 
 impl FsService {
-    /// A service for `mounts`, connected to no helper yet.
-    pub(crate) fn new(mounts: Vec<Mount>) -> Self {
+    /// A service for `mounts`, connected to no helper yet, whose filesystems' calls are
+    /// charged to `budget`.
+    pub(crate) fn new(mounts: Vec<Mount>, budget: Arc<crate::budget::Budget>) -> Self {
         FsService {
             mounts: std::panic::AssertUnwindSafe(mounts),
             connections: Vec::new(),
+            budget,
         }
     }
 
@@ -65,7 +69,9 @@ impl FsService {
             let (ours, helper_end) = std::os::unix::net::UnixStream::pair()?;
             ours.set_nonblocking(true)?;
             let stream = UnixStream::from_std(ours)?;
-            let session = Arc::new(Session::new(mount.fs.clone(), mount.options));
+            let session = Arc::new(
+                Session::new(mount.fs.clone(), mount.options).with_budget(self.budget.clone()),
+            );
             let path = mount.guest_path.clone();
             let memory = memory.clone();
             self.connections.push(tokio::spawn(async move {

@@ -3,6 +3,7 @@
 //! ([`Instance::network_events`](crate::Instance::network_events)).
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
@@ -203,16 +204,48 @@ impl From<&Decision> for Outcome {
     }
 }
 
-/// Where one sandbox's audit events go.
+/// Where one sandbox's audit events go, and its network's running totals.
 #[derive(Debug, Clone)]
 pub(crate) struct Audit {
     events: broadcast::Sender<NetworkEvent>,
+    pub(crate) counters: Arc<Counters>,
+}
+
+/// A sandbox network's running totals, for [`Instance::metrics`](crate::Instance::metrics).
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub bytes_from_guest: AtomicU64,
+    pub bytes_to_guest: AtomicU64,
+    pub flows_granted: AtomicU64,
+    pub flows_denied: AtomicU64,
+    pub requests: AtomicU64,
+    pub open_connections: AtomicU64,
+}
+
+impl Counters {
+    pub(crate) fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// What they say now.
+    pub(crate) fn read(&self) -> crate::metrics::NetworkMetrics {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        crate::metrics::NetworkMetrics {
+            bytes_from_guest: get(&self.bytes_from_guest),
+            bytes_to_guest: get(&self.bytes_to_guest),
+            flows_granted: get(&self.flows_granted),
+            flows_denied: get(&self.flows_denied),
+            requests: get(&self.requests),
+            open_connections: get(&self.open_connections),
+        }
+    }
 }
 
 impl Audit {
     pub(crate) fn new() -> Self {
         Self {
             events: broadcast::channel(EVENTS).0,
+            counters: Arc::default(),
         }
     }
 
@@ -227,6 +260,11 @@ impl Audit {
 
     /// A decision on `flow`.
     pub(crate) fn decided(&self, flow: &Flow, outcome: Outcome, upstream: Option<SocketAddr>) {
+        let counter = match outcome {
+            Outcome::Denied => &self.counters.flows_denied,
+            _ => &self.counters.flows_granted,
+        };
+        Counters::add(counter, 1);
         match upstream {
             Some(upstream) => tracing::info!(
                 target: "krunbox::net",
@@ -269,6 +307,7 @@ impl Audit {
         method: Method,
         path: &str,
     ) -> Arc<RequestRecord> {
+        Counters::add(&self.counters.requests, 1);
         Arc::new(RequestRecord {
             audit: self.clone(),
             hostname: hostname.to_owned(),

@@ -6,6 +6,7 @@
 //! IPv6; `MX`, `TXT`, ...) are answered with no records, so resolvers move on at once.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::Arc;
 use std::time::Duration;
 
 use hickory_proto::op::{Message, MessageType, OpCode, Query as Question, ResponseCode};
@@ -13,6 +14,7 @@ use hickory_proto::rr::rdata::A;
 use hickory_proto::rr::{DNSClass, Name, RData, Record, RecordType};
 
 use super::policy::{ResolverKind, SYSTEM_TTL};
+use crate::budget::Budget;
 
 /// The largest DNS message answered over UDP (RFC 1035's limit without EDNS). The guest's
 /// answers hold its question and at most one address, far below it.
@@ -130,17 +132,32 @@ pub(crate) enum Resolved {
     Failed(String),
 }
 
-/// Resolves `name` as `resolver` says.
-pub(crate) async fn resolve(resolver: &ResolverKind, name: &str) -> Resolved {
+/// Resolves `name` as `resolver` says, charging what it takes to `budget`: a blocking-pool
+/// thread for the system resolver, a descriptor for an upstream query's socket.
+pub(crate) async fn resolve(resolver: &ResolverKind, name: &str, budget: &Arc<Budget>) -> Resolved {
     match resolver {
         ResolverKind::Fixed(addresses) if addresses.is_empty() => Resolved::NoSuchName,
         ResolverKind::Fixed(addresses) => Resolved::Addresses(addresses.to_vec(), None),
         ResolverKind::System => {
-            let lookup = tokio::net::lookup_host((name, 0));
+            // getaddrinfo blocks a pool thread, past our timeout too: the thread keeps the
+            // sandbox's permit until it returns, so a flood of slow lookups holds at most the
+            // sandbox's share of the pool, never every other sandbox's.
+            let permit = budget.blocking().await;
+            let host = name.to_owned();
+            let lookup = tokio::task::spawn_blocking(move || {
+                let _permit = permit;
+                std::net::ToSocketAddrs::to_socket_addrs(&(host.as_str(), 0))
+                    .map(|found| found.collect::<Vec<_>>())
+            });
+            let lookup = async {
+                lookup
+                    .await
+                    .unwrap_or_else(|e| Err(std::io::Error::other(e)))
+            };
             match tokio::time::timeout(SYSTEM_TIMEOUT, lookup).await {
                 Ok(Ok(found)) => {
                     let mut addresses: Vec<IpAddr> = Vec::new();
-                    for a in found.map(|a| a.ip()) {
+                    for a in found.iter().map(|a| a.ip()) {
                         if !addresses.contains(&a) && addresses.len() < ANSWER_MAX {
                             addresses.push(a);
                         }
@@ -156,6 +173,11 @@ pub(crate) async fn resolve(resolver: &ResolverKind, name: &str) -> Resolved {
             let mut failures = Vec::new();
             for server in servers.iter() {
                 for _ in 0..UPSTREAM_TRIES {
+                    let Some(_charge) = budget.descriptor() else {
+                        failures
+                            .push("the sandbox holds as many host descriptors as it may".into());
+                        continue;
+                    };
                     match ask_upstream(*server, name).await {
                         Ok(resolved) => return resolved,
                         Err(err) => failures.push(format!("{server}: {err}")),
@@ -350,6 +372,10 @@ fn check_reply(bytes: &[u8], query: &Message) -> Message {
 pub(crate) mod tests {
     use super::*;
 
+    fn budget() -> Arc<Budget> {
+        Budget::new(&crate::Limits::new())
+    }
+
     pub(crate) fn query(name: &str, record_type: RecordType) -> Vec<u8> {
         let mut query = Message::new(0x1234, MessageType::Query, OpCode::Query);
         query.metadata.recursion_desired = true;
@@ -456,11 +482,11 @@ pub(crate) mod tests {
     async fn fixed_answers_need_no_server_and_none_means_no_such_name() {
         let a: IpAddr = "127.0.0.1".parse().unwrap();
         assert_eq!(
-            resolve(&ResolverKind::Fixed([a].into()), "x.test").await,
+            resolve(&ResolverKind::Fixed([a].into()), "x.test", &budget()).await,
             Resolved::Addresses(vec![a], None)
         );
         assert_eq!(
-            resolve(&ResolverKind::Fixed([].into()), "x.test").await,
+            resolve(&ResolverKind::Fixed([].into()), "x.test", &budget()).await,
             Resolved::NoSuchName
         );
     }
@@ -494,7 +520,12 @@ pub(crate) mod tests {
                 .unwrap();
             query.queries[0].name().to_ascii()
         });
-        let resolved = resolve(&ResolverKind::Upstream([addr].into()), "origin.test").await;
+        let resolved = resolve(
+            &ResolverKind::Upstream([addr].into()),
+            "origin.test",
+            &budget(),
+        )
+        .await;
         assert_eq!(
             resolved,
             Resolved::Addresses(
@@ -507,7 +538,12 @@ pub(crate) mod tests {
         let silent = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
         let silent_addr = silent.local_addr().unwrap();
         tokio::time::pause();
-        let resolved = resolve(&ResolverKind::Upstream([silent_addr].into()), "x.test").await;
+        let resolved = resolve(
+            &ResolverKind::Upstream([silent_addr].into()),
+            "x.test",
+            &budget(),
+        )
+        .await;
         let Resolved::Failed(why) = resolved else {
             panic!("{resolved:?}")
         };

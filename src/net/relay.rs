@@ -24,6 +24,7 @@ use tokio::sync::{mpsc, Notify, Semaphore};
 use tokio_util::sync::{PollSemaphore, PollSender};
 
 use super::stack::FlowKey;
+use crate::budget::{Budget, Descriptor};
 
 /// The most read from either end at once.
 pub(crate) const CHUNK: usize = 16 * 1024;
@@ -58,13 +59,24 @@ pub(crate) struct FromUpstream {
 }
 
 /// Dials `addresses` in turn on `port` until one accepts.
-pub(crate) async fn dial(addresses: &[SocketAddr]) -> Result<TcpStream, String> {
+pub(crate) async fn dial(
+    addresses: &[SocketAddr],
+    budget: &Arc<Budget>,
+) -> Result<(TcpStream, Descriptor), String> {
+    // Counted before it exists: a guest past its share of the process's descriptors gets a
+    // refused connection, and nothing is opened.
+    let Some(charge) = budget.descriptor() else {
+        return Err(
+            "the sandbox holds as many host descriptors as it may (Limits::host_descriptors)"
+                .into(),
+        );
+    };
     let mut failures = Vec::new();
     for address in addresses {
         match tokio::time::timeout(DIAL_TIMEOUT, TcpStream::connect(address)).await {
             Ok(Ok(stream)) => {
                 let _ = stream.set_nodelay(true);
-                return Ok(stream);
+                return Ok((stream, charge));
             }
             Ok(Err(err)) => failures.push(format!("{address}: {err}")),
             Err(_) => failures.push(format!("{address}: timed out")),

@@ -18,7 +18,7 @@ use tokio::sync::{mpsc, Notify};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use super::audit::{Audit, NetworkEvent, Outcome};
+use super::audit::{Audit, Counters, NetworkEvent, Outcome};
 use super::dns::{self, GuestQuery, Incoming, Resolved};
 use super::frame::FrameDecoder;
 use super::intercept::{self, ca::CertificateAuthority, InterceptJob};
@@ -27,6 +27,7 @@ use super::policy::{self, Decision, Flow, Policy, Protocol, Resolver};
 use super::relay::{self, FromUpstream, Relay, Upstream, CHUNK};
 use super::stack::{FlowKey, Gateway, MAX_UPSTREAM_REQUESTS};
 use super::{Addressing, Network, Secret};
+use crate::budget::{Budget, Descriptor};
 use crate::error::{Error, Result};
 
 /// Bytes read from the socket at once. Frames are decoded out of it only while the gateway's
@@ -74,6 +75,7 @@ impl NetService {
         network: &Network,
         socket: OwnedFd,
         authority: Option<Arc<CertificateAuthority>>,
+        budget: Arc<Budget>,
     ) -> Result<Self> {
         let client_tls = match authority {
             Some(_) => Some(network.upstream_trust_roots().client_config()?),
@@ -116,6 +118,7 @@ impl NetService {
             secrets: network.secrets().into(),
             listeners,
             audit: audit.clone(),
+            budget,
         };
         let task = tokio::spawn(run(stream, prepared, cancel.clone()));
         Ok(Self {
@@ -129,6 +132,11 @@ impl NetService {
     /// A new consumer of the audit events (from now on).
     pub(crate) fn events(&self) -> tokio::sync::broadcast::Receiver<NetworkEvent> {
         self.audit.subscribe()
+    }
+
+    /// The network's running totals.
+    pub(crate) fn metrics(&self) -> crate::metrics::NetworkMetrics {
+        self.audit.counters.read()
     }
 
     /// The host address a published guest port listens on.
@@ -157,13 +165,13 @@ enum Event {
     /// A connection is denied, or its upstream could not be reached.
     Refused(FlowKey),
     /// A connection's upstream is connected.
-    Connected(FlowKey, TcpStream),
+    Connected(FlowKey, TcpStream, Descriptor),
     /// A connection is granted for interception.
     Intercept(FlowKey, Box<InterceptJob>),
     /// A connection to a published port, from the host.
     Published(u16, TcpStream),
     /// A UDP flow is granted; its socket is connected to the upstream.
-    UdpConnected(FlowKey, tokio::net::UdpSocket),
+    UdpConnected(FlowKey, tokio::net::UdpSocket, Descriptor),
     /// A UDP flow is denied, or its upstream could not be reached.
     UdpRefused(FlowKey),
 }
@@ -215,6 +223,9 @@ struct Service {
     udp_relays: HashMap<FlowKey, UdpRelay>,
     next_relay: u64,
     pending_dns: usize,
+    /// The sandbox's share of the process's descriptors and blocking threads: every upstream
+    /// socket and system-resolver lookup is charged to it.
+    budget: Arc<Budget>,
 }
 
 /// What [`NetService::start`] prepared for the task.
@@ -225,6 +236,7 @@ struct Prepared {
     secrets: Arc<[Secret]>,
     listeners: Vec<(u16, tokio::net::TcpListener)>,
     audit: Audit,
+    budget: Arc<Budget>,
 }
 
 async fn run(stream: UnixStream, prepared: Prepared, cancel: CancellationToken) {
@@ -235,6 +247,7 @@ async fn run(stream: UnixStream, prepared: Prepared, cancel: CancellationToken) 
         secrets,
         listeners,
         audit,
+        budget,
     } = prepared;
     let started = std::time::Instant::now();
     let now = || smoltcp::time::Instant::from_micros(started.elapsed().as_micros() as i64);
@@ -257,6 +270,7 @@ async fn run(stream: UnixStream, prepared: Prepared, cancel: CancellationToken) 
         udp_relays: HashMap::new(),
         next_relay: 0,
         pending_dns: 0,
+        budget,
     };
     for (guest_port, listener) in listeners {
         let events = service.events.0.clone();
@@ -436,9 +450,12 @@ impl Service {
         };
         let events = self.events.0.clone();
         let audit = self.audit.clone();
+        let budget = self.budget.clone();
         self.tasks.spawn(async move {
             if let (Some(resolver), Some(name)) = (stale, flow.hostname.clone()) {
-                if let Resolved::Addresses(addresses, _) = dns::resolve(&resolver.0, &name).await {
+                if let Resolved::Addresses(addresses, _) =
+                    dns::resolve(&resolver.0, &name, &budget).await
+                {
                     flow.upstream = addresses;
                 }
             }
@@ -459,14 +476,20 @@ impl Service {
                 SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
             };
             let connected = async {
+                let charge = budget.descriptor().ok_or_else(|| {
+                    std::io::Error::other(
+                        "the sandbox holds as many host descriptors as it may \
+                         (Limits::host_descriptors)",
+                    )
+                })?;
                 let socket = tokio::net::UdpSocket::bind(local).await?;
                 socket.connect(target).await?;
-                Ok::<_, std::io::Error>(socket)
+                Ok::<_, std::io::Error>((socket, charge))
             };
             match connected.await {
-                Ok(socket) => {
+                Ok((socket, charge)) => {
                     audit.decided(&flow, Outcome::from(&verdict.0), Some(target));
-                    let _ = events.send(Event::UdpConnected(key, socket)).await;
+                    let _ = events.send(Event::UdpConnected(key, socket, charge)).await;
                 }
                 Err(err) => {
                     audit.unreachable(&flow, format!("{target}: {err}"));
@@ -481,7 +504,10 @@ impl Service {
             return;
         }
         match message.datagram {
-            Some(datagram) => self.gateway.send_udp(&message.key, &datagram),
+            Some(datagram) => {
+                Counters::add(&self.audit.counters.bytes_to_guest, datagram.len() as u64);
+                self.gateway.send_udp(&message.key, &datagram)
+            }
             None => {
                 self.udp_relays.remove(&message.key);
                 self.gateway.remove_udp(&message.key);
@@ -500,12 +526,15 @@ impl Service {
         let upstream_permits = self.upstream_permits.clone();
         let audit = self.audit.clone();
         let stop = self.stop.clone();
+        let budget = self.budget.clone();
         self.tasks.spawn(async move {
             let mut flow = flow;
             // The record expired: ask its resolver again, so the policy sees (and the host
             // dials) a current answer.
             if let (Some(resolver), Some(name)) = (stale, flow.hostname.clone()) {
-                if let Resolved::Addresses(addresses, _) = dns::resolve(&resolver.0, &name).await {
+                if let Resolved::Addresses(addresses, _) =
+                    dns::resolve(&resolver.0, &name, &budget).await
+                {
                     flow.upstream = addresses;
                 }
             }
@@ -550,6 +579,7 @@ impl Service {
                                 audit: audit.clone(),
                                 upstream_permits,
                                 stop,
+                                budget: budget.clone(),
                             };
                             Event::Intercept(key, Box::new(job))
                         }
@@ -569,10 +599,10 @@ impl Service {
                     return;
                 }
             };
-            match relay::dial(&targets).await {
-                Ok(stream) => {
+            match relay::dial(&targets, &budget).await {
+                Ok((stream, charge)) => {
                     audit.decided(&flow, Outcome::from(&verdict.0), stream.peer_addr().ok());
-                    let _ = events.send(Event::Connected(key, stream)).await;
+                    let _ = events.send(Event::Connected(key, stream, charge)).await;
                 }
                 Err(why) => {
                     audit.unreachable(&flow, why);
@@ -599,6 +629,7 @@ impl Service {
         self.pending_dns += 1;
         let events = self.events.0.clone();
         let audit = self.audit.clone();
+        let budget = self.budget.clone();
         let flow = Flow {
             protocol: Protocol::Dns,
             source: endpoint_addr(from),
@@ -614,7 +645,7 @@ impl Service {
                     // Only A queries are answered with an address: the rest of a granted
                     // name's types get no records, with no lookup.
                     let resolved = if query.record_type == hickory_proto::rr::RecordType::A {
-                        dns::resolve(&resolver.0, &query.name).await
+                        dns::resolve(&resolver.0, &query.name, &budget).await
                     } else {
                         Resolved::Addresses(Vec::new(), None)
                     };
@@ -668,18 +699,16 @@ impl Service {
             }
             Event::Refused(key) => self.gateway.refuse_tcp(key),
             Event::UdpRefused(key) => self.gateway.refuse_udp(key),
-            Event::UdpConnected(key, socket) => {
+            Event::UdpConnected(key, socket, charge) => {
                 if self.gateway.accept_udp(key) {
                     self.next_relay += 1;
                     let id = self.next_relay;
                     let (to_upstream, from_guest) = mpsc::channel(UDP_QUEUE);
-                    let task = self.tasks.spawn(relay_udp(
-                        key,
-                        id,
-                        socket,
-                        from_guest,
-                        self.udp.0.clone(),
-                    ));
+                    let relayed = relay_udp(key, id, socket, from_guest, self.udp.0.clone());
+                    let task = self.tasks.spawn(async move {
+                        let _charge = charge;
+                        relayed.await
+                    });
                     self.udp_relays.insert(
                         key,
                         UdpRelay {
@@ -705,9 +734,12 @@ impl Service {
                     self.start_relay(key, |guest| intercept::serve(guest, *job));
                 }
             }
-            Event::Connected(key, stream) => {
+            Event::Connected(key, stream, charge) => {
                 if self.gateway.accept_tcp(key) {
-                    self.start_relay(key, |guest| relay::splice(guest, stream));
+                    self.start_relay(key, |guest| async move {
+                        let _charge = charge;
+                        relay::splice(guest, stream).await
+                    });
                 }
             }
         }
@@ -751,6 +783,7 @@ impl Service {
     fn pump(&mut self) -> bool {
         let mut changed = false;
         for (key, datagram) in self.gateway.take_udp_datagrams() {
+            Counters::add(&self.audit.counters.bytes_from_guest, datagram.len() as u64);
             if let Some(relay) = self.udp_relays.get(&key) {
                 // A full queue drops the datagram, as a congested network would.
                 let _ = relay.to_upstream.try_send(datagram.into());
@@ -774,6 +807,7 @@ impl Service {
                     }) else {
                         break;
                     };
+                    Counters::add(&self.audit.counters.bytes_from_guest, chunk.len() as u64);
                     permit.send(chunk);
                     changed = true;
                 }
@@ -789,6 +823,7 @@ impl Service {
             while let Some(front) = relay.from_upstream.front() {
                 match socket.send_slice(front) {
                     Ok(n) if n > 0 => {
+                        Counters::add(&self.audit.counters.bytes_to_guest, n as u64);
                         relay.took(n);
                         changed = true;
                     }
@@ -819,6 +854,10 @@ impl Service {
             self.relays.remove(&key);
             self.gateway.remove_tcp(&key);
         }
+        self.audit.counters.open_connections.store(
+            self.relays.len() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
         changed
     }
 }
@@ -886,7 +925,8 @@ mod tests {
     async fn the_service_answers_over_the_stream_and_stops_when_the_vmm_end_closes() {
         let (ours, mut vmm) = UnixStream::pair().unwrap();
         let ours = OwnedFd::from(ours.into_std().unwrap());
-        let service = NetService::start(&Network::deny_all(), ours, None).unwrap();
+        let budget = crate::budget::Budget::new(&crate::Limits::new());
+        let service = NetService::start(&Network::deny_all(), ours, None, budget).unwrap();
         // An ARP request for the gateway, framed as libkrun frames it; then garbage lengths.
         let addressing = Addressing::default();
         let mut arp = Vec::new();
@@ -928,6 +968,7 @@ mod tests {
             &Network::deny_all(),
             OwnedFd::from(ours.into_std().unwrap()),
             None,
+            crate::budget::Budget::new(&crate::Limits::new()),
         )
         .unwrap();
         drop(service);

@@ -125,7 +125,7 @@ pub(super) fn allocated_bytes(file: &File) -> u64 {
 
 /// How much of a writable root's quota is in use (see
 /// [`Instance::root_usage`](crate::Instance::root_usage)).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct RootUsage {
     /// Host memory the writable layer holds now (its filesystem's data and metadata).
     pub held_bytes: u64,

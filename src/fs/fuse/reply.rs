@@ -196,6 +196,28 @@ pub(crate) fn xattr_size(unique: u64, size: usize) -> Vec<u8> {
 /// Packs directory entries into at most `size` bytes (each a `fuse_dirent` and its name,
 /// padded to 8 bytes); entries that do not fit are left for the next call, which resumes
 /// from the last packed entry's offset.
+/// The bytes a directory entry named `name_len` bytes takes in a `READDIR` reply.
+pub(crate) fn dirent_size(name_len: usize) -> usize {
+    (std::mem::size_of::<abi::Dirent>() + name_len).next_multiple_of(8)
+}
+
+tokio::task_local! {
+    /// While a `readdir` call runs: the reply's room, in bytes, so an implementation can read
+    /// no more entries than the guest will take (`HostDir` reads by its host cursor, which a
+    /// seek back costs on some filesystems).
+    static READDIR_ROOM: usize;
+}
+
+/// Runs a `readdir` call knowing its reply's room ([`readdir_room`]).
+pub(crate) async fn with_readdir_room<F: std::future::Future>(room: usize, call: F) -> F::Output {
+    READDIR_ROOM.scope(room, call).await
+}
+
+/// The room, in bytes, of the `READDIR` reply the running `readdir` call is for, if it is one.
+pub(crate) fn readdir_room() -> Option<usize> {
+    READDIR_ROOM.try_with(|room| *room).ok()
+}
+
 pub(crate) fn dirents(unique: u64, entries: &[DirEntry], size: usize) -> Vec<u8> {
     use std::os::unix::ffi::OsStrExt;
     let mut body = Vec::with_capacity(size.min(64 * 1024));
@@ -212,7 +234,7 @@ pub(crate) fn dirents(unique: u64, entries: &[DirEntry], size: usize) -> Vec<u8>
             type_: item.kind.dirent_type(),
         };
         let unpadded = std::mem::size_of::<abi::Dirent>() + name.len();
-        let padded = unpadded.next_multiple_of(8);
+        let padded = dirent_size(name.len());
         if body.len() + padded > size {
             break;
         }

@@ -65,6 +65,9 @@ pub(crate) struct Session {
     /// Numbers the calls, so a call's guard removes its own entry and not a later request's
     /// that reused the `unique` (a hostile guest may).
     next_call: std::sync::atomic::AtomicU64,
+    /// The instance's share of the process's descriptors and blocking threads, charged by
+    /// the implementation's calls (`HostDir` does): each call runs in its scope.
+    budget: Option<Arc<crate::budget::Budget>>,
 }
 
 /// A call of the implementation that an interrupt can end.
@@ -133,7 +136,14 @@ impl Session {
             open: std::sync::Mutex::new(HashMap::new()),
             running: std::sync::Mutex::new(HashMap::new()),
             next_call: std::sync::atomic::AtomicU64::new(0),
+            budget: None,
         }
+    }
+
+    /// The same session, its calls charged to `budget` (the instance's).
+    pub(crate) fn with_budget(mut self, budget: Arc<crate::budget::Budget>) -> Self {
+        self.budget = Some(budget);
+        self
     }
 
     /// Answers one request (`message` is exactly one request's bytes). `Err` means the
@@ -209,7 +219,10 @@ impl Session {
         // The implementation is the caller's code: a panic answers this request with EIO
         // (the guest's call fails; on 88bb6c9 it was never answered and the guest's process
         // hung for ever), an interrupt drops the call and answers EINTR.
-        let call = crate::callback::guarded(|| self.dispatch(header, operation));
+        let call = crate::budget::scope(
+            self.budget.clone(),
+            crate::callback::guarded(|| self.dispatch(header, operation)),
+        );
         let outcome = tokio::select! {
             outcome = call => outcome,
             () = interrupt.cancelled() => {
@@ -570,7 +583,8 @@ impl Session {
                 offset,
                 size,
             } => {
-                let entries = fs.readdir(node, FileHandle(handle), offset).await?;
+                let call = fs.readdir(node, FileHandle(handle), offset);
+                let entries = reply::with_readdir_room(size as usize, call).await?;
                 reply::dirents(unique, &entries, size as usize)
             }
             Operation::Releasedir { handle } => {

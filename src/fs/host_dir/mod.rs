@@ -21,6 +21,7 @@ use overlay::{host_perm, Overlay, PRIVATE_PREFIX, XATTR};
 
 use super::types::*;
 use super::{VirtualFs, WriteData};
+use crate::budget::Descriptor;
 
 /// The most inodes the guest can hold at once (each is an open `O_PATH` descriptor of the
 /// host process): past that, a lookup fails with `ENFILE` until the guest forgets some.
@@ -28,9 +29,6 @@ const MAX_INODES: usize = 65_536;
 
 /// The most files and directories the guest can have open at once (`EMFILE` past that).
 const MAX_HANDLES: usize = 16_384;
-
-/// The most entries one directory listing holds (`ENOMEM` past that).
-const MAX_DIR_ENTRIES: usize = 1 << 20;
 
 /// The most bytes one read or write moves.
 const MAX_IO: usize = 4 << 20;
@@ -135,7 +133,8 @@ const PATH_MAX: usize = libc::PATH_MAX as usize;
 /// At most 65,536 inodes held by the guest at once (each an `O_PATH` descriptor of the host
 /// process, so the process's `RLIMIT_NOFILE` must allow them; past either limit a lookup fails
 /// with `ENFILE`/`EMFILE` until the guest forgets some), 16,384 open files and directories
-/// (`EMFILE`), 1,048,576 entries in one directory listing (`ENOMEM`), 4 MiB per read or write.
+/// (`EMFILE`; an open directory holds a descriptor and no listing: it is read a batch at a
+/// time), 4 MiB per read or write.
 ///
 /// # Example
 ///
@@ -178,7 +177,6 @@ struct Inner {
 struct Limits {
     inodes: usize,
     handles: usize,
-    dir_entries: usize,
 }
 
 impl Default for Limits {
@@ -186,7 +184,6 @@ impl Default for Limits {
         Limits {
             inodes: MAX_INODES,
             handles: MAX_HANDLES,
-            dir_entries: MAX_DIR_ENTRIES,
         }
     }
 }
@@ -199,6 +196,9 @@ struct Node {
     key: (u64, u64),
     kind: FileKind,
     overlay: Mutex<OverlayState>,
+    /// `fd`'s charge to the budget of the sandbox that looked it up (none for the root, or
+    /// outside a sandbox).
+    _charge: Option<Descriptor>,
 }
 
 /// A node's ownership record and whether the host's attribute holds it.
@@ -240,18 +240,19 @@ struct OpenFile {
     node: Arc<Node>,
     fd: OwnedFd,
     write: bool,
+    /// `fd`'s charge to the sandbox's budget.
+    _charge: Option<Descriptor>,
 }
 
+/// A directory the guest has open: read by the host's own cursor, a batch per `readdir`, so
+/// what it costs the host is one descriptor whatever the directory holds (issue 33: a listing
+/// was kept whole per handle, 16,384 handles of a million entries each).
 struct OpenDir {
     node: Arc<Node>,
-    listing: Mutex<Listing>,
-}
-
-/// A directory's entries as they were when listed.
-struct Listing {
-    entries: Vec<DirEntry>,
-    /// A `readdir` has been answered: another from offset 0 is a `rewinddir`, listed anew.
-    served: bool,
+    /// `O_RDONLY` on the directory; a `readdir` at a time (it sets the position, then reads).
+    fd: Mutex<OwnedFd>,
+    /// `fd`'s charge to the sandbox's budget.
+    _charge: Option<Descriptor>,
 }
 
 #[derive(Default)]
@@ -269,6 +270,12 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 
 fn errno(errno: i32) -> FsError {
     FsError::from_errno(errno)
+}
+
+/// Charges a descriptor the host is about to hold for the guest to the calling sandbox's
+/// budget (see `crate::budget`): `ENFILE` past its share of the process's descriptors.
+fn charge() -> FsResult<Option<Descriptor>> {
+    crate::budget::charge_current().map_err(|()| errno(libc::ENFILE))
 }
 
 /// The inode the guest named does not exist (any more) here.
@@ -328,7 +335,7 @@ impl HostDir {
     }
 
     fn open(path: &Path, read_only: bool, limits: Limits) -> FsResult<Self> {
-        raise_descriptor_limit(limits);
+        crate::budget::raise_descriptor_limit();
         let c_path = CString::new(path.as_os_str().as_bytes()).map_err(|_| FsError::INVALID)?;
         // SAFETY: NUL-terminated path; we own the descriptor on success.
         let fd = unsafe {
@@ -355,6 +362,7 @@ impl HostDir {
             key: root_key,
             kind: FileKind::Directory,
             overlay: Mutex::new(overlay),
+            _charge: None,
         });
         Ok(HostDir {
             inner: Arc::new(Inner {
@@ -399,9 +407,19 @@ impl HostDir {
         op: impl FnOnce(&Inner) -> FsResult<T> + Send + 'static,
     ) -> FsResult<T> {
         let inner = self.inner.clone();
-        tokio::task::spawn_blocking(move || op(&inner))
-            .await
-            .unwrap_or_else(|_| Err(FsError::IO))
+        // A thread of the pool counts against the calling sandbox's share until it returns,
+        // and what the call opens is charged to that sandbox too.
+        let budget = crate::budget::current();
+        let permit = match &budget {
+            Some(budget) => Some(budget.blocking().await),
+            None => None,
+        };
+        tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            crate::budget::sync_scope(budget, || op(&inner))
+        })
+        .await
+        .unwrap_or_else(|_| Err(FsError::IO))
     }
 
     /// [`run_blocking`](Self::run_blocking) when `blocking`, else [`run`](Self::run).
@@ -424,30 +442,6 @@ impl std::fmt::Debug for HostDir {
             .field("path", &self.inner.path)
             .field("read_only", &self.inner.read_only)
             .finish_non_exhaustive()
-    }
-}
-
-/// Raises the process's soft `RLIMIT_NOFILE` towards its hard limit, far enough for a full
-/// inode table and every handle (each an open descriptor): the common soft limit, 1024, would
-/// fail lookups in any sizeable tree. A hard limit is never raised, nor a soft one lowered.
-fn raise_descriptor_limit(limits: Limits) {
-    let wanted = (limits.inodes + limits.handles + 4096) as libc::rlim_t;
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: plain calls on a local struct.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 || limit.rlim_cur >= wanted {
-            return;
-        }
-        let raised = libc::rlimit {
-            rlim_cur: wanted.min(limit.rlim_max),
-            rlim_max: limit.rlim_max,
-        };
-        if raised.rlim_cur > limit.rlim_cur {
-            libc::setrlimit(libc::RLIMIT_NOFILE, &raised);
-        }
     }
 }
 
@@ -766,6 +760,7 @@ impl Inner {
             key,
             kind,
             overlay: Mutex::new(overlay),
+            _charge: charge()?,
         });
         table.nodes.insert(id, (node.clone(), 1));
         Ok(node)
@@ -1116,11 +1111,13 @@ impl Inner {
         }
         let io_flags =
             access | (flags.0 & (libc::O_APPEND | libc::O_TRUNC | libc::O_SYNC | libc::O_DSYNC));
+        let charge = charge()?;
         let fd = self.open_io(node, io_flags)?;
         self.add_handle(Handle::File(Arc::new(OpenFile {
             node: node.clone(),
             fd,
             write: access != libc::O_RDONLY,
+            _charge: charge,
         })))
     }
 
@@ -1178,11 +1175,15 @@ impl Inner {
             Some(io.as_fd()),
         )?;
         let entry = self.entry(&node, &st);
-        match self.add_handle(Handle::File(Arc::new(OpenFile {
-            node: node.clone(),
-            fd: io,
-            write: access != libc::O_RDONLY,
-        }))) {
+        let opened = charge().and_then(|charge| {
+            self.add_handle(Handle::File(Arc::new(OpenFile {
+                node: node.clone(),
+                fd: io,
+                write: access != libc::O_RDONLY,
+                _charge: charge,
+            })))
+        });
+        match opened {
             Ok(handle) => Ok((entry, handle)),
             Err(err) => {
                 self.forget(node.id, 1);
@@ -1250,64 +1251,46 @@ impl Inner {
         self.lookup(new_parent, new_name)
     }
 
-    fn list(&self, node: &Node) -> FsResult<Vec<DirEntry>> {
-        let dir = sys::open_dir(node.fd.as_fd())?;
-        let raw = sys::list_dir(dir, self.limits.dir_entries)?;
-        let mut parent = if node.id == InodeId::ROOT {
-            Some(InodeId::ROOT)
-        } else {
-            None
-        };
-        let mut entries = Vec::with_capacity(raw.len());
-        for entry in raw {
-            let name = entry.name.as_bytes();
-            if name == b"." {
-                continue;
-            }
-            if name == b".." {
-                parent.get_or_insert(self.listed_id(entry.ino));
-                continue;
-            }
-            let Some(kind) = entry.kind.and_then(FileKind::from_mode) else {
-                // Gone since it was listed.
-                continue;
-            };
-            entries.push((
-                self.listed_id(entry.ino),
-                kind,
-                OsStr::from_bytes(name).to_owned(),
-            ));
+    /// The entries of `dir` from the guest's offset on, a batch at a time. Offsets are the
+    /// host filesystem's own cookies (`d_off`), so a listing resumes where the guest says
+    /// without the host holding anything but the descriptor; `.` and `..` come as the host
+    /// lists them, `..` of the root being the root.
+    fn readdir(&self, dir: &OpenDir, offset: u64, room: usize) -> FsResult<Vec<DirEntry>> {
+        let fd = lock(&dir.fd);
+        let mut entries = Vec::new();
+        let mut from = offset;
+        // Until something is left to return, or the listing ends: a batch whose every entry
+        // vanished since it was listed must not read as the end.
+        while entries.is_empty() {
+            let raw = sys::read_dir_at(fd.as_fd(), from, READDIR_CHUNK, room)?;
+            let Some(last) = raw.last() else { break };
+            from = last.next;
+            self.add_listed(dir, raw, &mut entries);
         }
-        let dots = [
-            (node.id, FileKind::Directory, ".".into()),
-            (parent.unwrap_or(node.id), FileKind::Directory, "..".into()),
-        ];
-        Ok(dots
-            .into_iter()
-            .chain(entries)
-            .enumerate()
-            .map(|(index, (ino, kind, name))| DirEntry {
-                ino,
-                offset: index as u64 + 1,
-                kind,
-                name,
-            })
-            .collect())
+        Ok(entries)
     }
 
-    fn readdir(&self, dir: &OpenDir, offset: u64) -> FsResult<Vec<DirEntry>> {
-        let mut listing = lock(&dir.listing);
-        if offset == 0 && listing.served {
-            listing.entries = self.list(&dir.node)?;
+    /// `raw` entries of `dir` as the guest sees them.
+    fn add_listed(&self, dir: &OpenDir, raw: Vec<sys::RawEntry>, entries: &mut Vec<DirEntry>) {
+        for entry in raw {
+            let name = entry.name.as_bytes();
+            let (ino, kind) = match name {
+                b"." => (dir.node.id, FileKind::Directory),
+                b".." if dir.node.id == InodeId::ROOT => (InodeId::ROOT, FileKind::Directory),
+                b".." => (self.listed_id(entry.ino), FileKind::Directory),
+                _ => match entry.kind.and_then(FileKind::from_mode) {
+                    Some(kind) => (self.listed_id(entry.ino), kind),
+                    // Gone since it was listed.
+                    None => continue,
+                },
+            };
+            entries.push(DirEntry {
+                ino,
+                offset: entry.next,
+                kind,
+                name: OsStr::from_bytes(name).to_owned(),
+            });
         }
-        listing.served = true;
-        let start = usize::try_from(offset)
-            .unwrap_or(usize::MAX)
-            .min(listing.entries.len());
-        let end = start
-            .saturating_add(READDIR_CHUNK)
-            .min(listing.entries.len());
-        Ok(listing.entries[start..end].to_vec())
     }
 
     fn fsync(&self, ino: InodeId, handle: FileHandle, data_only: bool) -> FsResult<()> {
@@ -1628,13 +1611,12 @@ impl VirtualFs for HostDir {
     async fn opendir(&self, ino: InodeId) -> FsResult<FileHandle> {
         let node = self.inner.dir(ino)?;
         self.run_blocking(move |inner| {
-            let entries = inner.list(&node)?;
+            let charge = charge()?;
+            let fd = sys::open_dir(node.fd.as_fd())?;
             inner.add_handle(Handle::Dir(Arc::new(OpenDir {
                 node,
-                listing: Mutex::new(Listing {
-                    entries,
-                    served: false,
-                }),
+                fd: Mutex::new(fd),
+                _charge: charge,
             })))
         })
         .await
@@ -1647,7 +1629,9 @@ impl VirtualFs for HostDir {
         offset: u64,
     ) -> FsResult<Vec<DirEntry>> {
         let dir = self.inner.open_dir(ino, handle)?;
-        self.run_blocking(move |inner| inner.readdir(&dir, offset))
+        // As many entries as the guest's reply holds, when called by a mount's session.
+        let room = crate::fs::fuse::reply::readdir_room().unwrap_or(usize::MAX);
+        self.run_blocking(move |inner| inner.readdir(&dir, offset, room))
             .await
     }
 

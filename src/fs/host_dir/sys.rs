@@ -13,7 +13,7 @@
 
 use std::ffi::{CStr, CString};
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 
 /// How every name is resolved: beneath the descriptor it is relative to, no symlinks (a
 /// trailing one is opened itself with `O_PATH | O_NOFOLLOW`), no magic links, no mount
@@ -277,16 +277,39 @@ pub(super) struct RawEntry {
     pub ino: u64,
     /// The `S_IFMT` bits, when the listing gives them.
     pub kind: Option<u32>,
+    /// Where the listing goes on after this entry: the filesystem's own cookie (`d_off`), which
+    /// `lseek` on the directory takes back.
+    pub next: u64,
 }
 
-/// Every entry of the directory open as `dir` (a fresh `O_RDONLY` descriptor, consumed),
-/// `.` and `..` included; at most `max` entries (`ENOMEM` past that).
-pub(super) fn list_dir(dir: OwnedFd, max: usize) -> io::Result<Vec<RawEntry>> {
+/// The bytes of `getdents64` records read at once: about a hundred entries of long names, many
+/// more of short ones.
+const DIRENT_BUFFER: usize = 32 * 1024;
+
+/// At most `max` entries of the directory open as `dir` (an `O_RDONLY` descriptor kept for the
+/// guest's open directory), from the filesystem's cookie `from` on (0: the start); `.` and `..`
+/// included. One `getdents64` call, so the host holds one buffer whatever the directory's size;
+/// the caller asks again from the last entry's `next`. The descriptor's position is set here
+/// every time (`lseek` to the same position is a no-op, and keeps a tmpfs cursor in place
+/// while entries before it are removed).
+pub(super) fn read_dir_at(
+    dir: BorrowedFd<'_>,
+    from: u64,
+    max: usize,
+    room: usize,
+) -> io::Result<Vec<RawEntry>> {
     // linux_dirent64: d_ino u64, d_off i64, d_reclen u16, d_type u8, d_name NUL-terminated.
     const NAME: usize = 19;
-    let mut buf = vec![0u8; 64 * 1024];
-    let mut entries = Vec::new();
-    loop {
+    let from =
+        libc::off_t::try_from(from).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: a plain lseek on a descriptor we borrow.
+    if unsafe { libc::lseek(dir.as_raw_fd(), from, libc::SEEK_SET) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // A record here is never larger than its FUSE entry, so `room` bytes read at least as
+    // many entries as fit the reply.
+    let mut buf = vec![0u8; DIRENT_BUFFER.min(room.max(NAME + 256))];
+    let len = retry(|| {
         // SAFETY: the buffer is as long as we say.
         let len = unsafe {
             libc::syscall(
@@ -297,49 +320,67 @@ pub(super) fn list_dir(dir: OwnedFd, max: usize) -> io::Result<Vec<RawEntry>> {
             )
         };
         if len < 0 {
-            let err = io::Error::last_os_error();
-            if err.raw_os_error() == Some(libc::EINTR) {
-                continue;
-            }
-            return Err(err);
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(len as usize)
         }
-        if len == 0 {
+    })?;
+    let mut entries: Vec<RawEntry> = Vec::new();
+    let mut at = 0;
+    let mut used = 0;
+    while at < len && entries.len() < max {
+        let record = &buf[at..len];
+        if record.len() <= NAME {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        let reclen = u16::from_ne_bytes([record[16], record[17]]) as usize;
+        if reclen <= NAME || reclen > record.len() {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        let ino = u64::from_ne_bytes(record[..8].try_into().expect("8 bytes"));
+        let next = i64::from_ne_bytes(record[8..16].try_into().expect("8 bytes"));
+        let name = CStr::from_bytes_until_nul(&record[NAME..reclen])
+            .map_err(|_| io::Error::from_raw_os_error(libc::EIO))?;
+        let size = crate::fs::fuse::reply::dirent_size(name.to_bytes().len());
+        if used + size > room && !entries.is_empty() {
             break;
         }
-        let mut at = 0;
-        while at < len as usize {
-            let record = &buf[at..len as usize];
-            let reclen = u16::from_ne_bytes([record[16], record[17]]) as usize;
-            if reclen <= NAME || reclen > record.len() {
-                return Err(io::Error::from_raw_os_error(libc::EIO));
+        used += size;
+        let kind = match record[18] {
+            libc::DT_FIFO => Some(libc::S_IFIFO),
+            libc::DT_CHR => Some(libc::S_IFCHR),
+            libc::DT_DIR => Some(libc::S_IFDIR),
+            libc::DT_BLK => Some(libc::S_IFBLK),
+            libc::DT_REG => Some(libc::S_IFREG),
+            libc::DT_LNK => Some(libc::S_IFLNK),
+            libc::DT_SOCK => Some(libc::S_IFSOCK),
+            _ => None,
+        };
+        entries.push(RawEntry {
+            name: name.to_owned(),
+            ino,
+            kind,
+            // A cookie is never negative (lseek could not take it back).
+            next: u64::try_from(next).map_err(|_| io::Error::from_raw_os_error(libc::EIO))?,
+        });
+        at += reclen;
+    }
+    if at < len {
+        // Read further than is returned: the position goes back to where the guest will ask
+        // next, so that ask moves nothing (on tmpfs before Linux 6.6 a move walks the
+        // directory from its start).
+        if let Some(last) = entries.last() {
+            // SAFETY: a plain lseek on a descriptor we borrow; the cookie came from the
+            // filesystem (it fits an off_t: checked when it was read).
+            if unsafe { libc::lseek(dir.as_raw_fd(), last.next as libc::off_t, libc::SEEK_SET) } < 0
+            {
+                return Err(io::Error::last_os_error());
             }
-            if entries.len() >= max {
-                return Err(io::Error::from_raw_os_error(libc::ENOMEM));
-            }
-            let ino = u64::from_ne_bytes(record[..8].try_into().expect("8 bytes"));
-            let name = CStr::from_bytes_until_nul(&record[NAME..reclen])
-                .map_err(|_| io::Error::from_raw_os_error(libc::EIO))?;
-            let kind = match record[18] {
-                libc::DT_FIFO => Some(libc::S_IFIFO),
-                libc::DT_CHR => Some(libc::S_IFCHR),
-                libc::DT_DIR => Some(libc::S_IFDIR),
-                libc::DT_BLK => Some(libc::S_IFBLK),
-                libc::DT_REG => Some(libc::S_IFREG),
-                libc::DT_LNK => Some(libc::S_IFLNK),
-                libc::DT_SOCK => Some(libc::S_IFSOCK),
-                _ => None,
-            };
-            entries.push(RawEntry {
-                name: name.to_owned(),
-                ino,
-                kind,
-            });
-            at += reclen;
         }
     }
     // Entries whose type the filesystem did not give: asked one by one, never following.
     for entry in entries.iter_mut().filter(|entry| entry.kind.is_none()) {
-        if let Ok(st) = fstatat_nofollow(dir.as_fd(), &entry.name) {
+        if let Ok(st) = fstatat_nofollow(dir, &entry.name) {
             entry.kind = Some(st.st_mode & libc::S_IFMT);
         }
     }
@@ -612,6 +653,7 @@ pub(super) fn link(
 mod tests {
     //! The `/proc/self/fd` fallbacks, called directly (a kernel this new never needs them).
     use super::*;
+    use std::os::fd::AsFd;
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
 
     fn opath(path: &std::path::Path) -> OwnedFd {

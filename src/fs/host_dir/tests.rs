@@ -1007,39 +1007,33 @@ async fn readdir_lists_every_entry_with_dots() {
     assert_eq!(entries.len(), 1504);
     let names: std::collections::HashSet<_> = entries.iter().map(|e| e.name.clone()).collect();
     assert_eq!(names.len(), 1504);
-    assert_eq!(entries[0].name, ".");
-    assert_eq!(entries[0].ino, dir.attr.ino);
-    assert_eq!(entries[1].name, "..");
-    assert_eq!(entries[1].ino, InodeId::ROOT);
-    let offsets: Vec<u64> = entries.iter().map(|e| e.offset).collect();
-    assert_eq!(offsets, (1..=1504).collect::<Vec<u64>>());
-    let kind = |n: &str| entries.iter().find(|e| e.name == n).unwrap().kind;
-    assert_eq!(kind("sub"), FileKind::Directory);
-    assert_eq!(kind("link"), FileKind::Symlink);
-    assert_eq!(kind("7"), FileKind::File);
+    let entry = |n: &str| entries.iter().find(|e| e.name == n).unwrap();
+    assert_eq!(entry(".").ino, dir.attr.ino);
+    assert_eq!(entry("..").ino, InodeId::ROOT);
+    // Offsets are the host filesystem's own cookies: each names one place in the listing.
+    let offsets: std::collections::HashSet<u64> = entries.iter().map(|e| e.offset).collect();
+    assert_eq!(offsets.len(), 1504);
+    assert!(!offsets.contains(&0), "0 is the listing's start");
+    assert_eq!(entry("sub").kind, FileKind::Directory);
+    assert_eq!(entry("link").kind, FileKind::Symlink);
+    assert_eq!(entry("7").kind, FileKind::File);
     // Listed numbers are the numbers lookups give.
     let seven = f.fs.lookup(dir.attr.ino, name("7")).await.unwrap();
-    assert_eq!(
-        entries.iter().find(|e| e.name == "7").unwrap().ino,
-        seven.attr.ino
-    );
+    assert_eq!(entry("7").ino, seven.attr.ino);
     // The root's parent is the root.
     let root = list(&f.fs, InodeId::ROOT).await;
-    assert_eq!(root[1].name, "..");
-    assert_eq!(root[1].ino, InodeId::ROOT);
-    // A listing resumes from any cookie.
+    let dotdot = root.iter().find(|e| e.name == "..").unwrap();
+    assert_eq!(dotdot.ino, InodeId::ROOT);
+    // A listing resumes from any cookie, with the entries after it; the last one's is the end.
     let handle = f.fs.opendir(dir.attr.ino).await.unwrap();
-    let from = f.fs.readdir(dir.attr.ino, handle, 1000).await.unwrap();
-    assert_eq!(from[0].offset, 1001);
+    let from =
+        f.fs.readdir(dir.attr.ino, handle, entries[1000].offset)
+            .await
+            .unwrap();
+    assert_eq!(from[0].name, entries[1001].name);
     assert!(f
         .fs
-        .readdir(dir.attr.ino, handle, 1504)
-        .await
-        .unwrap()
-        .is_empty());
-    assert!(f
-        .fs
-        .readdir(dir.attr.ino, handle, u64::MAX)
+        .readdir(dir.attr.ino, handle, entries[1503].offset)
         .await
         .unwrap()
         .is_empty());
@@ -1047,16 +1041,33 @@ async fn readdir_lists_every_entry_with_dots() {
     assert_eq!(errno_of(f.fs.opendir(seven.attr.ino).await), libc::ENOTDIR);
 }
 
+/// Issue 33: every open directory kept its whole listing (16,384 handles of up to a million
+/// entries). Now it holds a descriptor, and the host reads a batch per call: the directory as
+/// it is at each call, from the start again on a rewind.
 #[tokio::test]
-async fn a_listing_is_a_snapshot_until_rewound() {
+async fn a_listing_reads_the_directory_as_it_is_a_batch_at_a_time() {
     let f = fixture();
+    for i in 0..(READDIR_CHUNK + 100) {
+        std::fs::write(f.root.join(format!("f{i}")), b"").unwrap();
+    }
     let handle = f.fs.opendir(InodeId::ROOT).await.unwrap();
     std::fs::write(f.root.join("late"), b"").unwrap();
     let first = f.fs.readdir(InodeId::ROOT, handle, 0).await.unwrap();
-    assert_eq!(first.len(), 2);
-    // rewinddir: listed anew.
-    let again = f.fs.readdir(InodeId::ROOT, handle, 0).await.unwrap();
-    assert!(again.iter().any(|e| e.name == "late"));
+    assert_eq!(first.len(), READDIR_CHUNK, "one batch a call");
+    let all = list(&f.fs, InodeId::ROOT).await;
+    assert!(all.iter().any(|e| e.name == "late"), "made after the open");
+    std::fs::remove_file(f.root.join("late")).unwrap();
+    // rewinddir: read anew.
+    let mut again = Vec::new();
+    let mut offset = 0;
+    loop {
+        let batch = f.fs.readdir(InodeId::ROOT, handle, offset).await.unwrap();
+        let Some(last) = batch.last() else { break };
+        offset = last.offset;
+        again.extend(batch);
+    }
+    assert_eq!(again.len(), READDIR_CHUNK + 100 + 2);
+    assert!(!again.iter().any(|e| e.name == "late"));
     f.fs.releasedir(InodeId::ROOT, handle).await.unwrap();
     assert_eq!(
         errno_of(f.fs.readdir(InodeId::ROOT, handle, 0).await),
@@ -1339,4 +1350,51 @@ async fn writes_on_a_multi_threaded_runtime_reach_the_host() {
         assert_eq!(read_all(&f.fs, entry.attr.ino).await, file.as_bytes());
         assert_eq!(std::fs::read(f.root.join(&file)).unwrap(), file.as_bytes());
     }
+}
+
+/// Issue 33: a guest's descriptors were bounded per `HostDir` only, and one guest could hold
+/// the whole process's. Each inode and handle it holds is now charged to its sandbox's budget
+/// (the mount's calls run in its scope): past it a lookup or open fails with `ENFILE`, and
+/// what the guest forgets or closes is given back.
+#[tokio::test]
+async fn the_guests_inodes_and_handles_are_charged_to_its_sandbox() {
+    let f = fixture();
+    for i in 0..4 {
+        std::fs::write(f.root.join(format!("f{i}")), b"x").unwrap();
+    }
+    let budget = crate::budget::Budget::new(&crate::Limits::new().host_descriptors(3));
+    let fs = f.fs.clone();
+    let held = budget.clone();
+    crate::budget::scope(Some(budget.clone()), async move {
+        let a = fs.lookup(InodeId::ROOT, name("f0")).await.unwrap().attr.ino;
+        let b = fs.lookup(InodeId::ROOT, name("f1")).await.unwrap().attr.ino;
+        assert_eq!(held.descriptors_held(), 2);
+        let handle = fs.open(a, OpenFlags(libc::O_RDONLY)).await.unwrap();
+        assert_eq!(held.descriptors_held(), 3);
+        assert_eq!(
+            errno_of(fs.lookup(InodeId::ROOT, name("f2")).await),
+            libc::ENFILE
+        );
+        assert_eq!(errno_of(fs.opendir(InodeId::ROOT).await), libc::ENFILE);
+        // A second lookup of a held inode takes nothing new.
+        fs.lookup(InodeId::ROOT, name("f1")).await.unwrap();
+        fs.release(a, handle).await.unwrap();
+        fs.forget(b, 2).await;
+        // A file is closed on the blocking pool, without the guest waiting: its charge goes
+        // back when it is closed.
+        for _ in 0..500 {
+            if held.descriptors_held() == 1 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
+        assert_eq!(held.descriptors_held(), 1);
+        fs.lookup(InodeId::ROOT, name("f3")).await.unwrap();
+        // The blocking pool's calls are charged too (opendir runs there).
+        let dir = fs.opendir(InodeId::ROOT).await.unwrap();
+        assert_eq!(held.descriptors_held(), 3);
+        fs.releasedir(InodeId::ROOT, dir).await.unwrap();
+    })
+    .await;
+    assert_eq!(budget.descriptors_held(), 2, "what the guest still holds");
 }

@@ -317,6 +317,7 @@ async fn drive(data: Vec<u8>, tls: bool, log: Shared) {
             crate::net::stack::MAX_UPSTREAM_REQUESTS,
         )),
         stop: stop.clone(),
+        budget: crate::budget::Budget::new(&crate::Limits::new()),
     };
     let dialer = upstream::Dialer::Memory {
         buffer: PIPE,

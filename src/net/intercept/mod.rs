@@ -385,6 +385,8 @@ pub(crate) struct InterceptJob {
     pub upstream_permits: Arc<tokio::sync::Semaphore>,
     /// Ends every task hyper starts for this connection when the sandbox's network stops.
     pub stop: CancellationToken,
+    /// The sandbox's share of the process's descriptors: each upstream connection is charged.
+    pub budget: Arc<crate::budget::Budget>,
 }
 
 type Body = BoxBody<Bytes, hyper::Error>;
@@ -395,7 +397,7 @@ pub(crate) async fn serve(mut guest: GuestStream, job: InterceptJob) -> std::io:
         return Ok(());
     };
     let tls = first == 0x16;
-    let dialer = upstream::Dialer::addresses(&job.upstream);
+    let dialer = upstream::Dialer::addresses(&job.upstream, job.budget.clone());
     if tls {
         let key = job
             .authority

@@ -160,6 +160,7 @@ pub(super) fn job(
             crate::net::stack::MAX_UPSTREAM_REQUESTS,
         )),
         stop: CancellationToken::new(),
+        budget: crate::budget::Budget::new(&crate::Limits::new()),
     }
 }
 
@@ -597,7 +598,7 @@ async fn loopback_origin(hold: Hold) -> (SocketAddr, Arc<OriginLog>) {
 /// connection whose guest end speaks HTTP/2, and sends `requests` GETs on it at once: their
 /// statuses.
 async fn h2_requests(job: InterceptJob, requests: usize) -> Vec<StatusCode> {
-    let dialer = upstream::Dialer::addresses(&job.upstream);
+    let dialer = upstream::Dialer::addresses(&job.upstream, job.budget.clone());
     let (guest, ours) = tokio::io::duplex(64 * 1024);
     tokio::spawn(serve_http(ours, false, dialer, job));
     let (sender, connection) = hyper::client::conn::http2::handshake(

@@ -22,6 +22,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::InterceptJob;
+use crate::budget::{Budget, Descriptor};
 use crate::error::{Error, Result};
 use crate::net::stack::{UPSTREAM_IDLE_PER_CONNECTION, UPSTREAM_IDLE_TIMEOUT};
 
@@ -137,8 +138,8 @@ pub(crate) fn client(job: &InterceptJob, tls: bool, dialer: Dialer) -> Client {
 /// Makes the client's connections, whatever the URI names.
 #[derive(Clone, Debug)]
 pub(crate) enum Dialer {
-    /// Dials the flow's recorded addresses in turn.
-    Addresses(Arc<[SocketAddr]>),
+    /// Dials the flow's recorded addresses in turn, each connection charged to the budget.
+    Addresses(Arc<[SocketAddr]>, Arc<Budget>),
     /// An in-memory pipe per connection (of `buffer` bytes each way), whose other end goes to
     /// `to`: the fuzz harness's upstream. A dial fails once the receiver is gone.
     Memory {
@@ -149,8 +150,8 @@ pub(crate) enum Dialer {
 
 impl Dialer {
     /// Dials `addresses`, as production does.
-    pub(crate) fn addresses(addresses: &[SocketAddr]) -> Self {
-        Self::Addresses(addresses.into())
+    pub(crate) fn addresses(addresses: &[SocketAddr], budget: Arc<Budget>) -> Self {
+        Self::Addresses(addresses.into(), budget)
     }
 }
 
@@ -165,12 +166,17 @@ impl tower_service::Service<hyper::Uri> for Dialer {
 
     fn call(&mut self, _: hyper::Uri) -> Self::Future {
         match self {
-            Self::Addresses(addresses) => {
-                let addresses = addresses.clone();
+            Self::Addresses(addresses, budget) => {
+                let (addresses, budget) = (addresses.clone(), budget.clone());
                 Box::pin(async move {
-                    crate::net::relay::dial(&addresses)
+                    crate::net::relay::dial(&addresses, &budget)
                         .await
-                        .map(|stream| TokioIo::new(UpstreamStream::Tcp(stream)))
+                        .map(|(stream, charge)| {
+                            TokioIo::new(UpstreamStream::Tcp {
+                                stream,
+                                _charge: charge,
+                            })
+                        })
                         .map_err(std::io::Error::other)
                 })
             }
@@ -190,7 +196,11 @@ impl tower_service::Service<hyper::Uri> for Dialer {
 /// and what hyper learns about the connection are the socket's own.
 #[derive(Debug)]
 pub(crate) enum UpstreamStream {
-    Tcp(TcpStream),
+    /// A socket, and its charge to the sandbox's budget (given back when it closes).
+    Tcp {
+        stream: TcpStream,
+        _charge: Descriptor,
+    },
     Memory(DuplexStream),
 }
 
@@ -201,7 +211,7 @@ impl AsyncRead for UpstreamStream {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
         match self.get_mut() {
-            Self::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+            Self::Tcp { stream: s, .. } => Pin::new(s).poll_read(cx, buf),
             Self::Memory(s) => Pin::new(s).poll_read(cx, buf),
         }
     }
@@ -214,7 +224,7 @@ impl AsyncWrite for UpstreamStream {
         data: &[u8],
     ) -> Poll<std::io::Result<usize>> {
         match self.get_mut() {
-            Self::Tcp(s) => Pin::new(s).poll_write(cx, data),
+            Self::Tcp { stream: s, .. } => Pin::new(s).poll_write(cx, data),
             Self::Memory(s) => Pin::new(s).poll_write(cx, data),
         }
     }
@@ -225,28 +235,28 @@ impl AsyncWrite for UpstreamStream {
         bufs: &[IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
         match self.get_mut() {
-            Self::Tcp(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Self::Tcp { stream: s, .. } => Pin::new(s).poll_write_vectored(cx, bufs),
             Self::Memory(s) => Pin::new(s).poll_write_vectored(cx, bufs),
         }
     }
 
     fn is_write_vectored(&self) -> bool {
         match self {
-            Self::Tcp(s) => s.is_write_vectored(),
+            Self::Tcp { stream: s, .. } => s.is_write_vectored(),
             Self::Memory(s) => s.is_write_vectored(),
         }
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         match self.get_mut() {
-            Self::Tcp(s) => Pin::new(s).poll_flush(cx),
+            Self::Tcp { stream: s, .. } => Pin::new(s).poll_flush(cx),
             Self::Memory(s) => Pin::new(s).poll_flush(cx),
         }
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         match self.get_mut() {
-            Self::Tcp(s) => Pin::new(s).poll_shutdown(cx),
+            Self::Tcp { stream: s, .. } => Pin::new(s).poll_shutdown(cx),
             Self::Memory(s) => Pin::new(s).poll_shutdown(cx),
         }
     }
@@ -255,7 +265,7 @@ impl AsyncWrite for UpstreamStream {
 impl Connection for UpstreamStream {
     fn connected(&self) -> Connected {
         match self {
-            Self::Tcp(s) => s.connected(),
+            Self::Tcp { stream: s, .. } => s.connected(),
             Self::Memory(_) => Connected::new(),
         }
     }

@@ -1,0 +1,176 @@
+//! One hostile sandbox beside a normal one in the same process (issue 33). Bounds per sandbox
+//! alone let one guest take what every sandbox of the process shares: its descriptors (a
+//! `HostDir`'s inodes, the network's upstream sockets) and the blocking pool. Here the process
+//! may open 4096 descriptors; a hostile guest creates files on a `HostDir` until it is
+//! refused, holds as many connections as it can open to a granted origin, and floods the DNS
+//! with names whose server never answers; then a second sandbox boots, runs a command, reads a
+//! file of its own `HostDir` and makes a granted connection, and each succeeds. Every origin is
+//! on 127.0.0.1.
+
+mod common;
+#[allow(dead_code)] // its sandboxes are not used here
+#[path = "common/guest.rs"]
+mod guest;
+#[path = "common/http_origin.rs"]
+mod http_origin;
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+use guest::sh;
+use krunbox::fs::HostDir;
+use krunbox::net::{Flow, Network, Protocol, Resolver, Verdict};
+use krunbox::{BuiltinImage, Rootfs, Sandbox};
+use tokio::io::AsyncReadExt;
+
+const LOOPBACK: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
+
+/// What the test process may open: small, so the flood reaches it in seconds.
+const PROCESS_DESCRIPTORS: u64 = 4096;
+
+/// The hostile guest's program: files on its `HostDir` until refused, connections to the
+/// granted origin (never closed), DNS queries no server answers. It says how far each got.
+const FLOOD: &str = r#"
+import os, resource, socket
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+os.makedirs("/w/flood", exist_ok=True)
+made, why = 0, "all made"
+for i in range(20000):
+    try:
+        open(f"/w/flood/f{i}", "w").close()
+        made += 1
+    except OSError as e:
+        why = e.strerror
+        break
+print(f"files {made} {why}", flush=True)
+address = socket.gethostbyname("origin.test")
+held = []
+for i in range(min(10000, hard - 100)):
+    s = socket.socket()
+    s.setblocking(False)
+    s.connect_ex((address, int(os.environ["PORT"])))
+    held.append(s)
+print(f"connections {len(held)}", flush=True)
+dns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for i in range(2000):
+    name = f"n{i}.flood.test".encode()
+    question = b"".join(bytes([len(p)]) + p for p in name.split(b".")) + b"\0\0\1\0\1"
+    dns.sendto(i.to_bytes(2, "big") + b"\1\0\0\1\0\0\0\0\0\0" + question, ("10.0.2.2", 53))
+print("dns sent", flush=True)
+import time
+time.sleep(600)
+"#;
+
+#[test]
+fn a_hostile_sandbox_cannot_take_what_a_neighbour_needs() {
+    lower_descriptor_limit(PROCESS_DESCRIPTORS);
+    common::run(async {
+        let (port, heads) = http_origin::start().await;
+        // A DNS server that never answers: each query the policy grants waits on it.
+        let silent = tokio::net::UdpSocket::bind((LOOPBACK, 0)).await.unwrap();
+        let silent_address: SocketAddr = silent.local_addr().unwrap();
+        let network = || {
+            Network::with_policy(move |flow: Flow| async move {
+                match (flow.protocol(), flow.hostname()) {
+                    (Protocol::Dns, Some("origin.test")) => {
+                        Verdict::resolve(Resolver::fixed([LOOPBACK]))
+                    }
+                    (Protocol::Dns, Some(_)) => {
+                        Verdict::resolve(Resolver::upstream([silent_address]))
+                    }
+                    (Protocol::Tcp, Some("origin.test")) => Verdict::accept(),
+                    _ => Verdict::deny(),
+                }
+            })
+        };
+
+        let hostile_dir = tempfile::tempdir().unwrap();
+        let hostile = Sandbox::builder()
+            .rootfs(Rootfs::builtin(BuiltinImage::Agent))
+            .memory_mib(512)
+            .mount("/w", HostDir::new(hostile_dir.path()).expect("HostDir"))
+            .network(network())
+            .build()
+            .expect("definition")
+            .boot()
+            .await
+            .expect("booting the hostile sandbox");
+        let mut flood = hostile
+            .command("python3")
+            .args(["-c", FLOOD])
+            .env("PORT", port.to_string())
+            .spawn()
+            .await
+            .expect("starting the flood");
+        let mut said = String::new();
+        let mut stdout = flood.stdout.take().unwrap();
+        while !said.contains("dns sent") {
+            let mut buf = [0u8; 512];
+            let n = tokio::time::timeout(Duration::from_secs(240), stdout.read(&mut buf))
+                .await
+                .expect("the flood says how far it got")
+                .unwrap();
+            assert!(n > 0, "the flood ended: {said}");
+            said.push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+
+        let normal_dir = tempfile::tempdir().unwrap();
+        std::fs::write(normal_dir.path().join("hello"), b"the neighbour's file\n").unwrap();
+        let normal = Sandbox::builder()
+            .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
+            .memory_mib(256)
+            .mount("/w", HostDir::new(normal_dir.path()).expect("HostDir"))
+            .network(network())
+            .build()
+            .expect("definition")
+            .boot()
+            .await
+            .expect("the neighbour boots beside the flood");
+        let (text, _) = sh(
+            &normal,
+            &format!(
+                "cat /w/hello; echo rc-read=$?; touch /w/new; echo rc-write=$?; \
+                 wget -q -O - http://origin.test:{port}/neighbour; echo rc-fetch=$?"
+            ),
+            Duration::from_secs(120),
+        )
+        .await;
+        assert!(
+            text.contains("the neighbour's file"),
+            "{text}\nflood: {said}"
+        );
+        assert!(text.contains("rc-read=0"), "{text}");
+        assert!(text.contains("rc-write=0"), "{text}");
+        assert!(text.contains("origin says /neighbour"), "{text}");
+        assert!(text.contains("rc-fetch=0"), "{text}");
+        assert!(heads
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|h| h.contains("/neighbour")));
+        // The hostile guest was stopped by its own share (ENFILE), not by the process's
+        // limit (EMFILE, "Too many open files"), and the gateway held its connections to its
+        // bound.
+        assert!(said.contains("Too many open files in system"), "{said}");
+        // The process kept room of its own beyond what both guests hold.
+        let open = std::fs::read_dir("/proc/self/fd").unwrap().count() as u64;
+        assert!(open < PROCESS_DESCRIPTORS - 512, "{open} descriptors open");
+        drop(flood);
+        normal.shutdown().await.unwrap();
+        hostile.shutdown().await.unwrap();
+        drop(silent);
+    });
+}
+
+/// Lowers this process's `RLIMIT_NOFILE` (soft and hard) to `limit`, before any sandbox is
+/// made: every sandbox's share is counted against it.
+fn lower_descriptor_limit(limit: u64) {
+    let lowered = libc::rlimit {
+        rlim_cur: limit,
+        rlim_max: limit,
+    };
+    // SAFETY: a plain call with a struct we own.
+    let set = unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lowered) };
+    assert_eq!(set, 0, "{}", std::io::Error::last_os_error());
+}

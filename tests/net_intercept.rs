@@ -44,11 +44,27 @@ async fn origin() -> (HttpsOrigin, Heads) {
         *head.uri_mut() = request.uri().clone();
         *head.headers_mut() = request.headers().clone();
         kept.lock().unwrap().push(head);
-        https_origin::respond(
+        // An origin that echoes a key it got (as an error page or a debug endpoint would), in
+        // its body and in a header.
+        let echoed = request
+            .headers()
+            .get("x-api-key")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let mut response = https_origin::respond(
             200,
             "text/plain",
-            format!("origin says {}\n", request.uri()),
-        )
+            match &echoed {
+                Some(key) => format!("origin says {}\nyou sent {key}\n", request.uri()),
+                None => format!("origin says {}\n", request.uri()),
+            },
+        );
+        if let Some(key) = echoed {
+            response
+                .headers_mut()
+                .insert("x-you-sent", key.parse().unwrap());
+        }
+        response
     };
     let origin = https_origin::start(&["origin.test", "elsewhere.test"], Arc::new(handler)).await;
     (origin, heads)
@@ -143,12 +159,14 @@ fn intercepted_https_carries_an_injected_credential_the_guest_never_held() {
             }
         }
         // The secret: the guest has its placeholder; the bound host gets the real value, any
-        // other host the placeholder.
+        // other host the placeholder. The origin echoes the key it got: from the bound host
+        // the guest gets the placeholder back, in the body and in the header (issue 33: the
+        // value came back in clear).
         let (text, _) = sh(
             &vm,
             &format!(
                 "echo key=$API_KEY; \
-                 curl -sS -H \"X-Api-Key: $API_KEY\" https://origin.test:{port}/bound; \
+                 curl -sS -D - -H \"X-Api-Key: $API_KEY\" https://origin.test:{port}/bound; \
                  curl -sS -H \"X-Api-Key: $API_KEY\" https://elsewhere.test:{port}/elsewhere"
             ),
             SH_TIMEOUT,
@@ -156,6 +174,20 @@ fn intercepted_https_carries_an_injected_credential_the_guest_never_held() {
         .await;
         assert!(text.contains(&format!("key={placeholder}")), "{text}");
         assert!(text.contains("origin says /bound") && text.contains("origin says /elsewhere"));
+        assert!(
+            !text.contains("real-api-key"),
+            "the value came back: {text}"
+        );
+        assert_eq!(
+            text.matches(&format!("you sent {placeholder}")).count(),
+            2,
+            "{text}"
+        );
+        assert!(
+            text.to_ascii_lowercase()
+                .contains(&format!("x-you-sent: {placeholder}")),
+            "{text}"
+        );
         {
             let heads = heads.lock().unwrap();
             assert_eq!(heads.len(), 4, "{heads:?}");

@@ -71,8 +71,9 @@ pub enum NetworkEvent {
     },
     /// A request on an intercepted connection (the connection itself is `Decided` with
     /// [`Outcome::Intercepted`]): what the guest asked for, what it got, and which secrets the
-    /// host swapped in. Sent once the guest has its answer's head and the request's body has
-    /// gone upstream (or been dropped).
+    /// host swapped in or found reflected. Sent once the guest has its answer's head, the
+    /// request's body has gone upstream (or been dropped), and the response's body, when
+    /// secrets are looked for in it, has gone to the guest.
     Request {
         /// When the event was sent.
         at: SystemTime,
@@ -96,6 +97,10 @@ pub enum NetworkEvent {
         /// went out as they were: to a host the secret is not bound to, over plain HTTP, or in
         /// a part of the request the secret did not opt in to.
         placeholders_left: Vec<String>,
+        /// The secrets (by their variable's name) whose values the bound host sent back (in the
+        /// response's headers or body: an echo, an error page, a redirect, an object read
+        /// back), which the guest got as placeholders instead.
+        secrets_reflected: Vec<String>,
     },
 }
 
@@ -353,6 +358,7 @@ struct RequestState {
     answered: Option<(StatusCode, RequestOutcome)>,
     swapped: Vec<String>,
     left: Vec<String>,
+    reflected: Vec<String>,
 }
 
 impl RequestRecord {
@@ -371,12 +377,21 @@ impl RequestRecord {
     pub(crate) fn secrets(&self, swapped: &[String], left: &[String]) {
         let mut guard = self.state();
         let state = &mut *guard;
-        for (from, to) in [(swapped, &mut state.swapped), (left, &mut state.left)] {
-            for name in from {
-                if !to.contains(name) {
-                    to.push(name.clone());
-                }
-            }
+        add_names(&mut state.swapped, swapped);
+        add_names(&mut state.left, left);
+    }
+
+    /// Secrets whose values the response held, given to the guest as placeholders.
+    pub(crate) fn reflected(&self, reflected: &[String]) {
+        add_names(&mut self.state().reflected, reflected);
+    }
+}
+
+/// Adds the `names` not in `to` yet.
+fn add_names(to: &mut Vec<String>, names: &[String]) {
+    for name in names {
+        if !to.contains(name) {
+            to.push(name.clone());
         }
     }
 }
@@ -390,6 +405,15 @@ impl Drop for RequestRecord {
         };
         let status_code = status.map_or(0, |s| s.as_u16());
         let (hostname, port, method, path) = (&self.hostname, self.port, &self.method, &self.path);
+        if !state.reflected.is_empty() {
+            tracing::warn!(
+                target: "krunbox::net",
+                hostname, port, %method, path, status = status_code,
+                reflected = ?state.reflected,
+                "intercepted request: the host sent back the values of secrets; the guest got \
+                 their placeholders"
+            );
+        }
         if !state.left.is_empty() {
             tracing::warn!(
                 target: "krunbox::net",
@@ -421,6 +445,7 @@ impl Drop for RequestRecord {
             outcome,
             secrets_swapped: state.swapped,
             placeholders_left: state.left,
+            secrets_reflected: state.reflected,
         });
     }
 }

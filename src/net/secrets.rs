@@ -276,6 +276,60 @@ pub(crate) fn swap(
     swapped
 }
 
+/// The shortest value swapped back for its placeholder in responses: a shorter one is too
+/// likely to be ordinary text there (`1`, `true`), and no credential worth the name.
+pub(crate) const REFLECTED_MIN: usize = 8;
+
+/// The secrets bound to `hostname` whose values are looked for in its responses.
+fn reflectable<'a>(secrets: &'a [Secret], hostname: &'a str) -> impl Iterator<Item = &'a Secret> {
+    secrets
+        .iter()
+        .filter(move |s| s.value.len() >= REFLECTED_MIN && s.is_bound_to(hostname))
+}
+
+/// Puts the placeholders back in place of the values of the secrets bound to `hostname` in a
+/// response's headers (an origin that echoes a request: an error page, a redirect's
+/// `Location`): the guest never gets a value. The secrets found, by variable.
+pub(crate) fn unswap_headers(
+    secrets: &[Secret],
+    hostname: &str,
+    headers: &mut HeaderMap,
+) -> Vec<String> {
+    let mut found = Vec::new();
+    for secret in reflectable(secrets, hostname) {
+        let value = secret.value.as_bytes();
+        for header in headers.values_mut() {
+            if !contains(header.as_bytes(), value) {
+                continue;
+            }
+            // Replaced bytewise: a header value need not be text.
+            let replaced = replace_bytes(header.as_bytes(), value, secret.placeholder.as_bytes());
+            *header =
+                HeaderValue::from_bytes(&replaced).unwrap_or_else(|_| HeaderValue::from_static(""));
+            if !found.contains(&secret.env_var) {
+                found.push(secret.env_var.clone());
+            }
+        }
+    }
+    found
+}
+
+/// `haystack` with every `needle` replaced by `with`.
+fn replace_bytes(haystack: &[u8], needle: &[u8], with: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(haystack.len());
+    let mut at = 0;
+    while at < haystack.len() {
+        if haystack[at..].starts_with(needle) {
+            out.extend_from_slice(with);
+            at += needle.len();
+        } else {
+            out.push(haystack[at]);
+            at += 1;
+        }
+    }
+    out
+}
+
 /// The most input a [`StreamSwap`] takes in at once: what it holds is at most this and one
 /// placeholder.
 pub(crate) const SWAP_STEP: usize = 16 * 1024;
@@ -335,6 +389,22 @@ impl StreamSwap {
             return None;
         }
         Some(Self::new(patterns))
+    }
+
+    /// Swaps the values of the secrets bound to `hostname` back for their placeholders, in a
+    /// response on its way to the guest. `None`: no secret is bound to it.
+    pub(crate) fn for_response(secrets: &[Secret], hostname: &str) -> Option<Self> {
+        let patterns: Vec<(&str, &[u8], &str, bool)> = reflectable(secrets, hostname)
+            .map(|s| {
+                (
+                    &*s.value,
+                    s.placeholder.as_bytes(),
+                    s.env_var.as_str(),
+                    true,
+                )
+            })
+            .collect();
+        (!patterns.is_empty()).then(|| Self::new(patterns))
     }
 
     /// Replaces each `(placeholder, replacement, name, swaps)`.

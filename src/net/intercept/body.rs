@@ -30,9 +30,12 @@ pub(crate) struct SwapBody<B> {
     ended: bool,
     trailers: Option<HeaderMap>,
     record: Arc<RequestRecord>,
+    /// A response's body (values swapped back for placeholders), not a request's.
+    response: bool,
 }
 
 impl<B> SwapBody<B> {
+    /// A request's body on its way upstream, placeholders swapped for values.
     pub(crate) fn new(inner: B, swap: StreamSwap, record: Arc<RequestRecord>) -> Self {
         Self {
             inner,
@@ -41,14 +44,27 @@ impl<B> SwapBody<B> {
             ended: false,
             trailers: None,
             record,
+            response: false,
         }
+    }
+
+    /// A response's body on its way to the guest, values of bound secrets swapped back for
+    /// their placeholders ([`StreamSwap::for_response`]).
+    pub(crate) fn response(inner: B, swap: StreamSwap, record: Arc<RequestRecord>) -> Self {
+        let mut body = Self::new(inner, swap, record);
+        body.response = true;
+        body
     }
 }
 
 impl<B> Drop for SwapBody<B> {
     fn drop(&mut self) {
         let (swapped, left) = self.swap.found();
-        self.record.secrets(&swapped, &left);
+        if self.response {
+            self.record.reflected(&swapped);
+        } else {
+            self.record.secrets(&swapped, &left);
+        }
     }
 }
 

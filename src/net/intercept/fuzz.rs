@@ -3,8 +3,9 @@
 //! hyper-util's auto server, HTTP/1.1 and HTTP/2 with prior knowledge, each request through
 //! [`handle`](super::handle)) with no network at all. The guest's end is an in-memory pipe, and
 //! so is every upstream connection the client dials ([`upstream::Dialer::Memory`]); a fake
-//! origin (hyper's HTTP/1.1 server) answers each request with a fixed response and records what
-//! it got, byte for byte.
+//! origin (hyper's HTTP/1.1 server) records what it got, byte for byte, and answers each request
+//! with an echo of it (its headers, target and body; its `Authorization` in a header of its own;
+//! a `Location` naming its target), as an error page or a redirect would.
 //!
 //! Each input is served twice: as a plain-HTTP connection (port 80), and as the bytes inside a
 //! guest's TLS connection (port 443: the TLS the host terminates is not run, the requests go
@@ -40,7 +41,8 @@
 //! and that a real value is on an upstream connection's wire exactly as often as it is in
 //! those requests' headers, targets and bodies (when every body on it arrived whole), that the
 //! other host's secret, and any on plain HTTP, is never on the wire at all, that none ever
-//! reaches the guest, and that the origin's own hop-by-hop response headers never
+//! reaches the guest (the origin echoes each request: the values it got go back to the guest as
+//! placeholders), that requests ask for no compression (so the echo can be looked into), and that the origin's own hop-by-hop response headers never
 //! reach the guest either. Nothing may panic, anywhere.
 
 use std::collections::HashSet;
@@ -103,6 +105,8 @@ const KEEP: usize = 1 << 20;
 
 /// The header the first middleware tags each request with (its index in [`Log::seen`]).
 const TAG: HeaderName = HeaderName::from_static("x-krunbox-fuzz-seq");
+/// The origin's response header holding the request's `Authorization`, echoed.
+const ECHO: HeaderName = HeaderName::from_static("x-echo-authorization");
 /// Response headers of the origin that are hop-by-hop (`Connection` names the first).
 const ORIGIN_HOP: HeaderName = HeaderName::from_static("x-upstream-hop");
 const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
@@ -452,13 +456,33 @@ where
                 });
                 log.received.len() - 1
             };
+            let mut echo = b"upstream ok\n".to_vec();
             if let Ok(body) = Limited::new(body, KEEP).collect().await {
+                let body = body.to_bytes();
                 let mut log = lock(&log);
                 log.progress += 1;
-                log.received[index].body = Some(body.to_bytes());
+                log.received[index].body = Some(body.clone());
+                // An origin that echoes what it got: the secrets' values must go back to the
+                // guest as placeholders.
+                echo.extend_from_slice(&body);
             }
-            let mut response = Response::new(Full::new(Bytes::from_static(b"upstream ok\n")));
+            for (name, value) in &parts.headers {
+                echo.extend_from_slice(name.as_str().as_bytes());
+                echo.extend_from_slice(b": ");
+                echo.extend_from_slice(value.as_bytes());
+                echo.push(b'\n');
+            }
+            echo.extend_from_slice(parts.uri.to_string().as_bytes());
+            let mut response = Response::new(Full::new(Bytes::from(echo)));
             let headers = response.headers_mut();
+            if let Some(value) = parts.headers.get(header::AUTHORIZATION) {
+                headers.insert(ECHO, value.clone());
+            }
+            headers.insert(
+                header::LOCATION,
+                HeaderValue::from_str(&format!("https://{HOSTNAME}{}", parts.uri))
+                    .unwrap_or(HeaderValue::from_static("/")),
+            );
             headers.insert(ORIGIN_HOP, HeaderValue::from_static("1"));
             headers.insert(
                 header::CONNECTION,
@@ -583,6 +607,17 @@ fn compare(received: &Received, seen: &Seen, te: &[&[u8]], tls: bool) -> Result<
     let names: HashSet<&HeaderName> = seen.headers.keys().chain(headers.keys()).collect();
     for name in names {
         if name == header::HOST || name == header::TRANSFER_ENCODING {
+            continue;
+        }
+        if name == header::ACCEPT_ENCODING {
+            // Requests to a host secrets are bound to ask for no compression, so the secrets'
+            // values can be looked for in what comes back.
+            if headers.get(name).map(|v| v.as_bytes()) != Some(&b"identity"[..]) {
+                return Err(format!(
+                    "Accept-Encoding {:?}, not identity",
+                    headers.get(name)
+                ));
+            }
             continue;
         }
         let got: Vec<&[u8]> = headers

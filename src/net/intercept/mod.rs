@@ -599,6 +599,42 @@ async fn drain_unsent(version: ::http::Version, expects_continue: bool, body: In
         .unwrap_or(false)
 }
 
+/// A bound host's response with the values of its secrets swapped back for their
+/// placeholders, in the headers and, streamed, in the body: an origin that echoes what it got
+/// (an error page, a redirect's `Location`, an object stored and read back) must not hand the
+/// guest a value. A compressed body is left alone (its bytes hide the value; requests to bound
+/// hosts ask for no compression, so an origin that honours `Accept-Encoding` sends none);
+/// a body swapped in loses its `Content-Length`.
+fn without_reflected_secrets(
+    context: &Context,
+    record: &Arc<RequestRecord>,
+    headers: &mut HeaderMap,
+    body: Incoming,
+) -> Body {
+    let reflected = super::secrets::unswap_headers(&context.secrets, &context.hostname, headers);
+    record.reflected(&reflected);
+    let Some(swap) = super::secrets::StreamSwap::for_response(&context.secrets, &context.hostname)
+    else {
+        return body.boxed();
+    };
+    if hyper::body::Body::is_end_stream(&body) {
+        return body.boxed();
+    }
+    let encoded = headers
+        .get(header::CONTENT_ENCODING)
+        .is_some_and(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity"));
+    if encoded {
+        tracing::debug!(
+            target: "krunbox::net",
+            hostname = %context.hostname,
+            "a compressed response from a host secrets are bound to is not looked into"
+        );
+        return body.boxed();
+    }
+    headers.remove(header::CONTENT_LENGTH);
+    body::SwapBody::response(body, swap, record.clone()).boxed()
+}
+
 /// Runs the middleware in order until one answers. A panic in one (the caller's code) is
 /// [`Panicked`](crate::callback::Panicked): the request fails, not the connection's task.
 fn run_middleware(
@@ -820,6 +856,18 @@ async fn forward(
             .await;
         }
     }
+    // What a host secrets are bound to sends back is looked into for their values
+    // (`without_reflected_secrets`): ask it for bytes that can be, not compressed ones.
+    if context
+        .secrets
+        .iter()
+        .any(|s| s.is_bound_to(&context.hostname))
+    {
+        head.headers.insert(
+            header::ACCEPT_ENCODING,
+            HeaderValue::from_static("identity"),
+        );
+    }
     // Secrets go upstream only over TLS (a plain request holding a bound secret's placeholder
     // was refused just above).
     let swap_for = if tls { &*context.hostname } else { "" };
@@ -884,6 +932,7 @@ async fn forward(
         Ok(response) => {
             let (mut parts, body) = response.into_parts();
             strip_hop_by_hop(&mut parts.headers);
+            let body = without_reflected_secrets(context, record, &mut parts.headers, body);
             record.answered(parts.status, RequestOutcome::Forwarded);
             Response::from_parts(parts, body::Permitted::new(body, permit).boxed())
         }

@@ -873,3 +873,76 @@ async fn a_panicking_middleware_fails_only_its_request() {
         }
     );
 }
+
+/// Issue 33: a bound host that echoes what it got handed the secret's value back to the guest.
+/// Now the values of the secrets bound to the host go back as their placeholders, in the
+/// headers and the streamed body, requests to it ask for no compression, and the audit names
+/// the secret reflected.
+#[tokio::test]
+async fn a_bound_hosts_echo_of_a_secret_reaches_the_guest_as_its_placeholder() {
+    use crate::net::NetworkEvent;
+    let tls = tls();
+    let secret = Secret::new("MAPS_KEY", "real-maps-key-value")
+        .unwrap()
+        .bind_to(HOSTNAME)
+        .in_query_string();
+    let job = job(&tls, 443, Intercept::new(), vec![secret.clone()]);
+    let mut events = job.audit.subscribe();
+    let mut harness = serve_in_memory(&tls, job).await;
+    let path = format!("/geo?key={}", secret.placeholder());
+    let mut get = request(Method::GET, &path, b"");
+    get.headers_mut()
+        .insert(header::ACCEPT_ENCODING, "gzip".parse().unwrap());
+    // The origin answers `origin says <target>`: the target it got holds the value.
+    let (status, _, body) = send(&mut harness, get).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(body, format!("origin says {path}"));
+    let received = harness.origin.received.lock().unwrap().clone();
+    assert_eq!(received[0].target, "/geo?key=real-maps-key-value");
+    assert_eq!(received[0].headers[header::ACCEPT_ENCODING], "identity");
+    let events = wait_for_request_events(&mut events, 1).await;
+    let NetworkEvent::Request {
+        secrets_swapped,
+        secrets_reflected,
+        ..
+    } = &events[0]
+    else {
+        unreachable!()
+    };
+    assert_eq!(*secrets_swapped, ["MAPS_KEY"]);
+    assert_eq!(*secrets_reflected, ["MAPS_KEY"]);
+}
+
+#[test]
+fn values_in_response_headers_go_back_as_placeholders() {
+    let secret = Secret::new("TOKEN", "real-token-1234")
+        .unwrap()
+        .bind_to(HOSTNAME);
+    let short = Secret::new("PIN", "1234").unwrap().bind_to(HOSTNAME);
+    let other = Secret::new("OTHER", "real-other-9999")
+        .unwrap()
+        .bind_to("other.test");
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        header::LOCATION,
+        "https://x/?t=real-token-1234&o=real-other-9999"
+            .parse()
+            .unwrap(),
+    );
+    headers.insert("x-pin", "1234".parse().unwrap());
+    let found = super::super::secrets::unswap_headers(
+        &[secret.clone(), short, other],
+        HOSTNAME,
+        &mut headers,
+    );
+    assert_eq!(found, ["TOKEN"]);
+    assert_eq!(
+        headers[header::LOCATION],
+        format!("https://x/?t={}&o=real-other-9999", secret.placeholder()).as_str(),
+        "only the values of secrets bound to the host"
+    );
+    assert_eq!(
+        headers["x-pin"], "1234",
+        "a value this short is not looked for"
+    );
+}

@@ -73,6 +73,15 @@ pub(crate) async fn dial(
     };
     let mut failures = Vec::new();
     for address in addresses {
+        if address.ip().is_unspecified() {
+            // Linux takes a connection to 0.0.0.0 or :: for one to the host itself: whatever
+            // the policy meant by granting it, it was not the host's loopback.
+            failures.push(format!(
+                "{address}: the unspecified address is never dialled (it reaches the host's own \
+                 loopback; grant connect_to(127.0.0.1:PORT) for that)"
+            ));
+            continue;
+        }
         match tokio::time::timeout(DIAL_TIMEOUT, TcpStream::connect(address)).await {
             Ok(Ok(stream)) => {
                 let _ = stream.set_nodelay(true);
@@ -286,5 +295,31 @@ impl AsyncWrite for GuestStream {
             self.finished = true;
         }
         Poll::Ready(Ok(()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 33: a grant of 0.0.0.0 (an address rule, an `accept` of a guest that dialled it)
+    /// reached the host's own loopback, where Linux sends connections to it. It is never
+    /// dialled; the next address is.
+    #[tokio::test]
+    async fn the_unspecified_address_is_never_dialled() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let budget = Budget::new(&crate::Limits::new());
+        let unspecified: SocketAddr = format!("0.0.0.0:{port}").parse().unwrap();
+        let refused = dial(&[unspecified], &budget).await.unwrap_err();
+        assert!(refused.contains("never dialled"), "{refused}");
+        assert_eq!(
+            budget.descriptors_held(),
+            0,
+            "nothing held for a refused dial"
+        );
+        let loopback: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let (stream, _charge) = dial(&[unspecified, loopback], &budget).await.unwrap();
+        assert_eq!(stream.peer_addr().unwrap(), loopback);
     }
 }

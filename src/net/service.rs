@@ -476,6 +476,12 @@ impl Service {
                 SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
             };
             let connected = async {
+                if target.ip().is_unspecified() {
+                    // As for TCP (relay::dial): 0.0.0.0 would be the host itself.
+                    return Err(std::io::Error::other(
+                        "the unspecified address is never sent to (it reaches the host itself)",
+                    ));
+                }
                 let charge = budget.descriptor().ok_or_else(|| {
                     std::io::Error::other(
                         "the sandbox holds as many host descriptors as it may \

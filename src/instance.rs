@@ -83,6 +83,9 @@ struct Inner {
     _filesystems: crate::fs::service::FsService,
     /// The instance's share of the process's descriptors and blocking threads.
     budget: Arc<crate::budget::Budget>,
+    /// The helper's and the VMM's cgroup, where the host let one be made (removed when the
+    /// instance is dropped).
+    cgroup: Option<Arc<crate::cgroup::InstanceCgroup>>,
     /// A copy-on-write root's layer disk and an image build's output disk, served while the
     /// instance lives.
     _served_disks: Vec<rootfs::device::service::DiskLink>,
@@ -210,7 +213,29 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         .iter()
         .map(|(disk, _)| rootfs::device::service::DiskLink::new(disk))
         .collect();
-    let jail = crate::jail::host::prepare(dir.path(), &config.required_isolation)?;
+    let mut jail = crate::jail::host::prepare(dir.path(), &config.required_isolation)?;
+    let layer_in_memory = match &config.rootfs {
+        Rootfs::Ephemeral {
+            max_dirty_bytes, ..
+        } => *max_dirty_bytes,
+        _ => 0,
+    };
+    let (cgroup, placement) = crate::cgroup::for_instance(
+        config.memory_mib,
+        layer_in_memory,
+        config.limits.host_memory_overhead,
+        config.cpus,
+    );
+    let cgroup = cgroup.map(Arc::new);
+    jail.config.cgroup = placement;
+    let cgroup_procs = match &cgroup {
+        Some(cgroup) => Some(
+            cgroup
+                .procs()
+                .map_err(Error::io("opening the cgroup's procs"))?,
+        ),
+        None => None,
+    };
     let vmm_config = VmmConfig {
         cpus: config.cpus,
         memory_mib: config.memory_mib,
@@ -399,6 +424,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
                 &[config_path.as_os_str()],
                 &inherited,
                 log,
+                cgroup_procs.as_ref(),
             )?
         };
         drop(lifeline_read);
@@ -576,6 +602,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     // From here the supervisor gives the layer and the store back when the VM stops.
     let layer = Arc::new(std::sync::Mutex::new(guard.disarm()));
     let layer_of_vm = layer.clone();
+    let cgroup_of_vm = cgroup.clone();
     tokio::spawn(async move {
         let status = loop {
             tokio::select! {
@@ -626,6 +653,13 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
                 Err(e) => format!("waiting for the VMM failed: {e}"),
             }
         };
+        let description = match cgroup_of_vm.as_ref().map(|c| c.oom_kills()) {
+            Some(kills @ 1..) => format!(
+                "the instance's cgroup killed its VMM for memory ({kills} OOM kills: the VMM \
+                 passed memory.max, the guest's RAM and an overhead); {description}"
+            ),
+            _ => description,
+        };
         c.fail_all(description.clone());
         // The VMM itself may outlive the helper `child` by a moment (killed, it dies by
         // PDEATHSIG): its last writes to the layer land before the layer is let go (a
@@ -674,6 +708,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             network,
             _filesystems: fs_service,
             budget,
+            cgroup,
             _served_disks: disk_services,
             layer,
             cow: std::sync::Mutex::new(cow),
@@ -935,7 +970,14 @@ impl Instance {
             reason: "its VMM process has exited: no metrics to read".into(),
         };
         let pid = self.vmm_pid().ok_or_else(gone)?;
-        let figures = crate::metrics::of_process(pid).ok_or_else(gone)?;
+        let (figures, source) = match &self.inner.cgroup {
+            Some(cgroup) => (cgroup.figures(), crate::MetricsSource::Cgroup),
+            None => (
+                crate::metrics::of_process(pid),
+                crate::MetricsSource::Process,
+            ),
+        };
+        let figures = figures.ok_or_else(gone)?;
         Ok(crate::Metrics {
             cpu_time: figures.cpu_time,
             memory_bytes: figures.memory_bytes,
@@ -946,7 +988,7 @@ impl Instance {
             host_descriptors: self.inner.budget.descriptors_held() as u64,
             host_descriptors_max: self.inner.budget.max_descriptors() as u64,
             root: self.root_usage(),
-            source: crate::MetricsSource::Process,
+            source,
         })
     }
 

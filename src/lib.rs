@@ -40,6 +40,7 @@ mod artifacts;
 mod budget;
 mod callback;
 mod capabilities;
+mod cgroup;
 mod config;
 mod control;
 mod error;
@@ -76,9 +77,9 @@ pub use files::{DirEntry, GuestFileReader, GuestFileWriter, Metadata};
 pub use instance::Instance;
 pub use jail::{Canary, CanaryReport, Isolation, Layer, LayerReport};
 pub use limits::{
-    Limits, DEFAULT_HOST_DESCRIPTORS, DEFAULT_MAX_PENDING_FILE_REQUESTS, DEFAULT_MAX_PROCESSES,
-    DEFAULT_READ_DIR_MAX_ENTRIES, DEFAULT_READ_FILE_MAX, DEFAULT_REQUEST_TIMEOUT,
-    MAX_REQUEST_TIMEOUT, MIN_REQUEST_TIMEOUT,
+    Limits, DEFAULT_HOST_DESCRIPTORS, DEFAULT_HOST_MEMORY_OVERHEAD,
+    DEFAULT_MAX_PENDING_FILE_REQUESTS, DEFAULT_MAX_PROCESSES, DEFAULT_READ_DIR_MAX_ENTRIES,
+    DEFAULT_READ_FILE_MAX, DEFAULT_REQUEST_TIMEOUT, MAX_REQUEST_TIMEOUT, MIN_REQUEST_TIMEOUT,
 };
 pub use logs::DEFAULT_CONSOLE_LOG_MAX;
 pub use metrics::{Metrics, MetricsSource, NetworkMetrics};

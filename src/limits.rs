@@ -29,6 +29,9 @@ pub const DEFAULT_MAX_PENDING_FILE_REQUESTS: usize = 1024;
 /// The default for [`Limits::host_descriptors`]: room for a `HostDir`'s whole inode table and
 /// every handle, and the network's sockets.
 pub const DEFAULT_HOST_DESCRIPTORS: usize = 1 << 17;
+/// The default for [`Limits::host_memory_overhead`]: libkrun's own heap and threads, the
+/// guest kernel's image, device buffers.
+pub const DEFAULT_HOST_MEMORY_OVERHEAD: u64 = 256 << 20;
 
 /// Bounds for one instance, set on the definition with
 /// [`SandboxBuilder::limits`](crate::SandboxBuilder::limits). Every field has a default that
@@ -53,6 +56,7 @@ pub struct Limits {
     pub(crate) max_processes: usize,
     pub(crate) max_pending_file_requests: usize,
     pub(crate) host_descriptors: usize,
+    pub(crate) host_memory_overhead: u64,
 }
 
 impl Default for Limits {
@@ -64,6 +68,7 @@ impl Default for Limits {
             max_processes: DEFAULT_MAX_PROCESSES,
             max_pending_file_requests: DEFAULT_MAX_PENDING_FILE_REQUESTS,
             host_descriptors: DEFAULT_HOST_DESCRIPTORS,
+            host_memory_overhead: DEFAULT_HOST_MEMORY_OVERHEAD,
         }
     }
 }
@@ -140,6 +145,20 @@ impl Limits {
         self
     }
 
+    /// Host memory the instance's VMM may hold beyond its guest's RAM and a memory-backed
+    /// writable root (an ephemeral root's quota), where it runs in a cgroup of its own
+    /// ([`Layer::Cgroup`](crate::Layer::Cgroup)): its `memory.max` is the three together.
+    /// Default [`DEFAULT_HOST_MEMORY_OVERHEAD`]. A VMM that passes it is killed by the host's
+    /// OOM killer; the instance then fails with [`Error::InstanceGone`] saying so.
+    ///
+    /// ```
+    /// let limits = krunbox::Limits::new().host_memory_overhead(128 << 20);
+    /// ```
+    pub fn host_memory_overhead(mut self, bytes: u64) -> Self {
+        self.host_memory_overhead = bytes;
+        self
+    }
+
     /// Refuses values that would make the instance unusable.
     pub(crate) fn validate(&self) -> Result<()> {
         if !(MIN_REQUEST_TIMEOUT..=MAX_REQUEST_TIMEOUT).contains(&self.request_timeout) {
@@ -184,6 +203,7 @@ mod tests {
         assert_eq!(limits.max_processes, 1024);
         assert_eq!(limits.max_pending_file_requests, 1024);
         assert_eq!(limits.host_descriptors, 131_072);
+        assert_eq!(limits.host_memory_overhead, 256 << 20);
         limits.validate().unwrap();
     }
 

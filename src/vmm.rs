@@ -234,6 +234,7 @@ pub fn helper_main() -> i32 {
     // limits, privileges, Landlock and seccomp; then the canaries. No guest code has run yet.
     let mut isolation = Isolation::default();
     let jail_started = std::time::Instant::now();
+    crate::jail::report_cgroup(&config.jail.cgroup, &mut isolation);
     let (in_mount_namespace, in_pid_namespace) = crate::jail::enter_namespaces(&mut isolation);
     // From here on this is the VMM process (with a pid namespace: a child, its pid 1).
     let vmm_pid = if in_pid_namespace {
@@ -555,7 +556,10 @@ pub(crate) fn spawn(
     args: &[&std::ffi::OsStr],
     inherited: &Inherited,
     log: std::os::fd::OwnedFd,
+    cgroup_procs: Option<&std::os::fd::OwnedFd>,
 ) -> Result<tokio::process::Child> {
+    use std::os::fd::AsRawFd;
+    let cgroup_procs = cgroup_procs.map_or(-1, |fd| fd.as_raw_fd());
     const MAX_INHERITED: usize = 32;
     /// Above every target number: sources are moved here first.
     const OUT_OF_THE_WAY: libc::c_int = 64;
@@ -590,6 +594,11 @@ pub(crate) fn spawn(
     // the plan made before the fork (no allocation here).
     unsafe {
         cmd.pre_exec(move || {
+            // Into the instance's cgroup before anything of the helper runs: `0` is this
+            // process (the descriptor is CLOEXEC, and closed below anyway).
+            if cgroup_procs >= 0 && libc::write(cgroup_procs, b"0".as_ptr().cast(), 1) != 1 {
+                return Err(std::io::Error::last_os_error());
+            }
             let mut plan = plan;
             // Move the sources out of the way first, so no dup2 clobbers another.
             for (source, _) in plan.iter_mut().take(count) {

@@ -174,3 +174,70 @@ fn lower_descriptor_limit(limit: u64) {
     let set = unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lowered) };
     assert_eq!(set, 0, "{}", std::io::Error::last_os_error());
 }
+
+/// A VMM that passes its cgroup's `memory.max` is killed by the host's OOM killer, in its own
+/// cgroup only: the instance says so, and the test process and a neighbour sandbox go on. The
+/// guest cannot make its VMM hold more than its RAM and a little, so the bound is made tight
+/// here (no overhead beyond the guest's 512 MiB) and the guest fills its memory. Where this
+/// process can make no cgroup (not root, no delegated parent) the isolation report says why and
+/// the rest is not asserted.
+#[test]
+fn a_vmm_past_its_memory_bound_is_killed_in_its_own_cgroup_and_the_neighbour_lives_on() {
+    common::run(async {
+        let neighbour = Sandbox::builder()
+            .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
+            .memory_mib(256)
+            .build()
+            .expect("definition")
+            .boot()
+            .await
+            .expect("the neighbour boots");
+        let tight = Sandbox::builder()
+            .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
+            .memory_mib(512)
+            .limits(krunbox::Limits::new().host_memory_overhead(0))
+            .build()
+            .expect("definition")
+            .boot()
+            .await
+            .expect("the tightly bound sandbox boots");
+        if !tight.isolation().is_enforced(krunbox::Layer::Cgroup) {
+            // SAFETY: geteuid has no preconditions.
+            assert!(
+                unsafe { libc::geteuid() } != 0,
+                "root, and no cgroup: {}",
+                tight.isolation()
+            );
+            return;
+        }
+        // Fill the guest's memory: both of its tmpfs, as far as they take.
+        let filled = tight
+            .command("sh")
+            .args([
+                "-c",
+                "head -c 250000000 /dev/zero > /tmp/a; head -c 250000000 /dev/zero > /dev/shm/b; \
+                 echo filled",
+            ])
+            .timeout(Duration::from_secs(120))
+            .output()
+            .await;
+        let error = match filled {
+            Err(error) => error,
+            Ok(out) => panic!(
+                "the guest filled its memory and the VMM lived: {} {}",
+                out.stdout_text(),
+                out.stderr_text()
+            ),
+        };
+        let message = error.to_string();
+        assert!(
+            message.contains("cgroup killed its VMM for memory"),
+            "{message}"
+        );
+        assert!(!tight.is_running());
+        // The neighbour and this process are untouched.
+        let (text, _) = sh(&neighbour, "echo neighbour alive", Duration::from_secs(60)).await;
+        assert_eq!(text.trim(), "neighbour alive");
+        neighbour.shutdown().await.unwrap();
+    });
+}

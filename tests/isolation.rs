@@ -207,14 +207,37 @@ fn the_vmm_helper_is_jailed_and_every_canary_is_blocked() {
         assert!(isolation.breaches().is_empty(), "{isolation}");
         // The layers every host this suite runs on provides (Linux >= 5.13 with Landlock,
         // user namespaces or root). LandlockNetwork/Scope depend on the kernel's ABI.
+        // A cgroup of the instance's own needs root (or a delegated subtree): the suite runs as
+        // root in its L1; elsewhere the report must at least say why there is none.
+        // SAFETY: geteuid has no preconditions.
+        let root = unsafe { libc::geteuid() } == 0;
         let required: Vec<Layer> = Layer::ALL
             .into_iter()
             .filter(|l| !matches!(l, Layer::LandlockNetwork | Layer::LandlockScope))
+            .filter(|l| root || *l != Layer::Cgroup)
             .collect();
         assert!(isolation.missing(&required).is_empty(), "{isolation}");
+        if !root {
+            let cgroup = isolation.missing(&[Layer::Cgroup]);
+            assert!(cgroup.iter().all(|l| !l.detail.is_empty()), "{isolation}");
+        }
 
         // What the kernel says about the running helper, not trusting its report.
         let pid = vm.vmm_pid().unwrap();
+        if isolation.is_enforced(Layer::Cgroup) {
+            // The VMM is in a cgroup of the instance's own, bounded at the guest's 256 MiB and
+            // the default overhead, and at most 512 tasks.
+            let own = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+            let path = own.lines().find_map(|l| l.strip_prefix("0::")).unwrap();
+            assert!(path.contains("/krunbox-"), "{own}");
+            let dir = format!("/sys/fs/cgroup{path}");
+            let read = |file: &str| std::fs::read_to_string(format!("{dir}/{file}")).unwrap();
+            let expected = (256u64 << 20) + krunbox::DEFAULT_HOST_MEMORY_OVERHEAD;
+            assert_eq!(read("memory.max").trim(), expected.to_string());
+            assert_eq!(read("pids.max").trim(), "512");
+            let tasks: u64 = read("pids.current").trim().parse().unwrap();
+            assert!(tasks > 1 && tasks < 512, "{tasks} tasks");
+        }
         assert_eq!(status_field(pid, "NoNewPrivs"), "1");
         assert_eq!(status_field(pid, "Seccomp"), "2", "seccomp filter mode");
         assert_eq!(status_field(pid, "CapEff"), "0000000000000000");

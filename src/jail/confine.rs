@@ -39,6 +39,53 @@ pub struct JailConfig {
     pub canary_abstract: String,
     /// Layers the definition requires: the helper refuses to start the VM without them.
     pub required: Vec<Layer>,
+    /// The cgroup the library put the helper in, or why it could not.
+    pub cgroup: CgroupPlacement,
+}
+
+/// Where the library placed the helper (`JailConfig::cgroup`): the helper checks it is there
+/// before it reports the layer in force.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, rename_all = "snake_case")]
+pub enum CgroupPlacement {
+    /// In this cgroup (its path as `/proc/self/cgroup` shows it), with these limits.
+    Placed {
+        /// The path below the cgroup2 mount.
+        path: String,
+        /// What was set, for the report.
+        limits: String,
+    },
+    /// In none of its own, for this reason.
+    Unavailable {
+        /// Why, for the report.
+        reason: String,
+    },
+}
+
+/// Reports the cgroup layer: in force only if this process is where the library said it put it
+/// (read from `/proc/self/cgroup`, before any namespace changes what it shows).
+pub(crate) fn report_cgroup(placement: &CgroupPlacement, report: &mut Isolation) {
+    match placement {
+        CgroupPlacement::Placed { path, limits } => {
+            let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+            let here = own
+                .lines()
+                .find_map(|l| l.strip_prefix("0::"))
+                .unwrap_or("");
+            if here == path {
+                report.push_layer(Layer::Cgroup, true, limits.clone());
+            } else {
+                report.push_layer(
+                    Layer::Cgroup,
+                    false,
+                    format!("the helper is in {here:?}, not the instance's cgroup {path:?}"),
+                );
+            }
+        }
+        CgroupPlacement::Unavailable { reason } => {
+            report.push_layer(Layer::Cgroup, false, reason.clone())
+        }
+    }
 }
 
 /// Where libkrun finds what it opens. Before confinement these are host paths; after a

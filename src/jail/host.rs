@@ -66,6 +66,9 @@ pub(crate) fn prepare(dir: &Path, required: &[Layer]) -> Result<JailHost> {
             canary_socket,
             canary_abstract,
             required: required.to_vec(),
+            cgroup: super::CgroupPlacement::Unavailable {
+                reason: "not placed in one".into(),
+            },
         },
         _canary_listener: listener,
         _canary_socket: socket_listener,
@@ -113,7 +116,19 @@ pub(crate) async fn probe(
     let socket = dir.path().join("control.sock");
     let _listener = std::os::unix::net::UnixListener::bind(&socket)
         .map_err(|e| format!("binding the probe's control socket: {e}"))?;
-    let jail = prepare(dir.path(), &[]).map_err(|e| e.to_string())?;
+    let mut jail = prepare(dir.path(), &[]).map_err(|e| e.to_string())?;
+    // A cgroup as a boot would make one (removed when the probe ends).
+    let (cgroup, placement) =
+        crate::cgroup::for_instance(128, 0, crate::DEFAULT_HOST_MEMORY_OVERHEAD, 1);
+    jail.config.cgroup = placement;
+    let cgroup_procs = match &cgroup {
+        Some(cgroup) => Some(
+            cgroup
+                .procs()
+                .map_err(|e| format!("opening the cgroup's procs: {e}"))?,
+        ),
+        None => None,
+    };
     let config = crate::vmm::VmmConfig {
         cpus: 1,
         memory_mib: 128,
@@ -149,6 +164,7 @@ pub(crate) async fn probe(
         &["--probe-isolation".as_ref(), config_path.as_os_str()],
         &[(report_write.as_raw_fd(), crate::vmm::REPORT_FD)],
         log.into(),
+        cgroup_procs.as_ref(),
     )
     .map_err(|e| e.to_string())?;
     drop(report_write);

@@ -30,10 +30,11 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 pub(crate) use canary::run as run_canaries;
-pub use confine::JailConfig;
 pub(crate) use confine::{
-    build_root, enter_namespaces, fork_into_pid_namespace, restrict, JailPaths, LayerPath,
+    build_root, enter_namespaces, fork_into_pid_namespace, report_cgroup, restrict, JailPaths,
+    LayerPath,
 };
+pub use confine::{CgroupPlacement, JailConfig};
 
 /// Why the helper must not start the VM, if it must not: a canary got through (whatever the
 /// definition asked), or a layer the definition requires is missing.
@@ -86,11 +87,14 @@ pub enum Layer {
     LandlockScope,
     /// A seccomp-bpf allowlist of the system calls libkrun needs.
     Seccomp,
+    /// A cgroup (v2) of the instance's own, made by the library before the helper starts:
+    /// `memory.max`, `pids.max` and `cpu.max` bound the helper and its VMM, and account them.
+    Cgroup,
 }
 
 impl Layer {
     /// Every layer, in the order the helper applies them.
-    pub const ALL: [Layer; 12] = [
+    pub const ALL: [Layer; 13] = [
         Layer::UserNamespace,
         Layer::MountNamespace,
         Layer::NetworkNamespace,
@@ -103,6 +107,7 @@ impl Layer {
         Layer::LandlockNetwork,
         Layer::LandlockScope,
         Layer::Seccomp,
+        Layer::Cgroup,
     ];
 
     fn name(self) -> &'static str {
@@ -119,6 +124,7 @@ impl Layer {
             Layer::LandlockNetwork => "landlock network",
             Layer::LandlockScope => "landlock scopes",
             Layer::Seccomp => "seccomp allowlist",
+            Layer::Cgroup => "cgroup",
         }
     }
 }

@@ -16,7 +16,6 @@
 use std::io::Write;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -142,15 +141,10 @@ pub(crate) struct CgroupLimits {
 }
 
 impl InstanceCgroup {
-    /// Makes an instance's cgroup under [`parent`] with `limits`.
-    pub(crate) fn create(limits: CgroupLimits) -> Result<Self, String> {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
+    /// Makes the cgroup of instance `id` under [`parent`] with `limits`.
+    pub(crate) fn create(id: &str, limits: CgroupLimits) -> Result<Self, String> {
         let parent = parent().map_err(str::to_owned)?;
-        let name = format!(
-            "krunbox-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        );
+        let name = format!("krunbox-{id}");
         let dir = parent.dir.join(name);
         std::fs::create_dir(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
         // On a failure below, dropping it removes the directory again.
@@ -245,6 +239,7 @@ impl InstanceCgroup {
 /// writable root, `overhead` bytes for the VMM itself and `cpus` vCPUs, and where the helper is
 /// to find itself: `None` and the reason where the host lets this process make none.
 pub(crate) fn for_instance(
+    id: &str,
     memory_mib: u32,
     layer_bytes: u64,
     overhead: u64,
@@ -256,7 +251,7 @@ pub(crate) fn for_instance(
             .saturating_add(overhead),
         cpus,
     };
-    match InstanceCgroup::create(limits) {
+    match InstanceCgroup::create(id, limits) {
         Ok(cgroup) => {
             let placement = crate::jail::CgroupPlacement::Placed {
                 path: cgroup.path_in_hierarchy(),

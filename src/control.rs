@@ -18,6 +18,7 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::sync::{mpsc, oneshot, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, MissedTickBehavior};
+use tracing::Instrument;
 
 use crate::error::{Error, Result};
 use crate::limits::Limits;
@@ -332,42 +333,48 @@ impl Control {
             next_fs_id: AtomicU32::new(1),
             limits,
         });
-        tokio::spawn(watch_liveness(Arc::downgrade(&control), liveness));
+        tokio::spawn(watch_liveness(Arc::downgrade(&control), liveness).in_current_span());
 
-        tokio::spawn(async move {
-            while let Some(mut batch) = rx.recv().await {
-                // Whatever else is already queued goes in the same write: libkrun turns each
-                // read of its socket into one vsock packet, and fewer, fuller packets cost the
-                // guest less (see guest-init's vsock module on packet-count limits).
-                while batch.len() < WRITE_BATCH {
-                    match rx.try_recv() {
-                        Ok(more) => batch.extend_from_slice(&more),
-                        Err(_) => break,
-                    }
-                }
-                if writer.write_all(&batch).await.is_err() {
-                    break;
-                }
-            }
-        });
-
-        let c = control.clone();
-        tokio::spawn(async move {
-            let mut decoder = decoder;
-            let mut buf = vec![0u8; 256 * 1024];
-            loop {
-                match read_message(&mut reader, &mut decoder, &mut buf).await {
-                    Ok(Some(message)) => {
-                        if let Err(err) = c.dispatch(message) {
-                            break c.fail_all(c.violate(err));
+        tokio::spawn(
+            async move {
+                while let Some(mut batch) = rx.recv().await {
+                    // Whatever else is already queued goes in the same write: libkrun turns each
+                    // read of its socket into one vsock packet, and fewer, fuller packets cost the
+                    // guest less (see guest-init's vsock module on packet-count limits).
+                    while batch.len() < WRITE_BATCH {
+                        match rx.try_recv() {
+                            Ok(more) => batch.extend_from_slice(&more),
+                            Err(_) => break,
                         }
                     }
-                    Err(Error::Protocol(err)) => break c.fail_all(c.violate(err)),
-                    Ok(None) | Err(_) => break c.closed.notify_one(),
+                    if writer.write_all(&batch).await.is_err() {
+                        break;
+                    }
                 }
             }
-            c.reader_done.store(true, Ordering::SeqCst);
-        });
+            .in_current_span(),
+        );
+
+        let c = control.clone();
+        tokio::spawn(
+            async move {
+                let mut decoder = decoder;
+                let mut buf = vec![0u8; 256 * 1024];
+                loop {
+                    match read_message(&mut reader, &mut decoder, &mut buf).await {
+                        Ok(Some(message)) => {
+                            if let Err(err) = c.dispatch(message) {
+                                break c.fail_all(c.violate(err));
+                            }
+                        }
+                        Err(Error::Protocol(err)) => break c.fail_all(c.violate(err)),
+                        Ok(None) | Err(_) => break c.closed.notify_one(),
+                    }
+                }
+                c.reader_done.store(true, Ordering::SeqCst);
+            }
+            .in_current_span(),
+        );
         control
     }
 

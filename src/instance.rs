@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use tokio::net::UnixListener;
 use tokio::sync::watch;
+use tracing::Instrument;
 
 use crate::config::SandboxConfig;
 use crate::control::{self, Control, Gone, Liveness};
@@ -83,6 +84,11 @@ struct Inner {
     _filesystems: crate::fs::service::FsService,
     /// The instance's share of the process's descriptors and blocking threads.
     budget: Arc<crate::budget::Budget>,
+    /// The instance's id (`kb-` and 12 hex digits), in its span and its cgroup's name.
+    id: String,
+    /// The `instance` span everything of this instance is traced in (only cloned and entered,
+    /// never left half-changed by a panic).
+    span: std::panic::AssertUnwindSafe<tracing::Span>,
     /// The helper's and the VMM's cgroup, where the host let one be made (removed when the
     /// instance is dropped).
     cgroup: Option<Arc<crate::cgroup::InstanceCgroup>>,
@@ -147,6 +153,35 @@ fn isolation_refusal(
 }
 
 pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
+    // Everything the instance does is traced in its span, which names it: the logs of
+    // concurrent sandboxes can be told apart (tasks spawned for it carry the span along).
+    let id = new_instance_id();
+    let span = tracing::info_span!("instance", id = %id);
+    boot_in_span(config, id, span.clone())
+        .instrument(span)
+        .await
+}
+
+/// A new instance's id: `kb-` and 12 random hex digits.
+fn new_instance_id() -> String {
+    let mut bytes = [0u8; 6];
+    let read = std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes));
+    if read.is_err() {
+        // Unique in this process at least: its pid and a counter.
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        bytes[..4].copy_from_slice(&std::process::id().to_be_bytes());
+        bytes[4..].copy_from_slice(&(n as u16).to_be_bytes());
+    }
+    format!("kb-{}", hex::encode(bytes))
+}
+
+async fn boot_in_span(
+    config: Arc<SandboxConfig>,
+    id: String,
+    span: tracing::Span,
+) -> Result<Instance> {
     let cache_dir = config.cache_dir.clone();
     let rootfs_def = config.rootfs.clone();
     let image = tokio::task::spawn_blocking(move || {
@@ -221,6 +256,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         _ => 0,
     };
     let (cgroup, placement) = crate::cgroup::for_instance(
+        &id,
         config.memory_mib,
         layer_in_memory,
         config.limits.host_memory_overhead,
@@ -433,7 +469,7 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         drop(disk_ends);
         // Only the helper holds its end now: when it exits, the service reads EOF.
         let net_socket = net_pair.and_then(|(ours, _helper_end)| ours.map(OwnedFd::from));
-        let report = tokio::spawn(crate::jail::host::read_report(report_read));
+        let report = tokio::spawn(crate::jail::host::read_report(report_read).in_current_span());
 
         let handshake = async {
             let (mut stream, _) = listener
@@ -679,7 +715,8 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             let finishing = tokio::spawn({
                 let cow = cow.clone();
                 async move { cow.finish().await }
-            });
+            }
+.in_current_span());
             if tokio::time::timeout(STORE_FINISH_DEADLINE, finishing)
                 .await
                 .is_err()
@@ -689,7 +726,8 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
         }
         drop(layer);
         let _ = exited_tx.send(Some(description));
-    });
+    }
+.in_current_span());
 
     Ok(Instance {
         inner: Arc::new(Inner {
@@ -708,6 +746,8 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
             network,
             _filesystems: fs_service,
             budget,
+            id,
+            span: std::panic::AssertUnwindSafe(span),
             cgroup,
             _served_disks: disk_services,
             layer,
@@ -953,6 +993,33 @@ impl Instance {
         layer.as_ref().map(|layer| layer.usage())
     }
 
+    /// The instance's id: `kb-` and 12 random hex digits, unique among running instances. Every
+    /// `tracing` event of the instance is in a span `instance` with this `id` (its boot, its
+    /// processes, files and network flows in spans of their own below it), and its cgroup, where
+    /// it has one, is named after it.
+    ///
+    /// ```no_run
+    /// # async fn demo(vm: &krunbox::Instance) {
+    /// assert!(vm.id().starts_with("kb-"));
+    /// # }
+    /// ```
+    pub fn id(&self) -> &str {
+        &self.inner.id
+    }
+
+    /// The instance's `tracing` span: parent of the spans of its processes, files and flows;
+    /// callers can enter it, or make their own spans its children.
+    ///
+    /// ```no_run
+    /// # async fn demo(vm: &krunbox::Instance) {
+    /// let _entered = vm.span().enter();
+    /// tracing::info!("about to run the agent's step");
+    /// # }
+    /// ```
+    pub fn span(&self) -> &tracing::Span {
+        &self.inner.span
+    }
+
     /// What the VM has cost the host since it booted, and holds now: its processes' CPU time,
     /// memory (now and at most), block I/O, the network's totals, the descriptors the host
     /// holds for its guest, the writable root's use. Fails with
@@ -1093,6 +1160,10 @@ impl Guest for Inner {
 
     fn next_process_id(&self) -> u32 {
         self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn span(&self) -> tracing::Span {
+        self.span.0.clone()
     }
 }
 

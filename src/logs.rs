@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 
 use tokio::net::unix::pipe;
 use tokio::sync::{mpsc, oneshot, watch};
+use tracing::Instrument;
 
 use crate::error::{Error, Result};
 
@@ -112,17 +113,20 @@ impl BoundedLog {
             .map_err(Error::io(format!("creating the {what} log")))?;
         let (settle, requests) = mpsc::channel(4);
         let (ended_tx, ended) = watch::channel(false);
-        let task = tokio::spawn(drain(
-            receiver,
-            log,
-            Generations {
-                dir: dir.to_path_buf(),
-                names,
-            },
-            max_bytes / 2,
-            requests,
-            ended_tx,
-        ));
+        let task = tokio::spawn(
+            drain(
+                receiver,
+                log,
+                Generations {
+                    dir: dir.to_path_buf(),
+                    names,
+                },
+                max_bytes / 2,
+                requests,
+                ended_tx,
+            )
+            .in_current_span(),
+        );
         Ok(BoundedLog {
             #[cfg(test)]
             fifo: PathBuf::new(),

@@ -65,11 +65,20 @@ pub(super) struct Target {
     pub(super) op: &'static str,
     /// Absolute guest path.
     pub(super) path: PathBuf,
+    /// The operation's span, `file`, below the instance's: its requests are traced in it.
+    span: tracing::Span,
 }
 
 impl Target {
     pub(super) fn new(instance: &Instance, op: &'static str, path: &Path) -> Result<Target> {
-        Target::with_control(instance.control()?, op, path)
+        let mut target = Target::with_control(instance.control()?, op, path)?;
+        target.span = tracing::info_span!(
+            parent: instance.span(),
+            "file",
+            op,
+            path = %target.path.display()
+        );
+        Ok(target)
     }
 
     /// [`Target::new`] on a bare control channel (the scripted guest of unit tests).
@@ -80,6 +89,7 @@ impl Target {
     ) -> Result<Target> {
         let target = Target {
             control,
+            span: tracing::Span::none(),
             op,
             // Relative to the guest's `/`; an empty path stays empty (and is refused).
             path: if path.as_os_str().is_empty() {
@@ -187,6 +197,7 @@ impl Target {
             .validate()
             .map_err(|err| self.invalid(&err.to_string()))?;
         let rx = control.register_fs(request.id)?;
+        tracing::trace!(parent: &self.span, id = request.id, "file request sent");
         control.send(&HostMessage::Fs(request))?;
         Ok(Pending {
             rx,

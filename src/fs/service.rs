@@ -15,6 +15,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 use tokio::sync::{mpsc, Semaphore};
 use tokio::task::{JoinHandle, JoinSet};
+use tracing::Instrument;
 
 use super::fuse::{Session, IN_HEADER_LEN, MAX_REQUEST};
 use super::Mount;
@@ -82,7 +83,8 @@ impl FsService {
                 if let Err(err) = served {
                     tracing::warn!(target: "krunbox::fs", mount = %path, %err, "a mount's connection ended");
                 }
-            }));
+            }
+.in_current_span()));
             helper_ends.push(OwnedFd::from(helper_end));
         }
         Ok(helper_ends)
@@ -136,7 +138,8 @@ async fn serve(stream: UnixStream, session: Arc<Session>) -> std::io::Result<()>
                         tracing::warn!(target: "krunbox::fs", %err, "the guest broke FUSE framing");
                     }
                 }
-            });
+            }
+.in_current_span());
         }
     };
     tokio::select! {

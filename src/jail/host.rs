@@ -118,8 +118,13 @@ pub(crate) async fn probe(
         .map_err(|e| format!("binding the probe's control socket: {e}"))?;
     let mut jail = prepare(dir.path(), &[]).map_err(|e| e.to_string())?;
     // A cgroup as a boot would make one (removed when the probe ends).
-    let (cgroup, placement) =
-        crate::cgroup::for_instance(128, 0, crate::DEFAULT_HOST_MEMORY_OVERHEAD, 1);
+    let (cgroup, placement) = crate::cgroup::for_instance(
+        &format!("probe-{}", std::process::id()),
+        128,
+        0,
+        crate::DEFAULT_HOST_MEMORY_OVERHEAD,
+        1,
+    );
     jail.config.cgroup = placement;
     let cgroup_procs = match &cgroup {
         Some(cgroup) => Some(

@@ -22,6 +22,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, Notify, Semaphore};
 use tokio_util::sync::{PollSemaphore, PollSender};
+use tracing::Instrument;
 
 use super::stack::FlowKey;
 use crate::budget::{Budget, Descriptor};
@@ -144,15 +145,18 @@ impl Relay {
             finished: false,
         };
         let served = serve(guest);
-        let task = tasks.spawn(async move {
-            // However the task ends, the guest's connection ends with it: finished (a FIN,
-            // after everything written), or reset. A second Finished is ignored.
-            let what = match served.await {
-                Ok(()) => Upstream::Finished,
-                Err(_) => Upstream::Failed,
-            };
-            let _ = events.send(FromUpstream { key, id, what }).await;
-        });
+        let task = tasks.spawn(
+            async move {
+                // However the task ends, the guest's connection ends with it: finished (a FIN,
+                // after everything written), or reset. A second Finished is ignored.
+                let what = match served.await {
+                    Ok(()) => Upstream::Finished,
+                    Err(_) => Upstream::Failed,
+                };
+                let _ = events.send(FromUpstream { key, id, what }).await;
+            }
+            .in_current_span(),
+        );
         Self {
             id,
             to_upstream: Some(to_upstream),

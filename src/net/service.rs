@@ -17,6 +17,7 @@ use tokio::net::{TcpStream, UnixStream};
 use tokio::sync::{mpsc, Notify};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::audit::{Audit, Counters, NetworkEvent, Outcome};
 use super::dns::{self, GuestQuery, Incoming, Resolved};
@@ -120,7 +121,7 @@ impl NetService {
             audit: audit.clone(),
             budget,
         };
-        let task = tokio::spawn(run(stream, prepared, cancel.clone()));
+        let task = tokio::spawn(run(stream, prepared, cancel.clone()).in_current_span());
         Ok(Self {
             cancel,
             published,
@@ -274,23 +275,26 @@ async fn run(stream: UnixStream, prepared: Prepared, cancel: CancellationToken) 
     };
     for (guest_port, listener) in listeners {
         let events = service.events.0.clone();
-        service.tasks.spawn(async move {
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    // Out of descriptors, most likely: try again shortly rather than spin.
-                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                    continue;
-                };
-                let _ = stream.set_nodelay(true);
-                if events
-                    .send(Event::Published(guest_port, stream))
-                    .await
-                    .is_err()
-                {
-                    return;
+        service.tasks.spawn(
+            async move {
+                loop {
+                    let Ok((stream, _)) = listener.accept().await else {
+                        // Out of descriptors, most likely: try again shortly rather than spin.
+                        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                        continue;
+                    };
+                    let _ = stream.set_nodelay(true);
+                    if events
+                        .send(Event::Published(guest_port, stream))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
                 }
             }
-        });
+            .in_current_span(),
+        );
     }
     let mut decoder = FrameDecoder::new();
     let mut buf = vec![0u8; READ_BUFFER];
@@ -448,61 +452,65 @@ impl Service {
             self.gateway.refuse_udp(key);
             return;
         };
+        let flow_span = tracing::info_span!("flow", %flow);
         let events = self.events.0.clone();
         let audit = self.audit.clone();
         let budget = self.budget.clone();
-        self.tasks.spawn(async move {
-            if let (Some(resolver), Some(name)) = (stale, flow.hostname.clone()) {
-                if let Resolved::Addresses(addresses, _) =
-                    dns::resolve(&resolver.0, &name, &budget).await
-                {
-                    flow.upstream = addresses;
+        self.tasks.spawn(
+            async move {
+                if let (Some(resolver), Some(name)) = (stale, flow.hostname.clone()) {
+                    if let Resolved::Addresses(addresses, _) =
+                        dns::resolve(&resolver.0, &name, &budget).await
+                    {
+                        flow.upstream = addresses;
+                    }
                 }
-            }
-            let port = key.destination.port();
-            let verdict = policy::ask(&*policy, flow.clone()).await;
-            let target = match verdict.0 {
-                Decision::Accept => flow.upstream.first().map(|ip| SocketAddr::new(*ip, port)),
-                Decision::ConnectTo(address) => Some(address),
-                _ => None,
-            };
-            let Some(target) = target else {
-                audit.decided(&flow, Outcome::Denied, None);
-                let _ = events.send(Event::UdpRefused(key)).await;
-                return;
-            };
-            let local: SocketAddr = match target {
-                SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
-                SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
-            };
-            let connected = async {
-                if target.ip().is_unspecified() {
-                    // As for TCP (relay::dial): 0.0.0.0 would be the host itself.
-                    return Err(std::io::Error::other(
-                        "the unspecified address is never sent to (it reaches the host itself)",
-                    ));
-                }
-                let charge = budget.descriptor().ok_or_else(|| {
-                    std::io::Error::other(
-                        "the sandbox holds as many host descriptors as it may \
-                         (Limits::host_descriptors)",
-                    )
-                })?;
-                let socket = tokio::net::UdpSocket::bind(local).await?;
-                socket.connect(target).await?;
-                Ok::<_, std::io::Error>((socket, charge))
-            };
-            match connected.await {
-                Ok((socket, charge)) => {
-                    audit.decided(&flow, Outcome::from(&verdict.0), Some(target));
-                    let _ = events.send(Event::UdpConnected(key, socket, charge)).await;
-                }
-                Err(err) => {
-                    audit.unreachable(&flow, format!("{target}: {err}"));
+                let port = key.destination.port();
+                let verdict = policy::ask(&*policy, flow.clone()).await;
+                let target = match verdict.0 {
+                    Decision::Accept => flow.upstream.first().map(|ip| SocketAddr::new(*ip, port)),
+                    Decision::ConnectTo(address) => Some(address),
+                    _ => None,
+                };
+                let Some(target) = target else {
+                    audit.decided(&flow, Outcome::Denied, None);
                     let _ = events.send(Event::UdpRefused(key)).await;
+                    return;
+                };
+                let local: SocketAddr = match target {
+                    SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
+                    SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
+                };
+                let connected = async {
+                    if target.ip().is_unspecified() {
+                        // As for TCP (relay::dial): 0.0.0.0 would be the host itself.
+                        return Err(std::io::Error::other(
+                            "the unspecified address is never sent to (it reaches the host itself)",
+                        ));
+                    }
+                    let charge = budget.descriptor().ok_or_else(|| {
+                        std::io::Error::other(
+                            "the sandbox holds as many host descriptors as it may \
+                         (Limits::host_descriptors)",
+                        )
+                    })?;
+                    let socket = tokio::net::UdpSocket::bind(local).await?;
+                    socket.connect(target).await?;
+                    Ok::<_, std::io::Error>((socket, charge))
+                };
+                match connected.await {
+                    Ok((socket, charge)) => {
+                        audit.decided(&flow, Outcome::from(&verdict.0), Some(target));
+                        let _ = events.send(Event::UdpConnected(key, socket, charge)).await;
+                    }
+                    Err(err) => {
+                        audit.unreachable(&flow, format!("{target}: {err}"));
+                        let _ = events.send(Event::UdpRefused(key)).await;
+                    }
                 }
             }
-        });
+            .instrument(flow_span),
+        );
     }
 
     fn on_udp(&mut self, message: FromUdp) {
@@ -526,6 +534,7 @@ impl Service {
             self.gateway.refuse_tcp(key);
             return;
         };
+        let flow_span = tracing::info_span!("flow", %flow);
         let events = self.events.0.clone();
         let interception = self.interception.clone();
         let secrets = self.secrets.clone();
@@ -533,89 +542,92 @@ impl Service {
         let audit = self.audit.clone();
         let stop = self.stop.clone();
         let budget = self.budget.clone();
-        self.tasks.spawn(async move {
-            let mut flow = flow;
-            // The record expired: ask its resolver again, so the policy sees (and the host
-            // dials) a current answer.
-            if let (Some(resolver), Some(name)) = (stale, flow.hostname.clone()) {
-                if let Resolved::Addresses(addresses, _) =
-                    dns::resolve(&resolver.0, &name, &budget).await
-                {
-                    flow.upstream = addresses;
+        self.tasks.spawn(
+            async move {
+                let mut flow = flow;
+                // The record expired: ask its resolver again, so the policy sees (and the host
+                // dials) a current answer.
+                if let (Some(resolver), Some(name)) = (stale, flow.hostname.clone()) {
+                    if let Resolved::Addresses(addresses, _) =
+                        dns::resolve(&resolver.0, &name, &budget).await
+                    {
+                        flow.upstream = addresses;
+                    }
+                }
+                let port = key.destination.port();
+                let mut verdict = policy::ask(&*policy, flow.clone()).await;
+                // An accepted connection to a host a secret is bound to is intercepted, so the
+                // secret's placeholder can be swapped for its value.
+                let bound = flow
+                    .hostname
+                    .as_deref()
+                    .is_some_and(|name| secrets.iter().any(|s| s.is_bound_to(name)));
+                // Only on 443: the swap needs TLS (see intercept), and anything else to that host
+                // (SSH, a plain port) must not be broken by an HTTP server in its way.
+                if bound && verdict.0 == Decision::Accept && port == 443 {
+                    verdict = policy::Verdict::intercept(intercept::Intercept::new());
+                }
+                let targets: Vec<SocketAddr> = match verdict.0 {
+                    Decision::Accept => flow
+                        .upstream
+                        .iter()
+                        .map(|ip| SocketAddr::new(*ip, port))
+                        .collect(),
+                    Decision::ConnectTo(address) => vec![address],
+                    Decision::Intercept(ref intercept) => {
+                        let event = match (&flow.hostname, interception) {
+                            (Some(hostname), Some((authority, client_tls)))
+                                if !flow.upstream.is_empty() =>
+                            {
+                                audit.decided(&flow, Outcome::Intercepted, None);
+                                let job = InterceptJob {
+                                    hostname: hostname.clone(),
+                                    port,
+                                    upstream: flow
+                                        .upstream
+                                        .iter()
+                                        .map(|ip| SocketAddr::new(*ip, port))
+                                        .collect(),
+                                    intercept: intercept.clone(),
+                                    secrets,
+                                    authority,
+                                    client_tls,
+                                    audit: audit.clone(),
+                                    upstream_permits,
+                                    stop,
+                                    budget: budget.clone(),
+                                };
+                                Event::Intercept(key, Box::new(job))
+                            }
+                            _ => {
+                                // Interception needs a trusted hostname with an answer.
+                                audit.decided(&flow, Outcome::Denied, None);
+                                Event::Refused(key)
+                            }
+                        };
+                        let _ = events.send(event).await;
+                        return;
+                    }
+                    // Deny, or a grant that does not fit a connection (resolve).
+                    _ => {
+                        audit.decided(&flow, Outcome::Denied, None);
+                        let _ = events.send(Event::Refused(key)).await;
+                        return;
+                    }
+                };
+                match relay::dial(&targets, &budget).await {
+                    Ok((stream, charge)) => {
+                        audit.decided(&flow, Outcome::from(&verdict.0), stream.peer_addr().ok());
+                        let _ = events.send(Event::Connected(key, stream, charge)).await;
+                    }
+                    Err(why) => {
+                        audit.unreachable(&flow, why);
+                        let _ = events.send(Event::Refused(key)).await;
+                    }
                 }
             }
-            let port = key.destination.port();
-            let mut verdict = policy::ask(&*policy, flow.clone()).await;
-            // An accepted connection to a host a secret is bound to is intercepted, so the
-            // secret's placeholder can be swapped for its value.
-            let bound = flow
-                .hostname
-                .as_deref()
-                .is_some_and(|name| secrets.iter().any(|s| s.is_bound_to(name)));
-            // Only on 443: the swap needs TLS (see intercept), and anything else to that host
-            // (SSH, a plain port) must not be broken by an HTTP server in its way.
-            if bound && verdict.0 == Decision::Accept && port == 443 {
-                verdict = policy::Verdict::intercept(intercept::Intercept::new());
-            }
-            let targets: Vec<SocketAddr> = match verdict.0 {
-                Decision::Accept => flow
-                    .upstream
-                    .iter()
-                    .map(|ip| SocketAddr::new(*ip, port))
-                    .collect(),
-                Decision::ConnectTo(address) => vec![address],
-                Decision::Intercept(ref intercept) => {
-                    let event = match (&flow.hostname, interception) {
-                        (Some(hostname), Some((authority, client_tls)))
-                            if !flow.upstream.is_empty() =>
-                        {
-                            audit.decided(&flow, Outcome::Intercepted, None);
-                            let job = InterceptJob {
-                                hostname: hostname.clone(),
-                                port,
-                                upstream: flow
-                                    .upstream
-                                    .iter()
-                                    .map(|ip| SocketAddr::new(*ip, port))
-                                    .collect(),
-                                intercept: intercept.clone(),
-                                secrets,
-                                authority,
-                                client_tls,
-                                audit: audit.clone(),
-                                upstream_permits,
-                                stop,
-                                budget: budget.clone(),
-                            };
-                            Event::Intercept(key, Box::new(job))
-                        }
-                        _ => {
-                            // Interception needs a trusted hostname with an answer.
-                            audit.decided(&flow, Outcome::Denied, None);
-                            Event::Refused(key)
-                        }
-                    };
-                    let _ = events.send(event).await;
-                    return;
-                }
-                // Deny, or a grant that does not fit a connection (resolve).
-                _ => {
-                    audit.decided(&flow, Outcome::Denied, None);
-                    let _ = events.send(Event::Refused(key)).await;
-                    return;
-                }
-            };
-            match relay::dial(&targets, &budget).await {
-                Ok((stream, charge)) => {
-                    audit.decided(&flow, Outcome::from(&verdict.0), stream.peer_addr().ok());
-                    let _ = events.send(Event::Connected(key, stream, charge)).await;
-                }
-                Err(why) => {
-                    audit.unreachable(&flow, why);
-                    let _ = events.send(Event::Refused(key)).await;
-                }
-            }
-        });
+            .instrument(flow_span),
+        );
     }
 
     fn start_query(&mut self, from: IpEndpoint, query: GuestQuery) {
@@ -643,34 +655,38 @@ impl Service {
             hostname: Some(query.name.as_str().into()),
             upstream: Vec::new(),
         };
-        self.tasks.spawn(async move {
-            let verdict = policy::ask(&*policy, flow.clone()).await;
-            let outcome = match verdict.0 {
-                Decision::Resolve(resolver) => {
-                    audit.decided(&flow, Outcome::Resolved, None);
-                    // Only A queries are answered with an address: the rest of a granted
-                    // name's types get no records, with no lookup.
-                    let resolved = if query.record_type == hickory_proto::rr::RecordType::A {
-                        dns::resolve(&resolver.0, &query.name, &budget).await
-                    } else {
-                        Resolved::Addresses(Vec::new(), None)
-                    };
-                    Some((resolver, resolved))
-                }
-                // Deny, or a grant that does not fit a query.
-                _ => {
-                    audit.decided(&flow, Outcome::Denied, None);
-                    None
-                }
-            };
-            let _ = events
-                .send(Event::Dns {
-                    to: from,
-                    query: Box::new(query),
-                    outcome,
-                })
-                .await;
-        });
+        let flow_span = tracing::info_span!("flow", %flow);
+        self.tasks.spawn(
+            async move {
+                let verdict = policy::ask(&*policy, flow.clone()).await;
+                let outcome = match verdict.0 {
+                    Decision::Resolve(resolver) => {
+                        audit.decided(&flow, Outcome::Resolved, None);
+                        // Only A queries are answered with an address: the rest of a granted
+                        // name's types get no records, with no lookup.
+                        let resolved = if query.record_type == hickory_proto::rr::RecordType::A {
+                            dns::resolve(&resolver.0, &query.name, &budget).await
+                        } else {
+                            Resolved::Addresses(Vec::new(), None)
+                        };
+                        Some((resolver, resolved))
+                    }
+                    // Deny, or a grant that does not fit a query.
+                    _ => {
+                        audit.decided(&flow, Outcome::Denied, None);
+                        None
+                    }
+                };
+                let _ = events
+                    .send(Event::Dns {
+                        to: from,
+                        query: Box::new(query),
+                        outcome,
+                    })
+                    .await;
+            }
+            .instrument(flow_span),
+        );
     }
 
     fn handle(&mut self, event: Event) {
@@ -711,10 +727,13 @@ impl Service {
                     let id = self.next_relay;
                     let (to_upstream, from_guest) = mpsc::channel(UDP_QUEUE);
                     let relayed = relay_udp(key, id, socket, from_guest, self.udp.0.clone());
-                    let task = self.tasks.spawn(async move {
-                        let _charge = charge;
-                        relayed.await
-                    });
+                    let task = self.tasks.spawn(
+                        async move {
+                            let _charge = charge;
+                            relayed.await
+                        }
+                        .in_current_span(),
+                    );
                     self.udp_relays.insert(
                         key,
                         UdpRelay {
@@ -757,6 +776,14 @@ impl Service {
         F: FnOnce(relay::GuestStream) -> Fut,
         Fut: std::future::Future<Output = std::io::Result<()>> + Send + 'static,
     {
+        // The connection's own span (below the instance's): its relay task and what serves it
+        // (an intercepted connection's requests) are traced in it.
+        let span = tracing::info_span!(
+            "connection",
+            guest = %key.guest,
+            destination = %key.destination
+        );
+        let _in_connection = span.enter();
         self.next_relay += 1;
         let relay = Relay::start(
             key,

@@ -24,4 +24,7 @@ pub(crate) trait Guest: fmt::Debug + Send + Sync + RefUnwindSafe {
 
     /// An id for a new process on the control channel, unused by any other of this instance.
     fn next_process_id(&self) -> u32;
+
+    /// The instance's span (`instance`, with its id): what the process does is traced in it.
+    fn span(&self) -> tracing::Span;
 }

@@ -313,6 +313,16 @@ impl Command {
     /// # Ok(()) }
     /// ```
     pub async fn spawn(&mut self) -> Result<Child> {
+        use tracing::Instrument;
+        let span = tracing::info_span!(
+            parent: &self.instance.span(),
+            "exec",
+            program = %self.program.to_string_lossy()
+        );
+        self.spawn_now().instrument(span).await
+    }
+
+    async fn spawn_now(&mut self) -> Result<Child> {
         let control = self.instance.control()?;
         let id = self.instance.next_process_id();
         let exec = self.to_exec(id);
@@ -331,6 +341,7 @@ impl Command {
             fired: false,
         };
         let started = start(&control, id, &message, &self.program).await?;
+        tracing::debug!(pid = started.pid, "process started");
         let channels = started.channels;
         let (pid, end) = (started.pid, started.end);
         let has_stdin = self.stdin.piped || self.pty.is_some();

@@ -28,6 +28,7 @@
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use tracing::Instrument;
 
 use super::block_cache::{BlockCache, Fetched};
 use super::layer::{data_extents, formatted_memfd, Journal, RootUsage};
@@ -76,10 +77,13 @@ impl Drop for Claim {
         let attached = self.attached.clone();
         match (self.store.take(), tokio::runtime::Handle::try_current()) {
             (Some(store), Ok(runtime)) => {
-                runtime.spawn(async move {
-                    let _ = store.detach().await;
-                    attached.store(false, Ordering::SeqCst);
-                });
+                runtime.spawn(
+                    async move {
+                        let _ = store.detach().await;
+                        attached.store(false, Ordering::SeqCst);
+                    }
+                    .in_current_span(),
+                );
             }
             _ => attached.store(false, Ordering::SeqCst),
         }

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use fuse_backend_rs::abi::fuse_abi as abi;
+use tracing::Instrument;
 
 use super::reply;
 use super::request::{self, Operation, Request, MAX_WRITE};
@@ -110,19 +111,22 @@ impl Drop for Session {
             return;
         };
         let fs = self.fs.clone();
-        runtime.spawn(async move {
-            for ((node, handle), directory) in open {
-                let (node, handle) = (InodeId(node), FileHandle(handle));
-                let _ = if directory {
-                    fs.releasedir(node, handle).await
-                } else {
-                    fs.release(node, handle).await
-                };
+        runtime.spawn(
+            async move {
+                for ((node, handle), directory) in open {
+                    let (node, handle) = (InodeId(node), FileHandle(handle));
+                    let _ = if directory {
+                        fs.releasedir(node, handle).await
+                    } else {
+                        fs.release(node, handle).await
+                    };
+                }
+                for (node, count) in held {
+                    fs.forget(InodeId(node), count).await;
+                }
             }
-            for (node, count) in held {
-                fs.forget(InodeId(node), count).await;
-            }
-        });
+            .in_current_span(),
+        );
     }
 }
 

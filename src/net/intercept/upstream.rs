@@ -20,6 +20,7 @@ use tokio::io::{AsyncRead, AsyncWrite, DuplexStream, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::InterceptJob;
 use crate::budget::{Budget, Descriptor};
@@ -283,11 +284,14 @@ where
 {
     fn execute(&self, future: F) {
         let stop = self.0.clone();
-        tokio::spawn(async move {
-            tokio::select! {
-                _ = future => {}
-                _ = stop.cancelled() => {}
+        tokio::spawn(
+            async move {
+                tokio::select! {
+                    _ = future => {}
+                    _ = stop.cancelled() => {}
+                }
             }
-        });
+            .in_current_span(),
+        );
     }
 }

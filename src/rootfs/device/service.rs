@@ -13,6 +13,7 @@ use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 use tokio::task::JoinHandle;
+use tracing::Instrument;
 
 use super::wire::{Operation, ReplyHeader, RequestHeader, Status, REQUEST_HEADER_LEN};
 use crate::rootfs::served::{run_whole, DiskSource, InPlaceFailures, ServedDisk};
@@ -87,7 +88,8 @@ impl BlockService {
             if let Err(err) = serve(stream, disk).await {
                 tracing::warn!(target: "krunbox::rootfs", %err, "the layer disk's connection ended");
             }
-        }));
+        }
+.in_current_span()));
         Ok(OwnedFd::from(helper_end))
     }
 }

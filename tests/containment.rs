@@ -203,8 +203,9 @@ fn lower_descriptor_limit(limit: u64) {
     assert_eq!(set, 0, "{}", std::io::Error::last_os_error());
 }
 
-/// A VMM that passes its cgroup's `memory.max` is killed by the host's OOM killer, in its own
-/// cgroup only: the instance says so, and the test process and a neighbour sandbox go on. The
+/// A guest that forks thousands of processes adds no task to its VMM's cgroup; a VMM that
+/// passes its cgroup's `memory.max` is killed by the host's OOM killer, in its own cgroup only:
+/// the instance says so, and the test process and a neighbour sandbox go on. The
 /// guest cannot make its VMM hold more than its RAM and a little, so the bound is made tight
 /// here (no overhead beyond the guest's 512 MiB) and the guest fills its memory. Where this
 /// process can make no cgroup (not root, no delegated parent) the isolation report says why and
@@ -238,6 +239,35 @@ fn a_vmm_past_its_memory_bound_is_killed_in_its_own_cgroup_and_the_neighbour_liv
             );
             return;
         }
+        // The guest's processes are not the host's: a guest that forks thousands leaves its
+        // VMM's cgroup with the tasks it had, far below its pids.max.
+        let pid = tight.vmm_pid().unwrap();
+        let own = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+        let dir = format!(
+            "/sys/fs/cgroup{}",
+            own.lines().find_map(|l| l.strip_prefix("0::")).unwrap()
+        );
+        let tasks = || -> u64 {
+            std::fs::read_to_string(format!("{dir}/pids.current"))
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap()
+        };
+        let before = tasks();
+        let (text, _) = sh(
+            &tight,
+            "i=0; while [ $i -lt 2000 ]; do sleep 60 & i=$((i+1)); done; \
+             echo forked $(ls -d /proc/[0-9]* | wc -l)",
+            Duration::from_secs(120),
+        )
+        .await;
+        assert!(text.contains("forked"), "{text}");
+        let during = tasks();
+        assert!(
+            during <= before + 2 && during < 512,
+            "the cgroup had {before} tasks, then {during}: {text}"
+        );
         // Fill the guest's memory: both of its tmpfs, as far as they take.
         let filled = tight
             .command("sh")

@@ -50,18 +50,36 @@ fn process() -> &'static Process {
     })
 }
 
-/// Raises the soft `RLIMIT_NOFILE` to the hard one (a hard limit is never raised, a soft one
-/// never lowered) and returns it, at most 2^20: descriptors a guest holds are counted against
-/// it, and the common soft limit, 1024, would fail lookups in any sizeable tree.
+/// Raises `RLIMIT_NOFILE` as far as this process may and returns the soft limit, at most 2^20:
+/// descriptors the guests hold are counted against it, and the common soft limit, 1024, would
+/// fail lookups in any sizeable tree. With `CAP_SYS_RESOURCE` (root) the hard limit goes up to
+/// the kernel's `fs.nr_open` too; without, the soft one goes up to the hard one. A limit is
+/// never lowered.
 pub(crate) fn raise_descriptor_limit() -> usize {
+    const MOST: u64 = 1 << 20;
+    let nr_open = std::fs::read_to_string("/proc/sys/fs/nr_open")
+        .ok()
+        .and_then(|n| n.trim().parse::<u64>().ok())
+        .unwrap_or(MOST)
+        .min(MOST);
     let mut limit = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
     };
-    // SAFETY: plain calls on a local struct.
+    // SAFETY: plain calls on local structs.
     unsafe {
         if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
             return RESERVE_MIN;
+        }
+        if limit.rlim_max < nr_open {
+            let raised = libc::rlimit {
+                rlim_cur: nr_open,
+                rlim_max: nr_open,
+            };
+            // Fails (EPERM) without CAP_SYS_RESOURCE: then the hard limit stays.
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                limit = raised;
+            }
         }
         if limit.rlim_cur < limit.rlim_max {
             let raised = libc::rlimit {
@@ -73,9 +91,7 @@ pub(crate) fn raise_descriptor_limit() -> usize {
             }
         }
     }
-    usize::try_from(limit.rlim_cur)
-        .unwrap_or(usize::MAX)
-        .min(1 << 20)
+    usize::try_from(limit.rlim_cur.min(MOST)).unwrap_or(usize::MAX)
 }
 
 /// One sandbox's share of the process's descriptors and blocking threads.

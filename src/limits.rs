@@ -132,7 +132,10 @@ impl Limits {
     /// `HostDir`'s inodes and open files, the network's upstream sockets (default
     /// [`DEFAULT_HOST_DESCRIPTORS`]). Whatever this says, one instance never holds more than
     /// half of what the process may open beyond a reserve the library keeps for its own work
-    /// (its soft `RLIMIT_NOFILE`, raised to the hard one, less an eighth and at least 1024),
+    /// (its `RLIMIT_NOFILE`, which the library raises as far as it may — with
+    /// `CAP_SYS_RESOURCE` to the kernel's `fs.nr_open` — less an eighth and at least 1024: on a
+    /// host whose hard limit is low and cannot be raised, one instance gets at most half of
+    /// it; raise it with `ulimit -Hn` or systemd's `LimitNOFILE=`),
     /// so a guest that floods a mount or the network cannot make another instance's boot,
     /// connection or file call fail. Past it the guest's own call fails: a lookup or open with
     /// `ENFILE`, a connection refused.

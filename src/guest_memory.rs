@@ -19,7 +19,7 @@ use std::fs::File;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 
-use krun_sys::device::{FileOffset, GuestAddress, GuestMemoryMmap};
+use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap};
 
 /// Room in the file beyond the guest's RAM, for libkrunfw's kernel (about 21 MiB, copied in
 /// when the VM is built) and the pages lost to aligning each region. Unused room costs
@@ -118,7 +118,7 @@ impl GuestMemoryFile {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use krun_sys::device::Bytes;
+    use vm_memory::Bytes;
 
     fn region(guest_address: u64, len: u64, file_offset: u64) -> MemoryRegion {
         MemoryRegion {

@@ -6,13 +6,53 @@
 //! request chains off its queues, forwards them over a socket to the library, and completes
 //! them with what comes back. The queue handling is the same for both and lives here: a chain
 //! is walked once, checked against the device's bounds and guest memory, and kept as the
-//! guest addresses of its readable bytes and of its writable room.
+//! guest addresses of its readable bytes and of its writable room. The library serves a
+//! mount's queues itself once the helper hands them over (`fs/served/`), with the same code.
+//!
+//! The queues are rust-vmm's (`virtio-queue`), built from the ring addresses the guest's driver
+//! set up ([`RingLayout`]), never libkrun's: this module is libkrun-free, so the library that
+//! uses it does not link libkrun.
 
+use std::num::Wrapping;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use krun_sys::device::{Bytes, EventFd, GuestAddress, GuestMemory, GuestMemoryMmap, Queue};
+use virtio_queue::{Queue, QueueT};
+use vm_memory::{Bytes, GuestAddress, GuestMemory, GuestMemoryMmap};
+
+/// Where one virtqueue's rings lie in guest memory, and how many entries it has, as the
+/// guest's driver set it up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct RingLayout {
+    /// Entries (a power of two; 0 for a queue the driver never made ready).
+    pub size: u16,
+    /// The descriptor table's guest address.
+    pub descriptors: u64,
+    /// The available ring's guest address.
+    pub available: u64,
+    /// The used ring's guest address.
+    pub used: u64,
+}
+
+/// The queue `layout` describes, of at most `max_size` entries, ready to serve; `None` when
+/// it is of a bad size, misaligned, or any of its rings is not wholly in `mem`.
+pub(crate) fn queue(layout: RingLayout, max_size: u16, mem: &GuestMemoryMmap) -> Option<Queue> {
+    let mut queue = Queue::new(max_size).ok()?;
+    queue.try_set_size(layout.size).ok()?;
+    queue
+        .try_set_desc_table_address(GuestAddress(layout.descriptors))
+        .ok()?;
+    queue
+        .try_set_avail_ring_address(GuestAddress(layout.available))
+        .ok()?;
+    queue
+        .try_set_used_ring_address(GuestAddress(layout.used))
+        .ok()?;
+    queue.set_ready(true);
+    rings_in_memory(&queue, mem).then_some(queue)
+}
 
 /// Reads a device's configuration space `config` at `offset` into `data` (what lies past its
 /// end reads as zeros); both devices' spaces are fixed when they are made, and read-only.
@@ -25,17 +65,17 @@ pub(crate) fn read_config_space(config: &[u8], offset: u64, data: &mut [u8]) {
     data[..end - start].copy_from_slice(&config[start..end]);
 }
 
-/// Whether `queue` is ready, of a valid size, aligned, and each of its three rings lies
-/// wholly in guest memory. libkrun's `Queue::is_valid` checks only the address just past each
-/// ring's end, and its queue reads the rings with `unwrap`: a ring starting in a hole of guest
-/// memory (below 4 GiB for a guest of more than 3.25 GiB) would panic the device.
-pub(crate) fn rings_in_memory(queue: &Queue, mem: &GuestMemoryMmap) -> bool {
-    let size = usize::from(queue.actual_size());
+/// Whether `queue` is ready and each of its three rings lies wholly in guest memory. Both
+/// libkrun's and rust-vmm's `is_valid` check only the address just past each ring's end: a
+/// ring starting in a hole of guest memory (below 4 GiB for a guest of more than 3.25 GiB)
+/// passes them, and libkrun's queue then panics reading it.
+fn rings_in_memory(queue: &Queue, mem: &GuestMemoryMmap) -> bool {
+    let size = usize::from(queue.size());
     // With VIRTIO_RING_F_EVENT_IDX each ring has two bytes more; counted either way.
     queue.is_valid(mem)
-        && mem.check_range(queue.desc_table, 16 * size)
-        && mem.check_range(queue.avail_ring, 6 + 2 * size + 2)
-        && mem.check_range(queue.used_ring, 6 + 8 * size + 2)
+        && mem.check_range(GuestAddress(queue.desc_table()), 16 * size)
+        && mem.check_range(GuestAddress(queue.avail_ring()), 6 + 2 * size + 2)
+        && mem.check_range(GuestAddress(queue.used_ring()), 6 + 8 * size + 2)
 }
 
 /// A device's bounds on one request chain.
@@ -70,18 +110,28 @@ impl Chain {
 }
 
 /// The next request on `queue`, its descriptors checked against `limits` and guest memory.
+/// `None` when the entry names no descriptor of the queue: the ring is broken.
 pub(crate) fn pop(queue: &mut Queue, mem: &GuestMemoryMmap, limits: ChainLimits) -> Option<Popped> {
     let _ = queue.disable_notification(mem);
-    let head = queue.pop(mem)?;
-    let index = head.index;
+    let head = queue.pop_descriptor_chain(mem)?;
+    let index = head.head_index();
+    if index >= queue.size() {
+        return None;
+    }
     let mut chain = Chain {
         readable: Vec::new(),
         readable_len: 0,
         writable: Vec::new(),
     };
+    // rust-vmm's chain ends quietly where it cannot go on (a link past the table, a loop, a
+    // descriptor it cannot read): a chain whose last descriptor still links on was cut there,
+    // and is refused rather than forwarded short.
+    let mut links_on = false;
     let mut valid = true;
-    for descriptor in head.into_iter() {
-        if !mem.check_range(descriptor.addr, descriptor.len as usize) {
+    for descriptor in head {
+        links_on = descriptor.has_next();
+        let (addr, len) = (descriptor.addr(), descriptor.len());
+        if !mem.check_range(addr, len as usize) {
             valid = false;
             break;
         }
@@ -90,21 +140,28 @@ pub(crate) fn pop(queue: &mut Queue, mem: &GuestMemoryMmap, limits: ChainLimits)
                 valid = false;
                 break;
             }
-            chain.writable.push((descriptor.addr, descriptor.len));
+            chain.writable.push((addr, len));
             continue;
         }
-        chain.readable_len = chain.readable_len.saturating_add(descriptor.len as usize);
+        chain.readable_len = chain.readable_len.saturating_add(len as usize);
         if !chain.writable.is_empty() || chain.readable_len > limits.max_readable {
             // Readable after writable, or more than any request of the device.
             valid = false;
             break;
         }
-        chain.readable.push((descriptor.addr, descriptor.len));
+        chain.readable.push((addr, len));
     }
     Some(Popped {
         head: index,
-        chain: valid.then_some(chain),
+        chain: (valid && !links_on).then_some(chain),
     })
+}
+
+/// How many entries the guest made available that were not taken yet, or `None` when the
+/// ring cannot be read (never, for a ring [`queue`] accepted).
+fn available(queue: &Queue, mem: &GuestMemoryMmap) -> Option<u16> {
+    let index = queue.avail_idx(mem, Ordering::Acquire).ok()?;
+    Some((index - Wrapping(queue.next_avail())).0)
 }
 
 /// How [`drain`] left a queue.
@@ -153,8 +210,10 @@ pub(crate) fn next_request(
         // made on that reading: the guest adds entries while we look, so a second reading
         // (after `pop` found none) may show one that was not there for `pop`, and taking
         // that for a broken ring stopped the queue for good under a busy guest.
-        let available = queue.len(mem);
-        if available > queue.actual_size() {
+        let Some(available) = available(&queue, mem) else {
+            return Next::Drained(Drained::Broken);
+        };
+        if available > queue.size() {
             return Next::Drained(Drained::Broken);
         }
         if available == 0 {
@@ -180,7 +239,7 @@ pub(crate) fn next_request(
 /// broke is no longer served: popping would find nothing, forever, while the ring says there
 /// is more.
 pub(crate) fn serve_notifications(
-    events: &[Arc<EventFd>],
+    events: &[Arc<impl AsRawFd>],
     tag: &str,
     mut drain_one: impl FnMut(usize) -> std::io::Result<Drained>,
 ) {
@@ -207,7 +266,7 @@ pub(crate) fn serve_notifications(
                 continue;
             }
             fd.revents = 0;
-            let _ = events[index].read();
+            clear_eventfd(fd.fd);
             if broken[index] {
                 continue;
             }
@@ -222,6 +281,14 @@ pub(crate) fn serve_notifications(
             }
         }
     }
+}
+
+/// Reads an eventfd's count, so that `poll` waits for the next write. The count itself does
+/// not matter: a notified ring is drained whole.
+fn clear_eventfd(fd: std::os::fd::RawFd) {
+    let mut count = [0u8; 8];
+    // SAFETY: an 8-byte read into a live buffer of 8 bytes.
+    let _ = unsafe { libc::read(fd, count.as_mut_ptr().cast(), count.len()) };
 }
 
 /// Marks a request done, having written `written` bytes into its chain, and interrupts the
@@ -568,8 +635,11 @@ unsafe fn transfer_counted(
 /// unit tests and fuzz targets, which play the guest's driver.
 pub(crate) mod laid_out {
     #[cfg(test)]
-    use krun_sys::device::Descriptor;
-    use krun_sys::device::{Bytes, GuestAddress, GuestMemoryMmap, Queue};
+    use virtio_queue::desc::split::Descriptor;
+    use virtio_queue::Queue;
+    use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+
+    use super::RingLayout;
 
     /// Where the descriptor table, the available ring and the used ring are.
     pub(crate) const DESC_TABLE: u64 = 0;
@@ -578,14 +648,18 @@ pub(crate) mod laid_out {
 
     /// A queue of `size` whose rings are at [`DESC_TABLE`], [`AVAIL_RING`] and [`USED_RING`],
     /// ready.
-    pub(crate) fn laid_out_queue(size: u16) -> Queue {
-        let mut queue = Queue::new(size);
-        queue.size = size;
-        queue.ready = true;
-        queue.desc_table = GuestAddress(DESC_TABLE);
-        queue.avail_ring = GuestAddress(AVAIL_RING);
-        queue.used_ring = GuestAddress(USED_RING);
-        queue
+    pub(crate) fn laid_out_queue(size: u16, mem: &GuestMemoryMmap) -> Queue {
+        super::queue(layout(size), size, mem).expect("a queue laid out in memory")
+    }
+
+    /// Where [`laid_out_queue`]'s rings are, for a queue of `size`.
+    pub(crate) fn layout(size: u16) -> RingLayout {
+        RingLayout {
+            size,
+            descriptors: DESC_TABLE,
+            available: AVAIL_RING,
+            used: USED_RING,
+        }
     }
 
     /// Puts a chain of (address, length, writable) descriptors at descriptor `first` onwards
@@ -600,12 +674,7 @@ pub(crate) mod laid_out {
             if i + 1 < chain.len() {
                 flags |= F_NEXT;
             }
-            let descriptor = Descriptor {
-                addr: *addr,
-                len: *len,
-                flags,
-                next: index + 1,
-            };
+            let descriptor = Descriptor::new(*addr, *len, flags, index + 1);
             mem.write_obj(descriptor, GuestAddress(DESC_TABLE + 16 * u64::from(index)))
                 .unwrap();
         }
@@ -816,20 +885,112 @@ mod tests {
             (GuestAddress(0x20000), 0x10000),
         ])
         .unwrap();
-        let mut queue = Queue::new(1024);
-        queue.size = 1024;
-        queue.ready = true;
-        queue.desc_table = GuestAddress(0x20000);
-        queue.used_ring = GuestAddress(0x24000);
-        queue.avail_ring = GuestAddress(0x2a000);
-        assert!(rings_in_memory(&queue, &mem), "a queue wholly in memory");
+        let mut layout = RingLayout {
+            size: 1024,
+            descriptors: 0x20000,
+            used: 0x24000,
+            available: 0x2a000,
+        };
+        assert!(
+            queue(layout, 1024, &mem).is_some(),
+            "a queue wholly in memory"
+        );
         // 2054 bytes from 0x20000 - 1024: ends in the second region, starts in the hole.
-        queue.avail_ring = GuestAddress(0x20000 - 1024);
-        assert!(queue.is_valid(&mem), "libkrun's check passes it");
-        assert!(!rings_in_memory(&queue, &mem));
-        queue.avail_ring = GuestAddress(0x2a000);
-        queue.desc_table = GuestAddress(0x20000 - 0x1000);
-        assert!(!rings_in_memory(&queue, &mem));
+        layout.available = 0x20000 - 1024;
+        let mut unchecked = Queue::new(1024).unwrap();
+        unchecked.try_set_size(1024).unwrap();
+        unchecked
+            .try_set_desc_table_address(GuestAddress(layout.descriptors))
+            .unwrap();
+        unchecked
+            .try_set_avail_ring_address(GuestAddress(layout.available))
+            .unwrap();
+        unchecked
+            .try_set_used_ring_address(GuestAddress(layout.used))
+            .unwrap();
+        unchecked.set_ready(true);
+        assert!(unchecked.is_valid(&mem), "rust-vmm's check passes it");
+        assert!(queue(layout, 1024, &mem).is_none());
+        layout.available = 0x2a000;
+        layout.descriptors = 0x20000 - 0x1000;
+        assert!(queue(layout, 1024, &mem).is_none());
+        // Of a bad size, misaligned, or never made ready: refused too.
+        layout.descriptors = 0x20000;
+        assert!(queue(
+            RingLayout {
+                size: 1000,
+                ..layout
+            },
+            1024,
+            &mem
+        )
+        .is_none());
+        assert!(queue(
+            RingLayout {
+                size: 2048,
+                ..layout
+            },
+            1024,
+            &mem
+        )
+        .is_none());
+        assert!(queue(RingLayout { size: 0, ..layout }, 1024, &mem).is_none());
+        assert!(queue(
+            RingLayout {
+                descriptors: 0x20008,
+                ..layout
+            },
+            1024,
+            &mem
+        )
+        .is_none());
+    }
+
+    /// An honest chain is taken whole. A chain whose link leaves the table, or that loops, is
+    /// refused (completed without being forwarded): rust-vmm's chain would end there quietly
+    /// and hand over what it had read. An entry naming no descriptor of the queue breaks it.
+    #[test]
+    fn chains_cut_short_are_refused_and_a_head_past_the_table_breaks_the_ring() {
+        use virtio_queue::desc::split::Descriptor;
+        const NEXT: u16 = 1;
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x100000)]).unwrap();
+        let mut queue = laid_out::laid_out_queue(4, &mem);
+        let limits = ChainLimits {
+            max_readable: 1 << 20,
+            max_writable_descriptors: 8,
+        };
+        let descriptor = |index: u64, next: u16| {
+            mem.write_obj(
+                Descriptor::new(0x10000, 100, NEXT, next),
+                GuestAddress(laid_out::DESC_TABLE + 16 * index),
+            )
+            .unwrap();
+        };
+
+        laid_out::offer(&mem, 4, 0, &[(0x10000, 100, false), (0x11000, 50, true)]);
+        let honest = pop(&mut queue, &mem, limits).expect("an entry");
+        assert_eq!(honest.head, 0);
+        let chain = honest.chain.expect("an honest chain is forwarded");
+        assert_eq!(chain.readable, vec![(GuestAddress(0x10000), 100)]);
+        assert_eq!(chain.writable, vec![(GuestAddress(0x11000), 50)]);
+
+        laid_out::offer(&mem, 4, 2, &[(0x10000, 100, false)]);
+        descriptor(2, 7); // links past a table of 4
+        let cut = pop(&mut queue, &mem, limits).expect("an entry");
+        assert_eq!(cut.head, 2);
+        assert!(cut.chain.is_none(), "a chain linking out of the table");
+
+        laid_out::offer(&mem, 4, 3, &[(0x10000, 100, false)]);
+        descriptor(3, 3); // links to itself
+        let looped = pop(&mut queue, &mem, limits).expect("an entry");
+        assert_eq!(looped.head, 3);
+        assert!(looped.chain.is_none(), "a chain that loops");
+
+        laid_out::offer(&mem, 4, 9, &[(0x10000, 100, false)]);
+        assert!(
+            pop(&mut queue, &mem, limits).is_none(),
+            "head 9 of a queue of 4"
+        );
     }
 
     /// 1500 regions (more than one `writev` takes), some of them empty, through a socket whose

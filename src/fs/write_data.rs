@@ -14,7 +14,7 @@
 
 use std::os::fd::{AsRawFd, BorrowedFd};
 
-use krun_sys::device::{GuestAddress, GuestMemoryMmap};
+use vm_memory::{GuestAddress, GuestMemoryMmap};
 
 use super::types::{FsError, FsResult};
 use crate::virtqueue::{gather, write_some_at_from_guest};
@@ -194,7 +194,7 @@ impl std::fmt::Debug for WriteData<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use krun_sys::device::Bytes;
+    use vm_memory::Bytes;
 
     fn memory() -> GuestMemoryMmap {
         GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 16)]).unwrap()

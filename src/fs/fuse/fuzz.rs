@@ -8,7 +8,7 @@ use std::sync::Arc;
 use fuse_backend_rs::abi::fuse_abi as abi;
 use vm_memory::ByteValued;
 
-use krun_sys::device::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 use super::request::{IN_HEADER_LEN, MAX_REQUEST, WRITE_IN_LEN, WRITE_OPCODE};
 use super::Session;

@@ -329,7 +329,7 @@ mod tests {
     /// chunk's end, over a chunk boundary.
     #[test]
     fn writes_from_guest_memory_leave_what_writes_from_a_buffer_leave() {
-        use krun_sys::device::{Bytes, GuestAddress, GuestMemoryMmap};
+        use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 16)]).unwrap();
         let in_guest = |bytes: &[u8]| {
             let regions: Vec<(GuestAddress, u32)> = bytes

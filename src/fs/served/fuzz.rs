@@ -28,7 +28,7 @@ pub(crate) fn run(data: &[u8]) -> usize {
         input.u8();
     }
     input.fill_memory(&mem);
-    let ring = Arc::new(Mutex::new(laid_out_queue(size)));
+    let ring = Arc::new(Mutex::new(laid_out_queue(size, &mem)));
     let interrupt = OwnedFd::from(nix::sys::eventfd::EventFd::new().expect("an eventfd"));
     let runtime = tokio::runtime::Builder::new_current_thread()
         .build()

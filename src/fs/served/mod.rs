@@ -21,11 +21,13 @@ use std::future::Future;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 
-use krun_sys::device::{GuestAddress, GuestMemory, GuestMemoryMmap, Queue, VIRTIO_F_VERSION_1};
 use tokio::io::unix::AsyncFd;
 use tokio::net::UnixStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
+use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+use virtio_queue::Queue;
+use vm_memory::{GuestMemory, GuestMemoryMmap};
 
 use super::fuse::{is_unanswered, Session, IN_HEADER_LEN, WRITE_IN_LEN, WRITE_OPCODE};
 use super::service::MAX_IN_FLIGHT;
@@ -33,9 +35,7 @@ use super::virtio::handover::{self, RINGS};
 use super::virtio::{fail_request, read_in_header, LIMITS, QUEUE_SIZE};
 use super::WriteData;
 use crate::guest_memory::GuestMemoryFile;
-use crate::virtqueue::{
-    complete, gather, next_request, rings_in_memory, scatter, Drained, Next, Popped,
-};
+use crate::virtqueue::{self, complete, gather, next_request, scatter, Drained, Next, Popped};
 
 pub(crate) mod fuzz;
 
@@ -61,19 +61,13 @@ pub(crate) async fn serve(
     let mem = memory.map(&received.hand_over.regions)?;
     let mut rings = Vec::with_capacity(RINGS);
     for layout in received.hand_over.rings {
-        let mut queue = Queue::new(QUEUE_SIZE);
-        queue.size = layout.size;
-        queue.ready = true;
-        queue.desc_table = GuestAddress(layout.descriptors);
-        queue.avail_ring = GuestAddress(layout.available);
-        queue.used_ring = GuestAddress(layout.used);
         // The same check as the helper's device makes: each ring lies wholly in guest
         // memory, aligned, of a valid size, so reading it never fails.
-        if !rings_in_memory(&queue, &mem) {
+        let Some(queue) = virtqueue::queue(layout, QUEUE_SIZE, &mem) else {
             return Err(invalid(
                 "a handed-over ring outside guest memory or of a bad size",
             ));
-        }
+        };
         rings.push(Arc::new(Mutex::new(queue)));
     }
     // Nothing here ever blocks on the interrupt's eventfd (its file is the helper's too).
@@ -328,8 +322,7 @@ fn answer(answering: impl Future<Output = ()> + Send + 'static, requests: &mut J
 #[cfg(test)]
 mod tests {
     use fuse_backend_rs::abi::fuse_abi as abi;
-    use krun_sys::device::Bytes;
-    use vm_memory::ByteValued;
+    use vm_memory::{ByteValued, Bytes, GuestAddress};
 
     use super::*;
     use crate::fs::fuse::fuzz::{init_request, request};
@@ -389,7 +382,7 @@ mod tests {
                 (0x50000, 4096, true),
             ],
         );
-        let ring = Arc::new(Mutex::new(laid_out_queue(16)));
+        let ring = Arc::new(Mutex::new(laid_out_queue(16, &mem)));
         let device = Arc::new(Device {
             mem: mem.clone(),
             rings: vec![ring.clone(), ring],

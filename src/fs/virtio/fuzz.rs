@@ -35,7 +35,7 @@ fn run(data: &[u8]) -> (usize, u16) {
     let answers: Vec<u8> = (0..8).map(|_| input.u8()).collect();
     input.fill_memory(&mem);
 
-    let ring = Arc::new(Mutex::new(laid_out_queue(size)));
+    let ring = Arc::new(Mutex::new(laid_out_queue(size, &mem)));
     let shared = Arc::new(Shared::new(mem.clone(), || {}));
 
     let (mut helper, library) = UnixStream::pair().expect("a socket pair");

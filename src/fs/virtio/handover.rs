@@ -17,6 +17,7 @@
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use crate::guest_memory::{MemoryRegion, MAX_REGIONS};
+pub(crate) use crate::virtqueue::RingLayout;
 
 /// The first word of the message.
 const MAGIC: u64 = u64::from_le_bytes(*b"KBQUEUES");
@@ -32,15 +33,6 @@ const SCM_MAX_FD: usize = 253;
 
 /// The message's length in bytes.
 pub(crate) const LEN: usize = 8 * (4 + 4 * RINGS + 3 * MAX_REGIONS);
-
-/// Where one ring lies in guest memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(crate) struct RingLayout {
-    pub size: u16,
-    pub descriptors: u64,
-    pub available: u64,
-    pub used: u64,
-}
 
 /// What the helper tells the library about an activated device.
 #[derive(Debug, Clone, PartialEq, Eq)]

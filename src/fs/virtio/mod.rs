@@ -33,9 +33,11 @@ use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 
 use krun_sys::device::{
-    ActivateResult, DeviceQueue, EventFd, GuestAddress, GuestMemoryMmap, InterruptTransport, Queue,
-    QueueConfig, VirtioDevice, VIRTIO_F_VERSION_1,
+    ActivateResult, DeviceQueue, EventFd, InterruptTransport, QueueConfig, VirtioDevice,
+    VIRTIO_F_VERSION_1,
 };
+use virtio_queue::Queue;
+use vm_memory::{GuestAddress, GuestMemoryMmap};
 
 #[cfg(test)]
 use crate::virtqueue::for_each_piece;
@@ -124,8 +126,8 @@ impl ForwardingFs {
         interrupt: &InterruptTransport,
         queues: &[DeviceQueue],
     ) -> ActivateResult {
-        use krun_sys::device::{GuestMemory, GuestMemoryRegion};
         use std::os::fd::AsRawFd;
+        use vm_memory::{GuestMemory, GuestMemoryRegion};
         let mut regions = Vec::new();
         for region in mem.iter() {
             let Some(offset) = region.file_offset() else {
@@ -140,15 +142,10 @@ impl ForwardingFs {
         if regions.len() > crate::guest_memory::MAX_REGIONS {
             return self.inert("guest memory in too many regions to hand over");
         }
-        let layout = |queue: &Queue| handover::RingLayout {
-            size: queue.size,
-            descriptors: queue.desc_table.0,
-            available: queue.avail_ring.0,
-            used: queue.used_ring.0,
-        };
+        let layout = |queue: &DeviceQueue| crate::vmm::ring_layout(&queue.queue);
         let message = handover::HandOver {
             features: self.acked_features,
-            rings: [layout(&queues[0].queue), layout(&queues[1].queue)],
+            rings: [layout(&queues[0]), layout(&queues[1])],
             regions,
         };
         let notifications = [queues[0].event.as_raw_fd(), queues[1].event.as_raw_fd()];
@@ -223,23 +220,23 @@ impl VirtioDevice for ForwardingFs {
         if queues.len() != QUEUES.len() {
             return self.inert("activated with the wrong number of queues");
         }
-        // libkrun's transport does not check the rings the guest set up; its queue reads them
-        // with `unwrap`. Rings outside guest memory, or of a bad size, leave the device inert.
-        if queues
+        // libkrun's transport does not check the rings the guest set up. Rings outside guest
+        // memory, or of a bad size, leave the device inert.
+        let Some(served) = queues
             .iter()
-            .any(|q| !virtqueue::rings_in_memory(&q.queue, &mem))
-        {
+            .map(|q| virtqueue::queue(crate::vmm::ring_layout(&q.queue), QUEUE_SIZE, &mem))
+            .collect::<Option<Vec<Queue>>>()
+        else {
             return self.inert("a queue outside guest memory or of a bad size");
-        }
+        };
         if self.hand_over {
             return self.hand_over(socket, &mem, &interrupt, &queues);
         }
-        let mut events = Vec::new();
-        let mut rings = Vec::new();
-        for queue in queues {
-            events.push(queue.event);
-            rings.push(Arc::new(Mutex::new(queue.queue)));
-        }
+        let events: Vec<Arc<EventFd>> = queues.into_iter().map(|queue| queue.event).collect();
+        let rings: Vec<Arc<Mutex<Queue>>> = served
+            .into_iter()
+            .map(|queue| Arc::new(Mutex::new(queue)))
+            .collect();
         let shared = Arc::new(Shared::new(mem, move || interrupt.signal_used_queue()));
         let forwarding = shared.clone();
         let tag = self.tag.clone();

@@ -2,7 +2,8 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use krun_sys::device::{Bytes, Descriptor};
+use virtio_queue::desc::split::Descriptor;
+use vm_memory::Bytes;
 
 use super::fuzz::request;
 use super::*;
@@ -13,8 +14,7 @@ const SIZE: u16 = 16;
 /// Guest memory with one queue of 16 laid out in it, as a driver would.
 fn guest() -> (GuestMemoryMmap, Arc<Mutex<Queue>>) {
     let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x100000)]).unwrap();
-    let queue = laid_out_queue(SIZE);
-    assert!(queue.is_valid(&mem));
+    let queue = laid_out_queue(SIZE, &mem);
     (mem, Arc::new(Mutex::new(queue)))
 }
 
@@ -314,12 +314,7 @@ fn requests_the_guest_adds_while_the_device_drains_are_all_served() {
     // One FORGET, which the device completes itself, named by every entry.
     let bytes = request(FUSE_FORGET, 7, &1u64.to_le_bytes());
     mem.write_slice(&bytes, GuestAddress(0x10000)).unwrap();
-    let descriptor = Descriptor {
-        addr: 0x10000,
-        len: bytes.len() as u32,
-        flags: 0,
-        next: 0,
-    };
+    let descriptor = Descriptor::new(0x10000, bytes.len() as u32, 0, 0);
     mem.write_obj(descriptor, GuestAddress(DESC_TABLE)).unwrap();
     let used_idx = |mem: &GuestMemoryMmap| -> u16 {
         std::sync::atomic::fence(Ordering::Acquire);

@@ -55,7 +55,7 @@ fn guest(data: &[u8]) -> (HostileQueue, Arc<Shared>) {
     let shared = Arc::new(Shared {
         mem: queue.mem.clone(),
         signal: Box::new(|| {}),
-        ring: Mutex::new(laid_out_queue(queue.size)),
+        ring: Mutex::new(laid_out_queue(queue.size, &queue.mem)),
         pending: Mutex::new(Pending::default()),
         capacity,
         serial: [b's'; SERIAL_LEN],

@@ -35,9 +35,11 @@ use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 
 use krun_sys::device::{
-    ActivateResult, DeviceQueue, EventFd, GuestAddress, GuestMemoryMmap, InterruptTransport, Queue,
-    QueueConfig, VirtioDevice, VIRTIO_F_VERSION_1,
+    ActivateResult, DeviceQueue, EventFd, InterruptTransport, QueueConfig, VirtioDevice,
+    VIRTIO_F_VERSION_1,
 };
+use virtio_queue::Queue;
+use vm_memory::{GuestAddress, GuestMemoryMmap};
 
 use crate::virtqueue::{
     self, complete, complete_unsignalled, gather, read_at_into_guest, receive_buffered_into_guest,
@@ -239,15 +241,16 @@ impl VirtioDevice for ServedBlock {
         let Some(queue) = queues.pop().filter(|_| queues.is_empty()) else {
             return self.inert("activated with the wrong number of queues");
         };
-        // libkrun's transport does not check the rings the guest set up; its queue reads them
-        // with `unwrap`. Rings outside guest memory, or of a bad size, leave the device inert.
-        if !virtqueue::rings_in_memory(&queue.queue, &mem) {
+        // libkrun's transport does not check the rings the guest set up. Rings outside guest
+        // memory, or of a bad size, leave the device inert.
+        let layout = crate::vmm::ring_layout(&queue.queue);
+        let Some(ring) = virtqueue::queue(layout, QUEUE_SIZE, &mem) else {
             return self.inert("a queue outside guest memory or of a bad size");
-        }
+        };
         let shared = Arc::new(Shared {
             mem,
             signal: Box::new(move || interrupt.signal_used_queue()),
-            ring: Mutex::new(queue.queue),
+            ring: Mutex::new(ring),
             pending: Mutex::new(Pending::default()),
             capacity: self.capacity,
             serial: self.serial,

@@ -5,7 +5,7 @@ use std::io::Write;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use krun_sys::device::Bytes;
+use vm_memory::Bytes;
 
 use super::fuzz::{counted, failure_count};
 use super::*;
@@ -22,8 +22,7 @@ const SERIAL: &str = "a-test-disk";
 /// the count of interrupts.
 fn device(capacity: u64) -> (Arc<Shared>, Arc<AtomicUsize>) {
     let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x100000)]).unwrap();
-    let queue = laid_out_queue(SIZE);
-    assert!(queue.is_valid(&mem));
+    let queue = laid_out_queue(SIZE, &mem);
     let signals = Arc::new(AtomicUsize::new(0));
     let counter = signals.clone();
     let mut serial = [0u8; SERIAL_LEN];

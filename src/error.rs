@@ -77,7 +77,7 @@ pub enum Error {
         /// What krunbox asked of the store (`attach`, `read`, `write`, `flush`, ...).
         operation: &'static str,
         /// The store's error.
-        source: crate::rootfs::StoreError,
+        source: crate::rootfs::store::error::StoreError,
     },
     /// An image archive (`docker save`, an OCI layout) is not one krunbox can import: unreadable,
     /// a blob whose digest does not match, a layer that leaves the tree, another platform.
@@ -96,7 +96,7 @@ pub enum Error {
         /// The image reference, as given.
         reference: String,
         /// What kind of failure it is.
-        kind: crate::rootfs::oci::PullFailure,
+        kind: crate::rootfs::oci::failure::PullFailure,
         /// What happened, with what the registry said.
         reason: String,
     },

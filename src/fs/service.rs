@@ -17,12 +17,9 @@ use tokio::sync::{mpsc, Semaphore};
 use tokio::task::{JoinHandle, JoinSet};
 use tracing::Instrument;
 
-use super::fuse::{Session, IN_HEADER_LEN, MAX_REQUEST};
+use super::fuse::{Session, IN_HEADER_LEN, MAX_IN_FLIGHT, MAX_REQUEST};
 use super::Mount;
 use crate::guest_memory::GuestMemoryFile;
-
-/// Requests of one mount answered at once.
-pub(crate) const MAX_IN_FLIGHT: usize = 64;
 
 /// Serves an instance's mounts while it lives.
 pub(crate) struct FsService {

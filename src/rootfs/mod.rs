@@ -25,7 +25,7 @@ mod layer;
 pub mod oci;
 mod persistent;
 pub(crate) mod served;
-mod store;
+pub(crate) mod store;
 
 pub(crate) use cow::CowLayer;
 pub use flatten::{flatten, FlatImage};

@@ -14,4 +14,4 @@ pub(crate) mod request;
 pub(crate) mod session;
 
 pub(crate) use request::{is_unanswered, IN_HEADER_LEN, MAX_REQUEST, WRITE_IN_LEN, WRITE_OPCODE};
-pub(crate) use session::Session;
+pub(crate) use session::{Session, MAX_IN_FLIGHT};

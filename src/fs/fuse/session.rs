@@ -16,6 +16,10 @@ use super::request::{self, Operation, Request, MAX_WRITE};
 use crate::fs::types::*;
 use crate::fs::{MountOptions, VirtualFs, WriteData};
 
+/// Requests of one mount answered at once, whichever transport brings them: past that, the
+/// rest wait (on the socket, or on the ring).
+pub(crate) const MAX_IN_FLIGHT: usize = 64;
+
 /// The FUSE protocol minor version the session speaks (7.33: `max_pages`, cached symlinks,
 /// parallel directory operations, `HANDLE_KILLPRIV_V2`). A newer kernel speaks it too; an older one is refused.
 pub(crate) const PROTOCOL_MINOR: u32 = 33;

@@ -14,7 +14,7 @@ use tokio::task::JoinSet;
 use super::{Device, Turn};
 use crate::fs::fuse::fuzz::{check_reply, init_request};
 use crate::fs::fuse::Session;
-use crate::fs::service::MAX_IN_FLIGHT;
+use crate::fs::fuse::MAX_IN_FLIGHT;
 use crate::fs::{MemoryFs, MountOptions};
 use crate::virtqueue::laid_out::{check_completions, laid_out_queue, HostileQueue, Input};
 

@@ -29,8 +29,9 @@ use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_queue::Queue;
 use vm_memory::{GuestMemory, GuestMemoryMmap};
 
-use super::fuse::{is_unanswered, Session, IN_HEADER_LEN, WRITE_IN_LEN, WRITE_OPCODE};
-use super::service::MAX_IN_FLIGHT;
+use super::fuse::{
+    is_unanswered, Session, IN_HEADER_LEN, MAX_IN_FLIGHT, WRITE_IN_LEN, WRITE_OPCODE,
+};
 use super::virtio::handover::{self, RINGS};
 use super::virtio::{fail_request, read_in_header, LIMITS, QUEUE_SIZE};
 use super::WriteData;

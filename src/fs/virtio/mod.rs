@@ -142,7 +142,7 @@ impl ForwardingFs {
         if regions.len() > crate::guest_memory::MAX_REGIONS {
             return self.inert("guest memory in too many regions to hand over");
         }
-        let layout = |queue: &DeviceQueue| crate::vmm::ring_layout(&queue.queue);
+        let layout = |queue: &DeviceQueue| crate::vmm::queue::ring_layout(&queue.queue);
         let message = handover::HandOver {
             features: self.acked_features,
             rings: [layout(&queues[0]), layout(&queues[1])],
@@ -224,7 +224,7 @@ impl VirtioDevice for ForwardingFs {
         // memory, or of a bad size, leave the device inert.
         let Some(served) = queues
             .iter()
-            .map(|q| virtqueue::queue(crate::vmm::ring_layout(&q.queue), QUEUE_SIZE, &mem))
+            .map(|q| virtqueue::queue(crate::vmm::queue::ring_layout(&q.queue), QUEUE_SIZE, &mem))
             .collect::<Option<Vec<Queue>>>()
         else {
             return self.inert("a queue outside guest memory or of a bad size");

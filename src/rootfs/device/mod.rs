@@ -243,7 +243,7 @@ impl VirtioDevice for ServedBlock {
         };
         // libkrun's transport does not check the rings the guest set up. Rings outside guest
         // memory, or of a bad size, leave the device inert.
-        let layout = crate::vmm::ring_layout(&queue.queue);
+        let layout = crate::vmm::queue::ring_layout(&queue.queue);
         let Some(ring) = virtqueue::queue(layout, QUEUE_SIZE, &mem) else {
             return self.inert("a queue outside guest memory or of a bad size");
         };

@@ -12,6 +12,7 @@
 mod archive;
 mod blobs;
 mod build;
+pub(crate) mod failure;
 mod local;
 pub(crate) mod merge;
 mod registry;
@@ -19,10 +20,9 @@ pub(crate) mod zstd;
 
 pub use blobs::LayerCache;
 pub use build::build;
+pub use failure::PullFailure;
 pub use local::LocalImages;
-pub use registry::{
-    fetch, pull, Credentials, Fetched, PullFailure, PullOptions, PullProgress, Pulled,
-};
+pub use registry::{fetch, pull, Credentials, Fetched, PullOptions, PullProgress, Pulled};
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read};

@@ -7,6 +7,8 @@
 //! talks to (the control channel today; filesystems and network later) stay in the library's
 //! process, reached through unix sockets that libkrun bridges to guest vsock ports.
 
+pub(crate) mod queue;
+
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
@@ -732,18 +734,6 @@ impl VmmProcess {
         // SAFETY: one pollfd of ours, a descriptor the AsyncFd keeps open; no waiting.
         let ready = unsafe { libc::poll(&mut poll, 1, 0) };
         ready == 1 && poll.revents & libc::POLLIN != 0
-    }
-}
-
-/// Where libkrun's view of a queue the guest's driver activated says its rings lie (0 entries
-/// for one it never made ready). The helper's devices serve rust-vmm queues built from it
-/// (`virtqueue::queue`, which checks it), as the library does with a handed-over one.
-pub(crate) fn ring_layout(queue: &krun_sys::device::Queue) -> crate::virtqueue::RingLayout {
-    crate::virtqueue::RingLayout {
-        size: if queue.ready { queue.size } else { 0 },
-        descriptors: queue.desc_table.0,
-        available: queue.avail_ring.0,
-        used: queue.used_ring.0,
     }
 }
 

@@ -1502,13 +1502,13 @@ pub fn fs_request(data: &[u8]) {
     crate::fs::fuse::fuzz::fuzz_session(data)
 }
 
-/// A hostile guest's virtqueue on a mount's virtio-fs device (`src/fs/virtio/`): any
-/// descriptor table, available ring and memory, served by the device's code over a socket
-/// pair to a library that answers every request. Panics if anything panics or hangs, a request
-/// reaches the library unframed or past its bound, a request still waits once all are
-/// answered, or a completion names a chain the guest did not offer.
+/// A hostile guest's virtqueue on a mount's virtio-fs device, handed over to the library
+/// (`src/fs/served/`): any descriptor table, available ring and memory, served by the library's
+/// code in a real session over a small `MemoryFs`. Panics if anything panics (a request's task
+/// too) or hangs, or a completion names a chain the guest did not offer (or one offered once
+/// twice).
 pub fn virtio_fs_queue(data: &[u8]) {
-    crate::fs::virtio::fuzz::fuzz_queue(data)
+    crate::fs::served::fuzz::fuzz_queue(data)
 }
 
 /// A hostile guest's virtqueue on a copy-on-write root's virtio-blk device

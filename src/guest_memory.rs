@@ -1,6 +1,6 @@
 //! Guest memory in a file this process made, so that it can serve a device's queues itself.
 //!
-//! A device in the helper that forwards each request to this process costs a hop per request
+//! A device in the helper that forwarded each request to this process would cost a hop per request
 //! both ways (a helper thread wakes, a socket, this process's task, and back), which under
 //! nested emulation is most of a small request's time (docs/architecture.md, "Workspaces").
 //! Instead the library makes the guest's memory here, a sealed memfd given to the helper,

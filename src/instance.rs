@@ -409,17 +409,18 @@ async fn boot_in_span(
         // The mounts' devices: fresh connections, so a retried boot starts new sessions.
         // The mounts' queues are served here, in the guest's memory (a fresh file for each
         // attempt).
-        let guest_memory = if fs_devices > 0 {
-            Some(std::sync::Arc::new(
+        let (guest_memory, fs_ends) = if fs_devices > 0 {
+            let memory = std::sync::Arc::new(
                 crate::guest_memory::GuestMemoryFile::create(config.memory_mib)
                     .map_err(Error::io("creating the guest's memory"))?,
-            ))
+            );
+            let ends = fs_service
+                .connect(memory.clone())
+                .map_err(Error::io("connecting the filesystem devices"))?;
+            (Some(memory), ends)
         } else {
-            None
+            (None, Vec::new())
         };
-        let fs_ends = fs_service
-            .connect(guest_memory.clone())
-            .map_err(Error::io("connecting the filesystem devices"))?;
         let disk_ends = disk_services
             .iter_mut()
             .map(|service| service.connect())

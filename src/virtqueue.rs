@@ -993,6 +993,22 @@ mod tests {
         );
     }
 
+    #[test]
+    fn pieces_cover_exactly_the_range_asked_for() {
+        let regions = [
+            (GuestAddress(100), 10),
+            (GuestAddress(200), 5),
+            (GuestAddress(300), 20),
+        ];
+        let mut pieces = Vec::new();
+        for_each_piece(&regions, 12, 10, |address, len| {
+            pieces.push((address.0, len));
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(pieces, vec![(202, 3), (300, 7)]);
+    }
+
     /// 1500 regions (more than one `writev` takes), some of them empty, through a socket whose
     /// buffer is far smaller than the data: every byte arrives once, in order, both ways.
     #[test]

@@ -1,6 +1,6 @@
-//! A hostile guest's virtqueue on a mount's virtio-fs device in the helper: any descriptor
-//! table, available ring and guest memory, served by the device's own code over a socket pair
-//! to a library that answers every request (`krunbox::fuzzing::virtio_fs_queue`). Run with
+//! A hostile guest's virtqueue on a mount's virtio-fs device, handed over to the library: any
+//! descriptor table, available ring and guest memory, served by the library's own code in a
+//! real session (`krunbox::fuzzing::virtio_fs_queue`). Run with
 //! `cargo +nightly fuzz run virtio_fs_queue`.
 #![no_main]
 

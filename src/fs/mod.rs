@@ -35,7 +35,7 @@
 pub(crate) mod fuse;
 mod host_dir;
 mod memory;
-mod served;
+pub(crate) mod served;
 pub(crate) mod service;
 mod types;
 pub(crate) mod virtio;

@@ -480,6 +480,11 @@ fn configure(
     // No TSI: the guest gets no network through the vsock device, only our port.
     step(ctx.set_vsock(0))?;
     step(ctx.add_vsock_port(CONTROL_PORT, &paths.control_socket, false))?;
+    // A mount's device hands its queues over to the library, which maps guest memory from
+    // its own file: mounts without that file are a library that is not ours.
+    if config.fs_devices > 0 && !config.guest_memory_file {
+        return Err("filesystem devices without the guest memory file".into());
+    }
     for index in 0..config.fs_devices {
         use std::os::fd::FromRawFd;
         let fd = FS_DEVICE_FD_BASE + index as i32;
@@ -487,14 +492,11 @@ fn configure(
         // `fs_devices` of them, and nothing else in the helper owns them.
         let socket = unsafe { std::os::unix::net::UnixStream::from_raw_fd(fd) };
         let tag = krunbox_protocol::mount_tag(index);
-        let device = crate::fs::virtio::ForwardingFs::new(&tag, socket, config.guest_memory_file)
-            .map_err(|e| format!("the filesystem device {tag}: {e}"))?;
-        let device = std::sync::Arc::new(std::sync::Mutex::new(device));
-        if config.guest_memory_file {
-            krun_sys::device::attach_served_elsewhere(&tag, device);
-        } else {
-            krun_sys::device::attach(&tag, device);
-        }
+        let device = crate::fs::virtio::HandOverFs::new(&tag, socket);
+        krun_sys::device::attach_served_elsewhere(
+            &tag,
+            std::sync::Arc::new(std::sync::Mutex::new(device)),
+        );
     }
     if config.guest_memory_file {
         use std::os::fd::FromRawFd;

@@ -1,8 +1,7 @@
 //! FUSE: the wire format between the guest kernel and this module.
 //!
-//! The helper's virtio-fs device forwards the guest kernel's FUSE requests without reading
-//! them; here
-//! each is decoded (`request.rs`: bounded, validated, never panicking), answered by the mount's
+//! The library takes the guest kernel's FUSE requests off a mount's queues (`super::served`);
+//! here each is decoded (`request.rs`: bounded, validated, never panicking), answered by the mount's
 //! [`VirtualFs`](crate::fs::VirtualFs) (`session.rs`) and encoded (`reply.rs`). The kernel ABI's
 //! structures come from the `fuse-backend-rs` crate; what is ours is the decoding of hostile
 //! bytes into typed requests and the async dispatch, which no crate offers over an

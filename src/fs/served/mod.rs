@@ -32,12 +32,13 @@ use vm_memory::{GuestMemory, GuestMemoryMmap};
 use super::fuse::{
     is_unanswered, Session, IN_HEADER_LEN, MAX_IN_FLIGHT, WRITE_IN_LEN, WRITE_OPCODE,
 };
-use super::virtio::handover::{self, RINGS};
-use super::virtio::{fail_request, read_in_header, LIMITS, QUEUE_SIZE};
+use super::virtio::handover::{self, QUEUE_SIZE, RINGS};
 use super::WriteData;
 use crate::guest_memory::GuestMemoryFile;
 use crate::virtqueue::{self, complete, gather, next_request, scatter, Drained, Next, Popped};
+use chain::{fail_request, read_in_header, LIMITS};
 
+mod chain;
 pub(crate) mod fuzz;
 
 /// Serves one mount's device once the helper hands it over on `stream`, until the helper
@@ -321,114 +322,4 @@ fn answer(answering: impl Future<Output = ()> + Send + 'static, requests: &mut J
 }
 
 #[cfg(test)]
-mod tests {
-    use fuse_backend_rs::abi::fuse_abi as abi;
-    use vm_memory::{ByteValued, Bytes, GuestAddress};
-
-    use super::*;
-    use crate::fs::fuse::fuzz::{init_request, request};
-    use crate::fs::{MemoryFs, MountOptions};
-    use crate::virtqueue::laid_out::{laid_out_queue, offer, USED_RING};
-
-    /// A write whose data lies over several of the guest's buffers, the first shared with its
-    /// headers, is taken from guest memory (not copied with the request) and lands whole in
-    /// the file; its reply says how much was written.
-    #[tokio::test]
-    async fn a_write_spread_over_guest_buffers_lands_whole_in_the_file() {
-        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
-        let session = Session::new(Arc::new(MemoryFs::new()), MountOptions::new());
-        session.handle(&init_request(1)).await.unwrap().unwrap();
-        let create = abi::CreateIn {
-            flags: (libc::O_RDWR | libc::O_CREAT) as u32,
-            mode: libc::S_IFREG | 0o644,
-            umask: 0o022,
-            fuse_flags: 0,
-        };
-        // The root is node 1; the new file node 2, its handle 1 (MemoryFs counts from there).
-        let created = session
-            .handle(&request(35, 2, 1, &[create.as_slice(), b"f\0"].concat()))
-            .await
-            .unwrap()
-            .unwrap();
-        assert_eq!(i32::from_le_bytes(created[4..8].try_into().unwrap()), 0);
-
-        let data: Vec<u8> = (0..3100u32).map(|i| (i % 253) as u8).collect();
-        let args = abi::WriteIn {
-            fh: 1,
-            offset: 10,
-            size: data.len() as u32,
-            ..Default::default()
-        };
-        let mut head = request(16, 3, 2, args.as_slice());
-        let said = (head.len() + data.len()) as u32;
-        head[..4].copy_from_slice(&said.to_le_bytes());
-        // The headers and the first 100 bytes of data in one buffer, the rest in three.
-        let first = [&head[..], &data[..100]].concat();
-        mem.write_slice(&first, GuestAddress(0x10000)).unwrap();
-        mem.write_slice(&data[100..1100], GuestAddress(0x20000))
-            .unwrap();
-        mem.write_slice(&data[1100..2600], GuestAddress(0x30000))
-            .unwrap();
-        mem.write_slice(&data[2600..], GuestAddress(0x40000))
-            .unwrap();
-        offer(
-            &mem,
-            16,
-            0,
-            &[
-                (0x10000, first.len() as u32, false),
-                (0x20000, 1000, false),
-                (0x30000, 1500, false),
-                (0x40000, 500, false),
-                (0x50000, 4096, true),
-            ],
-        );
-        let ring = Arc::new(Mutex::new(laid_out_queue(16, &mem)));
-        let device = Arc::new(Device {
-            mem: mem.clone(),
-            rings: vec![ring.clone(), ring],
-            interrupt: OwnedFd::from(nix::sys::eventfd::EventFd::new().unwrap()),
-            session: Arc::new(session),
-            slots: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
-        });
-        let mut requests = JoinSet::new();
-        assert!(matches!(
-            device.serve_ring(1, &mut requests).await,
-            Turn::Drained(Drained::Empty)
-        ));
-        while let Some(done) = requests.join_next().await {
-            done.unwrap();
-        }
-
-        // The used ring: one completion of the chain at descriptor 0, a write's reply long.
-        let used_idx: u16 = mem.read_obj(GuestAddress(USED_RING + 2)).unwrap();
-        assert_eq!(used_idx, 1);
-        let written_len: u32 = mem.read_obj(GuestAddress(USED_RING + 8)).unwrap();
-        let mut reply = vec![0u8; written_len as usize];
-        mem.read_slice(&mut reply, GuestAddress(0x50000)).unwrap();
-        assert_eq!(
-            i32::from_le_bytes(reply[4..8].try_into().unwrap()),
-            0,
-            "no error"
-        );
-        assert_eq!(u32::from_le_bytes(reply[16..20].try_into().unwrap()), 3100);
-
-        // What the file holds, read back through the session.
-        let read = abi::ReadIn {
-            fh: 1,
-            offset: 0,
-            size: 8192,
-            ..Default::default()
-        };
-        let back = device
-            .session
-            .handle(&request(15, 4, 2, read.as_slice()))
-            .await
-            .unwrap()
-            .unwrap();
-        let content = &back[16..];
-        assert_eq!(content.len(), 3110);
-        assert!(content[..10].iter().all(|&b| b == 0));
-        assert_eq!(&content[10..], &data[..]);
-    }
-}
+mod tests;

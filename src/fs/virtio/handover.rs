@@ -25,6 +25,10 @@ const MAGIC: u64 = u64::from_le_bytes(*b"KBQUEUES");
 /// The rings a virtio-fs device of ours has: the high-priority one and one request queue.
 pub(crate) const RINGS: usize = 2;
 
+/// Descriptors in each ring. The guest's driver sizes its largest request by it (a page a
+/// descriptor): 1024 leaves room for a 1 MiB write, the size the session negotiates.
+pub(crate) const QUEUE_SIZE: u16 = 1024;
+
 /// The fds that come with the message: each ring's notification, then the interrupt.
 pub(crate) const FDS: usize = RINGS + 1;
 

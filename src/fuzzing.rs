@@ -1512,13 +1512,13 @@ pub fn virtio_fs_queue(data: &[u8]) {
 }
 
 /// A hostile guest's virtqueue on a copy-on-write root's virtio-blk device
-/// (`src/rootfs/device/`): any descriptor table, available ring, memory and disk size, served
+/// (`src/vmm/devices/blk/`): any descriptor table, available ring, memory and disk size, served
 /// by the device's code over a socket pair to the library's real service over a real layer.
 /// Panics if anything panics or hangs, the service refuses what the device sent, a request
 /// still waits once the service answered all, or a completion names a chain the guest did not
 /// offer or says more than a request's data and status.
 pub fn virtio_blk_queue(data: &[u8]) {
-    crate::rootfs::device::fuzz::fuzz_queue(data)
+    crate::vmm::devices::blk::fuzz::fuzz_queue(data)
 }
 
 /// A persistent root's layer file as a compromised VMM helper could leave it

@@ -94,7 +94,7 @@ struct Inner {
     cgroup: Option<Arc<crate::cgroup::InstanceCgroup>>,
     /// A copy-on-write root's layer disk and an image build's output disk, served while the
     /// instance lives.
-    _served_disks: Vec<rootfs::device::service::DiskLink>,
+    _served_disks: Vec<rootfs::disk::DiskLink>,
     /// A writable root's layer while the VM runs (the helper holds it too; this one reports
     /// its usage and holds a persistent layer's lock), `None` once the VM has stopped.
     layer: Arc<std::sync::Mutex<Option<rootfs::Layer>>>,
@@ -246,7 +246,7 @@ async fn boot_in_span(
     }
     let mut disk_services: Vec<_> = served_disks
         .iter()
-        .map(|(disk, _)| rootfs::device::service::DiskLink::new(disk))
+        .map(|(disk, _)| rootfs::disk::DiskLink::new(disk))
         .collect();
     let mut jail = crate::jail::host::prepare(dir.path(), &config.required_isolation)?;
     let layer_in_memory = match &config.rootfs {

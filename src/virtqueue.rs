@@ -1,13 +1,12 @@
 //! What the helper's forwarding devices share: walking a hostile guest's virtqueue and moving
 //! bytes between its memory and a socket.
 //!
-//! Each device of ours in the `krunbox-vmm` helper (a mount's virtio-fs device, `fs/virtio/`;
-//! a copy-on-write root's virtio-blk device, `rootfs/device/`) serves no data itself: it pops
-//! request chains off its queues, forwards them over a socket to the library, and completes
-//! them with what comes back. The queue handling is the same for both and lives here: a chain
-//! is walked once, checked against the device's bounds and guest memory, and kept as the
-//! guest addresses of its readable bytes and of its writable room. The library serves a
-//! mount's queues itself once the helper hands them over (`fs/served/`), with the same code.
+//! A copy-on-write root's virtio-blk device in the `krunbox-vmm` helper (`vmm/devices/blk/`)
+//! pops request chains off its queue and serves them from a file in place or forwards them
+//! over a socket to the library; the library serves a mount's queues itself once the helper's
+//! virtio-fs device hands them over (`fs/served/`). The queue handling is the same for both
+//! and lives here: a chain is walked once, checked against the device's bounds and guest
+//! memory, and kept as the guest addresses of its readable bytes and of its writable room.
 //!
 //! The queues are rust-vmm's (`virtio-queue`), built from the ring addresses the guest's driver
 //! set up ([`RingLayout`]), never libkrun's: this module is libkrun-free, so the library that

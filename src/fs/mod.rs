@@ -33,12 +33,12 @@
 //! ```
 
 pub(crate) mod fuse;
+pub(crate) mod handover;
 mod host_dir;
 mod memory;
 pub(crate) mod served;
 pub(crate) mod service;
 mod types;
-pub(crate) mod virtio;
 mod virtual_fs;
 mod write_data;
 

@@ -1,5 +1,7 @@
-//! The VMM helper's jail: the layers that confine `krunbox-vmm`, the canaries that prove them at
-//! every boot, and the report the library gets back.
+//! The VMM helper's jail as the library sees it: what it asks of the jail ([`JailConfig`]),
+//! the report it gets back ([`Isolation`]), and its own side (`host.rs`). The jail itself, the
+//! layers that confine `krunbox-vmm` and the canaries that prove them at every boot, runs in
+//! the helper (`crate::vmm::jail`).
 //!
 //! libkrun emulates devices in the helper's process. A bug there, driven by a hostile guest, runs
 //! code as the helper; the jail decides what that code can reach. Before it calls
@@ -20,21 +22,14 @@
 //! or, if a canary got through or a layer the definition requires is missing, exits without
 //! starting it. [`Instance::isolation`](crate::Instance::isolation) returns the report.
 
-mod canary;
-mod confine;
+mod config;
 pub(crate) mod host;
-mod seccomp;
 
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-pub(crate) use canary::run as run_canaries;
-pub(crate) use confine::{
-    build_root, enter_namespaces, fork_into_pid_namespace, report_cgroup, restrict, JailPaths,
-    LayerPath,
-};
-pub use confine::{CgroupPlacement, JailConfig};
+pub use config::{CgroupPlacement, JailConfig};
 
 /// Why the helper must not start the VM, if it must not: a canary got through (whatever the
 /// definition asked), or a layer the definition requires is missing.
@@ -264,6 +259,11 @@ impl Isolation {
             .filter(|c| !c.blocked)
             .cloned()
             .collect()
+    }
+
+    /// The report of `layer`, to be completed by the step that learns more about it.
+    pub(crate) fn layer_mut(&mut self, layer: Layer) -> Option<&mut LayerReport> {
+        self.layers.iter_mut().find(|l| l.layer == layer)
     }
 
     pub(crate) fn push_layer(&mut self, layer: Layer, enforced: bool, detail: impl Into<String>) {

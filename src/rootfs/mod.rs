@@ -17,8 +17,8 @@ use crate::error::{Error, Result};
 pub use krunbox_rootfs::BuiltinImage;
 
 mod block_cache;
-mod cow;
-pub(crate) mod device;
+pub(crate) mod cow;
+pub(crate) mod disk;
 mod flatten;
 pub(crate) mod fuzz;
 mod layer;

@@ -33,7 +33,7 @@ pub(super) async fn run_whole<T: Send + 'static>(
 /// Where a served disk's blocks are, as the helper's device reaches them.
 #[derive(Clone)]
 pub(crate) enum DiskSource {
-    /// The library serves each request (over a socket, `device::service`).
+    /// The library serves each request (over a socket, `disk`).
     Library(Arc<dyn ServedDisk>),
     /// The device reads and writes this regular file (open read-write) in place, block `i` of
     /// the disk at byte `i * 512`; holes and what lies past its end read as zeros.

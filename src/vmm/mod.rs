@@ -7,6 +7,8 @@
 //! talks to (the control channel today; filesystems and network later) stay in the library's
 //! process, reached through unix sockets that libkrun bridges to guest vsock ports.
 
+pub(crate) mod devices;
+pub(crate) mod jail;
 pub(crate) mod queue;
 
 use std::path::{Path, PathBuf};
@@ -15,8 +17,9 @@ use std::process::Stdio;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::jail::{Isolation, JailConfig, JailPaths};
+use crate::jail::{Isolation, JailConfig};
 use crate::protocol::CONTROL_PORT;
+use jail::JailPaths;
 
 /// The file descriptor number the root image is passed on.
 pub const ROOT_IMAGE_FD: i32 = 3;
@@ -236,11 +239,11 @@ pub fn helper_main() -> i32 {
     // limits, privileges, Landlock and seccomp; then the canaries. No guest code has run yet.
     let mut isolation = Isolation::default();
     let jail_started = std::time::Instant::now();
-    crate::jail::report_cgroup(&config.jail.cgroup, &mut isolation);
-    let (in_mount_namespace, in_pid_namespace) = crate::jail::enter_namespaces(&mut isolation);
+    jail::report_cgroup(&config.jail.cgroup, &mut isolation);
+    let (in_mount_namespace, in_pid_namespace) = jail::enter_namespaces(&mut isolation);
     // From here on this is the VMM process (with a pid namespace: a child, its pid 1).
     let vmm_pid = if in_pid_namespace {
-        crate::jail::fork_into_pid_namespace(&mut isolation)
+        jail::fork_into_pid_namespace(&mut isolation)
     } else {
         std::process::id()
     };
@@ -272,7 +275,7 @@ pub fn helper_main() -> i32 {
         control_socket: config.control_socket.clone(),
         kernel: config.kernel.as_ref().map(|k| k.path.clone()),
         share: config.virtiofs_passthrough.as_ref().map(|s| s.dir.clone()),
-        layer: config.writable_layer.map(|disk| crate::jail::LayerPath {
+        layer: config.writable_layer.map(|disk| jail::LayerPath {
             path: PathBuf::from(format!("/proc/self/fd/{WRITABLE_LAYER_FD}")),
             max_file_bytes: disk.max_file_bytes,
             on_host_filesystem: disk.qcow2,
@@ -286,12 +289,12 @@ pub fn helper_main() -> i32 {
             .unwrap_or(0),
     };
     let root_started = std::time::Instant::now();
-    let paths = crate::jail::build_root(&config.jail, host, in_mount_namespace, &mut isolation);
+    let paths = jail::build_root(&config.jail, host, in_mount_namespace, &mut isolation);
     isolation.add_setup_time(root_started.elapsed());
     let configured = configure(ctx, &config, &paths, guest_init);
     let rest_started = std::time::Instant::now();
-    crate::jail::restrict(&paths, &mut isolation);
-    crate::jail::run_canaries(&config.jail, &mut isolation);
+    jail::restrict(&paths, &mut isolation);
+    jail::run_canaries(&config.jail, &mut isolation);
     isolation.add_setup_time(rest_started.elapsed());
     let refusal = crate::jail::refusal(&config.jail, &isolation);
     write_report(vmm_pid, &isolation);
@@ -492,7 +495,7 @@ fn configure(
         // `fs_devices` of them, and nothing else in the helper owns them.
         let socket = unsafe { std::os::unix::net::UnixStream::from_raw_fd(fd) };
         let tag = krunbox_protocol::mount_tag(index);
-        let device = crate::fs::virtio::HandOverFs::new(&tag, socket);
+        let device = devices::fs::HandOverFs::new(&tag, socket);
         krun_sys::device::attach_served_elsewhere(
             &tag,
             std::sync::Arc::new(std::sync::Mutex::new(device)),
@@ -512,7 +515,7 @@ fn configure(
         ));
     }
     for (index, disk) in config.served_disks.iter().enumerate() {
-        use crate::rootfs::device::{Backing, ServedBlock};
+        use devices::blk::{Backing, ServedBlock};
         use std::os::fd::FromRawFd;
         let fd = SERVED_DISK_FD_BASE + index as i32;
         // SAFETY: the library passes fds SERVED_DISK_FD_BASE.. open on a socket each (or on

@@ -3,7 +3,7 @@
 //!
 //! The VM's memory is a file of this process's (`crate::guest_memory`). When the guest's
 //! driver activates a mount's device, the helper sends where the rings and memory lie with
-//! each queue's notification eventfd and the interrupt eventfd ([`super::virtio::handover`]),
+//! each queue's notification eventfd and the interrupt eventfd ([`super::handover`]),
 //! and does nothing more for the device. Here a task per mount waits on the notifications
 //! (KVM signals them when the guest notifies a queue), takes each request off its ring with
 //! the same bounded code the helper's device uses (`crate::virtqueue`), copies its bytes out
@@ -32,7 +32,7 @@ use vm_memory::{GuestMemory, GuestMemoryMmap};
 use super::fuse::{
     is_unanswered, Session, IN_HEADER_LEN, MAX_IN_FLIGHT, WRITE_IN_LEN, WRITE_OPCODE,
 };
-use super::virtio::handover::{self, QUEUE_SIZE, RINGS};
+use super::handover::{self, QUEUE_SIZE, RINGS};
 use super::WriteData;
 use crate::guest_memory::GuestMemoryFile;
 use crate::virtqueue::{self, complete, gather, next_request, scatter, Drained, Next, Popped};

@@ -37,7 +37,7 @@ use seccompiler::{
     SeccompFilter, SeccompRule, TargetArch,
 };
 
-use super::{Isolation, Layer};
+use crate::jail::{Isolation, Layer};
 
 /// KVM's ioctl type byte (`_IO(KVMIO, …)`, KVMIO = 0xAE).
 const KVM_IOCTL_TYPE: u64 = 0xAE00;

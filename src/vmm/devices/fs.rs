@@ -20,10 +20,8 @@ use krun_sys::device::{
 };
 use vm_memory::GuestMemoryMmap;
 
+use crate::fs::handover::{self, QUEUE_SIZE};
 use crate::virtqueue;
-use handover::QUEUE_SIZE;
-
-pub(crate) mod handover;
 
 /// virtio's device type for a filesystem (`VIRTIO_ID_FS`).
 const VIRTIO_ID_FS: u32 = 26;

@@ -7,6 +7,8 @@
 //! request waits for a wake-up of its own. Everything belongs to the instance: dropping the
 //! service ends the connection's task.
 
+pub(crate) mod wire;
+
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
@@ -15,8 +17,8 @@ use tokio::net::UnixStream;
 use tokio::task::JoinHandle;
 use tracing::Instrument;
 
-use super::wire::{Operation, ReplyHeader, RequestHeader, Status, REQUEST_HEADER_LEN};
 use crate::rootfs::served::{run_whole, DiskSource, InPlaceFailures, ServedDisk};
+use wire::{Operation, ReplyHeader, RequestHeader, Status, REQUEST_HEADER_LEN};
 
 /// One served disk's link to its device in the helper, for the instance's life: a service of
 /// the library's, or a file the device reads and writes in place.

@@ -41,16 +41,16 @@ use krun_sys::device::{
 use virtio_queue::Queue;
 use vm_memory::{GuestAddress, GuestMemoryMmap};
 
+use crate::rootfs::disk::wire::{
+    Operation, ReplyHeader, RequestHeader, Status, MAX_DATA, REPLY_HEADER_LEN,
+};
 use crate::virtqueue::{
     self, complete, complete_unsignalled, gather, read_at_into_guest, receive_buffered_into_guest,
     scatter, send_from_guest, serve_notifications, write_at_from_guest, Chain, ChainLimits,
     Drained, Popped,
 };
-use wire::{Operation, ReplyHeader, RequestHeader, Status, MAX_DATA, REPLY_HEADER_LEN};
 
 pub(crate) mod fuzz;
-pub(crate) mod service;
-pub(crate) mod wire;
 
 /// virtio's device type for a block device (`VIRTIO_ID_BLOCK`).
 const VIRTIO_ID_BLOCK: u32 = 2;

@@ -7,9 +7,7 @@
 
 use std::path::{Path, PathBuf};
 
-use serde::{Deserialize, Serialize};
-
-use super::{Isolation, Layer};
+use crate::jail::{CgroupPlacement, Isolation, JailConfig, Layer};
 
 /// Descriptors the jailed helper may hold open: libkrun uses about 60 for a VM with our devices
 /// (eventfds per virtqueue, vCPU fds, epoll, sockets). Each guest vsock connection costs one,
@@ -21,46 +19,6 @@ pub(crate) const MAX_OPEN_FILES: u64 = 512;
 /// helper logs to a pipe the library drains into a bounded log (src/logs.rs), so this bounds
 /// only the isolation probe's log file and any file the jail would let it write.
 pub(crate) const MAX_LOG_BYTES: u64 = 16 << 20;
-
-/// What the library tells the helper about its jail (part of the VMM configuration).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub struct JailConfig {
-    /// An empty directory the helper mounts its new root on (inside its own mount namespace, so
-    /// nothing of that mount is visible outside).
-    pub root_dir: PathBuf,
-    /// A file only the library should be able to read: the host-file canary.
-    pub canary_file: PathBuf,
-    /// A TCP port on 127.0.0.1 where the library listens: the loopback canary.
-    pub canary_port: u16,
-    /// A unix socket the library listens on by path: the host-unix-socket canary.
-    pub canary_socket: PathBuf,
-    /// The name of a unix socket the library listens on in the abstract namespace.
-    pub canary_abstract: String,
-    /// Layers the definition requires: the helper refuses to start the VM without them.
-    pub required: Vec<Layer>,
-    /// The cgroup the library put the helper in, or why it could not.
-    pub cgroup: CgroupPlacement,
-}
-
-/// Where the library placed the helper (`JailConfig::cgroup`): the helper checks it is there
-/// before it reports the layer in force.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields, rename_all = "snake_case")]
-pub enum CgroupPlacement {
-    /// In this cgroup (its path as `/proc/self/cgroup` shows it), with these limits.
-    Placed {
-        /// The path below the cgroup2 mount.
-        path: String,
-        /// What was set, for the report.
-        limits: String,
-    },
-    /// In none of its own, for this reason.
-    Unavailable {
-        /// Why, for the report.
-        reason: String,
-    },
-}
 
 /// Reports the cgroup layer: in force only if this process is where the library said it put it
 /// (read from `/proc/self/cgroup`, before any namespace changes what it shows).
@@ -258,11 +216,7 @@ pub(crate) fn fork_into_pid_namespace(report: &mut Isolation) -> u32 {
 }
 
 fn no_pid_namespace(report: &mut Isolation, why: String) -> u32 {
-    if let Some(l) = report
-        .layers
-        .iter_mut()
-        .find(|l| l.layer == Layer::PidNamespace)
-    {
+    if let Some(l) = report.layer_mut(Layer::PidNamespace) {
         l.enforced = false;
         l.detail = format!("unshared, but the VMM could not be started in it: {why}");
     }
@@ -682,10 +636,7 @@ pub(crate) fn build_root(
 
 /// The report's mount-namespace layer, whose detail the root's contents complete.
 fn mount_namespace(report: &mut Isolation) -> Option<&mut crate::jail::LayerReport> {
-    report
-        .layers
-        .iter_mut()
-        .find(|l| l.layer == Layer::MountNamespace)
+    report.layer_mut(Layer::MountNamespace)
 }
 
 /// Everything after the root: rlimits, privileges, Landlock, seccomp, in that order (seccomp

@@ -13,8 +13,9 @@
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 
-use super::{drain, drain_in_place, serve_replies, service, Pending, Shared, MAX_DATA, SERIAL_LEN};
+use super::{drain, drain_in_place, serve_replies, Pending, Shared, MAX_DATA, SERIAL_LEN};
 use crate::rootfs::cow::CowLayer;
+use crate::rootfs::disk as service;
 use crate::rootfs::MemoryStore;
 use crate::virtqueue::laid_out::{check_completions, laid_out_queue, HostileQueue, Input};
 #[cfg(test)]

@@ -10,6 +10,7 @@ use vm_memory::Bytes;
 use super::fuzz::{counted, failure_count};
 use super::*;
 use crate::rootfs::cow::CowLayer;
+use crate::rootfs::disk::{self as service, wire};
 use crate::rootfs::served::ServedDisk;
 use crate::rootfs::MemoryStore;
 use crate::virtqueue::laid_out::{self, laid_out_queue};

@@ -125,7 +125,7 @@ fn tail(dir: &Path) -> String {
     crate::logs::tail(dir, 25)
 }
 
-/// The error for a helper that exited with [`vmm::ISOLATION_EXIT_CODE`]: it refused to start the
+/// The error for a helper that exited with [`krunbox_protocol::vmm::ISOLATION_EXIT_CODE`]: it refused to start the
 /// VM, and its report says why.
 fn isolation_refusal(
     report: Option<crate::Isolation>,
@@ -427,39 +427,37 @@ async fn boot_in_span(
             .collect::<std::io::Result<Vec<_>>>()
             .map_err(Error::io("connecting the served disks' devices"))?;
         let mut child = {
+            use krunbox_protocol::vmm::Inherited;
             use std::os::fd::AsRawFd;
-            let mut inherited = vec![
-                (image.file.as_raw_fd(), vmm::ROOT_IMAGE_FD),
-                (lifeline_read.as_raw_fd(), vmm::LIFELINE_FD),
-                (guest_init.as_raw_fd(), vmm::GUEST_INIT_FD),
-                (report_write.as_raw_fd(), vmm::REPORT_FD),
+            let mut handed = vec![
+                (image.file.as_raw_fd(), Inherited::RootImage),
+                (lifeline_read.as_raw_fd(), Inherited::Lifeline),
+                (guest_init.as_raw_fd(), Inherited::GuestInit),
+                (report_write.as_raw_fd(), Inherited::Report),
             ];
             if let Some((_, helper_end)) = &net_pair {
-                inherited.push((helper_end.as_raw_fd(), vmm::NET_FD));
+                handed.push((helper_end.as_raw_fd(), Inherited::Network));
             }
             if let Some(file) = guard.layer.as_ref().and_then(|layer| layer.file()) {
-                inherited.push((file.as_raw_fd(), vmm::WRITABLE_LAYER_FD));
+                handed.push((file.as_raw_fd(), Inherited::WritableLayer));
             }
             if let Some(memory) = &guest_memory {
-                inherited.push((memory.file().as_raw_fd(), vmm::GUEST_MEMORY_FD));
+                handed.push((memory.file().as_raw_fd(), Inherited::GuestMemory));
             }
             for (index, end) in fs_ends.iter().enumerate() {
-                inherited.push((end.as_raw_fd(), vmm::FS_DEVICE_FD_BASE + index as i32));
+                handed.push((end.as_raw_fd(), Inherited::FsDevice(index)));
             }
             for (index, (end, failures)) in disk_ends.iter().enumerate() {
-                inherited.push((end.as_raw_fd(), vmm::SERVED_DISK_FD_BASE + index as i32));
+                handed.push((end.as_raw_fd(), Inherited::ServedDisk(index)));
                 if let Some(failures) = failures {
-                    inherited.push((
-                        failures.as_raw_fd(),
-                        vmm::SERVED_DISK_FAILURES_FD_BASE + index as i32,
-                    ));
+                    handed.push((failures.as_raw_fd(), Inherited::ServedDiskFailures(index)));
                 }
             }
             vmm::spawn(
                 &config.artifacts.vmm_helper,
                 &config.artifacts.libkrunfw_dir,
                 &[config_path.as_os_str()],
-                &inherited,
+                &handed,
                 log,
                 cgroup_procs.as_ref(),
             )?
@@ -501,7 +499,7 @@ async fn boot_in_span(
             status = child.wait() => {
                 logs.settle_after_exit().await;
                 match status {
-                    Ok(s) if s.code() == Some(vmm::ISOLATION_EXIT_CODE) => {
+                    Ok(s) if s.code() == Some(krunbox_protocol::vmm::ISOLATION_EXIT_CODE) => {
                         let report = (&mut report).await.ok().flatten();
                         Err(isolation_refusal(
                             report.map(|r| r.isolation),
@@ -683,7 +681,7 @@ async fn boot_in_span(
                     };
                     format!("{what}\n{tail}")
                 }
-                Ok(s) if s.code() == Some(vmm::LIFELINE_EXIT_CODE) => {
+                Ok(s) if s.code() == Some(krunbox_protocol::vmm::LIFELINE_EXIT_CODE) => {
                     "the VMM helper exited because its instance handle was dropped".to_string()
                 }
                 Ok(s) => format!("the VM stopped ({s})\n{}", tail(&dir_path)),

@@ -50,6 +50,7 @@
 mod frame;
 pub mod fs;
 mod message;
+pub mod vmm;
 
 pub use frame::{Frame, FrameDecoder, FRAME_HEADER_LEN, MAX_FRAME_BODY};
 pub use message::*;

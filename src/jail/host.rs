@@ -167,7 +167,10 @@ pub(crate) async fn probe(
         helper,
         libkrunfw_dir,
         &["--probe-isolation".as_ref(), config_path.as_os_str()],
-        &[(report_write.as_raw_fd(), crate::vmm::REPORT_FD)],
+        &[(
+            report_write.as_raw_fd(),
+            krunbox_protocol::vmm::Inherited::Report,
+        )],
         log.into(),
         cgroup_procs.as_ref(),
     )

@@ -61,7 +61,7 @@ impl DiskSource {
 /// The reads, writes and flushes of a disk served in place that failed in the helper's device
 /// (a full host disk, an I/O error): the guest got `EIO` for each, and the library, which
 /// sees none of the I/O, learns of them here once the VM has stopped. An eventfd: the helper
-/// adds one per failure to its copy (`vmm::SERVED_DISK_FAILURES_FD_BASE`), and reading it
+/// adds one per failure to its copy (`Inherited::ServedDiskFailures`), and reading it
 /// takes the count.
 #[derive(Debug)]
 pub(crate) struct InPlaceFailures(nix::sys::eventfd::EventFd);

@@ -14,26 +14,43 @@ pub(crate) mod queue;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
-use serde::{Deserialize, Serialize};
+use krunbox_protocol::vmm::{Inherited, ISOLATION_EXIT_CODE, LIFELINE_EXIT_CODE, MAX_SERVED_DISKS};
+pub use krunbox_protocol::vmm::{
+    KernelConfig, LayerDisk, NetDeviceConfig, PassthroughShare, ServedDiskConfig, VmmConfig,
+};
 
 use crate::error::{Error, Result};
-use crate::jail::{Isolation, JailConfig};
+use crate::jail::Isolation;
 use crate::protocol::CONTROL_PORT;
 use jail::JailPaths;
 
-/// The file descriptor number the root image is passed on.
-pub const ROOT_IMAGE_FD: i32 = 3;
+/// The numbers the library passes the helper's fixed roles at ([`Inherited`]).
+const ROOT_IMAGE_FD: i32 = fixed(Inherited::RootImage);
+const LIFELINE_FD: i32 = fixed(Inherited::Lifeline);
+const GUEST_INIT_FD: i32 = fixed(Inherited::GuestInit);
+const REPORT_FD: i32 = fixed(Inherited::Report);
+const WRITABLE_LAYER_FD: i32 = fixed(Inherited::WritableLayer);
 
-/// The file descriptor of the helper's lifeline: the read end of a pipe whose write end only the
-/// library's instance holds. EOF means the instance (or the whole library process) is gone, and
-/// the helper exits at once. Unlike `PR_SET_PDEATHSIG`, this follows the process, not the thread
-/// that happened to spawn the helper.
-pub const LIFELINE_FD: i32 = 4;
+const fn fixed(role: Inherited) -> i32 {
+    match role.fd() {
+        Some(fd) => fd,
+        None => panic!("every fixed role has a number"),
+    }
+}
 
-/// The file descriptor guest-init's binary is passed on. The helper reads it into memory and
-/// serves it as the guest's `/init.krun` from a virtio-fs device that has no host directory
-/// behind it (see `configure`).
-pub const GUEST_INIT_FD: i32 = 5;
+/// The descriptor the library passed for `role`, taken over.
+///
+/// # Safety
+/// The library must have passed `role` (the configuration says which roles it passed), and
+/// nothing else in this process may own it: each role is taken once.
+unsafe fn take(role: Inherited) -> std::result::Result<std::os::fd::OwnedFd, String> {
+    use std::os::fd::FromRawFd;
+    let fd = role
+        .fd()
+        .ok_or_else(|| format!("{role:?} is past what the helper takes"))?;
+    // SAFETY: as the caller vouches.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
 
 /// The largest guest-init binary the helper accepts (it is about 1 MiB).
 const GUEST_INIT_MAX_BYTES: u64 = 64 << 20;
@@ -42,158 +59,6 @@ const GUEST_INIT_MAX_BYTES: u64 = 64 << 20;
 /// `layers` holds the layers of a root image given mount points it lacks (guest-init's
 /// mounts.rs).
 const BOOT_DIRS: [&str; 5] = ["dev", "proc", "sys", "newroot", "layers"];
-
-/// The file descriptor of the pipe the helper writes its [`Isolation`] report to (JSON), before
-/// it starts the VM or refuses to.
-pub const REPORT_FD: i32 = 6;
-
-/// The file descriptor of the helper's end of the guest's network link (a connected unix
-/// stream socket; the library serves the other end), passed only when the definition has a
-/// network. The helper hands it to libkrun as the virtio-net device's backend.
-pub const NET_FD: i32 = 7;
-
-/// The file descriptor of a writable root's layer disk (a sealed memfd holding ext4; see
-/// `rootfs/layer.rs`), passed only when the root is writable. libkrun opens it read-write as
-/// the guest's second disk, through the helper's `/proc/self/fd`.
-pub const WRITABLE_LAYER_FD: i32 = 8;
-
-/// The first of the helper's ends of the served disks' sockets (connected unix stream sockets;
-/// the library serves the other ends), one per [`VmmConfig::served_disks`] entry, at most
-/// [`MAX_SERVED_DISKS`]. The helper's virtio-blk devices forward the guest's requests on them,
-/// or, for a disk served in place, read and write the regular file open there.
-pub const SERVED_DISK_FD_BASE: i32 = 9;
-
-/// The most served disks: a copy-on-write root's layer disk and an image build's output disk.
-pub const MAX_SERVED_DISKS: usize = 2;
-
-/// For a disk served in place, the first of its failure counts: an eventfd per such disk
-/// (`SERVED_DISK_FAILURES_FD_BASE + i` for [`VmmConfig::served_disks`] entry `i`), to which
-/// the helper's device adds one for every read, write or flush of the file that failed, so
-/// that the library, which sees none of the I/O, can report them once the VM has stopped.
-pub const SERVED_DISK_FAILURES_FD_BASE: i32 = SERVED_DISK_FD_BASE + MAX_SERVED_DISKS as i32;
-
-/// The first of the helper's filesystem device sockets (see [`VmmConfig::fs_devices`]); one
-/// per mount (at most [`MAX_MOUNTS`](crate::fs::MAX_MOUNTS), fewer beside a network, a writable
-/// root's layer or an output disk, which take devices too).
-pub const FS_DEVICE_FD_BASE: i32 = 16;
-
-/// The guest's memory: a sealed memfd of the library's (see [`VmmConfig::guest_memory_file`]).
-pub const GUEST_MEMORY_FD: i32 = 13;
-
-/// The helper's exit code when it refused to start the VM because its jail did not hold (a
-/// canary got through) or a required isolation layer is missing. The report says which.
-pub const ISOLATION_EXIT_CODE: i32 = 71;
-
-/// The helper's exit code when its lifeline broke (the instance or the library process went).
-pub const LIFELINE_EXIT_CODE: i32 = 70;
-
-/// Everything the helper needs to configure libkrun. Written as JSON by the library, read by
-/// `krunbox-vmm`; both are built from this crate, so the format is private to one build.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub struct VmmConfig {
-    /// vCPUs.
-    pub cpus: u8,
-    /// Guest RAM in MiB.
-    pub memory_mib: u32,
-    /// Filesystem type of the root image (on fd [`ROOT_IMAGE_FD`]).
-    pub root_fstype: String,
-    /// The root image is a qcow2 (a flattened root), not a raw filesystem image. The library
-    /// checked that it names no other file.
-    #[serde(default)]
-    pub root_qcow2: bool,
-    /// The root image's path, only to find it again inside the helper's mount namespace: the
-    /// file opened there must be the very file of [`ROOT_IMAGE_FD`] (same device and inode).
-    pub root_image: PathBuf,
-    /// Host unix socket bridged to guest vsock port [`CONTROL_PORT`].
-    pub control_socket: PathBuf,
-    /// Host filesystems: a virtio-fs device each, tagged
-    /// [`mount_tag`](krunbox_protocol::mount_tag)`(i)`, forwarding to the socket on fd
-    /// [`FS_DEVICE_FD_BASE`]` + i`.
-    #[serde(default)]
-    pub fs_devices: u32,
-    /// The guest's memory is the file on [`GUEST_MEMORY_FD`] (every region, the kernel's
-    /// too), which the library maps as well; the filesystem devices then hand their queues
-    /// over to the library when the guest activates them, instead of forwarding each request.
-    #[serde(default)]
-    pub guest_memory_file: bool,
-    /// The FIFO the guest console goes to; the library drains it into a bounded log.
-    pub console: PathBuf,
-    /// The helper's jail.
-    pub jail: JailConfig,
-    /// A custom kernel instead of libkrunfw's.
-    pub kernel: Option<KernelConfig>,
-    /// libkrun log level (0 off … 5 trace).
-    pub log_level: u32,
-    /// A virtio-net device on [`NET_FD`], or none at all.
-    pub network: Option<NetDeviceConfig>,
-    /// Benchmarks only: a host directory served by libkrun's own virtio-fs passthrough
-    /// (`SandboxBuilder::virtiofs_passthrough_for_benchmarks`).
-    #[serde(default)]
-    pub virtiofs_passthrough: Option<PassthroughShare>,
-    /// A writable root's layer disk on [`WRITABLE_LAYER_FD`], or none for a read-only root.
-    #[serde(default)]
-    pub writable_layer: Option<LayerDisk>,
-    /// Disks the library serves over [`SERVED_DISK_FD_BASE`]` + i` (a copy-on-write root's
-    /// layer disk, an image build's output): a virtio-blk device of ours each, after the
-    /// filesystems'.
-    #[serde(default)]
-    pub served_disks: Vec<ServedDiskConfig>,
-}
-
-/// A disk the library serves, as the helper's device shows it to the guest.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub struct ServedDiskConfig {
-    /// The disk's size in bytes.
-    pub size: u64,
-    /// The serial guest-init finds it by.
-    pub serial: String,
-    /// Its fd is a regular file the device reads and writes in place (a block store's file,
-    /// an image build's output), not a socket to the library. The helper's `RLIMIT_FSIZE`
-    /// is then at least `size`.
-    #[serde(default)]
-    pub in_place: bool,
-}
-
-/// A writable root's layer disk, as the helper attaches it.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
-pub struct LayerDisk {
-    /// The most bytes the disk's file may take on the host (the helper's `RLIMIT_FSIZE`).
-    pub max_file_bytes: u64,
-    /// qcow2 (a persistent layer) or raw (an ephemeral one).
-    pub qcow2: bool,
-}
-
-/// Benchmarks only: a host directory the guest can mount as virtio-fs `tag`, served by
-/// libkrun's passthrough server inside the helper. Not a way to share a directory: that server
-/// does not jail itself (see `SandboxBuilder::virtiofs_passthrough_for_benchmarks`).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub struct PassthroughShare {
-    /// The virtio-fs tag the guest mounts (`mount -t virtiofs TAG DIR`).
-    pub tag: String,
-    /// The host directory (absolute).
-    pub dir: PathBuf,
-}
-
-/// The guest's network device.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct NetDeviceConfig {
-    /// The guest's MAC address.
-    pub mac: [u8; 6],
-}
-
-/// A custom guest kernel.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct KernelConfig {
-    /// Kernel image.
-    pub path: PathBuf,
-    /// libkrun's `KRUN_KERNEL_FORMAT_*` number.
-    pub format: u32,
-    /// The whole kernel command line, or `None` for libkrun's default.
-    pub cmdline: Option<String>,
-}
 
 /// Entry point of the `krunbox-vmm` helper binary. Only returns (with an exit code) if the VM
 /// could not be started; otherwise libkrun exits the process when the guest powers off.
@@ -489,11 +354,11 @@ fn configure(
         return Err("filesystem devices without the guest memory file".into());
     }
     for index in 0..config.fs_devices {
-        use std::os::fd::FromRawFd;
-        let fd = FS_DEVICE_FD_BASE + index as i32;
-        // SAFETY: the library passes fds FS_DEVICE_FD_BASE.. open on a socket each, exactly
-        // `fs_devices` of them, and nothing else in the helper owns them.
-        let socket = unsafe { std::os::unix::net::UnixStream::from_raw_fd(fd) };
+        // SAFETY: the library passes a socket for each of the `fs_devices` mounts, and
+        // nothing else in the helper owns them.
+        let socket = std::os::unix::net::UnixStream::from(unsafe {
+            take(Inherited::FsDevice(index as usize))?
+        });
         let tag = krunbox_protocol::mount_tag(index);
         let device = devices::fs::HandOverFs::new(&tag, socket);
         krun_sys::device::attach_served_elsewhere(
@@ -502,10 +367,9 @@ fn configure(
         );
     }
     if config.guest_memory_file {
-        use std::os::fd::FromRawFd;
-        // SAFETY: the library passes GUEST_MEMORY_FD, open on its memfd, exactly when
-        // `guest_memory_file` is set, and nothing else in the helper owns it.
-        let file = unsafe { std::fs::File::from_raw_fd(GUEST_MEMORY_FD) };
+        // SAFETY: the library passes its memfd exactly when `guest_memory_file` is set, and
+        // nothing else in the helper owns it.
+        let file = std::fs::File::from(unsafe { take(Inherited::GuestMemory)? });
         krun_sys::device::use_guest_memory_file(file);
     }
     if config.served_disks.len() > MAX_SERVED_DISKS {
@@ -516,19 +380,15 @@ fn configure(
     }
     for (index, disk) in config.served_disks.iter().enumerate() {
         use devices::blk::{Backing, ServedBlock};
-        use std::os::fd::FromRawFd;
-        let fd = SERVED_DISK_FD_BASE + index as i32;
-        // SAFETY: the library passes fds SERVED_DISK_FD_BASE.. open on a socket each (or on
-        // a regular file, for a disk served in place), one per `served_disks` entry, and
-        // nothing else in the helper owns them.
+        // SAFETY: the library passes a socket (or a regular file, for a disk served in place)
+        // for each `served_disks` entry, and for a disk served in place its failure count's
+        // eventfd too; nothing else in the helper owns them.
+        let disk_fd = unsafe { take(Inherited::ServedDisk(index))? };
         let backing = if disk.in_place {
-            let failures = SERVED_DISK_FAILURES_FD_BASE + index as i32;
-            // SAFETY: for a disk served in place the library also passes its failure count's
-            // eventfd at SERVED_DISK_FAILURES_FD_BASE + i, owned by nothing else here.
-            let failures = unsafe { std::fs::File::from_raw_fd(failures) };
-            Backing::File(unsafe { std::fs::File::from_raw_fd(fd) }, failures)
+            let failures = unsafe { take(Inherited::ServedDiskFailures(index))? };
+            Backing::File(std::fs::File::from(disk_fd), std::fs::File::from(failures))
         } else {
-            Backing::Library(unsafe { std::os::unix::net::UnixStream::from_raw_fd(fd) })
+            Backing::Library(std::os::unix::net::UnixStream::from(disk_fd))
         };
         let device = ServedBlock::new(disk.size, &disk.serial, backing)
             .map_err(|e| format!("the served disk {}: {e}", disk.serial))?;
@@ -541,31 +401,41 @@ fn configure(
     step(ctx.set_env(&[]))?;
     step(ctx.set_console_output(&paths.console))?;
     if let Some(net) = &config.network {
-        use std::os::fd::FromRawFd;
-        // SAFETY: the library passes NET_FD, open on its socket, exactly when `network` is
-        // set, and nothing else in the helper owns it; libkrun takes it over.
-        let socket = unsafe { std::os::fd::OwnedFd::from_raw_fd(NET_FD) };
+        // SAFETY: the library passes its socket exactly when `network` is set, and nothing
+        // else in the helper owns it; libkrun takes it over.
+        let socket = unsafe { take(Inherited::Network)? };
         step(ctx.add_net_unixstream(socket, net.mac))?;
     }
     Ok(ctx)
 }
 
-/// Descriptors handed to the helper, each as (descriptor in this process, number in the helper).
-pub(crate) type Inherited = [(std::os::fd::RawFd, i32)];
+/// Descriptors handed to the helper, each as (descriptor in this process, its role there).
+pub(crate) type Handed = [(std::os::fd::RawFd, Inherited)];
 
-/// Starts the helper with `args`. Each inherited descriptor becomes the given number in the
-/// helper (for a VM: the root image [`ROOT_IMAGE_FD`], the lifeline [`LIFELINE_FD`], guest-init
-/// [`GUEST_INIT_FD`], the report pipe [`REPORT_FD`]). `log` becomes its stdout and stderr: for a
-/// VM the write end of a pipe the library drains into a bounded log.
+/// Starts the helper with `args`. Each handed descriptor becomes its role's number in the
+/// helper ([`Inherited::fd`]; for a VM: the root image, the lifeline, guest-init, the report
+/// pipe, and what the definition adds). `log` becomes its stdout and stderr: for a VM the
+/// write end of a pipe the library drains into a bounded log.
 pub(crate) fn spawn(
     helper: &Path,
     libkrunfw_dir: &Path,
     args: &[&std::ffi::OsStr],
-    inherited: &Inherited,
+    handed: &Handed,
     log: std::os::fd::OwnedFd,
     cgroup_procs: Option<&std::os::fd::OwnedFd>,
 ) -> Result<tokio::process::Child> {
     use std::os::fd::AsRawFd;
+    let inherited = handed
+        .iter()
+        .map(|(fd, role)| role.fd().map(|number| (*fd, number)).ok_or(role))
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|role| Error::VmmSpawn {
+            path: helper.to_owned(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("{role:?} is past what the helper takes"),
+            ),
+        })?;
     let cgroup_procs = cgroup_procs.map_or(-1, |fd| fd.as_raw_fd());
     const MAX_INHERITED: usize = 32;
     /// Above every target number: sources are moved here first.
@@ -581,7 +451,7 @@ pub(crate) fn spawn(
         "an inherited descriptor's number is not below {OUT_OF_THE_WAY}"
     );
     let mut plan = [(-1, -1); MAX_INHERITED];
-    plan[..inherited.len()].copy_from_slice(inherited);
+    plan[..inherited.len()].copy_from_slice(&inherited);
     let count = inherited.len();
     let log_err = log
         .try_clone()

@@ -196,7 +196,7 @@ pub(crate) fn fork_into_pid_namespace(report: &mut Isolation) -> u32 {
             let pid = match nix::unistd::read(&ready_read, &mut pid) {
                 Ok(4) => u32::from_ne_bytes(pid),
                 // EOF instead of a pid: the parent died before PDEATHSIG was set.
-                _ => std::process::exit(crate::vmm::LIFELINE_EXIT_CODE),
+                _ => std::process::exit(krunbox_protocol::vmm::LIFELINE_EXIT_CODE),
             };
             // The parent may also have died after writing and before PDEATHSIG was armed: then
             // its end of the pipe is closed (hang-up), and nothing would ever kill this process.
@@ -208,7 +208,7 @@ pub(crate) fn fork_into_pid_namespace(report: &mut Isolation) -> u32 {
             // SAFETY: poll on one valid pollfd, without waiting.
             let ready = unsafe { libc::poll(&mut poll, 1, 0) };
             if ready != 0 && poll.revents & libc::POLLHUP != 0 {
-                std::process::exit(crate::vmm::LIFELINE_EXIT_CODE);
+                std::process::exit(krunbox_protocol::vmm::LIFELINE_EXIT_CODE);
             }
             pid
         }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use crate::artifacts::Artifacts;
 use crate::limits::Limits;
 use crate::rootfs::Rootfs;
-use crate::vmm::KernelConfig;
+use krunbox_protocol::vmm::KernelConfig;
 
 /// A definition as [`SandboxBuilder::build`](crate::SandboxBuilder::build) checked it, with the
 /// run-time files found; shared, unchanged, by every boot of it.
@@ -38,7 +38,7 @@ pub(crate) struct SandboxConfig {
     pub mounts: Vec<crate::fs::Mount>,
     /// Benchmarks only: a host directory served by libkrun's own virtio-fs passthrough
     /// (`SandboxBuilder::virtiofs_passthrough_for_benchmarks`), checked: absolute, a directory.
-    pub virtiofs_passthrough: Option<crate::vmm::PassthroughShare>,
+    pub virtiofs_passthrough: Option<krunbox_protocol::vmm::PassthroughShare>,
     /// An image's configuration: defaults for commands, the entrypoint.
     pub image_config: Option<crate::rootfs::oci::ImageConfig>,
     /// An image build's output disk (crate-internal).

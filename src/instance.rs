@@ -14,11 +14,12 @@ use tracing::Instrument;
 use crate::config::SandboxConfig;
 use crate::control::{self, Control, Gone, Liveness};
 use crate::error::{Error, Result};
+use crate::helper;
 use crate::logs::{BoundedLog, InstanceLogs};
 use crate::process::{Command, Guest};
 use crate::protocol::{FrameDecoder, HostMessage, LayerDevice, RootMount, Setup, WritableLayer};
 use crate::rootfs::{self, Rootfs};
-use crate::vmm::{self, VmmConfig};
+use krunbox_protocol::vmm::{LayerDisk, NetDeviceConfig, ServedDiskConfig, VmmConfig};
 
 /// A boot whose guest prints nothing at all (not even guest-init's first console line) for
 /// this long is stuck in early kernel boot; it is killed and retried, up to [`BOOT_ATTEMPTS`]
@@ -61,7 +62,7 @@ struct Inner {
     vmm_pid: Option<u32>,
     /// The VMM process's pidfd: `vmm_pid` is not handed out once it has exited. (Only ever
     /// polled, never left half-changed by a panic: unwind-safe as the rest of `Inner` is.)
-    vmm_process: std::panic::AssertUnwindSafe<Arc<vmm::VmmProcess>>,
+    vmm_process: std::panic::AssertUnwindSafe<Arc<helper::VmmProcess>>,
     shutdown_requested: Arc<AtomicBool>,
     next_id: AtomicU32,
     kernel_release: String,
@@ -285,18 +286,18 @@ async fn boot_in_span(
         jail: jail.config.clone(),
         kernel: config.kernel.clone(),
         log_level: config.vmm_log_level,
-        network: config.network.as_ref().map(|n| vmm::NetDeviceConfig {
+        network: config.network.as_ref().map(|n| NetDeviceConfig {
             mac: n.addressing().guest_mac,
         }),
         virtiofs_passthrough: config.virtiofs_passthrough.clone(),
         writable_layer: match &config.rootfs {
             Rootfs::Ephemeral {
                 max_dirty_bytes, ..
-            } => Some(vmm::LayerDisk {
+            } => Some(LayerDisk {
                 max_file_bytes: *max_dirty_bytes,
                 qcow2: false,
             }),
-            Rootfs::Persistent { .. } => Some(vmm::LayerDisk {
+            Rootfs::Persistent { .. } => Some(LayerDisk {
                 max_file_bytes: rootfs::PERSISTENT_LAYER_FILE_BYTES,
                 qcow2: true,
             }),
@@ -304,7 +305,7 @@ async fn boot_in_span(
         },
         served_disks: served_disks
             .iter()
-            .map(|(disk, serial)| vmm::ServedDiskConfig {
+            .map(|(disk, serial)| ServedDiskConfig {
                 size: disk.size(),
                 serial: (*serial).into(),
                 in_place: matches!(disk, rootfs::served::DiskSource::InPlace { .. }),
@@ -453,7 +454,7 @@ async fn boot_in_span(
                     handed.push((failures.as_raw_fd(), Inherited::ServedDiskFailures(index)));
                 }
             }
-            vmm::spawn(
+            helper::spawn(
                 &config.artifacts.vmm_helper,
                 &config.artifacts.libkrunfw_dir,
                 &[config_path.as_os_str()],
@@ -612,7 +613,7 @@ async fn boot_in_span(
 
     // With a pid namespace the VM runs in a child of the helper the library started (`child`):
     // that child is the VMM process; killing `child` ends it too, soon after.
-    let vmm_process = Arc::new(vmm::VmmProcess::watch(vmm_pid));
+    let vmm_process = Arc::new(helper::VmmProcess::watch(vmm_pid));
     let watched_vmm = vmm_process.clone();
     let vmm_pid = Some(vmm_pid);
     let control = Control::start(

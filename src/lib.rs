@@ -49,6 +49,7 @@ pub mod fs;
 #[doc(hidden)]
 pub mod fuzzing;
 mod guest_memory;
+mod helper;
 mod instance;
 mod jail;
 mod limits;

@@ -199,7 +199,7 @@ pub(crate) fn tail(dir: &Path, lines: usize) -> String {
         .map(|name| dir.join(name))
         .collect();
     let paths: Vec<&Path> = paths.iter().map(PathBuf::as_path).collect();
-    crate::vmm::log_tail(&paths, lines)
+    crate::helper::log_tail(&paths, lines)
 }
 
 /// How many bytes the drain moves before it lets other tasks run: a guest that floods its

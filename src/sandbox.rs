@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::instance::{self, Instance};
 use crate::limits::Limits;
 use crate::rootfs::{BuiltinImage, Rootfs};
-use crate::vmm::KernelConfig;
+use krunbox_protocol::vmm::KernelConfig;
 
 /// Maximum vCPUs a sandbox may ask for (libkrun's own limit is higher; this keeps a typo from
 /// asking for 200).
@@ -772,7 +772,7 @@ fn check_kernel_arg(arg: &str) -> Result<()> {
 /// Checks a benchmark's passthrough share: the tag (virtio-fs allows 36 bytes; ours are plain
 /// names, and not the first root's) and the directory, made absolute and canonical so that the
 /// helper binds the very directory the caller named.
-fn passthrough_share(dir: &Path, tag: String) -> Result<crate::vmm::PassthroughShare> {
+fn passthrough_share(dir: &Path, tag: String) -> Result<krunbox_protocol::vmm::PassthroughShare> {
     let plain = (1..=36).contains(&tag.len())
         && tag
             .bytes()
@@ -791,7 +791,7 @@ fn passthrough_share(dir: &Path, tag: String) -> Result<crate::vmm::PassthroughS
                 dir.display()
             ))
         })?;
-    Ok(crate::vmm::PassthroughShare { tag, dir })
+    Ok(krunbox_protocol::vmm::PassthroughShare { tag, dir })
 }
 
 #[cfg(test)]

@@ -134,7 +134,7 @@ pub(crate) async fn probe(
         ),
         None => None,
     };
-    let config = crate::vmm::VmmConfig {
+    let config = krunbox_protocol::vmm::VmmConfig {
         cpus: 1,
         memory_mib: 128,
         root_fstype: "erofs".into(),
@@ -163,7 +163,7 @@ pub(crate) async fn probe(
         std::fs::File::create(&log_path).map_err(|e| format!("creating the probe log: {e}"))?;
     let (report_read, report_write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
         .map_err(|e| format!("creating the report pipe: {e}"))?;
-    let mut child = crate::vmm::spawn(
+    let mut child = crate::helper::spawn(
         helper,
         libkrunfw_dir,
         &["--probe-isolation".as_ref(), config_path.as_os_str()],
@@ -181,7 +181,7 @@ pub(crate) async fn probe(
     report.map(|r| r.isolation).ok_or_else(|| {
         format!(
             "the VMM helper wrote no isolation report ({status}): {}",
-            crate::vmm::log_tail(&[&log_path], 5).trim()
+            crate::helper::log_tail(&[&log_path], 5).trim()
         )
     })
 }

@@ -5,7 +5,7 @@ use std::io::Read;
 use std::net::{Ipv4Addr, SocketAddrV4, TcpStream};
 use std::time::Duration;
 
-use crate::jail::{Canary, Isolation, JailConfig};
+use krunbox_protocol::vmm::jail::{Canary, Isolation, JailConfig};
 
 /// Runs every canary and records the outcomes.
 pub(crate) fn run(config: &JailConfig, report: &mut Isolation) {

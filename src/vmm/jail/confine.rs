@@ -7,7 +7,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::jail::{CgroupPlacement, Isolation, JailConfig, Layer};
+use krunbox_protocol::vmm::jail::{CgroupPlacement, Isolation, JailConfig, Layer};
 
 /// Descriptors the jailed helper may hold open: libkrun uses about 60 for a VM with our devices
 /// (eventfds per virtqueue, vCPU fds, epoll, sockets). Each guest vsock connection costs one,
@@ -635,7 +635,9 @@ pub(crate) fn build_root(
 }
 
 /// The report's mount-namespace layer, whose detail the root's contents complete.
-fn mount_namespace(report: &mut Isolation) -> Option<&mut crate::jail::LayerReport> {
+fn mount_namespace(
+    report: &mut Isolation,
+) -> Option<&mut krunbox_protocol::vmm::jail::LayerReport> {
     report.layer_mut(Layer::MountNamespace)
 }
 

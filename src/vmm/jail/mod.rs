@@ -1,6 +1,6 @@
 //! The jail, in the helper: the layers that confine `krunbox-vmm` (`confine.rs`), its seccomp
 //! allowlist (`seccomp.rs`) and the canaries that prove them at every boot (`canary.rs`). What
-//! the library asks of it and the report it gets back are `crate::jail`'s.
+//! the library asks of it and the report it gets back are `krunbox_protocol::vmm::jail`'s.
 
 mod canary;
 mod confine;

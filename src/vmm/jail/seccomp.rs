@@ -37,7 +37,7 @@ use seccompiler::{
     SeccompFilter, SeccompRule, TargetArch,
 };
 
-use crate::jail::{Isolation, Layer};
+use krunbox_protocol::vmm::jail::{Isolation, Layer};
 
 /// KVM's ioctl type byte (`_IO(KVMIO, …)`, KVMIO = 0xAE).
 const KVM_IOCTL_TYPE: u64 = 0xAE00;

@@ -543,8 +543,7 @@ async fn boot_in_span(
                     attempt,
                     "the guest kernel showed no sign of life within {BOOT_STALL:?} (guest-init never started); retrying the boot"
                 );
-                let _ = child.start_kill();
-                let _ = child.wait().await;
+                stop_helper(&mut child, &logs).await;
                 // The next attempt's VMM gets the persistent layer once this one's is gone.
                 vmm_gone(logs.vmm.ended()).await;
                 if let Some(rootfs::Layer::Persistent(layer)) = guard.layer.take() {
@@ -553,9 +552,7 @@ async fn boot_in_span(
                 attempt += 1;
             }
             Err(err) => {
-                let _ = child.start_kill();
-                let _ = child.wait().await;
-                logs.settle_after_exit().await;
+                stop_helper(&mut child, &logs).await;
                 // A guest that died while the handshake failed explains the failure better.
                 return Err(match err {
                     Error::GuestSetup { message } => Error::GuestSetup {
@@ -568,47 +565,28 @@ async fn boot_in_span(
     };
     drop(image);
     drop(listener);
-    let Some(crate::jail::HelperReport { vmm_pid, isolation }) = report else {
-        let _ = child.start_kill();
-        let _ = child.wait().await;
-        logs.settle_after_exit().await;
-        return Err(Error::VmExited {
-            status: "the VMM helper started the VM without a readable isolation report".into(),
-            console_tail: tail(dir.path()),
-        });
-    };
-    // The helper refuses to start a VM whose jail does not hold; checked here too, so a helper
-    // from another build (KRUNBOX_VMM) that ignored a requirement cannot slip through.
-    if crate::jail::refusal(&jail.config, &isolation).is_some() {
-        let _ = child.start_kill();
-        let _ = child.wait().await;
-        logs.settle_after_exit().await;
-        return Err(isolation_refusal(
-            Some(isolation),
-            &config.required_isolation,
-            tail(dir.path()),
-        ));
-    }
-    drop(jail);
-    let logs = Arc::new(logs);
-    let network = match (&config.network, net_socket) {
-        (Some(network), Some(socket)) => {
-            match crate::net::service::NetService::start(
+    // The guest's network starts only for a helper whose jail holds.
+    let admitted = admit(report, &jail.config, &config, dir.path()).and_then(|(pid, isolation)| {
+        let network = match (&config.network, net_socket) {
+            (Some(network), Some(socket)) => Some(crate::net::service::NetService::start(
                 network,
                 socket,
                 certificate_authority,
                 budget.clone(),
-            ) {
-                Ok(service) => Some(service),
-                Err(err) => {
-                    let _ = child.start_kill();
-                    let _ = child.wait().await;
-                    return Err(err);
-                }
-            }
+            )?),
+            _ => None,
+        };
+        Ok((pid, isolation, network))
+    });
+    let (vmm_pid, isolation, network) = match admitted {
+        Ok(admitted) => admitted,
+        Err(err) => {
+            stop_helper(&mut child, &logs).await;
+            return Err(err);
         }
-        _ => None,
     };
+    drop(jail);
+    let logs = Arc::new(logs);
     tracing::debug!(kernel = %hello.kernel_release, guest_init = %hello.guest_init, "guest ready");
 
     // With a pid namespace the VM runs in a child of the helper the library started (`child`):
@@ -815,6 +793,39 @@ impl Drop for LayerGuard {
             ),
         }
     }
+}
+
+/// Stops a helper whose boot failed, on every failure path alike: kills it, waits for it, and
+/// lets its logs settle, so the error's tail holds its last words.
+async fn stop_helper(child: &mut tokio::process::Child, logs: &crate::logs::InstanceLogs) {
+    let _ = child.start_kill();
+    let _ = child.wait().await;
+    logs.settle_after_exit().await;
+}
+
+/// Takes a helper whose guest completed the handshake into service, or says why not, by its
+/// isolation report (checked here too, so a helper from another build that ignored a
+/// requirement cannot slip through). Returns the VMM's pid and the report.
+fn admit(
+    report: Option<crate::jail::HelperReport>,
+    jail: &crate::jail::JailConfig,
+    config: &SandboxConfig,
+    dir: &Path,
+) -> Result<(u32, crate::Isolation)> {
+    let Some(crate::jail::HelperReport { vmm_pid, isolation }) = report else {
+        return Err(Error::VmExited {
+            status: "the VMM helper started the VM without a readable isolation report".into(),
+            console_tail: tail(dir),
+        });
+    };
+    if crate::jail::refusal(jail, &isolation).is_some() {
+        return Err(isolation_refusal(
+            Some(isolation),
+            &config.required_isolation,
+            tail(dir),
+        ));
+    }
+    Ok((vmm_pid, isolation))
 }
 
 /// Waits until the helper and the VMM have both exited (`gone`: the helper's log pipe ended),

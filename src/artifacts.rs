@@ -1,8 +1,18 @@
 //! Where krunbox finds what it needs at run time: the VMM helper binary, the guest-init binary,
 //! and libkrunfw (the guest kernel).
 //!
-//! Each can be given explicitly (builder or environment variable); otherwise krunbox looks
-//! where its own build and set-up put them.
+//! Each is looked for, in order: where the builder says (`SandboxBuilder::vmm_helper` and the
+//! like); where an environment variable says (`KRUNBOX_VMM`, `KRUNBOX_GUEST_INIT`,
+//! `KRUNBOX_LIBKRUNFW_DIR`); in the user's data directory ([`data_dir`]), where
+//! [`Artifacts::install`] (and `krunbox setup`) put them; beside the running executable (a
+//! cargo target directory: this workspace's own binaries, tests and benches); and, for
+//! libkrunfw, in the cache directory the set-up fetched it into. The installed layout:
+//!
+//! ```text
+//! <data dir>/bin/krunbox-vmm
+//! <data dir>/guest-init
+//! <data dir>/libkrunfw/libkrunfw.so.5
+//! ```
 
 use std::path::{Path, PathBuf};
 
@@ -23,6 +33,41 @@ pub const LIBKRUNFW_SONAME: &str = "libkrunfw.so.5";
 /// ```
 pub fn cache_dir() -> PathBuf {
     krunbox_rootfs::default_cache_dir()
+}
+
+/// krunbox's data directory, where installed artifacts live: `$KRUNBOX_DATA_DIR`, else
+/// `$XDG_DATA_HOME/krunbox`, else `~/.local/share/krunbox`.
+///
+/// ```
+/// let dir = krunbox::data_dir();
+/// assert!(dir.ends_with("krunbox") || std::env::var_os("KRUNBOX_DATA_DIR").is_some());
+/// ```
+pub fn data_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("KRUNBOX_DATA_DIR") {
+        return PathBuf::from(dir);
+    }
+    if let Some(dir) = std::env::var_os("XDG_DATA_HOME").filter(|d| !d.is_empty()) {
+        return PathBuf::from(dir).join("krunbox");
+    }
+    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
+    home.join(".local/share/krunbox")
+}
+
+/// Where an installed artifact lies below a data directory.
+fn installed(data: &Path, what: Installed) -> PathBuf {
+    match what {
+        Installed::Helper => data.join("bin").join("krunbox-vmm"),
+        Installed::GuestInit => data.join("guest-init"),
+        Installed::Libkrunfw => data.join("libkrunfw"),
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Installed {
+    Helper,
+    GuestInit,
+    /// A directory holding `libkrunfw.so.5`.
+    Libkrunfw,
 }
 
 /// Resolved run-time files.
@@ -84,6 +129,35 @@ impl Artifacts {
         Self::locate_with(&ArtifactOverrides::default())
     }
 
+    /// Copies these artifacts into the data directory `data` ([`data_dir`] is the usual one),
+    /// where [`Artifacts::locate`] finds them from any program: each file is written beside
+    /// its place and renamed over it, so a program starting meanwhile sees the old one or the
+    /// new one, whole. Returns the installed artifacts.
+    ///
+    /// ```no_run
+    /// // What `krunbox setup` does: install what this build found for the user.
+    /// let installed = krunbox::Artifacts::locate()?.install(&krunbox::data_dir())?;
+    /// println!("helper: {}", installed.vmm_helper.display());
+    /// # Ok::<(), krunbox::Error>(())
+    /// ```
+    pub fn install(&self, data: &Path) -> Result<Artifacts> {
+        let helper = installed(data, Installed::Helper);
+        let guest_init = installed(data, Installed::GuestInit);
+        let libkrunfw = installed(data, Installed::Libkrunfw);
+        copy_into_place(&self.vmm_helper, &helper, 0o755)?;
+        copy_into_place(&self.guest_init, &guest_init, 0o755)?;
+        copy_into_place(
+            &self.libkrunfw_dir.join(LIBKRUNFW_SONAME),
+            &libkrunfw.join(LIBKRUNFW_SONAME),
+            0o644,
+        )?;
+        Ok(Artifacts {
+            vmm_helper: helper,
+            guest_init,
+            libkrunfw_dir: libkrunfw,
+        })
+    }
+
     pub(crate) fn locate_with(over: &ArtifactOverrides) -> Result<Artifacts> {
         Ok(Artifacts {
             vmm_helper: locate_vmm_helper(over.vmm_helper.as_deref())?,
@@ -91,6 +165,28 @@ impl Artifacts {
             libkrunfw_dir: locate_libkrunfw(over.libkrunfw_dir.as_deref())?,
         })
     }
+}
+
+/// Copies `from` to `to` (its directory made if need be) by way of a temporary file beside it,
+/// renamed over `to` once whole, with `mode`. Copying a file onto itself changes nothing.
+fn copy_into_place(from: &Path, to: &Path, mode: u32) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let failed = |what: &str| Error::io(format!("{what} {} to {}", from.display(), to.display()));
+    if let (Ok(a), Ok(b)) = (from.canonicalize(), to.canonicalize()) {
+        if a == b {
+            return Ok(());
+        }
+    }
+    let dir = to.parent().expect("an installed artifact has a directory");
+    std::fs::create_dir_all(dir).map_err(failed("making the directory for"))?;
+    let temporary = tempfile::NamedTempFile::new_in(dir).map_err(failed("installing"))?;
+    std::fs::copy(from, temporary.path()).map_err(failed("copying"))?;
+    std::fs::set_permissions(temporary.path(), std::fs::Permissions::from_mode(mode))
+        .map_err(failed("installing"))?;
+    temporary
+        .persist(to)
+        .map_err(|e| failed("installing")(e.error))?;
+    Ok(())
 }
 
 fn explicit_or_env(explicit: Option<&Path>, var: &str) -> Option<PathBuf> {
@@ -102,15 +198,14 @@ fn explicit_or_env(explicit: Option<&Path>, var: &str) -> Option<PathBuf> {
 pub(crate) fn locate_vmm_helper(explicit: Option<&Path>) -> Result<PathBuf> {
     let candidates = match explicit_or_env(explicit, "KRUNBOX_VMM") {
         Some(p) => vec![p],
-        None => exe_dirs()
-            .into_iter()
-            .map(|d| d.join("krunbox-vmm"))
+        None => std::iter::once(installed(&data_dir(), Installed::Helper))
+            .chain(exe_dirs().into_iter().map(|d| d.join("krunbox-vmm")))
             .collect(),
     };
     first_file(&candidates).ok_or_else(|| Error::MissingArtifact {
         what: "the krunbox-vmm helper binary",
         looked_in: candidates,
-        fix: "build it with `cargo build --bin krunbox-vmm` (it is installed next to `krunbox`), or set KRUNBOX_VMM".into(),
+        fix: "install it with `krunbox setup` (from a build of this repository: `scripts/setup.sh` makes one), or set KRUNBOX_VMM".into(),
     })
 }
 
@@ -118,7 +213,7 @@ pub(crate) fn locate_guest_init(explicit: Option<&Path>) -> Result<PathBuf> {
     let candidates = match explicit_or_env(explicit, "KRUNBOX_GUEST_INIT") {
         Some(p) => vec![p],
         None => {
-            let mut c = Vec::new();
+            let mut c = vec![installed(&data_dir(), Installed::GuestInit)];
             for dir in exe_dirs() {
                 // Only the musl build: a `guest-init` next to the host binaries in a cargo target
                 // directory is the workspace's glibc build, which cannot run as the guest's init.
@@ -140,7 +235,7 @@ pub(crate) fn locate_guest_init(explicit: Option<&Path>) -> Result<PathBuf> {
         what: "the guest-init binary",
         looked_in: candidates,
         fix: format!(
-            "build it with `cargo build -p guest-init --release --target {GUEST_INIT_TARGET}` (after `rustup target add {GUEST_INIT_TARGET}`), or set KRUNBOX_GUEST_INIT"
+            "install it with `krunbox setup`, build it with `cargo build -p guest-init --release --target {GUEST_INIT_TARGET}` (after `rustup target add {GUEST_INIT_TARGET}`), or set KRUNBOX_GUEST_INIT"
         ),
     })?;
     check_static_elf(&found)?;
@@ -200,7 +295,10 @@ pub(crate) fn check_static_elf(path: &Path) -> Result<()> {
 pub(crate) fn locate_libkrunfw(explicit: Option<&Path>) -> Result<PathBuf> {
     let candidates = match explicit_or_env(explicit, "KRUNBOX_LIBKRUNFW_DIR") {
         Some(p) => vec![p],
-        None => vec![cache_dir().join("libkrunfw")],
+        None => vec![
+            installed(&data_dir(), Installed::Libkrunfw),
+            cache_dir().join("libkrunfw"),
+        ],
     };
     candidates
         .iter()
@@ -209,7 +307,7 @@ pub(crate) fn locate_libkrunfw(explicit: Option<&Path>) -> Result<PathBuf> {
         .ok_or_else(|| Error::MissingArtifact {
             what: "libkrunfw (the guest kernel, libkrunfw.so.5)",
             looked_in: candidates,
-            fix: "run `scripts/fetch-libkrunfw.sh` (fetches Debian's libkrunfw5 into the krunbox cache), or set KRUNBOX_LIBKRUNFW_DIR to a directory containing libkrunfw.so.5".into(),
+            fix: "install it with `krunbox setup`, run `scripts/fetch-libkrunfw.sh` (fetches Debian's libkrunfw5 into the krunbox cache), or set KRUNBOX_LIBKRUNFW_DIR to a directory containing libkrunfw.so.5".into(),
         })
 }
 
@@ -225,6 +323,49 @@ pub(crate) fn runtime_dir() -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Installed artifacts land in the documented layout, whole and executable, and installing
+    /// again over them (or onto themselves) leaves them as they were.
+    #[test]
+    fn artifacts_install_into_the_data_directory_layout() {
+        use std::os::unix::fs::PermissionsExt;
+        let from = tempfile::tempdir().unwrap();
+        let helper = from.path().join("krunbox-vmm");
+        let init = from.path().join("guest-init");
+        std::fs::write(&helper, b"helper bytes").unwrap();
+        std::fs::write(&init, b"init bytes").unwrap();
+        std::fs::create_dir(from.path().join("fw")).unwrap();
+        std::fs::write(from.path().join("fw").join(LIBKRUNFW_SONAME), b"kernel").unwrap();
+        let found = Artifacts {
+            vmm_helper: helper,
+            guest_init: init,
+            libkrunfw_dir: from.path().join("fw"),
+        };
+        let data = tempfile::tempdir().unwrap();
+        let installed = found.install(data.path()).unwrap();
+        assert_eq!(installed.vmm_helper, data.path().join("bin/krunbox-vmm"));
+        assert_eq!(installed.guest_init, data.path().join("guest-init"));
+        assert_eq!(installed.libkrunfw_dir, data.path().join("libkrunfw"));
+        assert_eq!(
+            std::fs::read(&installed.vmm_helper).unwrap(),
+            b"helper bytes"
+        );
+        let mode = std::fs::metadata(&installed.vmm_helper)
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o755);
+        assert_eq!(
+            std::fs::read(installed.libkrunfw_dir.join(LIBKRUNFW_SONAME)).unwrap(),
+            b"kernel"
+        );
+        // Again, from the installed copies themselves: nothing changes, nothing is left over.
+        let again = installed.install(data.path()).unwrap();
+        assert_eq!(again, installed);
+        assert_eq!(std::fs::read(&again.guest_init).unwrap(), b"init bytes");
+        let entries = std::fs::read_dir(data.path()).unwrap().count();
+        assert_eq!(entries, 3, "bin/, guest-init, libkrunfw/ and nothing else");
+    }
 
     #[test]
     fn dynamic_and_non_elf_binaries_are_refused_as_guest_init() {

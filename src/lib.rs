@@ -71,7 +71,7 @@ pub mod protocol {
     pub use krunbox_protocol::*;
 }
 
-pub use artifacts::{cache_dir, Artifacts};
+pub use artifacts::{cache_dir, data_dir, Artifacts};
 pub use capabilities::{HostCapabilities, ImageState, KvmStatus};
 pub use error::{Error, Result};
 pub use files::{DirEntry, GuestFileReader, GuestFileWriter, Metadata};

@@ -954,7 +954,7 @@ mod tests {
         match err {
             Error::MissingArtifact { what, fix, .. } => {
                 assert!(what.contains("krunbox-vmm"));
-                assert!(fix.contains("cargo build"));
+                assert!(fix.contains("krunbox setup"), "{fix}");
             }
             other => panic!("expected MissingArtifact, got {other:?}"),
         }

@@ -566,23 +566,27 @@ async fn boot_in_span(
     drop(image);
     drop(listener);
     // The guest's network starts only for a helper whose jail holds.
-    let admitted = admit(report, &jail.config, &config, dir.path()).and_then(|(pid, isolation)| {
+    let admitted = admit(report, &jail.config).and_then(|(pid, isolation)| {
         let network = match (&config.network, net_socket) {
-            (Some(network), Some(socket)) => Some(crate::net::service::NetService::start(
-                network,
-                socket,
-                certificate_authority,
-                budget.clone(),
-            )?),
+            (Some(network), Some(socket)) => Some(
+                crate::net::service::NetService::start(
+                    network,
+                    socket,
+                    certificate_authority,
+                    budget.clone(),
+                )
+                .map_err(NotAdmitted::Failed)?,
+            ),
             _ => None,
         };
         Ok((pid, isolation, network))
     });
     let (vmm_pid, isolation, network) = match admitted {
         Ok(admitted) => admitted,
-        Err(err) => {
+        Err(why) => {
             stop_helper(&mut child, &logs).await;
-            return Err(err);
+            // The tail once the helper is gone and its logs settled: its last words too.
+            return Err(why.into_error(&config.required_isolation, tail(dir.path())));
         }
     };
     drop(jail);
@@ -803,27 +807,44 @@ async fn stop_helper(child: &mut tokio::process::Child, logs: &crate::logs::Inst
     logs.settle_after_exit().await;
 }
 
+/// Why a helper whose guest completed the handshake was not taken into service.
+enum NotAdmitted {
+    /// It wrote no readable isolation report.
+    NoReport,
+    /// Its jail does not hold, or lacks a required layer.
+    Refused(crate::Isolation),
+    /// A service of the instance could not start.
+    Failed(Error),
+}
+
+impl NotAdmitted {
+    /// The error a boot ends with, with the console's tail read once the helper is gone.
+    fn into_error(self, required: &[crate::Layer], console_tail: String) -> Error {
+        match self {
+            NotAdmitted::NoReport => Error::VmExited {
+                status: "the VMM helper started the VM without a readable isolation report".into(),
+                console_tail,
+            },
+            NotAdmitted::Refused(isolation) => {
+                isolation_refusal(Some(isolation), required, console_tail)
+            }
+            NotAdmitted::Failed(err) => err,
+        }
+    }
+}
+
 /// Takes a helper whose guest completed the handshake into service, or says why not, by its
 /// isolation report (checked here too, so a helper from another build that ignored a
 /// requirement cannot slip through). Returns the VMM's pid and the report.
 fn admit(
     report: Option<crate::jail::HelperReport>,
     jail: &crate::jail::JailConfig,
-    config: &SandboxConfig,
-    dir: &Path,
-) -> Result<(u32, crate::Isolation)> {
+) -> std::result::Result<(u32, crate::Isolation), NotAdmitted> {
     let Some(crate::jail::HelperReport { vmm_pid, isolation }) = report else {
-        return Err(Error::VmExited {
-            status: "the VMM helper started the VM without a readable isolation report".into(),
-            console_tail: tail(dir),
-        });
+        return Err(NotAdmitted::NoReport);
     };
     if crate::jail::refusal(jail, &isolation).is_some() {
-        return Err(isolation_refusal(
-            Some(isolation),
-            &config.required_isolation,
-            tail(dir),
-        ));
+        return Err(NotAdmitted::Refused(isolation));
     }
     Ok((vmm_pid, isolation))
 }

@@ -38,6 +38,12 @@ pub(crate) struct RingLayout {
 /// The queue `layout` describes, of at most `max_size` entries, ready to serve; `None` when
 /// it is of a bad size, misaligned, or any of its rings is not wholly in `mem`.
 pub(crate) fn queue(layout: RingLayout, max_size: u16, mem: &GuestMemoryMmap) -> Option<Queue> {
+    // rust-vmm's queue takes a ring at guest address 0 for one never set up, and then pops
+    // nothing: refused here, so that the device goes inert at once rather than at its first
+    // request.
+    if layout.available == 0 {
+        return None;
+    }
     let mut queue = Queue::new(max_size).ok()?;
     queue.try_set_size(layout.size).ok()?;
     queue
@@ -124,10 +130,19 @@ pub(crate) fn pop(queue: &mut Queue, mem: &GuestMemoryMmap, limits: ChainLimits)
     };
     // rust-vmm's chain ends quietly where it cannot go on (a link past the table, a loop, a
     // descriptor it cannot read): a chain whose last descriptor still links on was cut there,
-    // and is refused rather than forwarded short.
+    // and is refused rather than forwarded short. It also follows indirect tables, which our
+    // devices never offer (VIRTIO_RING_F_INDIRECT_DESC) and which could make a chain of up to
+    // 65,535 descriptors: a chain is refused past the queue's size, as libkrun's queue bounded
+    // it, and one that yields no descriptor (an indirect table that could not be read) too.
     let mut links_on = false;
     let mut valid = true;
+    let mut descriptors = 0u32;
     for descriptor in head {
+        descriptors += 1;
+        if descriptors > u32::from(queue.size()) {
+            valid = false;
+            break;
+        }
         links_on = descriptor.has_next();
         let (addr, len) = (descriptor.addr(), descriptor.len());
         if !mem.check_range(addr, len as usize) {
@@ -152,7 +167,7 @@ pub(crate) fn pop(queue: &mut Queue, mem: &GuestMemoryMmap, limits: ChainLimits)
     }
     Some(Popped {
         head: index,
-        chain: (valid && !links_on).then_some(chain),
+        chain: (valid && !links_on && descriptors > 0).then_some(chain),
     })
 }
 
@@ -943,6 +958,15 @@ mod tests {
             &mem
         )
         .is_none());
+        assert!(queue(
+            RingLayout {
+                available: 0,
+                ..layout
+            },
+            1024,
+            &mem
+        )
+        .is_none());
     }
 
     /// An honest chain is taken whole. A chain whose link leaves the table, or that loops, is
@@ -984,6 +1008,41 @@ mod tests {
         let looped = pop(&mut queue, &mem, limits).expect("an entry");
         assert_eq!(looped.head, 3);
         assert!(looped.chain.is_none(), "a chain that loops");
+
+        // An indirect table (never offered) of 64 descriptors on a queue of 4: refused past
+        // the queue's size; one that cannot be read (length 0) yields nothing: refused too.
+        const INDIRECT: u16 = 4;
+        let table = 0x20000u64;
+        for i in 0..64u64 {
+            let (flags, next) = if i < 63 { (NEXT, i as u16 + 1) } else { (0, 0) };
+            mem.write_obj(
+                Descriptor::new(0x10000, 0, flags, next),
+                GuestAddress(table + 16 * i),
+            )
+            .unwrap();
+        }
+        laid_out::offer(&mem, 4, 0, &[(table, 64 * 16, false)]);
+        mem.write_obj(
+            Descriptor::new(table, 64 * 16, INDIRECT, 0),
+            GuestAddress(laid_out::DESC_TABLE),
+        )
+        .unwrap();
+        let long = pop(&mut queue, &mem, limits).expect("an entry");
+        assert!(
+            long.chain.is_none(),
+            "an indirect chain past the queue's size"
+        );
+        laid_out::offer(&mem, 4, 1, &[(table, 0, false)]);
+        mem.write_obj(
+            Descriptor::new(table, 0, INDIRECT, 0),
+            GuestAddress(laid_out::DESC_TABLE + 16),
+        )
+        .unwrap();
+        let empty = pop(&mut queue, &mem, limits).expect("an entry");
+        assert!(
+            empty.chain.is_none(),
+            "an indirect table that cannot be read"
+        );
 
         laid_out::offer(&mem, 4, 9, &[(0x10000, 100, false)]);
         assert!(

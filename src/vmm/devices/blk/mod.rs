@@ -18,7 +18,7 @@
 //!
 //! Everything of the guest is bounded here: a request's data (at most [`wire::MAX_DATA`],
 //! whole 512-byte sectors, inside the disk), its chain (at most [`QUEUE_SIZE`] descriptors, as
-//! libkrun's queue walks them; at most [`MAX_WRITABLE_DESCRIPTORS`] writable), and the requests
+//! `crate::virtqueue` walks them, indirect tables included; at most [`MAX_WRITABLE_DESCRIPTORS`] writable), and the requests
 //! waiting for a reply (at most [`QUEUE_SIZE`]). A malformed request fails with
 //! `VIRTIO_BLK_S_IOERR` (or is completed with nothing written when it has no room for a
 //! status): the guest's own I/O fails, nothing else does. The device answers `GET_ID` itself

@@ -35,14 +35,18 @@ cargo clippy --workspace --all-targets -- -D warnings
 cargo fmt --manifest-path tests/plain-libkrun/Cargo.toml -- --check
 cargo clippy --locked --manifest-path tests/plain-libkrun/Cargo.toml --target-dir "$(cargo_target_dir)" -- -D warnings
 
-log "host tests (no VM): protocol, krun-sys, rootfs, library units, doc tests"
-cargo test --workspace --exclude krunbox
+log "host tests (no VM): protocol, krun-sys, rootfs, library and CLI units, doc tests"
+# The two packages whose integration tests boot microVMs: those run below, with nextest. Their
+# unit tests (the library's, the CLI's argument parsing) run here, on the host.
+vm_packages=(-p krunbox -p krunbox-cli)
+cargo test --workspace --exclude krunbox --exclude krunbox-cli
 cargo test -p krunbox --lib --bins
+cargo test -p krunbox-cli --bins
 cargo test -p krunbox --doc
 
 target=$(cargo_target_dir)
 log "building the VM tests and benches"
-cargo build -p krunbox --tests --benches >&2
+cargo build "${vm_packages[@]}" --tests --benches >&2
 # The bench executables (harness = false, so not nextest's): each runs once, as a smoke test.
 mapfile -t benches < <(cargo test -p krunbox --benches --no-run --message-format=json 2>/dev/null |
     python3 -c '
@@ -80,13 +84,13 @@ if [[ $where == nested ]]; then
     runner=("$shim/runner")
 fi
 
-# The integration tests (kind(test)): the library's unit tests ran above, on the host. Ignored
-# tests run too: none may be skipped. Listed on the host (a listing needs no VM) to check that
-# the JUnit report has every one of them.
+# The integration tests (kind(test)) of both packages: their unit tests ran above, on the host.
+# Ignored tests run too: none may be skipped. Listed on the host (a listing needs no VM) to check
+# that the JUnit report has every one of them.
 vm_tests="kind(test)"
-expected=$(env -u CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER cargo nextest list -p krunbox \
-    --tests --run-ignored all -E "$vm_tests" --message-format oneline 2>/dev/null | grep -c .) ||
-    die "cargo nextest list failed"
+expected=$(env -u CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER cargo nextest list \
+    "${vm_packages[@]}" --tests --run-ignored all -E "$vm_tests" --message-format oneline \
+    2>/dev/null | grep -c .) || die "cargo nextest list failed"
 
 # A failure is run again only when it carries the diagnosed signature of a fault of the nested
 # hypervisor (docs/testing.md), at most twice; a failure of ours never is.
@@ -99,7 +103,7 @@ junit=$target/nextest/vm/junit.xml
 for attempt in 1 2 3; do
     log "VM tests$( ((attempt > 1)) && echo " (attempt $attempt, faulted tests only)") $([[ $where == native ]] && echo natively || echo 'in the nested L1')"
     rm -f "$junit"
-    cargo nextest run -p krunbox --tests --profile vm --no-fail-fast --run-ignored all \
+    cargo nextest run "${vm_packages[@]}" --tests --profile vm --no-fail-fast --run-ignored all \
         ${pools[0]:+--test-threads ${#pools[@]}} -E "$vm_tests${filter:+ & ($filter)}" || true
     [[ -s $junit ]] || die "nextest wrote no JUnit report: the VM tests did not run"
     cases=$("$here/junit-results.py" "$junit" "$fault_signature") || die "cannot read $junit"

@@ -3,12 +3,12 @@
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-#[path = "common/kernel.rs"]
+#[path = "../../tests/common/kernel.rs"]
 mod kernel;
 #[allow(dead_code)] // the OCI layout is for tests/rootfs_oci.rs
-#[path = "common/oci.rs"]
+#[path = "../../tests/common/oci.rs"]
 mod oci;
-#[path = "common/registry.rs"]
+#[path = "../../tests/common/registry.rs"]
 mod registry;
 
 fn krunbox(args: &[&str]) -> Output {

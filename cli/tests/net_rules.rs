@@ -3,10 +3,11 @@
 //! on its allowed port. Every origin is on 127.0.0.1, reached through a static DNS answer;
 //! nothing else is ever dialled.
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
-#[path = "common/http_origin.rs"]
+#[path = "../../tests/common/http_origin.rs"]
 mod http_origin;
-#[path = "common/https_origin.rs"]
+#[path = "../../tests/common/https_origin.rs"]
 mod https_origin;
 
 use std::process::Output;

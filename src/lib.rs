@@ -46,6 +46,9 @@ mod control;
 mod error;
 mod files;
 pub mod fs;
+/// The fuzz harness's entry points (not API): built for this crate's tests and with the
+/// `fuzzing` feature, which `fuzz/` enables.
+#[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
 mod guest_memory;

@@ -282,6 +282,7 @@ fn random_id() -> u16 {
 /// questions, exactly (names compared case-sensitively). An `A` answer holds exactly one
 /// record, `A` with the given address and TTL for the question's name; every other answer
 /// holds none. A datagram that parses as a query of at most one question is always answered.
+#[cfg(any(test, feature = "fuzzing"))]
 pub(crate) fn fuzz_query(data: &[u8]) {
     let sent = Message::from_vec(data).ok();
     let incoming = incoming(data);
@@ -351,6 +352,7 @@ pub(crate) fn fuzz_query(data: &[u8]) {
 
 /// Checks that `bytes` is an answer to `query` (size, response, id, opcode, the same questions
 /// and nothing but answers), and returns it parsed.
+#[cfg(any(test, feature = "fuzzing"))]
 fn check_reply(bytes: &[u8], query: &Message) -> Message {
     assert!(bytes.len() <= UDP_MAX, "{} bytes", bytes.len());
     let answer = Message::from_vec(bytes).expect("an answer parses");

@@ -351,6 +351,7 @@ impl Default for Addressing {
 /// panics, that the gateway's output stays within its bound and decodes into frames of at most
 /// [`frame::MAX_FRAME`] bytes, that its connections stay within theirs, and that every
 /// connection owns a socket of its own ([`stack::Gateway::check_invariants`]).
+#[cfg(any(test, feature = "fuzzing"))]
 pub(crate) fn fuzz_link(data: &[u8]) {
     let mut gateway = stack::Gateway::new(Addressing::default(), smoltcp::time::Instant::ZERO);
     let mut decoder = frame::FrameDecoder::new();
@@ -466,6 +467,7 @@ pub(crate) fn fuzz_link(data: &[u8]) {
 /// The well-formed guest of [`fuzz_link`]: TCP segments from a few guest ports to a few
 /// destinations, with valid checksums and the sequence numbers a real guest would use, so
 /// that inputs reach every state of a connection (and a reset in each), not only the gate.
+#[cfg(any(test, feature = "fuzzing"))]
 pub(crate) mod fuzz_ops {
     use std::collections::HashMap;
     use std::net::Ipv4Addr;

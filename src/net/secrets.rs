@@ -164,6 +164,7 @@ impl Secret {
 
     /// The same secret with `placeholder` in place of its random one: for the fuzz harness,
     /// whose inputs (and committed seeds) must be able to name it.
+    #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn with_placeholder(mut self, placeholder: &str) -> Self {
         self.placeholder = placeholder.to_owned();
         self

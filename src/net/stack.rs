@@ -782,6 +782,7 @@ impl Gateway {
 
     /// Panics unless every accepted connection owns a socket of its own and the stack holds
     /// no socket that nothing owns (the fuzz harness and tests check this after every step).
+    #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn check_invariants(&self) {
         let mut owned: std::collections::HashSet<SocketHandle> =
             self.open.values().copied().collect();

@@ -210,6 +210,7 @@ impl CowLayer {
 
     /// A layer over `store` as if attached to an empty store, without the format (for the
     /// fuzz harness: every block reads as zeros until written).
+    #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn unformatted(store: Arc<dyn BlockStore>, max_dirty_bytes: u64) -> CowLayer {
         CowLayer::new(store, Arc::new(AtomicBool::new(true)), max_dirty_bytes)
     }
@@ -333,6 +334,7 @@ impl CowLayer {
     }
 
     /// Bytes the guest wrote that the store does not hold yet.
+    #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn dirty_bytes(&self) -> u64 {
         self.dirty_bytes.load(Ordering::Relaxed)
     }

@@ -20,6 +20,7 @@ mod block_cache;
 pub(crate) mod cow;
 pub(crate) mod disk;
 mod flatten;
+#[cfg(any(test, feature = "fuzzing"))]
 pub(crate) mod fuzz;
 mod layer;
 pub mod oci;

@@ -13,6 +13,7 @@
 
 mod body;
 pub(crate) mod ca;
+#[cfg(any(test, feature = "fuzzing"))]
 mod fuzz;
 #[cfg(test)]
 mod tests;

@@ -16,9 +16,8 @@ use hyper_util::client::legacy::connect::{Connected, Connection};
 use hyper_util::rt::TokioIo;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::CertificateDer;
-use tokio::io::{AsyncRead, AsyncWrite, DuplexStream, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
-use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -143,9 +142,10 @@ pub(crate) enum Dialer {
     Addresses(Arc<[SocketAddr]>, Arc<Budget>),
     /// An in-memory pipe per connection (of `buffer` bytes each way), whose other end goes to
     /// `to`: the fuzz harness's upstream. A dial fails once the receiver is gone.
+    #[cfg(any(test, feature = "fuzzing"))]
     Memory {
         buffer: usize,
-        to: mpsc::UnboundedSender<DuplexStream>,
+        to: tokio::sync::mpsc::UnboundedSender<tokio::io::DuplexStream>,
     },
 }
 
@@ -181,6 +181,7 @@ impl tower_service::Service<hyper::Uri> for Dialer {
                         .map_err(std::io::Error::other)
                 })
             }
+            #[cfg(any(test, feature = "fuzzing"))]
             Self::Memory { buffer, to } => {
                 let (ours, theirs) = tokio::io::duplex(*buffer);
                 let sent = to.send(theirs);
@@ -202,7 +203,8 @@ pub(crate) enum UpstreamStream {
         stream: TcpStream,
         _charge: Descriptor,
     },
-    Memory(DuplexStream),
+    #[cfg(any(test, feature = "fuzzing"))]
+    Memory(tokio::io::DuplexStream),
 }
 
 impl AsyncRead for UpstreamStream {
@@ -213,6 +215,7 @@ impl AsyncRead for UpstreamStream {
     ) -> Poll<std::io::Result<()>> {
         match self.get_mut() {
             Self::Tcp { stream: s, .. } => Pin::new(s).poll_read(cx, buf),
+            #[cfg(any(test, feature = "fuzzing"))]
             Self::Memory(s) => Pin::new(s).poll_read(cx, buf),
         }
     }
@@ -226,6 +229,7 @@ impl AsyncWrite for UpstreamStream {
     ) -> Poll<std::io::Result<usize>> {
         match self.get_mut() {
             Self::Tcp { stream: s, .. } => Pin::new(s).poll_write(cx, data),
+            #[cfg(any(test, feature = "fuzzing"))]
             Self::Memory(s) => Pin::new(s).poll_write(cx, data),
         }
     }
@@ -237,6 +241,7 @@ impl AsyncWrite for UpstreamStream {
     ) -> Poll<std::io::Result<usize>> {
         match self.get_mut() {
             Self::Tcp { stream: s, .. } => Pin::new(s).poll_write_vectored(cx, bufs),
+            #[cfg(any(test, feature = "fuzzing"))]
             Self::Memory(s) => Pin::new(s).poll_write_vectored(cx, bufs),
         }
     }
@@ -244,6 +249,7 @@ impl AsyncWrite for UpstreamStream {
     fn is_write_vectored(&self) -> bool {
         match self {
             Self::Tcp { stream: s, .. } => s.is_write_vectored(),
+            #[cfg(any(test, feature = "fuzzing"))]
             Self::Memory(s) => s.is_write_vectored(),
         }
     }
@@ -251,6 +257,7 @@ impl AsyncWrite for UpstreamStream {
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         match self.get_mut() {
             Self::Tcp { stream: s, .. } => Pin::new(s).poll_flush(cx),
+            #[cfg(any(test, feature = "fuzzing"))]
             Self::Memory(s) => Pin::new(s).poll_flush(cx),
         }
     }
@@ -258,6 +265,7 @@ impl AsyncWrite for UpstreamStream {
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         match self.get_mut() {
             Self::Tcp { stream: s, .. } => Pin::new(s).poll_shutdown(cx),
+            #[cfg(any(test, feature = "fuzzing"))]
             Self::Memory(s) => Pin::new(s).poll_shutdown(cx),
         }
     }
@@ -267,6 +275,7 @@ impl Connection for UpstreamStream {
     fn connected(&self) -> Connected {
         match self {
             Self::Tcp { stream: s, .. } => s.connected(),
+            #[cfg(any(test, feature = "fuzzing"))]
             Self::Memory(_) => Connected::new(),
         }
     }

@@ -424,6 +424,7 @@ pub(crate) fn merge<R: Read>(
 /// each a tar stream, merged. Never panics; a merge that succeeds writes a tar stream that reads
 /// back whole, holding no path twice, no whiteout, nothing absolute or climbing out, and no
 /// hard link to a path not written before it.
+#[cfg(any(test, feature = "fuzzing"))]
 pub(crate) fn fuzz_oci_layers(data: &[u8]) {
     let separator = b"\n--layer--\n";
     let mut layers: Vec<&[u8]> = Vec::new();

@@ -82,6 +82,7 @@ impl<R: BufRead> Read for Frames<R> {
 
 /// Fuzzing: `data` as a layer's bytes, decompressed by what its first bytes say it is, read to
 /// the end (at most 64 MiB of it). Checks that nothing panics.
+#[cfg(any(test, feature = "fuzzing"))]
 pub(crate) fn fuzz_layer_stream(data: &[u8]) {
     let Ok(reader) = super::decompress(Box::new(std::io::Cursor::new(data.to_vec()))) else {
         return;

@@ -647,6 +647,7 @@ unsafe fn transfer_counted(
 
 /// A queue laid out at fixed places in guest memory, as a driver leaves it: for the devices'
 /// unit tests and fuzz targets, which play the guest's driver.
+#[cfg(any(test, feature = "fuzzing"))]
 pub(crate) mod laid_out {
     #[cfg(test)]
     use virtio_queue::desc::split::Descriptor;

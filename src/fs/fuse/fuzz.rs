@@ -2,6 +2,7 @@
 //! guest's bytes, read as the service reads them, answered by a [`MemoryFs`]. Every other
 //! write (by its request id) has its data in guest memory, spread over buffers of the id's
 //! choosing, as the library's serving of a mount's queues hands writes over.
+#![cfg(any(test, feature = "fuzzing"))]
 
 use std::sync::Arc;
 

@@ -5,6 +5,7 @@
 //!
 //! Checks: nothing panics (a request's task neither) or hangs; every completion names a chain
 //! the guest offered, at most once unless it was offered twice.
+#![cfg(any(test, feature = "fuzzing"))]
 
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};

@@ -9,6 +9,7 @@
 //! request is still waiting; every completion names a chain the guest offered, says at most a
 //! request's data and status, and nothing is completed twice; in place, the file never grows
 //! past the disk; both ways complete the same chains.
+#![cfg(any(test, feature = "fuzzing"))]
 
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};

@@ -54,6 +54,18 @@ enum Cmd {
         #[command(subcommand)]
         action: ImageCmd,
     },
+    /// Install the run-time files this build found (the krunbox-vmm helper, guest-init and
+    /// libkrunfw) into krunbox's data directory, where any program using krunbox finds them
+    /// ($KRUNBOX_DATA_DIR, else $XDG_DATA_HOME/krunbox, else ~/.local/share/krunbox).
+    ///
+    /// Run it from a build of the repository (scripts/setup.sh makes one); then an installed
+    /// `krunbox` (cargo install --path cli) or a program of yours that depends on the krunbox
+    /// crate boots VMs with them.
+    Setup {
+        /// Install into this directory instead.
+        #[arg(long, value_name = "DIR")]
+        data_dir: Option<std::path::PathBuf>,
+    },
     /// Report what this host can do: KVM (by a real probe), run-time files, images.
     Doctor {
         /// Exit 0 only if microVMs boot natively on this host (3 otherwise).
@@ -99,6 +111,13 @@ fn main() -> ExitCode {
                     ExitCode::from(KRUNBOX_FAILED)
                 }
             },
+            Cmd::Setup { data_dir } => match setup(data_dir) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("krunbox: {e}");
+                    ExitCode::from(KRUNBOX_FAILED)
+                }
+            },
             Cmd::Doctor { exit_code } => {
                 let caps = HostCapabilities::probe().await;
                 print!("{}", caps.report());
@@ -116,6 +135,17 @@ fn main() -> ExitCode {
     code
 }
 
+/// `krunbox setup`: installs the artifacts this build finds into the data directory.
+fn setup(data_dir: Option<std::path::PathBuf>) -> krunbox::Result<()> {
+    let data_dir = data_dir.unwrap_or_else(krunbox::data_dir);
+    let installed = krunbox::Artifacts::locate()?.install(&data_dir)?;
+    println!("installed into {}:", data_dir.display());
+    println!("  helper      {}", installed.vmm_helper.display());
+    println!("  guest-init  {}", installed.guest_init.display());
+    println!("  libkrunfw   {}", installed.libkrunfw_dir.display());
+    Ok(())
+}
+
 /// The command lines of the unit tests: `krunbox run FLAGS -- true`, parsed or refused.
 #[cfg(test)]
 mod testing {
@@ -129,7 +159,7 @@ mod testing {
             .copied();
         match Cli::try_parse_from(argv)?.command {
             Cmd::Run(args) => Ok(*args),
-            Cmd::Doctor { .. } | Cmd::Image { .. } => unreachable!(),
+            Cmd::Doctor { .. } | Cmd::Image { .. } | Cmd::Setup { .. } => unreachable!(),
         }
     }
 

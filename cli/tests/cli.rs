@@ -548,3 +548,66 @@ fn run_pulls_a_registry_reference_once() {
         text(&second.stderr)
     );
 }
+
+/// `krunbox setup` installs the run-time files this build found into a data directory, in the
+/// documented layout; a `krunbox` binary away from the build (where `cargo install` puts it)
+/// then boots a VM with them, and without them says to run `krunbox setup`.
+#[test]
+fn setup_installs_the_artifacts_and_a_cli_away_from_the_build_boots_with_them() {
+    use std::os::unix::fs::PermissionsExt;
+    let data = tempfile::tempdir().unwrap();
+    let out = krunbox(&["setup", "--data-dir", data.path().to_str().unwrap()]);
+    assert!(out.status.success(), "stderr: {}", text(&out.stderr));
+    for file in ["bin/krunbox-vmm", "guest-init", "libkrunfw/libkrunfw.so.5"] {
+        assert!(data.path().join(file).is_file(), "{file} not installed");
+    }
+    let mode = std::fs::metadata(data.path().join("bin/krunbox-vmm"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o111, 0o111, "the helper is executable");
+
+    // The CLI alone in a directory of its own: nothing beside it to find.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let cli = elsewhere.path().join("krunbox");
+    std::fs::copy(env!("CARGO_BIN_EXE_krunbox"), &cli).unwrap();
+    let away = |data: &std::path::Path| {
+        let mut command = Command::new(&cli);
+        command
+            .env("KRUNBOX_DATA_DIR", data)
+            .env_remove("KRUNBOX_VMM")
+            .env_remove("KRUNBOX_GUEST_INIT")
+            .env_remove("KRUNBOX_LIBKRUNFW_DIR");
+        command
+    };
+    let installed = away(data.path())
+        .args(["run", "--image", "busybox", "--", "uname", "-r"])
+        .output()
+        .unwrap();
+    assert!(
+        installed.status.success(),
+        "stderr: {}",
+        text(&installed.stderr)
+    );
+    assert!(
+        !text(&installed.stdout).trim().is_empty(),
+        "no kernel release"
+    );
+
+    let empty = tempfile::tempdir().unwrap();
+    let missing = away(empty.path())
+        .args(["run", "--image", "busybox", "--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        missing.status.code(),
+        Some(125),
+        "{}",
+        text(&missing.stderr)
+    );
+    assert!(
+        text(&missing.stderr).contains("krunbox setup"),
+        "{}",
+        text(&missing.stderr)
+    );
+}

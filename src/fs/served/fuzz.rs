@@ -8,17 +8,15 @@
 #![cfg(any(test, feature = "fuzzing"))]
 
 use std::os::fd::OwnedFd;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
 use super::{Device, Turn};
 use crate::fs::fuse::fuzz::{check_reply, init_request};
 use crate::fs::fuse::Session;
-use crate::fs::fuse::MAX_IN_FLIGHT;
 use crate::fs::{MemoryFs, MountOptions};
-use crate::virtqueue::laid_out::{check_completions, laid_out_queue, HostileQueue, Input};
+use crate::virtqueue::laid_out::{check_completions, HostileQueue, Input};
 #[cfg(test)]
 use crate::virtqueue::laid_out::{seed, DATA};
 
@@ -37,7 +35,6 @@ fn run(data: &[u8]) -> usize {
         input.u8();
     }
     input.fill_memory(&mem);
-    let ring = Arc::new(Mutex::new(laid_out_queue(size, &mem)));
     let interrupt = OwnedFd::from(nix::sys::eventfd::EventFd::new().expect("an eventfd"));
     let runtime = tokio::runtime::Builder::new_current_thread()
         .build()
@@ -53,13 +50,7 @@ fn run(data: &[u8]) -> usize {
             .expect("INIT decodes")
             .expect("INIT is answered");
         check_reply(&reply, 1);
-        let device = Arc::new(Device {
-            mem: mem.clone(),
-            rings: vec![ring.clone(), ring],
-            interrupt,
-            session: Arc::new(session),
-            slots: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
-        });
+        let device = Device::laid_out(&mem, size, interrupt, session);
         let mut requests = JoinSet::new();
         // Turns until the ring is drained (a broken ring is only a reason to stop): a ring
         // holds at most its size of requests, so a few turns end it.

@@ -165,6 +165,27 @@ struct Device {
 }
 
 impl Device {
+    /// A device whose two rings are one queue of `size` laid out as the tests' and the fuzz
+    /// target's driver lays it (`virtqueue::laid_out`), answered by `session`.
+    #[cfg(any(test, feature = "fuzzing"))]
+    fn laid_out(
+        mem: &GuestMemoryMmap,
+        size: u16,
+        interrupt: OwnedFd,
+        session: Session,
+    ) -> Arc<Self> {
+        let ring = Arc::new(Mutex::new(crate::virtqueue::laid_out::laid_out_queue(
+            size, mem,
+        )));
+        Arc::new(Device {
+            mem: mem.clone(),
+            rings: vec![ring.clone(), ring],
+            interrupt,
+            session: Arc::new(session),
+            slots: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
+        })
+    }
+
     /// Takes up to [`TURN`] requests off ring `index` and starts answering each, waiting for
     /// a slot before taking the next.
     async fn serve_ring(self: &Arc<Self>, index: usize, requests: &mut JoinSet<()>) -> Turn {

@@ -7,7 +7,7 @@ use vm_memory::{ByteValued, Bytes, GuestAddress};
 use super::*;
 use crate::fs::fuse::fuzz::{init_request, request};
 use crate::fs::{MemoryFs, MountOptions};
-use crate::virtqueue::laid_out::{self, laid_out_queue, offer, AVAIL_RING, DESC_TABLE, USED_RING};
+use crate::virtqueue::laid_out::{self, offer, AVAIL_RING, DESC_TABLE, USED_RING};
 
 const SIZE: u16 = 16;
 
@@ -18,18 +18,11 @@ async fn fresh_device() -> (GuestMemoryMmap, Arc<Device>, OwnedFd) {
     let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
     let session = Session::new(Arc::new(MemoryFs::new()), MountOptions::new());
     session.handle(&init_request(1)).await.unwrap().unwrap();
-    let ring = Arc::new(Mutex::new(laid_out_queue(SIZE, &mem)));
     let interrupt = OwnedFd::from(
         nix::sys::eventfd::EventFd::from_flags(nix::sys::eventfd::EfdFlags::EFD_NONBLOCK).unwrap(),
     );
     let counted = interrupt.try_clone().unwrap();
-    let device = Arc::new(Device {
-        mem: mem.clone(),
-        rings: vec![ring.clone(), ring],
-        interrupt,
-        session: Arc::new(session),
-        slots: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
-    });
+    let device = Device::laid_out(&mem, SIZE, interrupt, session);
     (mem, device, counted)
 }
 
@@ -287,14 +280,8 @@ async fn a_write_spread_over_guest_buffers_lands_whole_in_the_file() {
             (0x50000, 4096, true),
         ],
     );
-    let ring = Arc::new(Mutex::new(laid_out_queue(16, &mem)));
-    let device = Arc::new(Device {
-        mem: mem.clone(),
-        rings: vec![ring.clone(), ring],
-        interrupt: OwnedFd::from(nix::sys::eventfd::EventFd::new().unwrap()),
-        session: Arc::new(session),
-        slots: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
-    });
+    let interrupt = OwnedFd::from(nix::sys::eventfd::EventFd::new().unwrap());
+    let device = Device::laid_out(&mem, 16, interrupt, session);
     let mut requests = JoinSet::new();
     assert!(matches!(
         device.serve_ring(1, &mut requests).await,

@@ -8,12 +8,14 @@
 #                     docker-registry and skopeo (the pull tests' registry on loopback, and
 #                     the pushes of the images they build), patch (libkrun's hook),
 #                     libc6-dev (libkrun's own init, for tests/plain-libkrun, links statically)
-#   libkrun hook      .patched/krun-vmm: libkrun's krun-vmm from crates.io with our one patch
-#                     (scripts/libkrun-hook.sh; the workspace cannot build without it)
+#   libkrun hook      vmm/.patched/krun-vmm: libkrun's krun-vmm from crates.io with our one
+#                     patch (scripts/libkrun-hook.sh; the helper's workspace cannot build
+#                     without it, the library's needs none of it)
 #   Rust target       x86_64-unknown-linux-musl (guest-init is a static binary)
 #   cargo-nextest     runs the VM tests, one process per test (from crates.io if missing)
 #   libkrunfw         the guest kernel, Debian sid's libkrunfw5, into the krunbox cache
-#   build             the workspace (krunbox, krunbox-vmm, krunbox-rootfs), guest-init, and
+#   build             the library's workspace (krunbox, its CLI, krunbox-rootfs), the helper's
+#                     (vmm/: krunbox-vmm), guest-init, and
 #                     tests/plain-libkrun (an image booted by libkrun alone, for one test)
 #   pjdfstest         the POSIX filesystem conformance suite tests/fs_conformance.rs runs in the
 #                     guest, from crates.io, as a static musl binary, into the krunbox cache
@@ -30,8 +32,8 @@ cd "$here/.."
 need_apt erofs-utils mmdebstrap busybox-static python3 passt e2fsprogs qemu-utils \
     docker-registry skopeo patch libc6-dev
 
-# Before any cargo command in the workspace: its Cargo.toml names libkrun's patched krun-vmm,
-# which this makes (with python3 and patch, installed just above).
+# Before any cargo command in the helper's workspace: vmm/Cargo.toml names libkrun's patched
+# krun-vmm, which this makes (with python3 and patch, installed just above).
 "$here/libkrun-hook.sh"
 
 musl=x86_64-unknown-linux-musl
@@ -49,6 +51,10 @@ fi
 
 log "cargo build (host binaries)"
 cargo build --workspace --bins >&2
+# The helper: a workspace of its own (vmm/Cargo.toml says why), into the same target directory
+# (.cargo/config.toml), so that target/debug/krunbox-vmm lies beside the library's binaries.
+log "cargo build the helper (vmm/)"
+cargo build --locked --manifest-path vmm/Cargo.toml --bins >&2
 log "cargo build guest-init ($musl)"
 cargo build -p guest-init --release --target "$musl" --bins --examples >&2
 # A program that boots an image with libkrun alone (crates.io's, with its own init, without our

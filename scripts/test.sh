@@ -31,11 +31,14 @@ fi
 log "formatting and lints"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
-# tests/plain-libkrun is a workspace of its own, which the two above do not reach.
+# The helper's workspace (vmm/) and tests/plain-libkrun are workspaces of their own, which the
+# two above do not reach.
+cargo fmt --manifest-path vmm/Cargo.toml --all -- --check
+cargo clippy --locked --manifest-path vmm/Cargo.toml --workspace --all-targets -- -D warnings
 cargo fmt --manifest-path tests/plain-libkrun/Cargo.toml -- --check
 cargo clippy --locked --manifest-path tests/plain-libkrun/Cargo.toml --target-dir "$(cargo_target_dir)" -- -D warnings
 
-log "host tests (no VM): protocol, krun-sys, rootfs, library and CLI units, doc tests"
+log "host tests (no VM): protocol, virtio, rootfs, library, CLI and helper units, doc tests"
 # The two packages whose integration tests boot microVMs: those run below, with nextest. Their
 # unit tests (the library's, the CLI's argument parsing) run here, on the host.
 vm_packages=(-p krunbox -p krunbox-cli)
@@ -43,6 +46,9 @@ cargo test --workspace --exclude krunbox --exclude krunbox-cli
 cargo test -p krunbox --lib --bins
 cargo test -p krunbox-cli --bins
 cargo test -p krunbox --doc
+# The helper's units: its jail's filters, its devices driven over real guest memory against the
+# library's real services, krun-sys's doc tests.
+cargo test --locked --manifest-path vmm/Cargo.toml --workspace
 
 target=$(cargo_target_dir)
 log "building the VM tests and benches"

@@ -1511,14 +1511,49 @@ pub fn virtio_fs_queue(data: &[u8]) {
     crate::fs::served::fuzz::fuzz_queue(data)
 }
 
-/// A hostile guest's virtqueue on a copy-on-write root's virtio-blk device
-/// (`src/vmm/devices/blk/`): any descriptor table, available ring, memory and disk size, served
-/// by the device's code over a socket pair to the library's real service over a real layer.
-/// Panics if anything panics or hangs, the service refuses what the device sent, a request
-/// still waits once the service answered all, or a completion names a chain the guest did not
-/// offer or says more than a request's data and status.
-pub fn virtio_blk_queue(data: &[u8]) {
-    crate::vmm::devices::blk::fuzz::fuzz_queue(data)
+/// The library's disk service (`rootfs/disk/`) over a fresh copy-on-write layer in a
+/// `MemoryStore`: what the helper's virtio-blk device forwards to in its unit tests and its
+/// fuzz target (`vmm/src/devices/blk/`), so that both ends of the wire are the real ones.
+#[derive(Clone)]
+pub struct MemoryLayerDisk(Arc<crate::rootfs::cow::CowLayer>);
+
+impl MemoryLayerDisk {
+    /// A fresh, unformatted layer of 16 KiB blocks holding at most 1 MiB unwritten.
+    pub fn new() -> MemoryLayerDisk {
+        let store = crate::rootfs::MemoryStore::with_block_size(16384).expect("a block size");
+        MemoryLayerDisk(Arc::new(crate::rootfs::cow::CowLayer::unformatted(
+            Arc::new(store),
+            1 << 20,
+        )))
+    }
+
+    /// Serves the requests the device forwards on `stream` until it closes or breaks the
+    /// framing (the service's own error).
+    pub async fn serve(&self, stream: tokio::net::UnixStream) -> std::io::Result<()> {
+        crate::rootfs::disk::serve(stream, self.0.clone()).await
+    }
+
+    /// Up to `len` bytes of the disk at `offset`, as the layer holds them.
+    pub async fn read(&self, offset: u64, len: u32) -> std::result::Result<Vec<u8>, String> {
+        self.0.read(offset, len).await.map_err(|e| format!("{e:?}"))
+    }
+
+    /// The disk's size in bytes.
+    pub fn size(&self) -> u64 {
+        use crate::rootfs::served::ServedDisk;
+        self.0.size()
+    }
+
+    /// Bytes written and not yet flushed to the store.
+    pub fn dirty_bytes(&self) -> u64 {
+        self.0.dirty_bytes()
+    }
+}
+
+impl Default for MemoryLayerDisk {
+    fn default() -> Self {
+        MemoryLayerDisk::new()
+    }
 }
 
 /// A persistent root's layer file as a compromised VMM helper could leave it
@@ -1552,8 +1587,7 @@ pub fn layer_stream(data: &[u8]) {
 
 /// Replays every file of the committed corpus `fuzz/corpus/TARGET` through `property`, for
 /// the fuzz targets' corpus tests: a file that fails it fails the test, naming the file.
-#[cfg(test)]
-pub(crate) fn replay_corpus(target: &str, property: impl Fn(&[u8]) + std::panic::RefUnwindSafe) {
+pub fn replay_corpus(target: &str, property: impl Fn(&[u8]) + std::panic::RefUnwindSafe) {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("fuzz/corpus")
         .join(target);
@@ -1605,8 +1639,7 @@ pub(crate) fn mutate_seeds(seeds: &[Vec<u8>], rounds: usize, seed: u64, property
 
 /// Asserts that `fuzz/corpus/TARGET/seed-NN` hold exactly `seeds` (rewriting them first when
 /// `KRUNBOX_WRITE_FUZZ_SEEDS` is set), for the fuzz targets' seed tests.
-#[cfg(test)]
-pub(crate) fn assert_committed_seeds(target: &str, seeds: &[Vec<u8>]) {
+pub fn assert_committed_seeds(target: &str, seeds: &[Vec<u8>]) {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("fuzz/corpus")
         .join(target);

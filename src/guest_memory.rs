@@ -13,7 +13,7 @@
 //! [`MAX_REGIONS`], none overlapping), and the file's size is sealed, so nothing the helper
 //! does can make this process's mapping fault. The guest can change any byte of the mapping
 //! at any time; every access goes through vm-memory's volatile copies and every ring is
-//! parsed by bounded code (`virtqueue`).
+//! parsed by bounded code (`krunbox_virtio::queue`).
 
 use std::fs::File;
 use std::os::fd::{AsFd, OwnedFd};
@@ -21,25 +21,14 @@ use std::sync::Arc;
 
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap};
 
+pub(crate) use krunbox_virtio::memory::{MemoryRegion, MAX_REGIONS};
+
 /// Room in the file beyond the guest's RAM, for libkrunfw's kernel (about 21 MiB, copied in
 /// when the VM is built) and the pages lost to aligning each region. Unused room costs
 /// nothing: the file is sparse.
 const KERNEL_ROOM: u64 = 64 << 20;
 
-/// The most regions a handed-over layout may name (libkrun's x86-64 guests have three or
-/// four: below the kernel, the kernel, after it, and past the 32-bit gap).
-pub(crate) const MAX_REGIONS: usize = 8;
-
 const PAGE: u64 = 4096;
-
-/// One region of guest memory: `len` bytes at guest address `guest_address`, kept at
-/// `file_offset` in the file.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct MemoryRegion {
-    pub guest_address: u64,
-    pub len: u64,
-    pub file_offset: u64,
-}
 
 /// The guest's memory, in a sealed memfd of this process's.
 #[derive(Debug)]

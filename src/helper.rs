@@ -1,6 +1,6 @@
 //! The `krunbox-vmm` helper as the library runs it: started with its descriptors handed over
 //! by role, watched until it exits, its log's tail read for errors. What runs inside it is
-//! `crate::vmm`; what both sides agree on is `krunbox_protocol::vmm`.
+//! the `krunbox-vmm` crate (`vmm/`); what both sides agree on is `krunbox_protocol::vmm`.
 
 use std::path::Path;
 use std::process::Stdio;

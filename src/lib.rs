@@ -65,9 +65,6 @@ pub mod rootfs;
 mod sandbox;
 #[cfg(test)]
 mod scripted_guest;
-mod virtqueue;
-#[doc(hidden)]
-pub mod vmm;
 
 /// The host↔guest control protocol (shared with `guest-init`).
 pub mod protocol {

@@ -17,7 +17,7 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 use vm_memory::{GuestAddress, GuestMemoryMmap};
 
 use super::types::{FsError, FsResult};
-use crate::virtqueue::{gather, write_some_at_from_guest};
+use krunbox_virtio::queue::{gather, write_some_at_from_guest};
 
 /// The data of one write request: [`len`](WriteData::len) bytes, read with
 /// [`copy_to`](WriteData::copy_to) or [`to_vec`](WriteData::to_vec).

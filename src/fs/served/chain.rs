@@ -4,7 +4,7 @@
 use vm_memory::{GuestAddress, GuestMemoryMmap};
 
 use crate::fs::fuse::{IN_HEADER_LEN, MAX_REQUEST};
-use crate::virtqueue::{gather, scatter, Chain, ChainLimits};
+use krunbox_virtio::queue::{gather, scatter, Chain, ChainLimits};
 
 /// The most descriptors a request's reply may be spread over: a 1 MiB read is 256 pages and a
 /// header. More is no request of the guest's driver, and each is remembered until the reply.

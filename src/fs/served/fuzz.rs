@@ -16,9 +16,9 @@ use super::{Device, Turn};
 use crate::fs::fuse::fuzz::{check_reply, init_request};
 use crate::fs::fuse::Session;
 use crate::fs::{MemoryFs, MountOptions};
-use crate::virtqueue::laid_out::{check_completions, HostileQueue, Input};
+use krunbox_virtio::queue::laid_out::{check_completions, HostileQueue, Input};
 #[cfg(test)]
-use crate::virtqueue::laid_out::{seed, DATA};
+use krunbox_virtio::queue::laid_out::{seed, DATA};
 
 /// Runs one input; panics where the property does not hold.
 pub(crate) fn fuzz_queue(data: &[u8]) {

@@ -35,8 +35,10 @@ use super::fuse::{
 use super::handover::{self, QUEUE_SIZE, RINGS};
 use super::WriteData;
 use crate::guest_memory::GuestMemoryFile;
-use crate::virtqueue::{self, complete, gather, next_request, scatter, Drained, Next, Popped};
 use chain::{fail_request, read_in_header, LIMITS};
+use krunbox_virtio::queue::{
+    self as virtqueue, complete, gather, next_request, scatter, Drained, Next, Popped,
+};
 
 mod chain;
 pub(crate) mod fuzz;
@@ -174,7 +176,7 @@ impl Device {
         interrupt: OwnedFd,
         session: Session,
     ) -> Arc<Self> {
-        let ring = Arc::new(Mutex::new(crate::virtqueue::laid_out::laid_out_queue(
+        let ring = Arc::new(Mutex::new(krunbox_virtio::queue::laid_out::laid_out_queue(
             size, mem,
         )));
         Arc::new(Device {

@@ -7,7 +7,7 @@ use vm_memory::{ByteValued, Bytes, GuestAddress};
 use super::*;
 use crate::fs::fuse::fuzz::{init_request, request};
 use crate::fs::{MemoryFs, MountOptions};
-use crate::virtqueue::laid_out::{self, offer, AVAIL_RING, DESC_TABLE, USED_RING};
+use krunbox_virtio::queue::laid_out::{self, offer, AVAIL_RING, DESC_TABLE, USED_RING};
 
 const SIZE: u16 = 16;
 

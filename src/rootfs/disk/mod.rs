@@ -7,7 +7,7 @@
 //! request waits for a wake-up of its own. Everything belongs to the instance: dropping the
 //! service ends the connection's task.
 
-pub(crate) mod wire;
+pub(crate) use krunbox_virtio::disk_wire as wire;
 
 use std::os::fd::OwnedFd;
 use std::sync::Arc;

@@ -5,11 +5,11 @@
 //! device, one per mount, runs in the `krunbox-vmm` helper (attached through
 //! [`krun_sys::device`]) and serves no filesystem, and no request, itself.
 //!
-//! Every VM with mounts is built in the library's memory file (`crate::guest_memory`): the
+//! Every VM with mounts is built in the library's memory file (the library's `guest_memory.rs`): the
 //! device keeps only the transport (configuration, features, the rings' set-up) and, when the
 //! guest's driver activates it, hands the queues over ([`handover`]): the rings' addresses,
 //! the queues' notification eventfds and the interrupt eventfd go to the library on the
-//! mount's socket, and the library serves the queues itself (`crate::fs::served`), with no
+//! mount's socket, and the library serves the queues itself (its `fs/served/`), with no
 //! thread here and no hop per request. A ring that does not lie wholly in guest memory, or a
 //! guest memory the library's file does not hold, leaves the device inert.
 
@@ -20,8 +20,8 @@ use krun_sys::device::{
 };
 use vm_memory::GuestMemoryMmap;
 
-use crate::fs::handover::{self, QUEUE_SIZE};
-use crate::virtqueue;
+use krunbox_virtio::handover::{self, QUEUE_SIZE};
+use krunbox_virtio::queue as virtqueue;
 
 /// virtio's device type for a filesystem (`VIRTIO_ID_FS`).
 const VIRTIO_ID_FS: u32 = 26;
@@ -78,16 +78,16 @@ impl HandOverFs {
             let Some(offset) = region.file_offset() else {
                 return self.inert("guest memory that is not in the library's file");
             };
-            regions.push(crate::guest_memory::MemoryRegion {
+            regions.push(krunbox_virtio::memory::MemoryRegion {
                 guest_address: region.start_addr().0,
                 len: region.len(),
                 file_offset: offset.start(),
             });
         }
-        if regions.len() > crate::guest_memory::MAX_REGIONS {
+        if regions.len() > krunbox_virtio::memory::MAX_REGIONS {
             return self.inert("guest memory in too many regions to hand over");
         }
-        let layout = |queue: &DeviceQueue| crate::vmm::queue::ring_layout(&queue.queue);
+        let layout = |queue: &DeviceQueue| crate::queue::ring_layout(&queue.queue);
         let message = handover::HandOver {
             features: self.acked_features,
             rings: [layout(&queues[0]), layout(&queues[1])],
@@ -168,7 +168,7 @@ impl VirtioDevice for HandOverFs {
         // libkrun's transport does not check the rings the guest set up. Rings outside guest
         // memory, or of a bad size, leave the device inert (the library checks them again).
         let in_memory = |q: &DeviceQueue| {
-            virtqueue::queue(crate::vmm::queue::ring_layout(&q.queue), QUEUE_SIZE, &mem).is_some()
+            virtqueue::queue(crate::queue::ring_layout(&q.queue), QUEUE_SIZE, &mem).is_some()
         };
         if !queues.iter().all(in_memory) {
             return self.inert("a queue outside guest memory or of a bad size");

@@ -6,20 +6,20 @@
 //! device writes last. This device runs in the `krunbox-vmm` helper (attached through
 //! [`krun_sys::device`]) and checks each request; then, by the disk's [`Backing`]:
 //! - **the library**: it holds no data itself; it forwards reads, writes and flushes to the
-//!   library over a socket ([`wire`]: its own header, then a write's data straight from guest
+//!   library over a socket ([`disk_wire`](krunbox_virtio::disk_wire): its own header, then a write's data straight from guest
 //!   memory), and completes each when the library's reply comes back (a read's data straight
 //!   into guest memory, then the status). The library serves them from a layer over a
-//!   [`BlockStore`](crate::rootfs::BlockStore) ([`super::cow::CowLayer`], through [`service`]).
+//!   `BlockStore` (its `rootfs/cow.rs`, through its disk service, `rootfs/disk/`).
 //!   Requests go on while earlier ones wait: the guest keeps up to a queue's worth in flight.
 //! - **a file** the library opened (a store that keeps its blocks in one local file, an image
 //!   build's sparse output): it reads and writes the file in place, straight between guest
 //!   memory and the file (`preadv`/`pwritev`, the one copy a raw disk makes), and a flush is
 //!   `fdatasync`. Nothing crosses to the library while the guest runs.
 //!
-//! Everything of the guest is bounded here: a request's data (at most [`wire::MAX_DATA`],
+//! Everything of the guest is bounded here: a request's data (at most [`MAX_DATA`],
 //! whole 512-byte sectors, inside the disk), its chain (at most [`QUEUE_SIZE`] descriptors, as
-//! `crate::virtqueue` walks them, indirect tables included; at most [`MAX_WRITABLE_DESCRIPTORS`] writable), and the requests
-//! waiting for a reply (at most [`QUEUE_SIZE`]). A malformed request fails with
+//! `krunbox_virtio::queue` walks them, indirect tables included; at most
+//! [`MAX_WRITABLE_DESCRIPTORS`] writable), and the requests waiting for a reply (at most [`QUEUE_SIZE`]). A malformed request fails with
 //! `VIRTIO_BLK_S_IOERR` (or is completed with nothing written when it has no room for a
 //! status): the guest's own I/O fails, nothing else does. The device answers `GET_ID` itself
 //! (the serial guest-init finds the disk by) and `VIRTIO_BLK_S_UNSUPP` to what it does not
@@ -41,13 +41,13 @@ use krun_sys::device::{
 use virtio_queue::Queue;
 use vm_memory::{GuestAddress, GuestMemoryMmap};
 
-use crate::rootfs::disk::wire::{
+use krunbox_virtio::disk_wire::{
     Operation, ReplyHeader, RequestHeader, Status, MAX_DATA, REPLY_HEADER_LEN,
 };
-use crate::virtqueue::{
-    self, complete, complete_unsignalled, gather, read_at_into_guest, receive_buffered_into_guest,
-    scatter, send_from_guest, serve_notifications, write_at_from_guest, Chain, ChainLimits,
-    Drained, Popped,
+use krunbox_virtio::queue::{
+    self as virtqueue, complete, complete_unsignalled, gather, read_at_into_guest,
+    receive_buffered_into_guest, scatter, send_from_guest, serve_notifications,
+    write_at_from_guest, Chain, ChainLimits, Drained, Popped,
 };
 
 pub(crate) mod fuzz;
@@ -243,7 +243,7 @@ impl VirtioDevice for ServedBlock {
         };
         // libkrun's transport does not check the rings the guest set up. Rings outside guest
         // memory, or of a bad size, leave the device inert.
-        let layout = crate::vmm::queue::ring_layout(&queue.queue);
+        let layout = crate::queue::ring_layout(&queue.queue);
         let Some(ring) = virtqueue::queue(layout, QUEUE_SIZE, &mem) else {
             return self.inert("a queue outside guest memory or of a bad size");
         };

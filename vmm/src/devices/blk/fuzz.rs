@@ -15,12 +15,10 @@ use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 
 use super::{drain, drain_in_place, serve_replies, Pending, Shared, MAX_DATA, SERIAL_LEN};
-use crate::rootfs::cow::CowLayer;
-use crate::rootfs::disk as service;
-use crate::rootfs::MemoryStore;
-use crate::virtqueue::laid_out::{check_completions, laid_out_queue, HostileQueue, Input};
+use krunbox::fuzzing::MemoryLayerDisk;
+use krunbox_virtio::queue::laid_out::{check_completions, laid_out_queue, HostileQueue, Input};
 #[cfg(test)]
-use crate::virtqueue::laid_out::{seed, DATA};
+use krunbox_virtio::queue::laid_out::{seed, DATA};
 
 /// Runs one input; panics where the property does not hold.
 pub(crate) fn fuzz_queue(data: &[u8]) {
@@ -121,14 +119,11 @@ fn run_forwarded(data: &[u8]) -> Vec<(u32, u32)> {
             .enable_all()
             .build()
             .expect("a runtime");
-        let layer = Arc::new(CowLayer::unformatted(
-            Arc::new(MemoryStore::with_block_size(16384).expect("a block size")),
-            1 << 20,
-        ));
+        let disk = MemoryLayerDisk::new();
         library.set_nonblocking(true).expect("non-blocking");
         runtime.block_on(async move {
             let stream = tokio::net::UnixStream::from_std(library).expect("a tokio socket");
-            service::serve(stream, layer).await
+            disk.serve(stream).await
         })
     });
     let completer = {
@@ -241,11 +236,11 @@ mod tests {
     /// `KRUNBOX_WRITE_FUZZ_SEEDS=1 cargo test --lib committed_virtio_blk_queue_seeds`).
     #[test]
     fn committed_virtio_blk_queue_seeds_are_the_generated_ones() {
-        crate::fuzzing::assert_committed_seeds("virtio_blk_queue", &seeds());
+        krunbox::fuzzing::assert_committed_seeds("virtio_blk_queue", &seeds());
     }
 
     #[test]
     fn corpus_holds_the_property() {
-        crate::fuzzing::replay_corpus("virtio_blk_queue", fuzz_queue);
+        krunbox::fuzzing::replay_corpus("virtio_blk_queue", fuzz_queue);
     }
 }

@@ -1,5 +1,5 @@
-//! What the helper's forwarding devices share: walking a hostile guest's virtqueue and moving
-//! bytes between its memory and a socket.
+//! What the library and the helper share for the devices they serve: walking a hostile
+//! guest's virtqueue and moving bytes between its memory and a socket or a file.
 //!
 //! A copy-on-write root's virtio-blk device in the `krunbox-vmm` helper (`vmm/devices/blk/`)
 //! pops request chains off its queue and serves them from a file in place or forwards them
@@ -24,7 +24,7 @@ use vm_memory::{Bytes, GuestAddress, GuestMemory, GuestMemoryMmap};
 /// Where one virtqueue's rings lie in guest memory, and how many entries it has, as the
 /// guest's driver set it up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(crate) struct RingLayout {
+pub struct RingLayout {
     /// Entries (a power of two; 0 for a queue the driver never made ready).
     pub size: u16,
     /// The descriptor table's guest address.
@@ -37,7 +37,7 @@ pub(crate) struct RingLayout {
 
 /// The queue `layout` describes, of at most `max_size` entries, ready to serve; `None` when
 /// it is of a bad size, misaligned, or any of its rings is not wholly in `mem`.
-pub(crate) fn queue(layout: RingLayout, max_size: u16, mem: &GuestMemoryMmap) -> Option<Queue> {
+pub fn queue(layout: RingLayout, max_size: u16, mem: &GuestMemoryMmap) -> Option<Queue> {
     // rust-vmm's queue takes a ring at guest address 0 for one never set up, and then pops
     // nothing: refused here, so that the device goes inert at once rather than at its first
     // request.
@@ -61,7 +61,7 @@ pub(crate) fn queue(layout: RingLayout, max_size: u16, mem: &GuestMemoryMmap) ->
 
 /// Reads a device's configuration space `config` at `offset` into `data` (what lies past its
 /// end reads as zeros); both devices' spaces are fixed when they are made, and read-only.
-pub(crate) fn read_config_space(config: &[u8], offset: u64, data: &mut [u8]) {
+pub fn read_config_space(config: &[u8], offset: u64, data: &mut [u8]) {
     data.fill(0);
     let start = usize::try_from(offset)
         .unwrap_or(usize::MAX)
@@ -85,7 +85,7 @@ fn rings_in_memory(queue: &Queue, mem: &GuestMemoryMmap) -> bool {
 
 /// A device's bounds on one request chain.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct ChainLimits {
+pub struct ChainLimits {
     /// The most bytes the readable descriptors may hold in all.
     pub max_readable: usize,
     /// The most writable descriptors (each is remembered until the request completes).
@@ -94,14 +94,14 @@ pub(crate) struct ChainLimits {
 
 /// A request read off a queue: its head, and its descriptors, or `None` for a chain that broke
 /// the bounds (the device completes it without forwarding it).
-pub(crate) struct Popped {
+pub struct Popped {
     pub head: u16,
     pub chain: Option<Chain>,
 }
 
 /// A request chain's descriptors as (guest address, length): every one checked to lie in guest
 /// memory, the readable ones all before the writable ones.
-pub(crate) struct Chain {
+pub struct Chain {
     pub readable: Vec<(GuestAddress, u32)>,
     pub readable_len: usize,
     pub writable: Vec<(GuestAddress, u32)>,
@@ -109,14 +109,14 @@ pub(crate) struct Chain {
 
 impl Chain {
     /// The writable descriptors' room in bytes.
-    pub(crate) fn writable_len(&self) -> usize {
+    pub fn writable_len(&self) -> usize {
         self.writable.iter().map(|(_, len)| *len as usize).sum()
     }
 }
 
 /// The next request on `queue`, its descriptors checked against `limits` and guest memory.
 /// `None` when the entry names no descriptor of the queue: the ring is broken.
-pub(crate) fn pop(queue: &mut Queue, mem: &GuestMemoryMmap, limits: ChainLimits) -> Option<Popped> {
+pub fn pop(queue: &mut Queue, mem: &GuestMemoryMmap, limits: ChainLimits) -> Option<Popped> {
     let _ = queue.disable_notification(mem);
     let head = queue.pop_descriptor_chain(mem)?;
     let index = head.head_index();
@@ -180,7 +180,7 @@ fn available(queue: &Queue, mem: &GuestMemoryMmap) -> Option<u16> {
 
 /// How [`drain`] left a queue.
 #[derive(Debug, PartialEq, Eq)]
-pub(crate) enum Drained {
+pub enum Drained {
     /// Nothing more on it; notifications are on.
     Empty,
     /// The guest's ring claims more than the queue holds, or entries no chain starts at.
@@ -188,7 +188,7 @@ pub(crate) enum Drained {
 }
 
 /// Hands everything on one queue to `forward`, with notifications off while there is more.
-pub(crate) fn drain(
+pub fn drain(
     mem: &GuestMemoryMmap,
     ring: &Mutex<Queue>,
     limits: ChainLimits,
@@ -203,7 +203,7 @@ pub(crate) fn drain(
 }
 
 /// What [`next_request`] found on a queue.
-pub(crate) enum Next {
+pub enum Next {
     /// A request, taken off the queue (notifications are off).
     Request(Popped),
     /// None: the queue is empty or broken.
@@ -212,11 +212,7 @@ pub(crate) enum Next {
 
 /// The next request on one queue, with notifications off while there is more, or how the
 /// queue was left when there is none.
-pub(crate) fn next_request(
-    mem: &GuestMemoryMmap,
-    ring: &Mutex<Queue>,
-    limits: ChainLimits,
-) -> Next {
+pub fn next_request(mem: &GuestMemoryMmap, ring: &Mutex<Queue>, limits: ChainLimits) -> Next {
     let mut queue = ring.lock().unwrap_or_else(|p| p.into_inner());
     loop {
         // The ring was checked to lie in guest memory when the device was activated, so
@@ -252,7 +248,7 @@ pub(crate) fn next_request(
 /// ring with `drain_one(index)`, until draining fails (the library is gone). A ring the guest
 /// broke is no longer served: popping would find nothing, forever, while the ring says there
 /// is more.
-pub(crate) fn serve_notifications(
+pub fn serve_notifications(
     events: &[Arc<impl AsRawFd>],
     tag: &str,
     mut drain_one: impl FnMut(usize) -> std::io::Result<Drained>,
@@ -307,7 +303,7 @@ fn clear_eventfd(fd: std::os::fd::RawFd) {
 
 /// Marks a request done, having written `written` bytes into its chain, and interrupts the
 /// guest with `signal` when it asked to be.
-pub(crate) fn complete(
+pub fn complete(
     mem: &GuestMemoryMmap,
     ring: &Mutex<Queue>,
     head: u16,
@@ -321,7 +317,7 @@ pub(crate) fn complete(
 
 /// Marks a request done, having written `written` bytes into its chain; returns whether the
 /// guest asked to be interrupted (the caller does it, once for several completions).
-pub(crate) fn complete_unsignalled(
+pub fn complete_unsignalled(
     mem: &GuestMemoryMmap,
     ring: &Mutex<Queue>,
     head: u16,
@@ -332,7 +328,7 @@ pub(crate) fn complete_unsignalled(
 }
 
 /// Calls `each` with the (address, length) pieces of bytes `skip..skip + len` of `regions`.
-pub(crate) fn for_each_piece(
+pub fn for_each_piece(
     regions: &[(GuestAddress, u32)],
     mut skip: usize,
     mut len: usize,
@@ -356,12 +352,12 @@ pub(crate) fn for_each_piece(
 }
 
 /// A guest memory access that failed in a range [`pop`] checked: never expected.
-pub(crate) fn memory_error(err: impl std::fmt::Display) -> std::io::Error {
+pub fn memory_error(err: impl std::fmt::Display) -> std::io::Error {
     std::io::Error::other(format!("guest memory: {err}"))
 }
 
 /// Copies bytes `skip..skip + out.len()` of `regions` into `out`.
-pub(crate) fn gather(
+pub fn gather(
     mem: &GuestMemoryMmap,
     regions: &[(GuestAddress, u32)],
     skip: usize,
@@ -377,7 +373,7 @@ pub(crate) fn gather(
 }
 
 /// Copies `bytes` into `regions` from byte `skip` on (they hold at least as many).
-pub(crate) fn scatter(
+pub fn scatter(
     mem: &GuestMemoryMmap,
     regions: &[(GuestAddress, u32)],
     skip: usize,
@@ -394,7 +390,7 @@ pub(crate) fn scatter(
 
 /// Writes `prefix` and then bytes `skip..skip + len` of `regions` to `socket`, straight from
 /// guest memory: one `writev` for all of it where the socket takes it.
-pub(crate) fn send_from_guest(
+pub fn send_from_guest(
     mem: &GuestMemoryMmap,
     prefix: &[u8],
     regions: &[(GuestAddress, u32)],
@@ -414,7 +410,7 @@ pub(crate) fn send_from_guest(
 
 /// Reads `len` bytes from `socket` into bytes `skip..skip + len` of `regions`, straight into
 /// guest memory: one `readv` for all of it where the socket has it.
-pub(crate) fn receive_into_guest(
+pub fn receive_into_guest(
     mem: &GuestMemoryMmap,
     regions: &[(GuestAddress, u32)],
     skip: usize,
@@ -430,7 +426,7 @@ pub(crate) fn receive_into_guest(
 
 /// Writes bytes `skip..skip + len` of `regions` into `file` at `offset`, straight from guest
 /// memory: one `pwritev` for all of it where the file takes it.
-pub(crate) fn write_at_from_guest(
+pub fn write_at_from_guest(
     mem: &GuestMemoryMmap,
     regions: &[(GuestAddress, u32)],
     skip: usize,
@@ -448,7 +444,7 @@ pub(crate) fn write_at_from_guest(
 /// Writes bytes `skip..skip + len` of `regions` into `file` at `offset` as
 /// [`write_at_from_guest`] does, but a failure after some bytes were written is not an error:
 /// it returns how many were (as `pwrite` does, so a write that fills the disk is a short one).
-pub(crate) fn write_some_at_from_guest(
+pub fn write_some_at_from_guest(
     mem: &GuestMemoryMmap,
     regions: &[(GuestAddress, u32)],
     skip: usize,
@@ -478,7 +474,7 @@ pub(crate) fn write_some_at_from_guest(
 /// Reads `len` bytes of `file` at `offset` into bytes `skip..skip + len` of `regions`,
 /// straight into guest memory: one `preadv` for all of it where the file has it. Past the
 /// file's end the bytes are zeros (a sparse disk file need not reach its disk's end).
-pub(crate) fn read_at_into_guest(
+pub fn read_at_into_guest(
     mem: &GuestMemoryMmap,
     regions: &[(GuestAddress, u32)],
     skip: usize,
@@ -494,7 +490,7 @@ pub(crate) fn read_at_into_guest(
 
 /// Reads `len` bytes from `reader` into bytes `skip..skip + len` of `regions`: what `reader`
 /// holds already, then the rest straight from its socket into guest memory.
-pub(crate) fn receive_buffered_into_guest(
+pub fn receive_buffered_into_guest(
     mem: &GuestMemoryMmap,
     regions: &[(GuestAddress, u32)],
     skip: usize,
@@ -647,9 +643,8 @@ unsafe fn transfer_counted(
 
 /// A queue laid out at fixed places in guest memory, as a driver leaves it: for the devices'
 /// unit tests and fuzz targets, which play the guest's driver.
-#[cfg(any(test, feature = "fuzzing"))]
-pub(crate) mod laid_out {
-    #[cfg(test)]
+#[cfg(any(test, feature = "fixtures"))]
+pub mod laid_out {
     use virtio_queue::desc::split::Descriptor;
     use virtio_queue::Queue;
     use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
@@ -657,18 +652,18 @@ pub(crate) mod laid_out {
     use super::RingLayout;
 
     /// Where the descriptor table, the available ring and the used ring are.
-    pub(crate) const DESC_TABLE: u64 = 0;
-    pub(crate) const AVAIL_RING: u64 = 0x1000;
-    pub(crate) const USED_RING: u64 = 0x2000;
+    pub const DESC_TABLE: u64 = 0;
+    pub const AVAIL_RING: u64 = 0x1000;
+    pub const USED_RING: u64 = 0x2000;
 
     /// A queue of `size` whose rings are at [`DESC_TABLE`], [`AVAIL_RING`] and [`USED_RING`],
     /// ready.
-    pub(crate) fn laid_out_queue(size: u16, mem: &GuestMemoryMmap) -> Queue {
+    pub fn laid_out_queue(size: u16, mem: &GuestMemoryMmap) -> Queue {
         super::queue(layout(size), size, mem).expect("a queue laid out in memory")
     }
 
     /// Where [`laid_out_queue`]'s rings are, for a queue of `size`.
-    pub(crate) fn layout(size: u16) -> RingLayout {
+    pub fn layout(size: u16) -> RingLayout {
         RingLayout {
             size,
             descriptors: DESC_TABLE,
@@ -679,8 +674,7 @@ pub(crate) mod laid_out {
 
     /// Puts a chain of (address, length, writable) descriptors at descriptor `first` onwards
     /// of a queue of `size` and makes it available.
-    #[cfg(test)]
-    pub(crate) fn offer(mem: &GuestMemoryMmap, size: u16, first: u16, chain: &[(u64, u32, bool)]) {
+    pub fn offer(mem: &GuestMemoryMmap, size: u16, first: u16, chain: &[(u64, u32, bool)]) {
         const F_NEXT: u16 = 1;
         const F_WRITE: u16 = 2;
         for (i, (addr, len, writable)) in chain.iter().enumerate() {
@@ -701,8 +695,7 @@ pub(crate) mod laid_out {
     }
 
     /// The used ring's completions so far, of a queue of `size`: (head, bytes written).
-    #[cfg(test)]
-    pub(crate) fn used(mem: &GuestMemoryMmap, size: u16) -> Vec<(u32, u32)> {
+    pub fn used(mem: &GuestMemoryMmap, size: u16) -> Vec<(u32, u32)> {
         let idx: u16 = mem.read_obj(GuestAddress(USED_RING + 2)).unwrap();
         (0..idx)
             .map(|i| {
@@ -716,11 +709,11 @@ pub(crate) mod laid_out {
 
     /// A fuzz input's guest memory: the rings low, then what the input puts there from
     /// [`DATA`] on.
-    pub(crate) const MEMORY: u64 = 256 * 1024;
-    pub(crate) const DATA: u64 = 0x4000;
+    pub const MEMORY: u64 = 256 * 1024;
+    pub const DATA: u64 = 0x4000;
 
     /// Reads a fuzz input front to back; past its end, zeros.
-    pub(crate) struct Input<'a>(pub &'a [u8]);
+    pub struct Input<'a>(pub &'a [u8]);
 
     impl Input<'_> {
         fn take<const N: usize>(&mut self) -> [u8; N] {
@@ -730,18 +723,18 @@ pub(crate) mod laid_out {
             self.0 = &self.0[n..];
             out
         }
-        pub(crate) fn u8(&mut self) -> u8 {
+        pub fn u8(&mut self) -> u8 {
             self.take::<1>()[0]
         }
-        pub(crate) fn u16(&mut self) -> u16 {
+        pub fn u16(&mut self) -> u16 {
             u16::from_le_bytes(self.take())
         }
-        pub(crate) fn u32(&mut self) -> u32 {
+        pub fn u32(&mut self) -> u32 {
             u32::from_le_bytes(self.take())
         }
 
         /// Puts the rest of the input into guest memory at [`DATA`] (what fits).
-        pub(crate) fn fill_memory(&mut self, mem: &GuestMemoryMmap) {
+        pub fn fill_memory(&mut self, mem: &GuestMemoryMmap) {
             let rest = &self.0[..self.0.len().min((MEMORY - DATA) as usize)];
             mem.write_slice(rest, GuestAddress(DATA))
                 .expect("in memory");
@@ -750,7 +743,7 @@ pub(crate) mod laid_out {
     }
 
     /// A hostile guest's queue, from a fuzz input: any descriptor table and available ring.
-    pub(crate) struct HostileQueue {
+    pub struct HostileQueue {
         pub mem: GuestMemoryMmap,
         pub size: u16,
         /// Entries on the available ring.
@@ -762,7 +755,7 @@ pub(crate) mod laid_out {
         /// addresses past the rings (some outside memory: a guest that points a device's
         /// writes at its own rings only corrupts them, which is its own business and would
         /// only blur what a fuzz target checks), lengths up to 128 KiB, any flags and links.
-        pub(crate) fn from_input(input: &mut Input) -> Self {
+        pub fn from_input(input: &mut Input) -> Self {
             let size = 1u16 << (input.u8() % 6 + 1); // 2 to 64
             let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEMORY as usize)])
                 .expect("guest memory");
@@ -794,11 +787,7 @@ pub(crate) mod laid_out {
     /// The completions on a queue of `size` with `offered` entries, as (head, bytes written),
     /// checked: no more than were offered, each naming a descriptor of the queue, none twice
     /// unless the guest offered it twice.
-    pub(crate) fn check_completions(
-        mem: &GuestMemoryMmap,
-        size: u16,
-        offered: u16,
-    ) -> Vec<(u32, u32)> {
+    pub fn check_completions(mem: &GuestMemoryMmap, size: u16, offered: u16) -> Vec<(u32, u32)> {
         let used: u16 = mem
             .read_obj(GuestAddress(USED_RING + 2))
             .expect("in memory");
@@ -834,8 +823,7 @@ pub(crate) mod laid_out {
     /// A fuzz input for [`HostileQueue::from_input`]: a queue of 4 with chains of (address,
     /// length, writable) descriptors, offered in order, then `answers` (the target's own
     /// bytes), then `memory` at [`DATA`].
-    #[cfg(test)]
-    pub(crate) fn seed(chains: &[&[(u64, u32, bool)]], answers: &[u8], memory: &[u8]) -> Vec<u8> {
+    pub fn seed(chains: &[&[(u64, u32, bool)]], answers: &[u8], memory: &[u8]) -> Vec<u8> {
         let mut out = vec![1u8]; // a queue of 4
         let mut table = Vec::new();
         let mut heads = Vec::new();

@@ -9,11 +9,9 @@ use vm_memory::Bytes;
 
 use super::fuzz::{counted, failure_count};
 use super::*;
-use crate::rootfs::cow::CowLayer;
-use crate::rootfs::disk::{self as service, wire};
-use crate::rootfs::served::ServedDisk;
-use crate::rootfs::MemoryStore;
-use crate::virtqueue::laid_out::{self, laid_out_queue};
+use krunbox::fuzzing::MemoryLayerDisk;
+use krunbox_virtio::disk_wire as wire;
+use krunbox_virtio::queue::laid_out::{self, laid_out_queue};
 
 const SIZE: u16 = 16;
 const DISK: u64 = 64 << 20;
@@ -98,21 +96,18 @@ fn offer_write_and_flush(shared: &Shared) -> Vec<u8> {
 }
 
 /// The library's side: the real service over a fresh layer, on a runtime of its own.
-fn library(socket: UnixStream) -> (Arc<CowLayer>, tokio::runtime::Runtime) {
+fn library(socket: UnixStream) -> (MemoryLayerDisk, tokio::runtime::Runtime) {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
         .build()
         .unwrap();
-    let layer = Arc::new(CowLayer::unformatted(
-        Arc::new(MemoryStore::with_block_size(16384).unwrap()),
-        1 << 20,
-    ));
+    let layer = MemoryLayerDisk::new();
     let disk = layer.clone();
     socket.set_nonblocking(true).unwrap();
     runtime.spawn(async move {
         let stream = tokio::net::UnixStream::from_std(socket).unwrap();
-        service::serve(stream, disk).await
+        disk.serve(stream).await
     });
     (layer, runtime)
 }

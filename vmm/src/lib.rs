@@ -1,5 +1,5 @@
-//! The `krunbox-vmm` helper: everything in this folder runs in it, one process per running VM,
-//! never in the library's process (which starts it: `crate::helper`).
+//! The `krunbox-vmm` helper: everything in this crate runs in it, one process per running VM,
+//! never in the library's process (which starts it: the library's `helper.rs`).
 //!
 //! `krun_start_enter` takes over its calling process and exits it when the guest powers off, so
 //! the library never calls it itself. The helper reads its [`VmmConfig`], takes the descriptors
@@ -11,6 +11,21 @@
 pub(crate) mod devices;
 pub(crate) mod jail;
 pub(crate) mod queue;
+
+/// The fuzz harness's entry point (not API), for `fuzz/`.
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing {
+    /// A hostile guest's virtqueue on a copy-on-write root's virtio-blk device: any
+    /// descriptor table, available ring, memory and disk size, served by the device's code over
+    /// a socket pair to the library's real service over a real layer, and again in place from
+    /// a memfd. Panics if anything panics or hangs, the service refuses what the device sent,
+    /// a request still waits once the service answered all, or a completion names a chain the
+    /// guest did not offer or says more than a request's data and status.
+    pub fn virtio_blk_queue(data: &[u8]) {
+        crate::devices::blk::fuzz::fuzz_queue(data)
+    }
+}
 
 use std::path::{Path, PathBuf};
 
@@ -62,7 +77,6 @@ const BOOT_DIRS: [&str; 5] = ["dev", "proc", "sys", "newroot", "layers"];
 ///
 /// `krunbox-vmm --probe-isolation CONFIG` applies the jail and runs the canaries, writes the
 /// report, and exits without starting a VM (`krunbox doctor` uses it; no KVM needed).
-#[doc(hidden)]
 pub fn helper_main() -> i32 {
     let args: Vec<String> = std::env::args().collect();
     let (probe, config_path) = match &args[..] {

@@ -8,17 +8,17 @@
 
 /// The most data one request reads or writes: the device offers the guest's driver 256
 /// segments of at most 4 KiB.
-pub(crate) const MAX_DATA: u32 = 1 << 20;
+pub const MAX_DATA: u32 = 1 << 20;
 
 /// The encoded size of a [`RequestHeader`].
-pub(crate) const REQUEST_HEADER_LEN: usize = 24;
+pub const REQUEST_HEADER_LEN: usize = 24;
 
 /// The encoded size of a [`ReplyHeader`].
-pub(crate) const REPLY_HEADER_LEN: usize = 16;
+pub const REPLY_HEADER_LEN: usize = 16;
 
 /// What a forwarded request asks of the disk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Operation {
+pub enum Operation {
     /// `length` bytes at `offset`, into the reply.
     Read,
     /// The `length` bytes after the header, at `offset`.
@@ -40,7 +40,7 @@ impl Operation {
 /// A request as the device forwards it: `id` names it in the reply (the device's own numbers,
 /// unique among its requests waiting for a reply).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct RequestHeader {
+pub struct RequestHeader {
     pub id: u32,
     pub operation: Operation,
     /// Bytes from the disk's start.
@@ -51,7 +51,7 @@ pub(crate) struct RequestHeader {
 
 /// Why a request header was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub(crate) enum WireError {
+pub enum WireError {
     #[error("an unknown operation {0}")]
     UnknownOperation(u32),
     #[error("{0} bytes of data (at most {MAX_DATA})")]
@@ -63,7 +63,7 @@ pub(crate) enum WireError {
 impl RequestHeader {
     /// The header's bytes: `id`, operation, `offset`, `length`, 4 bytes of zeros (all
     /// little-endian).
-    pub(crate) fn encode(&self) -> [u8; REQUEST_HEADER_LEN] {
+    pub fn encode(&self) -> [u8; REQUEST_HEADER_LEN] {
         let mut bytes = [0u8; REQUEST_HEADER_LEN];
         bytes[0..4].copy_from_slice(&self.id.to_le_bytes());
         bytes[4..8].copy_from_slice(&self.operation.code().to_le_bytes());
@@ -74,7 +74,7 @@ impl RequestHeader {
 
     /// Reads a header, refusing one no device sends. Whether its range lies inside the disk is
     /// the caller's check (it knows the disk).
-    pub(crate) fn decode(bytes: &[u8; REQUEST_HEADER_LEN]) -> Result<Self, WireError> {
+    pub fn decode(bytes: &[u8; REQUEST_HEADER_LEN]) -> Result<Self, WireError> {
         let word = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes"));
         let operation = match word(4) {
             1 => Operation::Read,
@@ -98,7 +98,7 @@ impl RequestHeader {
     }
 
     /// Whether the request's bytes lie inside a disk of `size` bytes.
-    pub(crate) fn fits(&self, size: u64) -> bool {
+    pub fn fits(&self, size: u64) -> bool {
         self.offset
             .checked_add(u64::from(self.length))
             .is_some_and(|end| end <= size)
@@ -107,7 +107,7 @@ impl RequestHeader {
 
 /// How a request ended, as the guest's driver is told (virtio-blk's status byte).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Status {
+pub enum Status {
     Ok,
     IoError,
     Unsupported,
@@ -115,7 +115,7 @@ pub(crate) enum Status {
 
 impl Status {
     /// virtio-blk's `VIRTIO_BLK_S_OK`, `_IOERR`, `_UNSUPP`.
-    pub(crate) fn byte(self) -> u8 {
+    pub fn byte(self) -> u8 {
         match self {
             Status::Ok => 0,
             Status::IoError => 1,
@@ -127,7 +127,7 @@ impl Status {
 /// A reply: the request's `id`, its status, and how many bytes of data follow (a successful
 /// read's `length`, otherwise 0).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct ReplyHeader {
+pub struct ReplyHeader {
     pub id: u32,
     pub status: Status,
     pub length: u32,
@@ -135,7 +135,7 @@ pub(crate) struct ReplyHeader {
 
 impl ReplyHeader {
     /// The header's bytes: `id`, the status byte and 3 zeros, `length`, 4 zeros.
-    pub(crate) fn encode(&self) -> [u8; REPLY_HEADER_LEN] {
+    pub fn encode(&self) -> [u8; REPLY_HEADER_LEN] {
         let mut bytes = [0u8; REPLY_HEADER_LEN];
         bytes[0..4].copy_from_slice(&self.id.to_le_bytes());
         bytes[4] = self.status.byte();
@@ -145,7 +145,7 @@ impl ReplyHeader {
 
     /// Reads a reply header; `None` for one the library never sends (an unknown status, data
     /// past [`MAX_DATA`], or data with a failure).
-    pub(crate) fn decode(bytes: &[u8; REPLY_HEADER_LEN]) -> Option<Self> {
+    pub fn decode(bytes: &[u8; REPLY_HEADER_LEN]) -> Option<Self> {
         let status = match bytes[4] {
             0 => Status::Ok,
             1 => Status::IoError,

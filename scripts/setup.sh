@@ -11,7 +11,8 @@
 #   libkrun hook      vmm/.patched/krun-vmm: libkrun's krun-vmm from crates.io with our one
 #                     patch (scripts/libkrun-hook.sh; the helper's workspace cannot build
 #                     without it, the library's needs none of it)
-#   Rust target       x86_64-unknown-linux-musl (guest-init is a static binary)
+#   Rust target       x86_64-unknown-linux-musl (guest-init is a static binary; a copy of it
+#                     goes into the krunbox cache, where an installed `krunbox` finds it)
 #   cargo-nextest     runs the VM tests, one process per test (from crates.io if missing)
 #   libkrunfw         the guest kernel, Debian sid's libkrunfw5, into the krunbox cache
 #   build             the library's workspace (krunbox, its CLI, krunbox-rootfs), the helper's
@@ -57,6 +58,12 @@ log "cargo build the helper (vmm/)"
 cargo build --locked --manifest-path vmm/Cargo.toml --bins >&2
 log "cargo build guest-init ($musl)"
 cargo build -p guest-init --release --target "$musl" --bins --examples >&2
+# Into the cache too, where a `krunbox` installed with `cargo install` finds it (its own
+# directory holds no musl build) and `krunbox setup` installs it from. Renamed into place whole.
+guest_init=$(cargo_target_dir)/$musl/release/guest-init
+mkdir -p "$KRUNBOX_CACHE_DIR"
+install -m 0755 "$guest_init" "$KRUNBOX_CACHE_DIR/.guest-init.new"
+mv -f "$KRUNBOX_CACHE_DIR/.guest-init.new" "$KRUNBOX_CACHE_DIR/guest-init"
 # A program that boots an image with libkrun alone (crates.io's, with its own init, without our
 # patch): tests/rootfs_writable.rs shows a flattened image boots with it. Its own workspace.
 log "cargo build tests/plain-libkrun"

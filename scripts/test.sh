@@ -50,6 +50,11 @@ cargo test -p krunbox --doc
 # library's real services, krun-sys's doc tests.
 cargo test --locked --manifest-path vmm/Cargo.toml --workspace
 
+# As a user outside the repository: `cargo install --path` of the CLI and the helper, and a
+# fresh project that depends on krunbox (no libkrun in its tree, checked); the VM test
+# `as_a_user_...` (cli/tests/cli.rs) boots with what they installed.
+"$here/as-a-user.sh"
+
 target=$(cargo_target_dir)
 log "building the VM tests and benches"
 cargo build "${vm_packages[@]}" --tests --benches >&2

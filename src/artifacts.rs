@@ -5,8 +5,10 @@
 //! like); where an environment variable says (`KRUNBOX_VMM`, `KRUNBOX_GUEST_INIT`,
 //! `KRUNBOX_LIBKRUNFW_DIR`); in the user's data directory ([`data_dir`]), where
 //! [`Artifacts::install`] (and `krunbox setup`) put them; beside the running executable (a
-//! cargo target directory: this workspace's own binaries, tests and benches); and, for
-//! libkrunfw, in the cache directory the set-up fetched it into. The installed layout:
+//! cargo target directory: this workspace's own binaries, tests and benches; or where
+//! `cargo install` put `krunbox` and `krunbox-vmm`); and, for guest-init and libkrunfw, in the
+//! cache directory ([`cache_dir`]) where `scripts/setup.sh` puts what it builds and fetches
+//! (`<cache>/guest-init`, `<cache>/libkrunfw/`). The installed layout:
 //!
 //! ```text
 //! <data dir>/bin/krunbox-vmm
@@ -227,6 +229,9 @@ pub(crate) fn locate_guest_init(explicit: Option<&Path>) -> Result<PathBuf> {
                     );
                 }
             }
+            // Where scripts/setup.sh copies its musl build: a `krunbox` installed with
+            // `cargo install` finds it there (`krunbox setup` then installs it).
+            c.push(cache_dir().join("guest-init"));
             c.dedup();
             c
         }

@@ -549,30 +549,35 @@ fn run_pulls_a_registry_reference_once() {
     );
 }
 
-/// `krunbox setup` installs the run-time files this build found into a data directory, in the
-/// documented layout; a `krunbox` binary away from the build (where `cargo install` puts it)
-/// then boots a VM with them, and without them says to run `krunbox setup`.
+/// As a user outside this repository (`scripts/as-a-user.sh` made what this runs, and the test
+/// command runs it first): `krunbox` and `krunbox-vmm` from `cargo install --path`, and a fresh
+/// project that depends on krunbox by path. The installed `krunbox setup` installs the helper
+/// beside it and what the set-up built (guest-init, libkrunfw) into a data directory, in the
+/// documented layout; the installed `krunbox run -- uname -r` and the project's program, each
+/// alone in its directory, then boot VMs with the installed files, and without them say to run
+/// `krunbox setup`.
 #[test]
-fn setup_installs_the_artifacts_and_a_cli_away_from_the_build_boots_with_them() {
+fn as_a_user_cargo_installs_and_an_embedders_project_boot_with_the_installed_artifacts() {
     use std::os::unix::fs::PermissionsExt;
-    let data = tempfile::tempdir().unwrap();
-    let out = krunbox(&["setup", "--data-dir", data.path().to_str().unwrap()]);
-    assert!(out.status.success(), "stderr: {}", text(&out.stderr));
-    for file in ["bin/krunbox-vmm", "guest-init", "libkrunfw/libkrunfw.so.5"] {
-        assert!(data.path().join(file).is_file(), "{file} not installed");
-    }
-    let mode = std::fs::metadata(data.path().join("bin/krunbox-vmm"))
+    let target = std::path::Path::new(env!("CARGO_BIN_EXE_krunbox"))
+        .ancestors()
+        .nth(2)
         .unwrap()
-        .permissions()
-        .mode();
-    assert_eq!(mode & 0o111, 0o111, "the helper is executable");
-
-    // The CLI alone in a directory of its own: nothing beside it to find.
-    let elsewhere = tempfile::tempdir().unwrap();
-    let cli = elsewhere.path().join("krunbox");
-    std::fs::copy(env!("CARGO_BIN_EXE_krunbox"), &cli).unwrap();
-    let away = |data: &std::path::Path| {
-        let mut command = Command::new(&cli);
+        .to_path_buf();
+    let user = target.join("as-a-user");
+    let (cli, helper) = (user.join("bin/krunbox"), user.join("bin/krunbox-vmm"));
+    let embedder = user.join("embedder/hello-krunbox");
+    for built in [&cli, &helper, &embedder] {
+        assert!(
+            built.is_file(),
+            "{} is missing: scripts/as-a-user.sh makes it (scripts/test.sh runs it)",
+            built.display()
+        );
+    }
+    // Each alone, as they run from a user's machine, with only what the user's environment
+    // gives: the data directory, nothing that points into the build.
+    let alone = |program: &std::path::Path, data: &std::path::Path| {
+        let mut command = Command::new(program);
         command
             .env("KRUNBOX_DATA_DIR", data)
             .env_remove("KRUNBOX_VMM")
@@ -580,22 +585,61 @@ fn setup_installs_the_artifacts_and_a_cli_away_from_the_build_boots_with_them() 
             .env_remove("KRUNBOX_LIBKRUNFW_DIR");
         command
     };
-    let installed = away(data.path())
+
+    let data = tempfile::tempdir().unwrap();
+    let set_up = alone(&cli, data.path()).arg("setup").output().unwrap();
+    assert!(set_up.status.success(), "stderr: {}", text(&set_up.stderr));
+    for file in ["bin/krunbox-vmm", "guest-init", "libkrunfw/libkrunfw.so.5"] {
+        assert!(data.path().join(file).is_file(), "{file} not installed");
+    }
+    let installed_helper = data.path().join("bin/krunbox-vmm");
+    assert_eq!(
+        std::fs::read(&installed_helper).unwrap(),
+        std::fs::read(&helper).unwrap(),
+        "the helper installed is the one cargo installed beside krunbox"
+    );
+    let mode = std::fs::metadata(&installed_helper)
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o111, 0o111, "the helper is executable");
+
+    // The helper found now is the data directory's: move the installed programs where nothing
+    // lies beside them.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let (cli_alone, embedder_alone) = (
+        elsewhere.path().join("krunbox"),
+        elsewhere.path().join("hello-krunbox"),
+    );
+    std::fs::copy(&cli, &cli_alone).unwrap();
+    std::fs::copy(&embedder, &embedder_alone).unwrap();
+
+    let run = alone(&cli_alone, data.path())
         .args(["run", "--image", "busybox", "--", "uname", "-r"])
         .output()
         .unwrap();
+    assert!(run.status.success(), "stderr: {}", text(&run.stderr));
+    let release = text(&run.stdout).trim().to_string();
+    assert!(!release.is_empty(), "no kernel release");
+
+    let embedded = alone(&embedder_alone, data.path())
+        .args(["uname", "-r"])
+        .output()
+        .unwrap();
     assert!(
-        installed.status.success(),
+        embedded.status.success(),
         "stderr: {}",
-        text(&installed.stderr)
+        text(&embedded.stderr)
     );
-    assert!(
-        !text(&installed.stdout).trim().is_empty(),
-        "no kernel release"
+    assert_eq!(
+        text(&embedded.stdout).trim(),
+        release,
+        "the embedder's guest runs the same installed kernel"
     );
 
+    // Without the installed files, both say what to do (no VM boots).
     let empty = tempfile::tempdir().unwrap();
-    let missing = away(empty.path())
+    let missing = alone(&cli_alone, empty.path())
         .args(["run", "--image", "busybox", "--", "true"])
         .output()
         .unwrap();
@@ -605,9 +649,13 @@ fn setup_installs_the_artifacts_and_a_cli_away_from_the_build_boots_with_them() 
         "{}",
         text(&missing.stderr)
     );
-    assert!(
-        text(&missing.stderr).contains("krunbox setup"),
-        "{}",
-        text(&missing.stderr)
-    );
+    let missing_embedded = alone(&embedder_alone, empty.path()).output().unwrap();
+    assert!(!missing_embedded.status.success());
+    for out in [&missing, &missing_embedded] {
+        assert!(
+            text(&out.stderr).contains("krunbox setup"),
+            "{}",
+            text(&out.stderr)
+        );
+    }
 }

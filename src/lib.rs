@@ -96,3 +96,8 @@ pub use sandbox::{
     MAX_LIVENESS_TIMEOUT, MIN_LIVENESS_TIMEOUT, MIN_MEMORY_MIB,
 };
 pub use tokio_util::sync::CancellationToken;
+
+// The README's Rust examples compile, as doc tests of this crate.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -57,6 +57,7 @@ use std::sync::Arc;
 pub use ::http::{uri::Scheme, HeaderName, HeaderValue, Method, StatusCode};
 pub use address::{classify, AddressClass};
 pub use audit::{NetworkEvent, Outcome, RequestOutcome};
+pub(crate) use intercept::ca::CertificateAuthority;
 pub use intercept::{Answer, Intercept, Middleware, RequestHead, UpstreamTrust};
 pub use policy::{Decide, Flow, Policy, Protocol, Resolver, Verdict};
 pub use rules::{Action, Cidr, DomainPattern, Ports, Rule, RuleError, Rules, Target};

@@ -1,0 +1,296 @@
+//! One attempt at a boot: the helper started with every part's descriptors, and its guest
+//! taken to the end of the handshake, or stopped (killed, waited for, its logs settled) with
+//! the reason; a guest that shows no sign of life is given up for another attempt.
+
+use std::fs::File;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::UnixListener;
+use tracing::Instrument;
+
+use super::root::{vmm_gone, RootPart};
+use super::{admit::isolation_refusal, tail};
+use crate::config::SandboxConfig;
+use crate::control;
+use crate::error::{Error, Result};
+use crate::fs::service::FsService;
+use crate::helper;
+use crate::jail::HelperReport;
+use crate::logs::{BoundedLog, InstanceLogs};
+use crate::protocol::{FrameDecoder, Hello, Setup};
+use crate::rootfs::disk::DiskLink;
+use krunbox_protocol::vmm::Inherited;
+
+/// A boot whose guest prints nothing at all (not even guest-init's first console line) for
+/// this long is stuck in early kernel boot; it is killed and retried, up to
+/// [`super::boot::BOOT_ATTEMPTS`] attempts in all, within the overall boot timeout. Seen under
+/// nested emulation, about once in a hundred boots, before any krunbox code runs in the guest.
+const BOOT_STALL: Duration = Duration::from_secs(45);
+
+/// What stays the same across a boot's attempts.
+pub(super) struct Plan<'a> {
+    pub config: &'a SandboxConfig,
+    /// The instance directory (logs, console, the helper's configuration).
+    pub dir: &'a Path,
+    pub vmm_config: &'a Path,
+    /// Where the guest's control connection arrives.
+    pub listener: &'a UnixListener,
+    /// What the guest is told in the handshake.
+    pub setup: &'a Setup,
+    /// guest-init's bytes, handed to the helper as a file, never as a host path.
+    pub guest_init: &'a File,
+    /// The instance cgroup's `cgroup.procs`, which the helper moves itself into.
+    pub cgroup_procs: Option<&'a OwnedFd>,
+}
+
+/// The parts whose devices are connected afresh for every attempt, so that a retried boot
+/// starts new sessions and never sees an earlier attempt's frames.
+pub(super) struct Devices<'a> {
+    pub root: &'a mut RootPart,
+    pub mounts: &'a mut FsService,
+    pub disks: &'a mut [DiskLink],
+}
+
+/// A helper whose guest completed the handshake.
+pub(super) struct Ready {
+    pub child: tokio::process::Child,
+    /// The helper exits when this closes (the instance holds it).
+    pub lifeline: OwnedFd,
+    pub stream: tokio::net::UnixStream,
+    pub decoder: FrameDecoder,
+    pub hello: Hello,
+    /// The helper's isolation report, written before it started the VM.
+    pub report: Option<HelperReport>,
+    pub logs: InstanceLogs,
+    /// The library's end of the guest's network link, for the network service.
+    pub net_socket: Option<OwnedFd>,
+}
+
+/// How an attempt ended, when it did not fail.
+pub(super) enum Attempted {
+    Ready(Box<Ready>),
+    /// The guest showed no sign of life within [`BOOT_STALL`]: the helper is stopped and its
+    /// VMM gone, the next attempt may start.
+    Stalled,
+}
+
+/// Runs one attempt until the guest completes the handshake, the helper exits, `deadline`
+/// passes or (with `may_stall`) the guest stalls. On every way out but `Ready` the helper is
+/// stopped first.
+pub(super) async fn run(
+    plan: &Plan<'_>,
+    parts: &mut Devices<'_>,
+    deadline: std::pin::Pin<&mut tokio::time::Sleep>,
+    may_stall: bool,
+) -> Result<Attempted> {
+    let config = plan.config;
+    parts.root.next_layer(config).await?;
+    // What the guest and the helper print, each drained into a bounded log.
+    let (vmm_log, log) = BoundedLog::vmm(plan.dir, crate::logs::VMM_LOG_MAX)?;
+    let logs = InstanceLogs {
+        console: BoundedLog::console(plan.dir, config.console_log_max)?,
+        vmm: vmm_log,
+    };
+    parts.root.guard.vmm_gone = Some(logs.vmm.ended());
+    let pipe = || nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC);
+    let (lifeline_read, lifeline) =
+        pipe().map_err(|e| Error::io("creating the lifeline pipe")(e.into()))?;
+    let (report_read, report_write) =
+        pipe().map_err(|e| Error::io("creating the isolation report pipe")(e.into()))?;
+    let net_pair = network_link(config)?;
+    // The mounts' queues are served here, in the guest's memory (a fresh file each attempt).
+    let (guest_memory, fs_ends) = if config.mounts.is_empty() {
+        (None, Vec::new())
+    } else {
+        let memory = Arc::new(
+            crate::guest_memory::GuestMemoryFile::create(config.memory_mib)
+                .map_err(Error::io("creating the guest's memory"))?,
+        );
+        let ends = parts
+            .mounts
+            .connect(memory.clone())
+            .map_err(Error::io("connecting the filesystem devices"))?;
+        (Some(memory), ends)
+    };
+    let disk_ends = parts
+        .disks
+        .iter_mut()
+        .map(|service| service.connect())
+        .collect::<std::io::Result<Vec<_>>>()
+        .map_err(Error::io("connecting the served disks' devices"))?;
+
+    let mut handed: Vec<(RawFd, Inherited)> = vec![
+        (lifeline_read.as_raw_fd(), Inherited::Lifeline),
+        (plan.guest_init.as_raw_fd(), Inherited::GuestInit),
+        (report_write.as_raw_fd(), Inherited::Report),
+    ];
+    parts.root.hand_over(&mut handed);
+    if let Some((_, helper_end)) = &net_pair {
+        handed.push((helper_end.as_raw_fd(), Inherited::Network));
+    }
+    if let Some(memory) = &guest_memory {
+        handed.push((memory.file().as_raw_fd(), Inherited::GuestMemory));
+    }
+    for (index, end) in fs_ends.iter().enumerate() {
+        handed.push((end.as_raw_fd(), Inherited::FsDevice(index)));
+    }
+    for (index, (end, failures)) in disk_ends.iter().enumerate() {
+        handed.push((end.as_raw_fd(), Inherited::ServedDisk(index)));
+        if let Some(failures) = failures {
+            handed.push((failures.as_raw_fd(), Inherited::ServedDiskFailures(index)));
+        }
+    }
+    let mut child = helper::spawn(
+        &config.artifacts.vmm_helper,
+        &config.artifacts.libkrunfw_dir,
+        &[plan.vmm_config.as_os_str()],
+        &handed,
+        log,
+        plan.cgroup_procs,
+    )?;
+    // Only the helper holds these ends now: when it exits, each service reads EOF.
+    drop((lifeline_read, report_write, fs_ends, disk_ends));
+    let net_socket = net_pair.and_then(|(ours, _helper_end)| ours.map(OwnedFd::from));
+    let report = tokio::spawn(crate::jail::host::read_report(report_read).in_current_span());
+
+    match until_ready(plan, &mut child, &logs, report, deadline, may_stall).await {
+        Ok(Some((stream, decoder, hello, report))) => Ok(Attempted::Ready(Box::new(Ready {
+            child,
+            lifeline,
+            stream,
+            decoder,
+            hello,
+            report,
+            logs,
+            net_socket,
+        }))),
+        Ok(None) => {
+            stop_helper(&mut child, &logs).await;
+            // The next attempt's VMM gets a persistent layer once this one's is gone.
+            vmm_gone(logs.vmm.ended()).await;
+            Ok(Attempted::Stalled)
+        }
+        Err(err) => {
+            stop_helper(&mut child, &logs).await;
+            // A guest that died while the handshake failed explains the failure better.
+            Err(match err {
+                Error::GuestSetup { message } => Error::GuestSetup {
+                    message: format!("{message}\n{}", tail(plan.dir)),
+                },
+                other => other,
+            })
+        }
+    }
+}
+
+type Handshake = (
+    tokio::net::UnixStream,
+    FrameDecoder,
+    Hello,
+    Option<HelperReport>,
+);
+
+/// Waits for the first of: the guest's handshake (`Some`), the helper's exit, the deadline
+/// (errors), or the guest's stall (`None`, only `may_stall`).
+async fn until_ready(
+    plan: &Plan<'_>,
+    child: &mut tokio::process::Child,
+    logs: &InstanceLogs,
+    mut report: tokio::task::JoinHandle<Option<HelperReport>>,
+    deadline: std::pin::Pin<&mut tokio::time::Sleep>,
+    may_stall: bool,
+) -> Result<Option<Handshake>> {
+    let config = plan.config;
+    let handshake = async {
+        let (mut stream, _) = plan
+            .listener
+            .accept()
+            .await
+            .map_err(Error::io("accepting the guest's control connection"))?;
+        let mut decoder = FrameDecoder::new();
+        let hello = control::handshake(&mut stream, &mut decoder, plan.setup.clone()).await?;
+        Ok::<_, Error>((stream, decoder, hello))
+    };
+    let console = plan.dir.join("console.log");
+    tokio::select! {
+        result = handshake => {
+            let (stream, decoder, hello) = result?;
+            // The helper wrote its report before it started the VM.
+            let report = (&mut report).await.ok().flatten();
+            Ok(Some((stream, decoder, hello, report)))
+        }
+        status = child.wait() => {
+            logs.settle_after_exit().await;
+            match status {
+                Ok(s) if s.code() == Some(krunbox_protocol::vmm::ISOLATION_EXIT_CODE) => {
+                    let report = (&mut report).await.ok().flatten();
+                    Err(isolation_refusal(
+                        report.map(|r| r.isolation),
+                        &config.required_isolation,
+                        tail(plan.dir),
+                    ))
+                }
+                status => Err(Error::VmExited {
+                    status: status.map(|s| s.to_string()).unwrap_or_else(|e| e.to_string()),
+                    console_tail: tail(plan.dir),
+                }),
+            }
+        }
+        _ = deadline => {
+            logs.settle().await;
+            Err(Error::BootTimeout {
+                after: config.boot_timeout,
+                console_tail: tail(plan.dir),
+            })
+        }
+        _ = stalled(&console), if may_stall => Ok(None),
+    }
+}
+
+/// Returns once [`BOOT_STALL`] passed with nothing on the guest's console (guest-init's first
+/// act is a line there: none means the guest kernel never got that far); never otherwise.
+async fn stalled(console: &Path) {
+    let started = tokio::time::Instant::now();
+    loop {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        if std::fs::metadata(console).is_ok_and(|m| m.len() > 0) {
+            return std::future::pending::<()>().await;
+        }
+        if started.elapsed() >= BOOT_STALL {
+            return;
+        }
+    }
+}
+
+/// The guest's network link, when it has a network: the helper gets one end for libkrun, the
+/// library serves the other (`Some(ours)`). A benchmark's backend (passt) gets a fresh
+/// connection instead, and the library serves nothing (`None`).
+fn network_link(config: &SandboxConfig) -> Result<Option<(Option<UnixStream>, UnixStream)>> {
+    Ok(match (&config.network, &config.network_backend) {
+        (None, _) => None,
+        (Some(_), None) => {
+            let (ours, helper_end) =
+                UnixStream::pair().map_err(Error::io("creating the network socket pair"))?;
+            Some((Some(ours), helper_end))
+        }
+        (Some(_), Some(backend)) => Some((
+            None,
+            UnixStream::connect(backend).map_err(Error::io(format!(
+                "connecting to the network backend {}",
+                backend.display()
+            )))?,
+        )),
+    })
+}
+
+/// Stops a helper whose boot failed, on every failure path alike: kills it, waits for it, and
+/// lets its logs settle, so the error's tail holds its last words.
+pub(super) async fn stop_helper(child: &mut tokio::process::Child, logs: &InstanceLogs) {
+    let _ = child.start_kill();
+    let _ = child.wait().await;
+    logs.settle_after_exit().await;
+}

@@ -1,0 +1,415 @@
+//! Booting an instance, as a pipeline: each part of the sandbox (the root, the mounts, the
+//! served disks, the network, the jail and its cgroup) is prepared, contributes its device to
+//! the helper's configuration and its part of the guest's setup, and hands over its
+//! descriptors for each attempt (`attempt.rs`); once the helper is admitted (`admit.rs`), the
+//! network's task starts, and the supervisor (`supervisor.rs`) watches the VM from then on.
+
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tokio::net::UnixListener;
+use tokio::sync::watch;
+use tracing::Instrument;
+
+use super::admit::{admit, NotAdmitted};
+use super::attempt::{self, stop_helper, Attempted, Devices, Plan};
+use super::root::RootPart;
+use super::supervisor::Supervisor;
+use super::{tail, Inner, Instance};
+use crate::config::SandboxConfig;
+use crate::control::{Control, Liveness};
+use crate::error::{Error, Result};
+use crate::fs::service::FsService;
+use crate::net::service::NetService;
+use crate::net::CertificateAuthority;
+use crate::protocol::Setup;
+use crate::rootfs::disk::DiskLink;
+use crate::rootfs::{self, Rootfs};
+use krunbox_protocol::vmm::{NetDeviceConfig, ServedDiskConfig, VmmConfig};
+
+/// Boot attempts when the guest stalls before guest-init starts.
+pub(super) const BOOT_ATTEMPTS: u32 = 2;
+
+pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
+    // Everything the instance does is traced in its span, which names it: the logs of
+    // concurrent sandboxes can be told apart (tasks spawned for it carry the span along).
+    let id = new_instance_id();
+    let span = tracing::info_span!("instance", id = %id);
+    boot_in_span(config, id, span.clone())
+        .instrument(span)
+        .await
+}
+
+/// A new instance's id: `kb-` and 12 random hex digits.
+fn new_instance_id() -> String {
+    let mut bytes = [0u8; 6];
+    let read = std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes));
+    if read.is_err() {
+        // Unique in this process at least: its pid and a counter.
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        bytes[..4].copy_from_slice(&std::process::id().to_be_bytes());
+        bytes[4..].copy_from_slice(&(n as u16).to_be_bytes());
+    }
+    format!("kb-{}", hex::encode(bytes))
+}
+
+async fn boot_in_span(
+    config: Arc<SandboxConfig>,
+    id: String,
+    span: tracing::Span,
+) -> Result<Instance> {
+    let mut parts = Parts::prepare(&config, &id).await?;
+    let vmm_config = parts.vmm_config(&config);
+    let setup = parts.guest_setup(&config);
+    let mut ready = parts.start_helper(&config, &vmm_config, &setup).await?;
+    let admitted = match parts.admit(&config, &mut ready) {
+        Ok(admitted) => admitted,
+        Err(why) => {
+            stop_helper(&mut ready.child, &ready.logs).await;
+            // The tail once the helper is gone and its logs settled: its last words too.
+            return Err(why.into_error(&config.required_isolation, tail(parts.dir.path())));
+        }
+    };
+    tracing::debug!(kernel = %ready.hello.kernel_release, guest_init = %ready.hello.guest_init, "guest ready");
+    Ok(parts.into_instance(&config, *ready, admitted, id, span))
+}
+
+/// The parts of a sandbox a boot wires together, once each is prepared.
+struct Parts {
+    /// The verified image and the writable root's layer.
+    root: RootPart,
+    /// The instance's directory: the control socket, the console, the logs.
+    dir: tempfile::TempDir,
+    /// Where the guest's control connection arrives (until it has).
+    listener: Option<UnixListener>,
+    /// The instance's share of what this process's instances share.
+    budget: Arc<crate::budget::Budget>,
+    /// The mounts of host filesystems, served in this process.
+    mounts: FsService,
+    /// A copy-on-write root's layer disk and an image build's output disk, with their serials.
+    served_disks: Vec<(rootfs::served::DiskSource, &'static str)>,
+    disks: Vec<DiskLink>,
+    /// The jail's configuration and the canaries' targets (held until the helper is admitted).
+    jail: Option<crate::jail::host::JailHost>,
+    cgroup: Option<Arc<crate::cgroup::InstanceCgroup>>,
+    cgroup_procs: Option<OwnedFd>,
+    /// The sandbox CA of this boot, for intercepted HTTPS (the guest is told to trust it).
+    certificate_authority: Option<Arc<CertificateAuthority>>,
+}
+
+impl Parts {
+    /// Each part prepared, checking what it can before anything starts.
+    async fn prepare(config: &SandboxConfig, id: &str) -> Result<Parts> {
+        let root = RootPart::prepare(config).await?;
+        let dir = instance_dir()?;
+        let socket = dir.path().join(CONTROL_SOCKET);
+        let listener = UnixListener::bind(&socket)
+            .map_err(Error::io(format!("binding {}", socket.display())))?;
+        // Descriptors held for the guest and blocking threads: its mounts and network draw on it.
+        let budget = crate::budget::Budget::new(&config.limits);
+        let mounts = FsService::new(config.mounts.clone(), budget.clone());
+        // A virtio-blk device each, after the mounts' devices.
+        let served_disks: Vec<_> = root
+            .served_disk()
+            .map(|disk| (disk, krunbox_protocol::LAYER_DISK_SERIAL))
+            .into_iter()
+            .chain(
+                config
+                    .output_disk
+                    .as_ref()
+                    .map(|output| (output.0.clone(), rootfs::served::OUTPUT_DISK_SERIAL)),
+            )
+            .collect();
+        let disks = served_disks
+            .iter()
+            .map(|(disk, _)| DiskLink::new(disk))
+            .collect();
+        let mut jail = crate::jail::host::prepare(dir.path(), &config.required_isolation)?;
+        let (cgroup, placement) = crate::cgroup::for_instance(
+            id,
+            config.memory_mib,
+            match &config.rootfs {
+                Rootfs::Ephemeral {
+                    max_dirty_bytes, ..
+                } => *max_dirty_bytes,
+                _ => 0,
+            },
+            config.limits.host_memory_overhead,
+            config.cpus,
+        );
+        let cgroup = cgroup.map(Arc::new);
+        jail.config.cgroup = placement;
+        let cgroup_procs = match &cgroup {
+            Some(cgroup) => Some(
+                cgroup
+                    .procs()
+                    .map_err(Error::io("opening the cgroup's procs"))?,
+            ),
+            None => None,
+        };
+        let certificate_authority = match &config.network {
+            Some(network) => network.certificate_authority(&config.hostname)?,
+            None => None,
+        };
+        Ok(Parts {
+            root,
+            dir,
+            listener: Some(listener),
+            budget,
+            mounts,
+            served_disks,
+            disks,
+            jail: Some(jail),
+            cgroup,
+            cgroup_procs,
+            certificate_authority,
+        })
+    }
+
+    /// What each part asks of the helper: its devices, its jail.
+    fn vmm_config(&self, config: &SandboxConfig) -> VmmConfig {
+        let image = &self.root.image;
+        VmmConfig {
+            cpus: config.cpus,
+            memory_mib: config.memory_mib,
+            root_fstype: image.fstype.clone(),
+            root_qcow2: image.qcow2,
+            root_image: image.path.clone(),
+            control_socket: self.dir.path().join(CONTROL_SOCKET),
+            fs_devices: config.mounts.len() as u32,
+            guest_memory_file: !config.mounts.is_empty(),
+            console: self.dir.path().join(crate::logs::CONSOLE_FIFO),
+            jail: self
+                .jail
+                .as_ref()
+                .expect("held until admitted")
+                .config
+                .clone(),
+            kernel: config.kernel.clone(),
+            log_level: config.vmm_log_level,
+            network: config.network.as_ref().map(|n| NetDeviceConfig {
+                mac: n.addressing().guest_mac,
+            }),
+            virtiofs_passthrough: config.virtiofs_passthrough.clone(),
+            writable_layer: RootPart::layer_disk(config),
+            served_disks: self
+                .served_disks
+                .iter()
+                .map(|(disk, serial)| ServedDiskConfig {
+                    size: disk.size(),
+                    serial: (*serial).into(),
+                    in_place: matches!(disk, rootfs::served::DiskSource::InPlace { .. }),
+                })
+                .collect(),
+        }
+    }
+
+    /// What each part asks of the guest: how to mount its root and its mounts, its network.
+    fn guest_setup(&self, config: &SandboxConfig) -> Setup {
+        Setup {
+            hostname: config.hostname.clone(),
+            root: self.root.guest_mount(config),
+            network: config
+                .network
+                .as_ref()
+                .map(|n| n.guest_config(self.certificate_authority.as_deref())),
+            mounts: config
+                .mounts
+                .iter()
+                .map(|m| krunbox_protocol::GuestMount {
+                    path: m.guest_path.clone(),
+                    read_only: m.options.is_read_only(),
+                })
+                .collect(),
+        }
+    }
+
+    /// The helper, started until its guest completes the handshake, within the boot timeout;
+    /// a guest that stalls before guest-init starts is given up for another attempt.
+    async fn start_helper(
+        &mut self,
+        config: &SandboxConfig,
+        vmm_config: &VmmConfig,
+        setup: &Setup,
+    ) -> Result<Box<attempt::Ready>> {
+        let vmm_config_path = self.dir.path().join("vmm.json");
+        std::fs::write(
+            &vmm_config_path,
+            serde_json::to_vec_pretty(vmm_config).expect("VmmConfig serialises"),
+        )
+        .map_err(Error::io("writing the VMM configuration"))?;
+        // guest-init reaches the guest as bytes the helper serves from memory, never as a
+        // host path.
+        let guest_init =
+            std::fs::File::open(&config.artifacts.guest_init).map_err(Error::io(format!(
+                "opening guest-init {}",
+                config.artifacts.guest_init.display()
+            )))?;
+        let listener = self.listener.take().expect("one start per boot");
+        let plan = Plan {
+            config,
+            dir: self.dir.path(),
+            vmm_config: &vmm_config_path,
+            listener: &listener,
+            setup,
+            guest_init: &guest_init,
+            cgroup_procs: self.cgroup_procs.as_ref(),
+        };
+        let deadline = tokio::time::sleep(config.boot_timeout);
+        tokio::pin!(deadline);
+        let mut attempt = 1;
+        loop {
+            let mut devices = Devices {
+                root: &mut self.root,
+                mounts: &mut self.mounts,
+                disks: &mut self.disks,
+            };
+            let may_stall = attempt < BOOT_ATTEMPTS;
+            match attempt::run(&plan, &mut devices, deadline.as_mut(), may_stall).await? {
+                Attempted::Ready(ready) => return Ok(ready),
+                Attempted::Stalled => {
+                    tracing::warn!(
+                        attempt,
+                        "the guest kernel showed no sign of life (guest-init never started); retrying the boot"
+                    );
+                    self.root.attempt_abandoned();
+                    attempt += 1;
+                }
+            }
+        }
+    }
+
+    /// Takes the helper into service if its jail holds, and only then starts the guest's
+    /// network: the VMM's pid, the jail's report and the network service.
+    fn admit(
+        &mut self,
+        config: &SandboxConfig,
+        ready: &mut attempt::Ready,
+    ) -> std::result::Result<Admitted, NotAdmitted> {
+        let jail = self.jail.take().expect("held until admitted");
+        let (pid, isolation) = admit(ready.report.take(), &jail.config)?;
+        let network = match (&config.network, ready.net_socket.take()) {
+            (Some(network), Some(socket)) => Some(
+                NetService::start(
+                    network,
+                    socket,
+                    self.certificate_authority.take(),
+                    self.budget.clone(),
+                )
+                .map_err(NotAdmitted::Failed)?,
+            ),
+            _ => None,
+        };
+        Ok(Admitted {
+            vmm_pid: pid,
+            isolation,
+            network,
+        })
+    }
+
+    /// The running instance: its control channel, the supervisor that watches its helper, and
+    /// every part's service held for as long as it lives.
+    fn into_instance(
+        mut self,
+        config: &SandboxConfig,
+        ready: attempt::Ready,
+        admitted: Admitted,
+        id: String,
+        span: tracing::Span,
+    ) -> Instance {
+        let Admitted {
+            vmm_pid,
+            isolation,
+            network,
+        } = admitted;
+        let logs = Arc::new(ready.logs);
+        // With a pid namespace the VM runs in a child of the helper the library started
+        // (`ready.child`): that child is the VMM process; killing the helper ends it too.
+        let vmm_process = Arc::new(crate::helper::VmmProcess::watch(vmm_pid));
+        let control = Control::start(
+            ready.stream,
+            ready.decoder,
+            Liveness::new(config.liveness_timeout),
+            config.limits,
+        );
+        let (exited_tx, exited) = watch::channel(None);
+        let (kill, kill_rx) = watch::channel(false);
+        let shutdown_requested = Arc::new(AtomicBool::new(false));
+        // The writable root's layer goes when the VM does (not when the last handle does): a
+        // persistent layer's lock must be free for the next boot once this one has shut down,
+        // and an ephemeral layer's memory comes back at once. From here the supervisor gives
+        // the layer and the store back when the VM stops.
+        let layer = Arc::new(Mutex::new(self.root.guard.disarm()));
+        tokio::spawn(
+            Supervisor {
+                child: ready.child,
+                control: control.clone(),
+                kill: kill_rx,
+                shutdown_requested: shutdown_requested.clone(),
+                dir: self.dir.path().to_path_buf(),
+                logs: logs.clone(),
+                cgroup: self.cgroup.clone(),
+                vmm_process: vmm_process.clone(),
+                layer: layer.clone(),
+                exited: exited_tx,
+            }
+            .run()
+            .in_current_span(),
+        );
+        Instance {
+            inner: Arc::new(Inner {
+                control,
+                vmm_pid: Some(vmm_pid),
+                vmm_process: std::panic::AssertUnwindSafe(vmm_process),
+                shutdown_requested,
+                next_id: AtomicU32::new(1),
+                kernel_release: ready.hello.kernel_release,
+                image_config: config.image_config.clone(),
+                exited,
+                kill,
+                _lifeline: ready.lifeline,
+                isolation,
+                _logs: logs,
+                network,
+                _filesystems: self.mounts,
+                budget: self.budget,
+                id,
+                span: std::panic::AssertUnwindSafe(span),
+                cgroup: self.cgroup,
+                _served_disks: self.disks,
+                layer,
+                cow: std::sync::Mutex::new(self.root.cow.take()),
+                dir: self.dir,
+            }),
+        }
+    }
+}
+
+/// A helper taken into service.
+struct Admitted {
+    vmm_pid: u32,
+    /// What its jail holds, as it reported before the VM started.
+    isolation: crate::Isolation,
+    /// The guest's network, started once the helper was admitted.
+    network: Option<NetService>,
+}
+
+/// The control socket's name in the instance's directory.
+const CONTROL_SOCKET: &str = "control.sock";
+
+/// The instance's directory (control socket, console, logs, the helper's configuration), on a
+/// local filesystem; kept after the instance with `KRUNBOX_KEEP_INSTANCE_DIR`, for debugging.
+fn instance_dir() -> Result<tempfile::TempDir> {
+    let mut dir = tempfile::Builder::new()
+        .prefix("krunbox-")
+        .tempdir_in(crate::artifacts::runtime_dir())
+        .map_err(Error::io("creating the instance directory"))?;
+    if std::env::var_os("KRUNBOX_KEEP_INSTANCE_DIR").is_some() {
+        dir.disable_cleanup(true);
+        tracing::info!(dir = %dir.path().display(), "keeping the instance directory");
+    }
+    Ok(dir)
+}

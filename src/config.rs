@@ -40,7 +40,7 @@ pub(crate) struct SandboxConfig {
     /// (`SandboxBuilder::virtiofs_passthrough_for_benchmarks`), checked: absolute, a directory.
     pub virtiofs_passthrough: Option<krunbox_protocol::vmm::PassthroughShare>,
     /// An image's configuration: defaults for commands, the entrypoint.
-    pub image_config: Option<crate::rootfs::oci::ImageConfig>,
+    pub image_config: Option<crate::rootfs::ImageConfig>,
     /// An image build's output disk (crate-internal).
     pub output_disk: Option<crate::rootfs::served::OutputDisk>,
 }

@@ -88,19 +88,19 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
-    /// Pulling an image from a registry failed ([`oci::pull`](crate::rootfs::oci::pull)):
+    /// Pulling an image from a registry failed ([`oci::pull`](crate::image::oci::pull)):
     /// `kind` says which way, so a caller can ask for credentials on
-    /// [`PullFailure::Unauthorized`](crate::rootfs::oci::PullFailure::Unauthorized).
+    /// [`PullFailure::Unauthorized`](crate::image::oci::PullFailure::Unauthorized).
     #[error("pulling {reference} failed: {reason}")]
     Registry {
         /// The image reference, as given.
         reference: String,
         /// What kind of failure it is.
-        kind: crate::rootfs::oci::failure::PullFailure,
+        kind: crate::image::oci::failure::PullFailure,
         /// What happened, with what the registry said.
         reason: String,
     },
-    /// A step of an image build ([`oci::build`](crate::rootfs::oci::build)) failed: the image
+    /// A step of an image build ([`oci::build`](crate::image::oci::build)) failed: the image
     /// was not made.
     #[error("the build step `{step}` failed ({status}); its output ended with:\n{output}")]
     BuildStep {

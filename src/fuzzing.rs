@@ -1570,19 +1570,19 @@ pub fn layer_block(data: &[u8]) {
     crate::rootfs::fuzz::fuzz_layer_block(data)
 }
 
-/// An image's layers as a registry or archive could hand them over (`src/rootfs/oci/merge.rs`):
+/// An image's layers as a registry or archive could hand them over (`src/image/oci/merge.rs`):
 /// tar streams merged with whiteouts and opaque directories. Panics if the merge panics or
 /// writes a stream with a path twice, a whiteout, a path out of the tree, or a hard link to a
 /// path not written before it.
 pub fn oci_layers(data: &[u8]) {
-    crate::rootfs::oci::merge::fuzz_oci_layers(data)
+    crate::image::oci::merge::fuzz_oci_layers(data)
 }
 
-/// A layer's bytes as a registry or archive could hand them over (`src/rootfs/oci/zstd.rs` and
+/// A layer's bytes as a registry or archive could hand them over (`src/image/oci/zstd.rs` and
 /// `decompress`): gzip, zstd (every frame, skippable frames skipped) or plain. Panics if
 /// decompressing panics.
 pub fn layer_stream(data: &[u8]) {
-    crate::rootfs::oci::zstd::fuzz_layer_stream(data)
+    crate::image::oci::zstd::fuzz_layer_stream(data)
 }
 
 /// Replays every file of the committed corpus `fuzz/corpus/TARGET` through `property`, for

@@ -53,6 +53,7 @@ pub mod fs;
 pub mod fuzzing;
 mod guest_memory;
 mod helper;
+pub mod image;
 mod instance;
 mod jail;
 mod limits;

@@ -57,7 +57,7 @@ impl Sandbox {
     }
 
     /// The definition's image configuration, if it has one.
-    pub(crate) fn image_config(&self) -> Option<&crate::rootfs::oci::ImageConfig> {
+    pub(crate) fn image_config(&self) -> Option<&crate::rootfs::ImageConfig> {
         self.config.image_config.as_ref()
     }
 
@@ -110,7 +110,7 @@ pub struct SandboxBuilder {
     network_backend: Option<PathBuf>,
     mounts: Vec<crate::fs::Mount>,
     virtiofs_passthrough: Option<(PathBuf, String)>,
-    image_config: Option<crate::rootfs::oci::ImageConfig>,
+    image_config: Option<crate::rootfs::ImageConfig>,
     output_disk: Option<crate::rootfs::served::OutputDisk>,
 }
 
@@ -164,13 +164,13 @@ impl SandboxBuilder {
         self
     }
 
-    /// The image's configuration (from [`oci::import`](crate::rootfs::oci::import)): every
+    /// The image's configuration (from [`oci::import`](crate::image::oci::import)): every
     /// [`Instance::command`](crate::Instance::command) gets its environment, working
     /// directory and user unless the command sets them itself, and
     /// [`Instance::entrypoint`](crate::Instance::entrypoint) runs its entrypoint.
     ///
     /// ```
-    /// use krunbox::rootfs::oci::ImageConfig;
+    /// use krunbox::rootfs::ImageConfig;
     /// use krunbox::Sandbox;
     ///
     /// let config = ImageConfig {
@@ -181,7 +181,7 @@ impl SandboxBuilder {
     /// let builder = Sandbox::builder().image_config(config);
     /// # let _ = builder;
     /// ```
-    pub fn image_config(mut self, config: crate::rootfs::oci::ImageConfig) -> Self {
+    pub fn image_config(mut self, config: crate::rootfs::ImageConfig) -> Self {
         self.image_config = Some(config);
         self
     }

@@ -484,7 +484,7 @@ fn a_cow_root_flattens_into_an_image_with_its_changes() {
         assert_eq!(out, "changed\n", "{out}");
         vm.shutdown().await.expect("shutdown");
 
-        let flat = krunbox::rootfs::flatten(&root, dir.path().join("flat.qcow2"))
+        let flat = krunbox::image::flatten(&root, dir.path().join("flat.qcow2"))
             .await
             .expect("flatten");
         let vm = Sandbox::builder()

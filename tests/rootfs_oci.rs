@@ -1,6 +1,6 @@
 //! OCI images: a `docker save` archive and an OCI image layout, both built here from files this
 //! test makes (busybox-static from the host, a script, a whiteout, an opaque directory, a hard
-//! link, extended attributes), imported with `krunbox::rootfs::oci::import` (the attributes
+//! link, extended attributes), imported with `krunbox::image::oci::import` (the attributes
 //! checked in the image's ext4 with `debugfs`) and booted; the image's entrypoint runs
 //! with its environment, working directory and user. A tampered blob is refused before any VM.
 
@@ -8,7 +8,7 @@ mod common;
 #[path = "common/oci.rs"]
 mod oci;
 
-use krunbox::rootfs::oci::{build, import, ImageConfig};
+use krunbox::image::oci::{build, import, ImageConfig};
 use krunbox::{BuiltinImage, Error, Rootfs, Sandbox};
 use oci::{boot_and_run_entrypoint, docker_save, oci_layout};
 

@@ -10,7 +10,7 @@ mod oci;
 #[path = "common/registry.rs"]
 mod registry;
 
-use krunbox::rootfs::oci::{fetch, pull, Credentials, LayerCache, PullFailure, PullOptions};
+use krunbox::image::oci::{fetch, pull, Credentials, LayerCache, PullFailure, PullOptions};
 use krunbox::Error;
 use oci::{boot_and_run_entrypoint, multi_platform_layout_dir, oci_layout_dir, tag_latest, Image};
 use registry::{Registry, READER_PASSWORD};

@@ -289,7 +289,7 @@ fn a_flattened_persistent_root_boots_alone_with_its_changes() {
         assert_eq!(out, "changed\n", "{out}");
         vm.shutdown().await.expect("shutdown");
 
-        let flat = krunbox::rootfs::flatten(&root, dir.path().join("flat.qcow2"))
+        let flat = krunbox::image::flatten(&root, dir.path().join("flat.qcow2"))
             .await
             .expect("flatten");
         assert_eq!(flat.sha256.len(), 64);

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use clap::Subcommand;
-use krunbox::rootfs::oci::{Credentials, PullOptions};
+use krunbox::image::oci::{Credentials, PullOptions};
 use krunbox::{BuiltinImage, Rootfs, Sandbox};
 
 use crate::network::{network, NetworkArgs};
@@ -78,7 +78,7 @@ pub(crate) enum ImageCmd {
 
 /// `krunbox image ...`.
 pub(crate) async fn image(action: ImageCmd) -> Result<(), Box<dyn std::error::Error>> {
-    let images = krunbox::rootfs::oci::LocalImages::default_location();
+    let images = krunbox::image::oci::LocalImages::default_location();
     match action {
         ImageCmd::Import { archive, name } => {
             let spinner = indicatif::ProgressBar::new_spinner().with_message(format!(

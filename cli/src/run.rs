@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use krunbox::fs::{HostDir, MemoryFs, MountOptions};
-use krunbox::rootfs::oci::{Credentials, ImageConfig, LocalImages, PullOptions};
+use krunbox::image::oci::{Credentials, ImageConfig, LocalImages, PullOptions};
 use krunbox::{BuiltinImage, Rootfs, Sandbox, Stdio};
 use tokio::io::AsyncWriteExt;
 

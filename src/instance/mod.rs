@@ -72,7 +72,7 @@ struct Inner {
     next_id: AtomicU32,
     kernel_release: String,
     /// The image's configuration, for commands' defaults and the entrypoint.
-    image_config: Option<crate::rootfs::oci::ImageConfig>,
+    image_config: Option<crate::rootfs::ImageConfig>,
     /// `Some(description)` once the VMM helper has exited.
     exited: watch::Receiver<Option<String>>,
     /// Asks the supervisor task to kill the VMM helper.

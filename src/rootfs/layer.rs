@@ -171,7 +171,7 @@ pub(crate) fn mke2fs() -> Result<PathBuf> {
 
 /// Whether a layer's ext4 gets a journal.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Journal {
+pub(crate) enum Journal {
     /// A persistent layer: it must come through a crash of the VM consistent.
     With,
     /// An ephemeral layer: it does not outlive the VM, so the journal's writes buy nothing.
@@ -185,7 +185,7 @@ pub(super) enum Journal {
 /// lazy-init thread writes them: an untouched layer holds a few hundred KiB of host memory (or
 /// disk), not its inode tables. `-m 0`: the space is all the guest's (root is the guest's
 /// user). `-i 8192`: package trees are many small files, so twice ext4's default inodes.
-pub(super) fn format_ext4(path: &Path, journal: Journal) -> Result<()> {
+pub(crate) fn format_ext4(path: &Path, journal: Journal) -> Result<()> {
     let mke2fs = mke2fs()?;
     let features = match journal {
         Journal::With => "has_journal",

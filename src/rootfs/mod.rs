@@ -19,17 +19,16 @@ pub use krunbox_rootfs::BuiltinImage;
 mod block_cache;
 pub(crate) mod cow;
 pub(crate) mod disk;
-mod flatten;
 #[cfg(any(test, feature = "fuzzing"))]
 pub(crate) mod fuzz;
-mod layer;
-pub mod oci;
-mod persistent;
+mod image_config;
+pub(crate) mod layer;
+pub(crate) mod persistent;
 pub(crate) mod served;
 pub(crate) mod store;
 
 pub(crate) use cow::CowLayer;
-pub use flatten::{flatten, FlatImage};
+pub use image_config::ImageConfig;
 pub use layer::RootUsage;
 pub(crate) use layer::{mke2fs, MemoryLayer, LAYER_FSTYPE};
 pub(crate) use persistent::{PersistentLayer, PERSISTENT_LAYER_FILE_BYTES};

@@ -335,7 +335,7 @@ async fn create(path: &Path, base_sha256: &str) -> Result<()> {
 
 /// Writes `raw`'s extents into a qcow2 beside `path` and renames it to `path`: the file there
 /// is whole or absent.
-pub(super) async fn qcow2_into_place(raw: File, path: &Path) -> std::io::Result<()> {
+pub(crate) async fn qcow2_into_place(raw: File, path: &Path) -> std::io::Result<()> {
     let dir = super::dir_of(path);
     let name = path.file_name().unwrap_or_default().to_string_lossy();
     let new_path = dir.join(format!(".{name}.krunbox-new"));

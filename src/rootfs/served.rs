@@ -1,5 +1,5 @@
 //! A disk the host serves to the guest as a virtio-blk device of ours (`device/`): a
-//! copy-on-write root's layer disk (`cow.rs`), or an image build's output disk (`flatten.rs`).
+//! copy-on-write root's layer disk (`cow.rs`), or an image build's output disk (`crate::image`'s `flatten.rs`).
 //! Either the library serves its requests ([`ServedDisk`]) or the device reads and writes a
 //! regular file in place ([`DiskSource::InPlace`]).
 

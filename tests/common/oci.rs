@@ -365,7 +365,7 @@ pub const ENTRYPOINT_OUTPUT: &str =
 
 /// Boots `image` (256 MiB) with its configuration as every command's defaults.
 #[allow(dead_code)] // each test binary uses some
-pub async fn boot(image: &krunbox::rootfs::oci::OciImage) -> krunbox::Instance {
+pub async fn boot(image: &krunbox::image::oci::OciImage) -> krunbox::Instance {
     krunbox::Sandbox::builder()
         .rootfs(image.rootfs())
         .image_config(image.config.clone())
@@ -380,7 +380,7 @@ pub async fn boot(image: &krunbox::rootfs::oci::OciImage) -> krunbox::Instance {
 /// Boots `image` with its configuration, runs its entrypoint, and checks it printed
 /// [`ENTRYPOINT_OUTPUT`] and succeeded.
 #[allow(dead_code)] // each test binary uses some
-pub async fn boot_and_run_entrypoint(image: &krunbox::rootfs::oci::OciImage) {
+pub async fn boot_and_run_entrypoint(image: &krunbox::image::oci::OciImage) {
     let vm = boot(image).await;
     let out = vm
         .entrypoint()

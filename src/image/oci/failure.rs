@@ -5,7 +5,7 @@
 ///
 /// ```no_run
 /// # async fn demo() -> krunbox::Result<()> {
-/// use krunbox::rootfs::oci::{pull, Credentials, PullFailure, PullOptions};
+/// use krunbox::image::oci::{pull, Credentials, PullFailure, PullOptions};
 ///
 /// let reference = "registry.example.com/team/private:1";
 /// let mut options = PullOptions::new();

@@ -27,7 +27,7 @@ pub(crate) const MAX_ENTRIES: usize = 1 << 20;
 pub(crate) const MAX_PATH: usize = 4096;
 
 /// The most file data the merged stream may carry: what an image's disk holds.
-pub(crate) const MAX_MERGED_BYTES: u64 = crate::rootfs::flatten::FLAT_DISK_BYTES;
+pub(crate) const MAX_MERGED_BYTES: u64 = crate::image::flatten::FLAT_DISK_BYTES;
 
 /// The most path bytes the merge remembers over all layers (its maps of visible and deleted
 /// paths).

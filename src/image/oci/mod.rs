@@ -31,8 +31,9 @@ use std::path::Path;
 use serde::Deserialize;
 
 use super::flatten::{mount_output, unmount_output, FlatImage, ImageBuild, MOUNTED_AT};
-use super::Rootfs;
 use crate::error::{Error, Result};
+pub use crate::rootfs::ImageConfig;
+use crate::rootfs::Rootfs;
 
 /// The largest JSON document (index, manifest, config) read from an archive.
 const MAX_JSON: u64 = 4 << 20;
@@ -42,26 +43,6 @@ const MAX_LAYERS: usize = 256;
 
 /// Where the importing VM sees the merged layers.
 const LAYERS_AT: &str = "/tmp/.krunbox-layers";
-
-/// What an image's configuration says about the commands it runs: what
-/// [`Instance::command`](crate::Instance::command) uses by default in a sandbox given it with
-/// [`SandboxBuilder::image_config`](crate::SandboxBuilder::image_config), and what
-/// [`Instance::entrypoint`](crate::Instance::entrypoint) runs.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, Deserialize)]
-pub struct ImageConfig {
-    /// The program and first arguments of the image's entrypoint (may be empty).
-    pub entrypoint: Vec<String>,
-    /// The default arguments after the entrypoint (or the command, without one).
-    pub cmd: Vec<String>,
-    /// Variables every command gets unless it sets them itself.
-    pub env: Vec<(String, String)>,
-    /// The directory commands start in, if the image names one.
-    pub working_dir: Option<String>,
-    /// The user (uid) and group (gid) commands run as, if the image names them: a name is
-    /// looked up in the image's `/etc/passwd` (and `/etc/group`), and a user without a group
-    /// gets its primary group there, or 0, as a container runtime does.
-    pub user: Option<(u32, u32)>,
-}
 
 /// An imported image: a bootable image file and its configuration.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -90,7 +71,7 @@ impl OciImage {
 /// use krunbox::Sandbox;
 ///
 /// // docker save myapp:latest > myapp.tar
-/// let image = krunbox::rootfs::oci::import("myapp.tar", "/var/lib/a/myapp.qcow2").await?;
+/// let image = krunbox::image::oci::import("myapp.tar", "/var/lib/a/myapp.qcow2").await?;
 /// let vm = Sandbox::builder()
 ///     .rootfs(image.rootfs())
 ///     .image_config(image.config.clone())
@@ -168,7 +149,7 @@ impl From<Error> for BuildFailure {
 async fn assemble(layers: Layers, output: &Path) -> std::result::Result<OciImage, BuildFailure> {
     let staging = tempfile::Builder::new()
         .prefix(".krunbox-import-")
-        .tempdir_in(super::dir_of(output))
+        .tempdir_in(crate::rootfs::dir_of(output))
         .map_err(Error::io("making a staging directory for the image"))?;
     let merged_path = staging.path().join("merged.tar");
     let config_digest = layers.config_digest.clone();
@@ -410,7 +391,7 @@ fn decompress(reader: Box<dyn Read + Send>) -> std::result::Result<Box<dyn Read 
 }
 
 fn sha256_hex(reader: impl Read) -> std::result::Result<String, String> {
-    super::sha256_hex(reader).map_err(|e| format!("reading a layer: {e}"))
+    crate::rootfs::sha256_hex(reader).map_err(|e| format!("reading a layer: {e}"))
 }
 
 #[cfg(test)]

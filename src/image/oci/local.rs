@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{build, import, pull, ImageConfig, LayerCache, OciImage, PullOptions, Pulled};
 use crate::error::{Error, Result};
-use crate::rootfs::FlatImage;
+use crate::image::FlatImage;
 
 /// The longest image name.
 const MAX_NAME: usize = 128;
@@ -19,7 +19,7 @@ const MAX_NAME: usize = 128;
 ///
 /// ```no_run
 /// # async fn demo() -> krunbox::Result<()> {
-/// use krunbox::rootfs::oci::LocalImages;
+/// use krunbox::image::oci::LocalImages;
 /// use krunbox::Sandbox;
 ///
 /// let images = LocalImages::default_location();
@@ -88,7 +88,7 @@ impl LocalImages {
     ///
     /// ```no_run
     /// # async fn demo() -> krunbox::Result<()> {
-    /// use krunbox::rootfs::oci::{LocalImages, PullOptions};
+    /// use krunbox::image::oci::{LocalImages, PullOptions};
     ///
     /// let images = LocalImages::default_location();
     /// let pulled = images
@@ -119,7 +119,7 @@ impl LocalImages {
     ///
     /// ```no_run
     /// # async fn demo() -> krunbox::Result<()> {
-    /// use krunbox::rootfs::oci::LocalImages;
+    /// use krunbox::image::oci::LocalImages;
     /// use krunbox::{BuiltinImage, Rootfs, Sandbox};
     ///
     /// let base = Sandbox::builder().rootfs(Rootfs::builtin(BuiltinImage::Agent)).build()?;
@@ -143,7 +143,7 @@ impl LocalImages {
     /// The layer cache of the images here: `DIR/blobs`.
     ///
     /// ```
-    /// use krunbox::rootfs::oci::LocalImages;
+    /// use krunbox::image::oci::LocalImages;
     ///
     /// let images = LocalImages::at("/var/lib/agents/images");
     /// assert_eq!(images.layer_cache().dir(), images.dir().join("blobs"));
@@ -245,7 +245,7 @@ impl LocalImages {
     ///
     /// ```no_run
     /// # async fn demo() -> krunbox::Result<()> {
-    /// use krunbox::rootfs::oci::{LocalImages, PullOptions};
+    /// use krunbox::image::oci::{LocalImages, PullOptions};
     ///
     /// let images = LocalImages::default_location();
     /// let reference = "registry.example.com/team/tools:3";
@@ -269,7 +269,7 @@ impl LocalImages {
     ///
     /// ```no_run
     /// # fn demo() -> krunbox::Result<()> {
-    /// use krunbox::rootfs::oci::LocalImages;
+    /// use krunbox::image::oci::LocalImages;
     ///
     /// if let Some(reference) = LocalImages::default_location().pulled_reference("tools:3")? {
     ///     println!("tools:3 came from {reference}");

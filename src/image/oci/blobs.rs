@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 ///
 /// ```no_run
 /// # async fn demo() -> krunbox::Result<()> {
-/// use krunbox::rootfs::oci::{fetch, LayerCache, PullOptions};
+/// use krunbox::image::oci::{fetch, LayerCache, PullOptions};
 ///
 /// let cache = LayerCache::at("/var/cache/agents/blobs");
 /// let options = PullOptions::new().cache(cache.clone());
@@ -40,7 +40,7 @@ impl LayerCache {
     /// The cache in `dir` (made when a blob first enters it).
     ///
     /// ```
-    /// use krunbox::rootfs::oci::LayerCache;
+    /// use krunbox::image::oci::LayerCache;
     ///
     /// let cache = LayerCache::at("/var/cache/agents/blobs");
     /// assert_eq!(cache.dir(), std::path::Path::new("/var/cache/agents/blobs"));
@@ -64,7 +64,7 @@ impl LayerCache {
     /// is not a sha256 digest.
     ///
     /// ```
-    /// use krunbox::rootfs::oci::LayerCache;
+    /// use krunbox::image::oci::LayerCache;
     ///
     /// let dir = tempfile::tempdir().unwrap();
     /// let cache = LayerCache::at(dir.path());
@@ -82,7 +82,7 @@ impl LayerCache {
     ///
     /// ```no_run
     /// # fn demo(still_used: Vec<String>) -> krunbox::Result<()> {
-    /// use krunbox::rootfs::oci::LayerCache;
+    /// use krunbox::image::oci::LayerCache;
     ///
     /// let freed = LayerCache::default_location().retain(&still_used)?;
     /// println!("freed {freed} bytes");

@@ -14,11 +14,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::layer::{format_ext4, Journal};
-use super::persistent::qcow2_into_place;
-use super::served::{DiskSource, OUTPUT_DISK_SERIAL};
-use super::Rootfs;
 use crate::error::{Error, Result};
+use crate::rootfs::layer::{format_ext4, Journal};
+use crate::rootfs::persistent::qcow2_into_place;
+use crate::rootfs::served::{DiskSource, OUTPUT_DISK_SERIAL};
+use crate::rootfs::Rootfs;
 
 /// The size of a flattened image's filesystem (32 GiB): what a root can hold to be flattened.
 /// The qcow2 takes host disk only for what is written.
@@ -38,7 +38,7 @@ const COPY_DEADLINE: Duration = Duration::from_secs(3600);
 /// use krunbox::{BuiltinImage, Rootfs, Sandbox};
 ///
 /// let root = Rootfs::persistent(Rootfs::builtin(BuiltinImage::Agent), "/var/lib/a/root.qcow2");
-/// let flat = krunbox::rootfs::flatten(&root, "/var/lib/a/flat.qcow2").await?;
+/// let flat = krunbox::image::flatten(&root, "/var/lib/a/flat.qcow2").await?;
 /// // Boots on its own, read-only, with every change the persistent root had.
 /// let vm = Sandbox::builder().rootfs(flat.rootfs()).build()?.boot().await?;
 /// # let _ = vm; Ok(()) }
@@ -61,7 +61,7 @@ impl FlatImage {
     /// The image's bytes as a stream, to upload it somewhere.
     ///
     /// ```no_run
-    /// # async fn demo(flat: krunbox::rootfs::FlatImage) -> std::io::Result<()> {
+    /// # async fn demo(flat: krunbox::image::FlatImage) -> std::io::Result<()> {
     /// let mut bytes = flat.stream().await?;
     /// let mut copy = tokio::fs::File::create("/tmp/upload.qcow2").await?;
     /// tokio::io::copy(&mut bytes, &mut copy).await?;
@@ -153,7 +153,7 @@ sync
 impl ImageBuild {
     /// Formats the scratch disk for an image that will be at `output`.
     pub(crate) async fn start(output: &Path) -> Result<ImageBuild> {
-        let dir = super::dir_of(output);
+        let dir = crate::rootfs::dir_of(output);
         if output.file_name().is_none() {
             return Err(Error::InvalidConfig(format!(
                 "{} names no file",
@@ -220,7 +220,7 @@ impl ImageBuild {
             .map_err(failed("writing the qcow2"))?;
         let sha256 = tokio::task::spawn_blocking({
             let output = output.clone();
-            move || File::open(&output).and_then(super::sha256_hex)
+            move || File::open(&output).and_then(crate::rootfs::sha256_hex)
         })
         .await
         .map_err(|e| Error::WritableLayer(e.to_string()))?

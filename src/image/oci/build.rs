@@ -7,7 +7,8 @@ use sha2::{Digest, Sha256};
 
 use super::{ImageConfig, OciImage};
 use crate::error::{Error, Result};
-use crate::rootfs::{flatten, Rootfs};
+use crate::image::flatten;
+use crate::rootfs::Rootfs;
 use crate::Sandbox;
 
 /// How much of a failed step's output its error keeps (the end of it).
@@ -37,7 +38,7 @@ const STEP_OUTPUT_TAIL: usize = 8 << 10;
 ///         Rules::new().allow_domain("deb.debian.org").expect("a valid pattern"),
 ///     ))
 ///     .build()?;
-/// let image = krunbox::rootfs::oci::build(
+/// let image = krunbox::image::oci::build(
 ///     &base,
 ///     &["apt-get update", "apt-get install -y ripgrep"],
 ///     "/var/lib/a/tools.qcow2",

@@ -48,7 +48,7 @@ const USER_AGENT: &str = concat!("krunbox/", env!("CARGO_PKG_VERSION"));
 /// credentials on each request.
 ///
 /// ```
-/// use krunbox::rootfs::oci::{Credentials, PullOptions};
+/// use krunbox::image::oci::{Credentials, PullOptions};
 ///
 /// // A registry access token used as a password (GHCR, GitLab, Harbor robots).
 /// let credentials = Credentials::Basic {
@@ -94,7 +94,7 @@ impl fmt::Debug for Credentials {
 /// How far a pull is: one report per chunk of a layer received.
 ///
 /// ```
-/// use krunbox::rootfs::oci::PullOptions;
+/// use krunbox::image::oci::PullOptions;
 ///
 /// let options = PullOptions::new().on_progress(|p| {
 ///     let percent = p.received * 100 / p.size.max(1);
@@ -117,7 +117,7 @@ type ProgressFn = dyn Fn(&PullProgress) + Send + Sync;
 /// How to pull: credentials, the registry's transport, the layer cache, progress.
 ///
 /// ```
-/// use krunbox::rootfs::oci::{Credentials, LayerCache, PullOptions};
+/// use krunbox::image::oci::{Credentials, LayerCache, PullOptions};
 ///
 /// let options = PullOptions::new()
 ///     .credentials(Credentials::Basic {
@@ -205,7 +205,7 @@ impl PullOptions {
 ///
 /// ```no_run
 /// # async fn demo() -> krunbox::Result<()> {
-/// use krunbox::rootfs::oci::{fetch, PullOptions};
+/// use krunbox::image::oci::{fetch, PullOptions};
 ///
 /// let fetched = fetch("registry.example.com/team/app:2", &PullOptions::new()).await?;
 /// println!(
@@ -238,7 +238,7 @@ pub struct Fetched {
 ///
 /// ```no_run
 /// # async fn demo() -> krunbox::Result<()> {
-/// use krunbox::rootfs::oci::{pull, PullOptions};
+/// use krunbox::image::oci::{pull, PullOptions};
 ///
 /// let pulled = pull("registry.example.com/team/app:2", "app.qcow2", &PullOptions::new()).await?;
 /// println!("{} (config {})", pulled.image.image.path.display(), pulled.image.config_digest);
@@ -261,7 +261,7 @@ pub struct Pulled {
 ///
 /// ```no_run
 /// # async fn demo() -> krunbox::Result<()> {
-/// use krunbox::rootfs::oci::{pull, PullOptions};
+/// use krunbox::image::oci::{pull, PullOptions};
 /// use krunbox::Sandbox;
 ///
 /// let pulled = pull("ghcr.io/acme/agent-tools:1.4", "/var/lib/a/tools.qcow2", &PullOptions::new())
@@ -346,7 +346,7 @@ pub async fn pull(
 ///
 /// ```no_run
 /// # async fn demo() -> krunbox::Result<()> {
-/// use krunbox::rootfs::oci::{fetch, PullOptions};
+/// use krunbox::image::oci::{fetch, PullOptions};
 ///
 /// let fetched = fetch("registry.example.com/team/base:1", &PullOptions::new()).await?;
 /// println!("{} layers, {} downloaded", fetched.layers.len(), fetched.layers_fetched);

@@ -1,0 +1,14 @@
+//! Making images: above [`Sandbox`](crate::Sandbox), since each of these boots one to do its
+//! work inside a guest (an image's own files are never unpacked or run on the host).
+//!
+//! - [`flatten`]: a writable root's image and layer merged into one standalone qcow2.
+//! - [`oci`]: OCI and Docker images imported from an archive or pulled from a registry, kept by
+//!   name ([`oci::LocalImages`]), and built by running steps on one ([`oci::build`]).
+//!
+//! What a sandbox boots from them is a [`Rootfs`](crate::Rootfs) (`FlatImage::rootfs`,
+//! `OciImage::rootfs`) and, for an OCI image, its [`ImageConfig`](crate::rootfs::ImageConfig).
+
+mod flatten;
+pub mod oci;
+
+pub use flatten::{flatten, FlatImage};

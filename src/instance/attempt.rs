@@ -29,7 +29,7 @@ use krunbox_protocol::vmm::Inherited;
 /// this long is stuck in early kernel boot; it is killed and retried, up to
 /// [`super::boot::BOOT_ATTEMPTS`] attempts in all, within the overall boot timeout. Seen under
 /// nested emulation, about once in a hundred boots, before any krunbox code runs in the guest.
-const BOOT_STALL: Duration = Duration::from_secs(45);
+pub(super) const BOOT_STALL: Duration = Duration::from_secs(45);
 
 /// What stays the same across a boot's attempts.
 pub(super) struct Plan<'a> {

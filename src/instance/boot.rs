@@ -13,7 +13,7 @@ use tokio::sync::watch;
 use tracing::Instrument;
 
 use super::admit::{admit, NotAdmitted};
-use super::attempt::{self, stop_helper, Attempted, Devices, Plan};
+use super::attempt::{self, stop_helper, Attempted, Devices, Plan, BOOT_STALL};
 use super::root::RootPart;
 use super::supervisor::Supervisor;
 use super::{tail, Inner, Instance};
@@ -77,27 +77,29 @@ async fn boot_in_span(
     Ok(parts.into_instance(&config, *ready, admitted, id, span))
 }
 
-/// The parts of a sandbox a boot wires together, once each is prepared.
+/// The parts of a sandbox a boot wires together, once each is prepared. (Fields drop in
+/// order, as a failed boot lets them go: the services first, the root's layer last, once the
+/// VMM that may write to it is gone.)
 struct Parts {
-    /// The verified image and the writable root's layer.
-    root: RootPart,
-    /// The instance's directory: the control socket, the console, the logs.
-    dir: tempfile::TempDir,
-    /// Where the guest's control connection arrives (until it has).
-    listener: Option<UnixListener>,
-    /// The instance's share of what this process's instances share.
-    budget: Arc<crate::budget::Budget>,
-    /// The mounts of host filesystems, served in this process.
-    mounts: FsService,
-    /// A copy-on-write root's layer disk and an image build's output disk, with their serials.
-    served_disks: Vec<(rootfs::served::DiskSource, &'static str)>,
-    disks: Vec<DiskLink>,
-    /// The jail's configuration and the canaries' targets (held until the helper is admitted).
-    jail: Option<crate::jail::host::JailHost>,
-    cgroup: Option<Arc<crate::cgroup::InstanceCgroup>>,
-    cgroup_procs: Option<OwnedFd>,
     /// The sandbox CA of this boot, for intercepted HTTPS (the guest is told to trust it).
     certificate_authority: Option<Arc<CertificateAuthority>>,
+    cgroup_procs: Option<OwnedFd>,
+    cgroup: Option<Arc<crate::cgroup::InstanceCgroup>>,
+    /// The jail's configuration and the canaries' targets (held until the helper is admitted).
+    jail: Option<crate::jail::host::JailHost>,
+    disks: Vec<DiskLink>,
+    /// A copy-on-write root's layer disk and an image build's output disk, with their serials.
+    served_disks: Vec<(rootfs::served::DiskSource, &'static str)>,
+    /// The mounts of host filesystems, served in this process.
+    mounts: FsService,
+    /// The instance's share of what this process's instances share.
+    budget: Arc<crate::budget::Budget>,
+    /// Where the guest's control connection arrives (until it has).
+    listener: Option<UnixListener>,
+    /// The instance's directory: the control socket, the console, the logs.
+    dir: tempfile::TempDir,
+    /// The verified image and the writable root's layer.
+    root: RootPart,
 }
 
 impl Parts {
@@ -273,7 +275,7 @@ impl Parts {
                 Attempted::Stalled => {
                     tracing::warn!(
                         attempt,
-                        "the guest kernel showed no sign of life (guest-init never started); retrying the boot"
+                        "the guest kernel showed no sign of life within {BOOT_STALL:?} (guest-init never started); retrying the boot"
                     );
                     self.root.attempt_abandoned();
                     attempt += 1;

@@ -15,15 +15,17 @@ use crate::rootfs::{self, Rootfs};
 use krunbox_protocol::vmm::{Inherited, LayerDisk};
 
 /// A boot's root, from the verified image to the layer of the current attempt.
+/// (Fields drop in order: the guard first, which gives the layer and the store back once the
+/// VMM is gone, the image last.)
 pub(super) struct RootPart {
-    /// The image, verified against its digest, held open: the helper gets this very file.
-    pub image: rootfs::VerifiedImage,
-    /// A persistent root's layer between attempts (opened and locked once).
-    persistent: Option<rootfs::PersistentLayer>,
-    /// A copy-on-write root's attachment to its store.
-    pub cow: Option<Arc<rootfs::CowLayer>>,
     /// Gives the layer and the store back if the boot fails or is dropped.
     pub guard: LayerGuard,
+    /// A copy-on-write root's attachment to its store.
+    pub cow: Option<Arc<rootfs::CowLayer>>,
+    /// A persistent root's layer between attempts (opened and locked once).
+    persistent: Option<rootfs::PersistentLayer>,
+    /// The image, verified against its digest, held open: the helper gets this very file.
+    pub image: rootfs::VerifiedImage,
 }
 
 impl RootPart {
@@ -60,10 +62,10 @@ impl RootPart {
             vmm_gone: None,
         };
         Ok(RootPart {
-            image,
-            persistent,
-            cow,
             guard,
+            cow,
+            persistent,
+            image,
         })
     }
 

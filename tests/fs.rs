@@ -10,7 +10,7 @@ use std::ffi::OsStr;
 use std::time::{Duration, SystemTime};
 
 use krunbox::fs::*;
-use krunbox::{BuiltinImage, Error, Instance, Rootfs, Sandbox};
+use krunbox::{BuiltinImage, Error, FsErrorKind, Instance, Rootfs, Sandbox};
 
 use guest::sh;
 
@@ -324,6 +324,32 @@ fn a_read_only_mount_refuses_every_change() {
         assert_eq!(out.matches("Read-only file system").count(), 6, "{out}");
         assert_eq!(docs.read_dir("/").unwrap(), ["guide.md"]);
         assert_eq!(docs.read_file("/guide.md").unwrap(), b"# guide\n");
+        vm.shutdown().await.unwrap();
+    })
+}
+
+/// `remove_all` of `/`, of a mount point or of a tree holding one is refused before anything
+/// is removed (it would walk into the mount and empty the caller's filesystem); what is inside
+/// a mount is removed when named.
+#[test]
+fn remove_all_refuses_the_root_and_trees_holding_a_mount_and_removes_inside_one() {
+    common::run(async {
+        let work = MemoryFs::new();
+        work.write_file("/keep.txt", b"kept\n").unwrap();
+        work.create_dir_all("/build/obj").unwrap();
+        work.write_file("/build/obj/a.o", b"obj").unwrap();
+        let vm = boot(busybox().mount("/srv/work", work.clone())).await;
+        for target in ["/", "/srv", "/srv/work", "/srv/../srv/work/."] {
+            match vm.remove_all(target).await {
+                Err(Error::Fs { kind, message, .. }) => {
+                    assert_eq!(kind, FsErrorKind::InvalidInput, "{target}: {message}");
+                }
+                other => panic!("remove_all({target}) was not refused: {other:?}"),
+            }
+        }
+        assert_eq!(work.read_file("/keep.txt").unwrap(), b"kept\n");
+        vm.remove_all("/srv/work/build").await.unwrap();
+        assert_eq!(work.read_dir("/").unwrap(), ["keep.txt"]);
         vm.shutdown().await.unwrap();
     })
 }

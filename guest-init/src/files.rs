@@ -326,6 +326,7 @@ fn remove(path: &Path, recursive: bool) -> Result<FsOk, FsError> {
     let meta = fs::symlink_metadata(path).map_err(|e| error("lstat", path, &e))?;
     let result = if meta.is_dir() {
         if recursive {
+            refuse_a_tree_with_host_mounts(path)?;
             // std's remove_dir_all works with openat/unlinkat and never follows symlinks.
             fs::remove_dir_all(path).map_err(|e| error("remove tree", path, &e))
         } else {
@@ -335,6 +336,91 @@ fn remove(path: &Path, recursive: bool) -> Result<FsOk, FsError> {
         fs::remove_file(path).map_err(|e| error("unlink", path, &e))
     };
     result.map(|()| FsOk::Done)
+}
+
+/// Refuses, before anything is removed, a recursive removal of `/` or of a tree that is or
+/// holds the mount point of one of the caller's filesystems (a virtio-fs mount: a host
+/// directory or a filesystem of the caller's program), which `remove_dir_all` would walk into
+/// and empty. What is inside such a mount can still be removed by naming it.
+fn refuse_a_tree_with_host_mounts(path: &Path) -> Result<(), FsError> {
+    let refuse = |message: String| FsError {
+        kind: FsErrorKind::InvalidInput,
+        errno: libc::EINVAL,
+        message: truncate_text(message, MAX_TEXT),
+    };
+    let tree = fs::canonicalize(path).map_err(|e| error("resolve", path, &e))?;
+    if tree == Path::new("/") {
+        return Err(refuse(format!(
+            "refusing to remove {} recursively: it is the whole root",
+            path.display()
+        )));
+    }
+    let mountinfo = read_bounded(Path::new("/proc/self/mountinfo"), MOUNTINFO_MAX)
+        .map_err(|e| error("read", Path::new("/proc/self/mountinfo"), &e))?;
+    for mount_point in host_mount_points(&mountinfo) {
+        if mount_point.starts_with(&tree) {
+            return Err(refuse(format!(
+                "refusing to remove {} recursively: {} is a mount of the sandbox's (remove what is inside it instead)",
+                path.display(),
+                mount_point.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The most of `/proc/self/mountinfo` read (a guest has a few dozen mounts, 100-odd bytes each).
+const MOUNTINFO_MAX: u64 = 1 << 20;
+
+fn read_bounded(path: &Path, max: u64) -> io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    File::open(path)?.take(max).read_to_end(&mut bytes)?;
+    Ok(bytes)
+}
+
+/// The mount points of virtio-fs mounts in a `mountinfo` text: its fifth field, with the
+/// kernel's octal escapes (`\040` for a space, ...) undone, of each line whose filesystem type
+/// (the first field after `-`) is `virtiofs`.
+fn host_mount_points(mountinfo: &[u8]) -> Vec<PathBuf> {
+    mountinfo
+        .split(|&b| b == b'\n')
+        .filter_map(|line| {
+            let fields: Vec<&[u8]> = line.split(|&b| b == b' ').collect();
+            let separator = fields.iter().position(|f| *f == b"-")?;
+            let fstype = fields.get(separator + 1)?;
+            (*fstype == b"virtiofs")
+                .then(|| {
+                    fields
+                        .get(4)
+                        .map(|field| PathBuf::from(OsStr::from_bytes(&unescape_octal(field))))
+                })
+                .flatten()
+        })
+        .collect()
+}
+
+/// Undoes the kernel's `\ooo` escapes in a `mountinfo` field.
+fn unescape_octal(field: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(field.len());
+    let mut i = 0;
+    while i < field.len() {
+        let escaped = field
+            .get(i + 1..i + 4)
+            .filter(|digits| field[i] == b'\\' && digits.iter().all(|d| (b'0'..=b'7').contains(d)));
+        match escaped {
+            Some(digits) => {
+                let value = digits.iter().fold(0u32, |v, d| v * 8 + u32::from(d - b'0'));
+                out.push(value as u8);
+                i += 4;
+            }
+            None => {
+                out.push(field[i]);
+                i += 1;
+            }
+        }
+    }
+    out
 }
 
 /// `mkdir` with exactly `mode`.
@@ -386,6 +472,20 @@ fn create_dir(path: &Path, mode: u32, parents: bool) -> Result<FsOk, FsError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn virtio_fs_mount_points_are_read_from_mountinfo_with_escapes_undone() {
+        let mountinfo = b"22 1 253:0 / / ro,relatime - erofs /dev/vda ro\n\
+            30 22 0:31 / /workspace rw,relatime - virtiofs krunbox-fs-0 rw\n\
+            31 22 0:32 / /my\\040data rw - virtiofs krunbox-fs-1 rw\n\
+            32 22 0:33 / /tmp rw shared:1 - tmpfs tmpfs rw\n\
+            garbage without a separator\n";
+        assert_eq!(
+            host_mount_points(mountinfo),
+            vec![PathBuf::from("/workspace"), PathBuf::from("/my data")]
+        );
+        assert_eq!(unescape_octal(b"a\\134b\\01"), b"a\\b\\01");
+    }
 
     fn bytes(p: &Path) -> ByteBuf {
         ByteBuf::from(p.as_os_str().as_bytes().to_vec())

@@ -187,7 +187,11 @@ impl Instance {
     /// removed themselves, never followed.
     ///
     /// A relative path is relative to the guest's `/`. A missing path is
-    /// [`FsErrorKind::NotFound`].
+    /// [`FsErrorKind::NotFound`]. `/`, a mount point of the sandbox's
+    /// ([`SandboxBuilder::mount`](crate::SandboxBuilder::mount)) and a directory holding one
+    /// are refused ([`FsErrorKind::InvalidInput`]) before anything is removed, so that no
+    /// removal walks into a mounted filesystem of the caller's and empties it; name what is
+    /// inside the mount instead.
     ///
     /// ```no_run
     /// # async fn demo(vm: &krunbox::Instance) -> krunbox::Result<()> {

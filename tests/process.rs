@@ -280,6 +280,65 @@ fn cancellation_kills_the_process_group_and_the_instance_stays_usable() {
             "dropping the future left it running"
         );
 
+        // A token cancelled before the command starts: it never starts, with or without a pty.
+        let cancelled = CancellationToken::new();
+        cancelled.cancel();
+        for pty in [false, true] {
+            let mut command = vm.command("touch");
+            command.arg("/tmp/never-ran").cancel_on(cancelled.clone());
+            if pty {
+                command.pty(24, 80);
+            }
+            let result = command.spawn().await;
+            assert!(matches!(result, Err(Error::Cancelled)), "{result:?}");
+        }
+        let result = vm
+            .command("touch")
+            .arg("/tmp/never-ran")
+            .cancel_on(cancelled)
+            .output()
+            .await;
+        assert!(matches!(result, Err(Error::Cancelled)), "{result:?}");
+        let out = vm
+            .command("sh")
+            .args(["-c", "test -e /tmp/never-ran && echo ran || echo never"])
+            .output()
+            .await
+            .unwrap();
+        assert_eq!(out.stdout_text().trim(), "never");
+
+        // A spawned command is killed, group and all, when its token is cancelled, though
+        // nobody is waiting on it.
+        let stop = CancellationToken::new();
+        let mut child = vm
+            .command("sh")
+            .args(["-c", "sleep 300 & echo $! > /tmp/cancel-c; wait"])
+            .cancel_on(stop.clone())
+            .spawn()
+            .await
+            .unwrap();
+        let mut written = false;
+        for _ in 0..60 {
+            let out = vm
+                .command("sh")
+                .args(["-c", "test -s /tmp/cancel-c && echo yes"])
+                .output()
+                .await
+                .unwrap();
+            if out.stdout_text().trim() == "yes" {
+                written = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        assert!(written, "the spawned shell never wrote its child's pid");
+        stop.cancel();
+        assert!(
+            gone(vm, "/tmp/cancel-c").await,
+            "a cancelled spawn's group survived"
+        );
+        assert_eq!(child.wait().await.unwrap().signal(), Some(libc::SIGKILL));
+
         assert!(vm.command("true").status().await.unwrap().success());
     });
 }

@@ -34,6 +34,9 @@ pub struct Child {
     pub(super) end: Option<oneshot::Receiver<ProcessEnd>>,
     pub(super) status: Option<ExitStatus>,
     pub(super) backstop: Backstop,
+    /// The task that kills the process when its [`Command::cancel_on`](crate::Command::cancel_on)
+    /// token is cancelled; stopped once the process has ended or the child is dropped.
+    pub(super) cancel_watch: Option<tokio::task::AbortHandle>,
 }
 
 impl Child {
@@ -115,8 +118,25 @@ impl Child {
         };
         self.end = None;
         self.status = Some(status);
+        if let Some(watch) = self.cancel_watch.take() {
+            watch.abort();
+        }
         Ok(status)
     }
+}
+
+/// Kills process `id`'s group when `token` is cancelled, in a task of its own, so that a
+/// spawned process nobody is waiting on still stops.
+pub(super) fn watch_cancellation(
+    token: tokio_util::sync::CancellationToken,
+    control: Arc<Control>,
+    id: u32,
+) -> tokio::task::AbortHandle {
+    tokio::spawn(async move {
+        token.cancelled().await;
+        send_kill(&control, id);
+    })
+    .abort_handle()
 }
 
 /// The host's backstop for a command's timeout, which guest-init enforces. Should guest-init
@@ -193,6 +213,9 @@ impl Drop for KillOnDrop {
 
 impl Drop for Child {
     fn drop(&mut self) {
+        if let Some(watch) = self.cancel_watch.take() {
+            watch.abort();
+        }
         // Cancellation: a process nobody waits for anymore is killed, group and all.
         if self.status.is_none() {
             if let Ok(control) = self.instance.control() {

@@ -178,7 +178,19 @@ impl Command {
 
     /// Cancelling `token` kills the command's process group; [`output`](Self::output) and
     /// [`status`](Self::status) then return [`Error::Cancelled`]. (Dropping their future does
-    /// the same without a token.)
+    /// the same without a token.) A command whose token is cancelled before it starts never
+    /// starts: [`spawn`](Self::spawn) (with or without a pty) returns [`Error::Cancelled`]
+    /// without sending it to the guest; once spawned, cancelling kills its process group as
+    /// [`Child::kill`] does, and [`Child::wait`] reports how it ended.
+    ///
+    /// ```no_run
+    /// # async fn demo(vm: &krunbox::Instance) -> krunbox::Result<()> {
+    /// let stop = krunbox::CancellationToken::new();
+    /// let mut child = vm.command("sleep").arg("600").cancel_on(stop.clone()).spawn().await?;
+    /// stop.cancel(); // e.g. the agent's user pressed stop
+    /// assert_eq!(child.wait().await?.signal(), Some(9));
+    /// # Ok(()) }
+    /// ```
     pub fn cancel_on(&mut self, token: CancellationToken) -> &mut Command {
         self.cancel = Some(token);
         self
@@ -323,6 +335,11 @@ impl Command {
     }
 
     async fn spawn_now(&mut self) -> Result<Child> {
+        let cancel = self.cancel.clone();
+        if cancel.as_ref().is_some_and(|token| token.is_cancelled()) {
+            // Checked before anything reaches the guest: a cancelled command never starts.
+            return Err(Error::Cancelled);
+        }
         let control = self.instance.control()?;
         let id = self.instance.next_process_id();
         let exec = self.to_exec(id);
@@ -340,7 +357,15 @@ impl Command {
             }),
             fired: false,
         };
-        let started = start(&control, id, &message, &self.program).await?;
+        // Cancelled while it starts: dropping `start` kills what it may have started.
+        let started = match &cancel {
+            Some(token) => tokio::select! {
+                biased;
+                _ = token.cancelled() => return Err(Error::Cancelled),
+                started = start(&control, id, &message, &self.program) => started?,
+            },
+            None => start(&control, id, &message, &self.program).await?,
+        };
         tracing::debug!(pid = started.pid, "process started");
         let channels = started.channels;
         let (pid, end) = (started.pid, started.end);
@@ -373,6 +398,7 @@ impl Command {
             status: None,
             backstop,
             is_pty: self.pty.is_some(),
+            cancel_watch: cancel.map(|token| child::watch_cancellation(token, control.clone(), id)),
         })
     }
 }
@@ -574,5 +600,80 @@ mod tests {
             .filter(|m| matches!(m, HostMessage::Exec(_)))
             .count();
         assert_eq!(execs, 2, "nothing past the cap was sent");
+    }
+
+    /// A guest for whole commands: the scripted control channel and fresh ids.
+    struct Scripted(Arc<Control>, std::sync::atomic::AtomicU32);
+
+    impl std::fmt::Debug for Scripted {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("Scripted")
+        }
+    }
+
+    impl Guest for Scripted {
+        fn control(&self) -> Result<Arc<Control>> {
+            Ok(self.0.clone())
+        }
+        fn next_process_id(&self) -> u32 {
+            self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        }
+        fn span(&self) -> tracing::Span {
+            tracing::Span::none()
+        }
+    }
+
+    /// A command whose token is cancelled before it starts never reaches the guest, with or
+    /// without a pty; one cancelled once started is killed, group and all, with nobody waiting.
+    #[tokio::test(start_paused = true)]
+    async fn a_cancelled_token_starts_nothing_and_kills_what_started() {
+        let (control, log) = scripted_guest::start(Limits::new(), |message| match message {
+            HostMessage::Exec(exec) => vec![GuestMessage::Started(crate::protocol::Started {
+                id: exec.id,
+                pid: 100 + exec.id,
+            })],
+            _ => vec![],
+        });
+        let guest: Arc<dyn Guest> = Arc::new(Scripted(control, 1.into()));
+        let cancelled = CancellationToken::new();
+        cancelled.cancel();
+        for pty in [false, true] {
+            let mut command = Command::new(guest.clone(), OsStr::new("sleep"));
+            command.cancel_on(cancelled.clone());
+            if pty {
+                command.pty(24, 80);
+            }
+            assert!(matches!(command.spawn().await, Err(Error::Cancelled)));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert!(
+            log.lock().unwrap().is_empty(),
+            "sent: {:?}",
+            log.lock().unwrap()
+        );
+
+        let stop = CancellationToken::new();
+        let child = Command::new(guest.clone(), OsStr::new("sleep"))
+            .cancel_on(stop.clone())
+            .spawn()
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let kill = HostMessage::Signal(SignalProcess {
+            id: child.key,
+            signal: libc::SIGKILL,
+        });
+        assert!(
+            !log.lock().unwrap().contains(&kill),
+            "killed before the cancel"
+        );
+        stop.cancel();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert!(
+            log.lock().unwrap().contains(&kill),
+            "{:?}",
+            log.lock().unwrap()
+        );
+        drop(child);
     }
 }

@@ -624,3 +624,134 @@ fn a_vmm_crash_is_reported_and_the_host_survives() {
         .await;
     });
 }
+
+/// A normal Linux guest without a network device: its hostname set and resolvable (as
+/// Python's `socket` resolves it), loopback up, `/dev/fd` and `/dev/std*`, cgroup2 at
+/// `/sys/fs/cgroup`, and a buffered command's stdin closed (a `cat` returns at once).
+#[test]
+fn the_guest_is_a_normal_linux_system_without_a_network() {
+    common::run(async {
+        let vm = Sandbox::builder()
+            .rootfs(Rootfs::builtin(BuiltinImage::Agent))
+            .memory_mib(512)
+            .hostname("lane-7")
+            .build()
+            .unwrap()
+            .boot()
+            .await
+            .unwrap();
+        let out = vm
+            .command("sh")
+            .args([
+                "-c",
+                "hostname; cat /etc/hostname; \
+                 python3 -c 'import socket; print(socket.gethostbyname(socket.gethostname()))'; \
+                 cat /sys/class/net/lo/flags; \
+                 readlink /dev/fd /dev/stdin /dev/stdout /dev/stderr; echo to-stderr > /dev/stderr; \
+                 test -e /sys/fs/cgroup/cgroup.controllers && echo cgroup2",
+            ])
+            .timeout(Duration::from_secs(60))
+            .output()
+            .await
+            .unwrap();
+        let text = out.stdout_text();
+        assert!(out.status.success(), "{text}{}", out.stderr_text());
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines[0], "lane-7", "{text}");
+        assert_eq!(lines[1], "lane-7", "/etc/hostname: {text}");
+        assert_eq!(lines[2], "127.0.1.1", "the hostname resolves: {text}");
+        // IFF_UP (0x1) with IFF_LOOPBACK (0x8).
+        let flags = u32::from_str_radix(lines[3].trim_start_matches("0x"), 16).unwrap();
+        assert_eq!(flags & 0x1, 0x1, "lo is down: {text}");
+        assert_eq!(
+            &lines[4..8],
+            [
+                "/proc/self/fd",
+                "/proc/self/fd/0",
+                "/proc/self/fd/1",
+                "/proc/self/fd/2"
+            ],
+            "{text}"
+        );
+        assert_eq!(lines[8], "cgroup2", "{text}");
+        assert_eq!(out.stderr_text(), "to-stderr\n");
+
+        // A buffered command's stdin is closed: `cat` reads end of file at once (a stdin left
+        // open would hold it until its timeout: exit code 124).
+        let cat = vm
+            .command("cat")
+            .timeout(Duration::from_secs(60))
+            .output()
+            .await
+            .unwrap();
+        assert!(cat.status.success() && cat.stdout.is_empty(), "{cat:?}");
+        vm.shutdown().await.unwrap();
+    })
+}
+
+/// One definition, booted twice with different per-boot options: each boot has its own mount,
+/// hostname and starting directory, besides the definition's mount; options the builder would
+/// refuse are refused before anything boots.
+#[test]
+fn one_definition_boots_lanes_with_their_own_mounts_hostnames_and_directories() {
+    use krunbox::fs::MemoryFs;
+    use krunbox::BootOptions;
+    common::run(async {
+        let shared = MemoryFs::new();
+        shared.write_file("/note.txt", b"shared\n").unwrap();
+        let sandbox = busybox_builder().mount("/shared", shared).build().unwrap();
+        for lane in ["lane-1", "lane-2"] {
+            let workspace = MemoryFs::new();
+            workspace
+                .write_file("/task.txt", format!("task of {lane}\n").as_bytes())
+                .unwrap();
+            let vm = sandbox
+                .boot_with(
+                    BootOptions::new()
+                        .mount(format!("/work/{lane}"), workspace.clone())
+                        .hostname(lane)
+                        .current_dir(format!("/work/{lane}")),
+                )
+                .await
+                .unwrap();
+            let out = vm
+                .command("sh")
+                .args([
+                    "-c",
+                    "pwd; hostname; cat task.txt /shared/note.txt; ls /work",
+                ])
+                .output()
+                .await
+                .unwrap();
+            assert!(out.status.success(), "{}", out.stderr_text());
+            assert_eq!(
+                out.stdout_text(),
+                format!("/work/{lane}\n{lane}\ntask of {lane}\nshared\n{lane}\n")
+            );
+            // A command's own directory still wins.
+            let tmp = vm
+                .command("pwd")
+                .current_dir("/tmp")
+                .output()
+                .await
+                .unwrap();
+            assert_eq!(tmp.stdout_text(), "/tmp\n");
+            vm.shutdown().await.unwrap();
+        }
+        for (options, what) in [
+            (BootOptions::new().hostname("not a name"), "hostname"),
+            (BootOptions::new().current_dir("relative"), "current_dir"),
+            (
+                BootOptions::new().mount("/shared", MemoryFs::new()),
+                "/shared",
+            ),
+        ] {
+            match sandbox.boot_with(options).await {
+                Err(Error::InvalidConfig(message)) => {
+                    assert!(message.contains(what), "{message}")
+                }
+                other => panic!("{what}: not refused: {other:?}"),
+            }
+        }
+    })
+}

@@ -7,7 +7,8 @@
 //! 1. mounts `/dev`, `/proc`, `/sys`;
 //! 2. connects to the host over vsock ([`krunbox_protocol::CONTROL_PORT`]) and says hello;
 //! 3. receives [`krunbox_protocol::Setup`]: mounts the root image, moves the API filesystems
-//!    into it, adds tmpfs scratch space, switches root, sets the hostname;
+//!    into it, adds tmpfs scratch space, switches root, sets the hostname and the rest of a
+//!    normal system's identity ([`identity`]: hosts entry, loopback, `/dev/fd`, cgroup2);
 //! 4. mounts the host filesystems (virtio-fs devices the host serves: [`host_fs`]);
 //! 5. reports ready and supervises processes until told to shut down.
 //!
@@ -15,6 +16,7 @@
 
 pub mod files;
 pub mod host_fs;
+pub mod identity;
 pub mod mounts;
 pub mod net;
 pub mod outbox;

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use guest_init::outbox::Outbox;
 use guest_init::supervisor::{self, Reaper, Table};
-use guest_init::{files, host_fs, mounts, net, sys, vsock};
+use guest_init::{files, host_fs, identity, mounts, net, sys, vsock};
 use krunbox_protocol::{
     Failure, FrameDecoder, GuestMessage, Hello, HostMessage, CONTROL_PORT, PROTOCOL_VERSION,
 };
@@ -60,7 +60,7 @@ fn run() -> Result<(), String> {
     let mount_points: Vec<&str> = setup.mounts.iter().map(|m| m.path.as_str()).collect();
     let setup_result = mounts::switch_root(&setup.root, &mount_points)
         .map_err(|e| format!("switching to root {}: {e}", setup.root.device))
-        .and_then(|()| sys::set_hostname(&setup.hostname).map_err(|e| e.to_string()))
+        .and_then(|()| identity::set_up(&setup.hostname).map_err(|e| e.to_string()))
         .and_then(|()| match &setup.network {
             Some(network) => net::configure(network)
                 .map(|name| eprintln!("guest-init: network on {name}"))

@@ -47,6 +47,11 @@ pub fn configure(network: &GuestNetwork) -> io::Result<String> {
     Ok(name)
 }
 
+/// Brings up loopback (with or without a network device: programs talk to themselves over it).
+pub fn loopback_up() -> io::Result<()> {
+    Socket::new()?.set_up("lo")
+}
+
 /// Variables every command gets unless it sets them (the host's secret placeholders).
 static ENVIRONMENT: std::sync::OnceLock<Vec<(String, String)>> = std::sync::OnceLock::new();
 

@@ -1,4 +1,5 @@
-//! A sandbox definition as a boot reads it ([`SandboxConfig`]).
+//! A sandbox definition as a boot reads it ([`SandboxConfig`]), with its boot's options
+//! applied.
 //!
 //! Apart from the public `Sandbox` that checks and holds it: `Sandbox::boot` starts the boot
 //! (`instance.rs`), and the boot reads these settings, so with them in `sandbox.rs` each would
@@ -43,4 +44,6 @@ pub(crate) struct SandboxConfig {
     pub image_config: Option<crate::rootfs::ImageConfig>,
     /// An image build's output disk (crate-internal).
     pub output_disk: Option<crate::rootfs::served::OutputDisk>,
+    /// Where commands start unless they say otherwise (a boot's option).
+    pub current_dir: Option<PathBuf>,
 }

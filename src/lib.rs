@@ -37,6 +37,7 @@
 #![warn(missing_docs)]
 
 mod artifacts;
+mod boot_options;
 mod budget;
 mod callback;
 mod capabilities;
@@ -73,6 +74,7 @@ pub mod protocol {
 }
 
 pub use artifacts::{cache_dir, data_dir, Artifacts};
+pub use boot_options::BootOptions;
 pub use capabilities::{HostCapabilities, ImageState, KvmStatus};
 pub use error::{Error, Result};
 pub use files::{DirEntry, GuestFileReader, GuestFileWriter, Metadata};

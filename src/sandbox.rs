@@ -79,6 +79,14 @@ impl Sandbox {
         instance::boot(self.config.clone()).await
     }
 
+    /// Boots a new microVM from this definition with `options` for this boot alone: mounts
+    /// besides the definition's, a hostname, the directory commands start in. The options are
+    /// checked first ([`Error::InvalidConfig`]); see [`BootOptions`](crate::BootOptions).
+    pub async fn boot_with(&self, options: crate::BootOptions) -> Result<Instance> {
+        let config = options.apply(&self.config)?;
+        instance::boot(Arc::new(config)).await
+    }
+
     /// The root filesystem this definition boots.
     pub fn rootfs(&self) -> &Rootfs {
         &self.config.rootfs
@@ -469,18 +477,7 @@ impl SandboxBuilder {
             )));
         }
         self.limits.validate()?;
-        let valid_hostname = !self.hostname.is_empty()
-            && self.hostname.len() <= 64
-            && self
-                .hostname
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.');
-        if !valid_hostname {
-            return Err(Error::InvalidConfig(format!(
-                "hostname {:?} must be 1-64 characters of letters, digits, '-' and '.'",
-                self.hostname
-            )));
-        }
+        check_hostname(&self.hostname)?;
         self.rootfs.check()?;
         let network = match (&self.network_backend, self.network) {
             (Some(_), Some(network)) if !network.is_deny_all() => {
@@ -497,46 +494,71 @@ impl SandboxBuilder {
             .virtiofs_passthrough
             .map(|(dir, tag)| passthrough_share(&dir, tag))
             .transpose()?;
-        let mut others = Vec::new();
-        if network.is_some() {
-            others.push("for the network");
-        }
-        if self.rootfs.is_writable() {
-            others.push("for the writable root's layer");
-        }
-        if virtiofs_passthrough.is_some() {
-            others.push("for the benchmark's passthrough");
-        }
-        if self.output_disk.is_some() {
-            others.push("for the output disk");
-        }
-        let mounts = crate::fs::check_mounts(self.mounts, &others).map_err(Error::InvalidConfig)?;
         let kernel = self.kernel.map(Kernel::into_config).transpose()?;
         let artifacts = Artifacts::locate_with(&self.overrides)?;
+        let mut config = SandboxConfig {
+            rootfs: self.rootfs,
+            cpus: self.cpus,
+            memory_mib: self.memory_mib,
+            hostname: self.hostname,
+            boot_timeout: self.boot_timeout,
+            liveness_timeout: self.liveness_timeout,
+            limits: self.limits,
+            cache_dir: self.cache_dir.unwrap_or_else(crate::cache_dir),
+            artifacts,
+            kernel,
+            vmm_log_level: self.vmm_log_level,
+            required_isolation: self.required_isolation,
+            console_log_max: self.console_log_max,
+            network,
+            network_backend: self.network_backend,
+            mounts: self.mounts,
+            virtiofs_passthrough,
+            image_config: self.image_config,
+            output_disk: self.output_disk,
+            current_dir: None,
+        };
+        let others = other_devices(&config);
+        config.mounts = crate::fs::check_mounts(std::mem::take(&mut config.mounts), &others)
+            .map_err(Error::InvalidConfig)?;
         Ok(Sandbox {
-            config: Arc::new(SandboxConfig {
-                rootfs: self.rootfs,
-                cpus: self.cpus,
-                memory_mib: self.memory_mib,
-                hostname: self.hostname,
-                boot_timeout: self.boot_timeout,
-                liveness_timeout: self.liveness_timeout,
-                limits: self.limits,
-                cache_dir: self.cache_dir.unwrap_or_else(crate::cache_dir),
-                artifacts,
-                kernel,
-                vmm_log_level: self.vmm_log_level,
-                required_isolation: self.required_isolation,
-                console_log_max: self.console_log_max,
-                network,
-                network_backend: self.network_backend,
-                mounts,
-                virtiofs_passthrough,
-                image_config: self.image_config,
-                output_disk: self.output_disk,
-            }),
+            config: Arc::new(config),
         })
     }
+}
+
+/// Checks a guest hostname: 1-64 letters, digits, `-` and `.`.
+pub(crate) fn check_hostname(hostname: &str) -> Result<()> {
+    let valid = !hostname.is_empty()
+        && hostname.len() <= 64
+        && hostname
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.');
+    if !valid {
+        return Err(Error::InvalidConfig(format!(
+            "hostname {hostname:?} must be 1-64 characters of letters, digits, '-' and '.'"
+        )));
+    }
+    Ok(())
+}
+
+/// What else of a definition takes one of the VM's devices, besides its mounts (for the
+/// mounts' bound and its message).
+pub(crate) fn other_devices(config: &SandboxConfig) -> Vec<&'static str> {
+    let mut others = Vec::new();
+    if config.network.is_some() {
+        others.push("for the network");
+    }
+    if config.rootfs.is_writable() {
+        others.push("for the writable root's layer");
+    }
+    if config.virtiofs_passthrough.is_some() {
+        others.push("for the benchmark's passthrough");
+    }
+    if config.output_disk.is_some() {
+        others.push("for the output disk");
+    }
+    others
 }
 
 /// How a custom kernel file is packaged (libkrun's `KRUN_KERNEL_FORMAT_*`).

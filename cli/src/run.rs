@@ -58,6 +58,9 @@ pub(crate) struct RunArgs {
     /// Guest memory in MiB.
     #[arg(long, default_value_t = 512)]
     memory: u32,
+    /// The guest's hostname (set, and resolvable in the guest through its /etc/hosts).
+    #[arg(long, value_name = "NAME")]
+    hostname: Option<String>,
     /// Environment variable for the command (repeatable). The host environment is never passed.
     #[arg(long = "env", short = 'e', value_name = "K=V")]
     env: Vec<String>,
@@ -102,6 +105,9 @@ pub(crate) async fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::E
         .rootfs(root(&args, image)?)
         .cpus(args.cpus)
         .memory_mib(args.memory);
+    if let Some(hostname) = &args.hostname {
+        sandbox = sandbox.hostname(hostname);
+    }
     if let Some(config) = config {
         sandbox = sandbox.image_config(config);
     }

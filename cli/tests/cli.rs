@@ -59,7 +59,7 @@ fn run_with_a_timeout_exits_124_in_seconds() {
 /// Also `--stats=json`: what the VM cost, one JSON object on stderr after the command's own
 /// output, stdout untouched.
 #[test]
-fn run_keeps_stdout_and_stderr_apart_and_passes_env_and_workdir() {
+fn run_keeps_stdout_and_stderr_apart_and_passes_env_workdir_and_hostname() {
     let out = krunbox(&[
         "run",
         "--image",
@@ -68,14 +68,16 @@ fn run_keeps_stdout_and_stderr_apart_and_passes_env_and_workdir() {
         "WHO=guest",
         "--workdir",
         "/tmp",
+        "--hostname",
+        "lane-9",
         "--stats=json",
         "--",
         "sh",
         "-c",
-        "echo \"out $WHO $(pwd)\"; echo err-line >&2",
+        "echo \"out $WHO $(pwd) $(hostname) $(cat /etc/hostname)\"; echo err-line >&2",
     ]);
     assert!(out.status.success(), "stderr: {}", text(&out.stderr));
-    assert_eq!(text(&out.stdout), "out guest /tmp\n");
+    assert_eq!(text(&out.stdout), "out guest /tmp lane-9 lane-9\n");
     let stderr = text(&out.stderr);
     assert!(stderr.contains("err-line\n"), "{stderr}");
     assert!(!text(&out.stdout).contains("err-line"));

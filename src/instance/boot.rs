@@ -370,6 +370,7 @@ impl Parts {
                 next_id: AtomicU32::new(1),
                 kernel_release: ready.hello.kernel_release,
                 image_config: config.image_config.clone(),
+                current_dir: config.current_dir.clone(),
                 exited,
                 kill,
                 _lifeline: ready.lifeline,

@@ -73,6 +73,8 @@ struct Inner {
     kernel_release: String,
     /// The image's configuration, for commands' defaults and the entrypoint.
     image_config: Option<crate::rootfs::ImageConfig>,
+    /// Where commands start unless they say otherwise (a boot option; wins over the image's).
+    current_dir: Option<std::path::PathBuf>,
     /// `Some(description)` once the VMM helper has exited.
     exited: watch::Receiver<Option<String>>,
     /// Asks the supervisor task to kill the VMM helper.
@@ -189,7 +191,10 @@ impl Instance {
         Some(self.inner.network.as_ref()?.events())
     }
 
-    /// Builds a command to run `program` in this VM.
+    /// Builds a command to run `program` in this VM, with the image's defaults (its
+    /// environment, directory and user) and the boot's directory
+    /// ([`BootOptions::current_dir`](crate::BootOptions::current_dir)) set; each can be
+    /// changed on the command.
     ///
     /// ```no_run
     /// # async fn demo(vm: &krunbox::Instance) -> krunbox::Result<()> {
@@ -209,6 +214,9 @@ impl Instance {
             if let Some((uid, gid)) = config.user {
                 command.uid(uid).gid(gid);
             }
+        }
+        if let Some(dir) = &self.inner.current_dir {
+            command.current_dir(dir);
         }
         command
     }

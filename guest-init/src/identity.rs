@@ -32,6 +32,10 @@ pub fn set_up(hostname: &str) -> io::Result<()> {
     Ok(())
 }
 
+/// The files guest-init binds its own over; a read-only image lacking one gets an empty one
+/// when the root is mounted (`mounts.rs`).
+pub const BOUND_FILES: [&str; 2] = ["/etc/hostname", "/etc/hosts"];
+
 /// The most of the image's `/etc/hosts` kept (a hosts file is a few lines).
 const HOSTS_MAX: u64 = 64 << 10;
 

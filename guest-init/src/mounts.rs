@@ -29,7 +29,7 @@ pub fn mount_early() -> io::Result<()> {
 
 /// Where the initial root has an empty directory for the layers of an overlay root: a writable
 /// root (see [`mount_writable`]), or a read-only one that needs mount points the image lacks
-/// (see [`add_mount_points`]).
+/// (see [`add_to_image`]).
 const LAYERS: &str = "/layers";
 
 /// The directories that get a tmpfs of scratch space on a read-only image, where the image has
@@ -50,7 +50,7 @@ const WRITABLE_SCRATCH: usize = 2;
 /// Mounts the root image, moves the API filesystems into it, adds scratch tmpfs, and makes it
 /// `/`. The old (virtio-fs) root is detached so nothing in the guest can reach it by path.
 /// `mount_points` are the directories the host's filesystems will be mounted on (see
-/// [`add_mount_points`]).
+/// [`add_to_image`]).
 pub fn switch_root(root: &RootMount, mount_points: &[&str]) -> io::Result<()> {
     let mut flags = libc::MS_NOATIME;
     if root.read_only {
@@ -67,8 +67,17 @@ pub fn switch_root(root: &RootMount, mount_points: &[&str]) -> io::Result<()> {
             .copied()
             .filter(|point| needs_creating_in_image(point))
             .collect();
-        if !missing.is_empty() {
-            add_mount_points(flags, &missing)?;
+        // The files guest-init binds its own over (`identity.rs`): a bind needs a file there.
+        let etc_is_dir = std::path::Path::new(&format!("{NEW_ROOT}/etc")).is_dir();
+        let missing_files: Vec<&str> = crate::identity::BOUND_FILES
+            .iter()
+            .copied()
+            .filter(|file| {
+                etc_is_dir && !std::path::Path::new(&format!("{NEW_ROOT}{file}")).exists()
+            })
+            .collect();
+        if !missing.is_empty() || !missing_files.is_empty() {
+            add_to_image(flags, &missing, &missing_files)?;
         }
     }
 
@@ -218,11 +227,12 @@ fn needs_creating_in_image(point: &str) -> bool {
     })
 }
 
-/// Gives a read-only image the mount points it lacks: the image becomes the lower layer of an
-/// overlay whose upper layer (a small tmpfs) holds just those empty directories, and the overlay
-/// is then made read-only too. The guest still cannot write to its root; the host filesystems
-/// get their directories wherever the host asked.
-fn add_mount_points(flags: libc::c_ulong, points: &[&str]) -> io::Result<()> {
+/// Gives a read-only image the mount points and the files to bind over that it lacks: the
+/// image becomes the lower layer of an overlay whose upper layer (a small tmpfs) holds just
+/// those empty directories and files, and the overlay is then made read-only too. The guest
+/// still cannot write to its root; the host filesystems get their directories wherever the
+/// host asked.
+fn add_to_image(flags: libc::c_ulong, points: &[&str], files: &[&str]) -> io::Result<()> {
     let lower = format!("{LAYERS}/lower");
     mount_layers("1m")?;
     for dir in ["lower", "upper", "work"] {
@@ -241,6 +251,10 @@ fn add_mount_points(flags: libc::c_ulong, points: &[&str]) -> io::Result<()> {
         std::fs::create_dir_all(format!("{NEW_ROOT}{point}")).map_err(|e| {
             io::Error::new(e.kind(), format!("creating the mount point {point}: {e}"))
         })?;
+    }
+    for file in files {
+        std::fs::write(format!("{NEW_ROOT}{file}"), b"")
+            .map_err(|e| io::Error::new(e.kind(), format!("creating {file}: {e}")))?;
     }
     mount("root", NEW_ROOT, None, libc::MS_REMOUNT | flags, None)
 }

@@ -189,6 +189,7 @@ fn strip(root: &Path, progress: &mut dyn FnMut(&str)) -> Result<(), BuildError> 
     }
     // Empty, so guest-init has a file to bind-mount a generated one over.
     write(&etc.join("resolv.conf"), "", 0o644)?;
+    write(&etc.join("hostname"), "", 0o644)?;
     if !etc.join("hosts").exists() {
         write(&etc.join("hosts"), tree::HOSTS, 0o644)?;
     }

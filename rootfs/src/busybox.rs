@@ -85,6 +85,8 @@ pub(crate) fn populate(
     write(&etc.join("passwd"), PASSWD, 0o644)?;
     write(&etc.join("group"), GROUP, 0o644)?;
     write(&etc.join("hosts"), tree::HOSTS, 0o644)?;
+    // Empty, so guest-init has a file to bind the guest's hostname over.
+    write(&etc.join("hostname"), "", 0o644)?;
     // Empty, so guest-init has a file to bind-mount a generated one over.
     write(&etc.join("resolv.conf"), "", 0o644)?;
     Ok(vec![input])

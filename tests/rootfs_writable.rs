@@ -150,7 +150,7 @@ fn a_persistent_root_keeps_its_changes_and_serves_one_sandbox_at_a_time() {
         let (out, _) = sh(
             &vm,
             "echo kept > /etc/krunbox-kept && mkdir -p /opt/tool && echo v1 > /opt/tool/version
-             rm -f /etc/hostname; echo written",
+             rm -f /etc/resolv.conf; echo written",
             TIMEOUT,
         )
         .await;
@@ -165,7 +165,7 @@ fn a_persistent_root_keeps_its_changes_and_serves_one_sandbox_at_a_time() {
         let vm = sandbox.boot().await.expect("second boot");
         let (out, _) = sh(
             &vm,
-            "cat /etc/krunbox-kept /opt/tool/version; [ -e /etc/hostname ] || echo deleted",
+            "cat /etc/krunbox-kept /opt/tool/version; [ -e /etc/resolv.conf ] || echo deleted",
             TIMEOUT,
         )
         .await;

@@ -7,7 +7,8 @@ KRUNBOX_CACHE_DIR="${KRUNBOX_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/krunbox}
 export KRUNBOX_CACHE_DIR
 
 # Progress goes to stderr so stdout stays clean for real output.
-log() { printf '==> %s\n' "$*" >&2; }
+# Each line carries the wall-clock time, so CI's log shows what each phase took.
+log() { printf '==> %(%H:%M:%S)T %s\n' -1 "$*" >&2; }
 die() { printf 'error: %s\n' "$*" >&2; exit 1; }
 
 export DEBIAN_FRONTEND=noninteractive

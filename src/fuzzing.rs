@@ -1482,6 +1482,15 @@ pub fn dns_query(data: &[u8]) {
     crate::net::dns::fuzz_query(data)
 }
 
+/// A hostile guest's DNS over TCP (`src/net/dns_stream.rs`): `data` is all it sends on one
+/// connection to the resolver's port 53, cut into writes by its own bytes; each query is
+/// answered with an address. Panics if anything panics, if the connection's service does not
+/// end once the guest closes its end, or if what it sent back is not whole length-prefixed
+/// responses.
+pub fn dns_stream(data: &[u8]) {
+    crate::net::dns_stream::fuzz_stream(data)
+}
+
 /// A hostile guest's bytes on an intercepted connection (`src/net/intercept/`), as plain HTTP
 /// and as what is inside its TLS: `data` is served as production serves it (HTTP/1.1 or HTTP/2
 /// with prior knowledge, each request checked, stripped, put through middleware (one answers

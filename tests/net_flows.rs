@@ -613,3 +613,214 @@ fn connections_the_guest_abandons_mid_handshake_leave_its_network_working() {
         "host code panicked (its backtrace is above)"
     );
 }
+
+/// What the test's DNS server answers for each name (issue 35: the reference suite's DNS
+/// scenarios): several addresses, the first of which nothing listens on; a CNAME whose
+/// target's address is in the additional section; a CNAME alone, whose target is asked for
+/// next; a one-second TTL.
+fn cdn_answer(name: &str, answer: &mut hickory_proto::op::Message) {
+    use hickory_proto::rr::rdata::{A, CNAME};
+    use hickory_proto::rr::{Name, RData, Record};
+    let name_of = |text: &str| Name::from_ascii(text).unwrap();
+    let a = |owner: &str, ttl, ip: [u8; 4]| {
+        Record::from_rdata(name_of(owner), ttl, RData::A(A(Ipv4Addr::from(ip))))
+    };
+    let cname = |owner: &str, target: &str| {
+        Record::from_rdata(name_of(owner), 60, RData::CNAME(CNAME(name_of(target))))
+    };
+    match name {
+        "multi.test." => {
+            answer.add_answer(a(name, 60, [127, 0, 0, 2]));
+            answer.add_answer(a(name, 60, [127, 0, 0, 1]));
+        }
+        "alias.test." => {
+            answer.add_answer(cname(name, "edge.cdn.test."));
+            answer.add_additional(a("edge.cdn.test.", 60, [127, 0, 0, 1]));
+        }
+        "chain.test." => {
+            answer.add_answer(cname(name, "target.test."));
+        }
+        "target.test." => {
+            answer.add_answer(a(name, 60, [127, 0, 0, 1]));
+        }
+        "short.test." => {
+            answer.add_answer(a(name, 1, [127, 0, 0, 1]));
+        }
+        _ => answer.metadata.response_code = hickory_proto::op::ResponseCode::NXDomain,
+    }
+}
+
+/// A DNS server on loopback answering as [`cdn_answer`] says; it keeps each name asked.
+async fn cdn_dns_server() -> (SocketAddr, Arc<Mutex<Vec<String>>>) {
+    use hickory_proto::op::{Message, OpCode};
+    let socket = tokio::net::UdpSocket::bind((LOOPBACK, 0)).await.unwrap();
+    let addr = socket.local_addr().unwrap();
+    let asked = Arc::new(Mutex::new(Vec::new()));
+    let kept = asked.clone();
+    tokio::spawn(async move {
+        let mut buf = [0u8; 512];
+        loop {
+            let Ok((n, peer)) = socket.recv_from(&mut buf).await else {
+                return;
+            };
+            let Ok(query) = Message::from_vec(&buf[..n]) else {
+                continue;
+            };
+            let Some(question) = query.queries.first() else {
+                continue;
+            };
+            let name = question.name().to_ascii();
+            kept.lock().unwrap().push(name.clone());
+            let mut answer = Message::response(query.metadata.id, OpCode::Query);
+            answer.add_queries(query.queries.clone());
+            cdn_answer(&name, &mut answer);
+            let _ = socket.send_to(&answer.to_vec().unwrap(), peer).await;
+        }
+    });
+    (addr, asked)
+}
+
+/// The guest's side of [`dns_over_tcp_several_addresses_cname_chains_and_expired_answers_work`]:
+/// two queries on one TCP connection to the resolver, then an echo through each name (the
+/// first by the address the TCP answer gave, the others by `getaddrinfo`, over UDP), the last
+/// after its answer's TTL ran out.
+const DNS_SCRIPT: &str = r#"
+import socket, struct, sys, time
+PORT = int(sys.argv[1])
+
+def query(name, qid):
+    q = struct.pack('>HHHHHH', qid, 0x0100, 1, 0, 0, 0)
+    for label in name.split('.'):
+        q += bytes([len(label)]) + label.encode()
+    return q + b'\x00\x00\x01\x00\x01'
+
+def skip_name(m, i):
+    while m[i] != 0:
+        if m[i] & 0xc0 == 0xc0:
+            return i + 2
+        i += m[i] + 1
+    return i + 1
+
+def addresses(m):
+    count = struct.unpack('>H', m[6:8])[0]
+    i = skip_name(m, 12) + 4
+    found = []
+    for _ in range(count):
+        i = skip_name(m, i)
+        rtype, _, _, length = struct.unpack('>HHIH', m[i:i + 10])
+        i += 10
+        if rtype == 1:
+            found.append(socket.inet_ntoa(m[i:i + length]))
+        i += length
+    return found
+
+def exactly(s, n):
+    data = b''
+    while len(data) < n:
+        more = s.recv(n - len(data))
+        if not more:
+            raise SystemExit('the resolver closed the connection')
+        data += more
+    return data
+
+def echo(address, word):
+    with socket.create_connection((address, PORT), timeout=20) as c:
+        c.sendall(word.encode())
+        c.shutdown(socket.SHUT_WR)
+        print('echo', word, c.recv(100).decode(), flush=True)
+
+tcp = {}
+with socket.create_connection(('10.0.2.2', 53), timeout=20) as s:
+    for qid, name in enumerate(['multi.test', 'alias.test']):
+        q = query(name, 0x100 + qid)
+        s.sendall(struct.pack('>H', len(q)) + q)
+        answer = exactly(s, struct.unpack('>H', exactly(s, 2))[0])
+        assert answer[:2] == struct.pack('>H', 0x100 + qid), answer
+        tcp[name] = addresses(answer)
+        print('tcp', name, tcp[name], flush=True)
+echo(tcp['multi.test'][0], 'multi')
+for name in ['alias.test', 'chain.test']:
+    echo(socket.gethostbyname(name), name.split('.')[0])
+short = socket.gethostbyname('short.test')
+time.sleep(3)
+echo(short, 'short')
+"#;
+
+/// Issue 35, the reference suite's DNS scenarios: DNS over TCP to the guest's resolver (two
+/// queries on one connection), a name with several addresses (the host dials the next when the
+/// first refuses), a CNAME chain whose target's address came in the additional section, one
+/// whose target had to be asked for, and a connection made after its name's answer expired (the
+/// host asks again, so the policy sees and the host dials a current answer).
+#[test]
+fn dns_over_tcp_several_addresses_cname_chains_and_expired_answers_work() {
+    common::run(async {
+        let (resolver, asked) = cdn_dns_server().await;
+        let (port, _open) = echo_origin().await;
+        let seen = Seen::default();
+        let recorder = seen.clone();
+        let network = Network::with_policy(move |flow: Flow| {
+            recorder.record(&flow);
+            async move {
+                match (flow.protocol(), flow.hostname()) {
+                    (Protocol::Dns, Some(_)) => Verdict::resolve(Resolver::upstream([resolver])),
+                    (Protocol::Tcp, Some(_)) if flow.destination().port() == port => {
+                        Verdict::accept()
+                    }
+                    _ => Verdict::deny(),
+                }
+            }
+        });
+        let vm = guest::sandbox(BuiltinImage::Agent, Some(network))
+            .boot()
+            .await
+            .expect("boot");
+        vm.write_file("/tmp/dns.py", DNS_SCRIPT.as_bytes())
+            .await
+            .unwrap();
+        let (text, _) = sh(
+            &vm,
+            &format!("python3 /tmp/dns.py {port} 2>&1; echo rc=$?"),
+            SH_TIMEOUT,
+        )
+        .await;
+        assert!(text.contains("rc=0"), "{text}");
+        for word in ["multi", "alias", "chain", "short"] {
+            assert!(text.contains(&format!("echo {word} {word}")), "{text}");
+        }
+        // Each TCP answer is one address of the sandbox's own (198.18.0.0/15).
+        for name in ["multi.test", "alias.test"] {
+            assert!(text.contains(&format!("tcp {name} ['198.1")), "{text}");
+        }
+        let flows = seen.tcp();
+        let flow = |name: &str| {
+            flows
+                .iter()
+                .find(|f| f.hostname() == Some(name))
+                .unwrap_or_else(|| panic!("no flow for {name}: {flows:?}"))
+                .clone()
+        };
+        assert_eq!(
+            flow("multi.test").upstream(),
+            &[IpAddr::from([127, 0, 0, 2]), LOOPBACK],
+            "both addresses, in the server's order"
+        );
+        for name in ["alias.test", "chain.test", "short.test"] {
+            assert_eq!(flow(name).upstream(), &[LOOPBACK], "{name}");
+        }
+        let asked = asked.lock().unwrap().clone();
+        let times = |name: &str| asked.iter().filter(|n| *n == name).count();
+        assert_eq!(times("multi.test."), 1, "{asked:?}");
+        // Once per guest query (over TCP, then by getaddrinfo), and its target never: the
+        // additional section was read.
+        assert_eq!(times("alias.test."), 2, "{asked:?}");
+        assert_eq!(times("edge.cdn.test."), 0, "{asked:?}");
+        assert_eq!(times("chain.test."), 1, "{asked:?}");
+        assert_eq!(times("target.test."), 1, "the alias's target: {asked:?}");
+        assert_eq!(
+            times("short.test."),
+            2,
+            "asked again once expired: {asked:?}"
+        );
+        vm.shutdown().await.unwrap();
+    });
+}

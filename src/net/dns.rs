@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hickory_proto::op::{Message, MessageType, OpCode, Query as Question, ResponseCode};
-use hickory_proto::rr::rdata::A;
+use hickory_proto::rr::rdata::{A, CNAME};
 use hickory_proto::rr::{DNSClass, Name, RData, Record, RecordType};
 
 use super::policy::{ResolverKind, SYSTEM_TTL};
@@ -192,9 +192,39 @@ pub(crate) async fn resolve(resolver: &ResolverKind, name: &str, budget: &Arc<Bu
     }
 }
 
-/// One `A` query to `server` over UDP.
+/// Asks `server` for the addresses of `name`, following its CNAME chain: when an answer
+/// names an alias's target without its addresses, the target is asked for in turn (at most
+/// [`CHAIN_MAX`] names in all).
 async fn ask_upstream(server: SocketAddr, name: &str) -> Result<Resolved, String> {
-    let fqdn = Name::from_ascii(format!("{name}.")).map_err(|e| format!("bad name: {e}"))?;
+    let mut asked = Name::from_ascii(format!("{name}.")).map_err(|e| format!("bad name: {e}"))?;
+    let mut chain_ttl = u32::MAX;
+    let mut passed = 0;
+    loop {
+        let answer = query_upstream(server, &asked).await?;
+        match read_answer(&answer, &asked, CHAIN_MAX - passed) {
+            Chain::End(Resolved::Addresses(addresses, Some(ttl))) => {
+                let ttl = ttl.min(Duration::from_secs(u64::from(chain_ttl)));
+                return Ok(Resolved::Addresses(addresses, Some(ttl)));
+            }
+            Chain::End(resolved) => return Ok(resolved),
+            Chain::Alias {
+                target,
+                passed: more,
+                ttl,
+            } => {
+                passed += more;
+                if passed >= CHAIN_MAX {
+                    return Err(format!("a CNAME chain of more than {CHAIN_MAX} names"));
+                }
+                chain_ttl = chain_ttl.min(ttl);
+                asked = target;
+            }
+        }
+    }
+}
+
+/// One `A` query for `fqdn` to `server` over UDP: its answer.
+async fn query_upstream(server: SocketAddr, fqdn: &Name) -> Result<Message, String> {
     let id = random_id();
     let mut query = Message::new(id, MessageType::Query, OpCode::Query);
     query.metadata.recursion_desired = true;
@@ -219,7 +249,7 @@ async fn ask_upstream(server: SocketAddr, name: &str) -> Result<Resolved, String
         // Anything that is not the answer to this query (a stray or spoofed datagram) is
         // skipped, not believed.
         match Message::from_vec(&buf[..n]) {
-            Ok(answer) if is_answer_to(&answer, id, &fqdn) => return Ok(read_answer(&answer)),
+            Ok(answer) if is_answer_to(&answer, id, fqdn) => return Ok(answer),
             _ => continue,
         }
     }
@@ -234,31 +264,81 @@ fn is_answer_to(answer: &Message, id: u16, name: &Name) -> bool {
         && answer.queries[0].name() == name
 }
 
-/// The addresses and TTL of an upstream answer (the `A` records of the answer section, so a
-/// CNAME chain's final addresses; the TTL is the shortest of them).
-fn read_answer(answer: &Message) -> Resolved {
+/// The most names of one CNAME chain (the name asked for included) followed: a longer chain,
+/// or a loop, is a failure. Resolvers stop at about as many.
+const CHAIN_MAX: usize = 8;
+
+/// What an upstream answer says of the name asked for.
+#[derive(Debug, PartialEq, Eq)]
+enum Chain {
+    /// The name's addresses (those of the end of its chain), or its failure.
+    End(Resolved),
+    /// The name is an alias of `target`, whose addresses the answer does not hold, through
+    /// `passed` names (the one asked for and the aliases after it); `ttl` is the shortest of
+    /// the chain's records.
+    Alias {
+        target: Name,
+        passed: usize,
+        ttl: u32,
+    },
+}
+
+/// Reads an upstream answer for `asked`: its `A` records, or those of the name its CNAME chain
+/// ends at, from the answer section or the additional one (servers put the target's records in
+/// either); the TTL is the shortest on the way. Only records on the chain count: an answer
+/// cannot give the name asked for the addresses of a name it does not lead to. At most
+/// `names_left` names are walked.
+fn read_answer(answer: &Message, asked: &Name, names_left: usize) -> Chain {
     match answer.metadata.response_code {
-        ResponseCode::NoError => {
-            let mut addresses = Vec::new();
-            let mut ttl = u32::MAX;
-            for record in &answer.answers {
-                if let RData::A(A(address)) = record.data {
-                    if addresses.len() < ANSWER_MAX && !addresses.contains(&IpAddr::V4(address)) {
-                        addresses.push(IpAddr::V4(address));
-                        ttl = ttl.min(record.ttl);
-                    }
+        ResponseCode::NoError => {}
+        ResponseCode::NXDomain => return Chain::End(Resolved::NoSuchName),
+        code => return Chain::End(Resolved::Failed(format!("the server answered {code}"))),
+    }
+    let records = || answer.answers.iter().chain(&answer.additionals);
+    let mut owner = asked;
+    let mut ttl = u32::MAX;
+    for length in 1..=names_left {
+        let mut addresses = Vec::new();
+        let mut address_ttl = ttl;
+        for record in records().filter(|r| &r.name == owner) {
+            if let RData::A(A(address)) = record.data {
+                let address = IpAddr::V4(address);
+                if addresses.len() < ANSWER_MAX && !addresses.contains(&address) {
+                    addresses.push(address);
+                    address_ttl = address_ttl.min(record.ttl);
                 }
             }
-            let ttl = Duration::from_secs(if addresses.is_empty() {
-                0
-            } else {
-                u64::from(ttl)
-            });
-            Resolved::Addresses(addresses, Some(ttl))
         }
-        ResponseCode::NXDomain => Resolved::NoSuchName,
-        code => Resolved::Failed(format!("the server answered {code}")),
+        if !addresses.is_empty() {
+            let ttl = Duration::from_secs(u64::from(address_ttl));
+            return Chain::End(Resolved::Addresses(addresses, Some(ttl)));
+        }
+        let alias = records().find_map(|r| match &r.data {
+            RData::CNAME(CNAME(target)) if &r.name == owner => Some((target, r.ttl)),
+            _ => None,
+        });
+        match alias {
+            Some((target, record_ttl)) => {
+                ttl = ttl.min(record_ttl);
+                owner = target;
+            }
+            // The end of the chain, and no addresses for it here: the name asked for has
+            // none, or its alias's are to be asked for.
+            None if owner == asked => {
+                return Chain::End(Resolved::Addresses(Vec::new(), Some(Duration::ZERO)))
+            }
+            None => {
+                return Chain::Alias {
+                    target: owner.clone(),
+                    passed: length - 1,
+                    ttl,
+                }
+            }
+        }
     }
+    Chain::End(Resolved::Failed(format!(
+        "a CNAME chain of more than {CHAIN_MAX} names"
+    )))
 }
 
 /// A query id nobody off the host can guess (RFC 5452): from the hasher's random keys.
@@ -445,39 +525,174 @@ pub(crate) mod tests {
         }
     }
 
+    fn name(text: &str) -> Name {
+        text.parse().unwrap()
+    }
+
+    fn a(owner: &str, ttl: u32, ip: [u8; 4]) -> Record {
+        Record::from_rdata(name(owner), ttl, RData::A(A(Ipv4Addr::from(ip))))
+    }
+
+    fn cname(owner: &str, ttl: u32, target: &str) -> Record {
+        Record::from_rdata(name(owner), ttl, RData::CNAME(CNAME(name(target))))
+    }
+
+    fn response(asked: &str, answers: Vec<Record>, additionals: Vec<Record>) -> Message {
+        let mut answer = Message::response(1, OpCode::Query);
+        answer.add_query(Question::query(name(asked), RecordType::A));
+        answer.add_answers(answers);
+        answer.add_additionals(additionals);
+        answer
+    }
+
+    fn addresses(ips: &[&str], ttl: u64) -> Chain {
+        Chain::End(Resolved::Addresses(
+            ips.iter().map(|ip| ip.parse().unwrap()).collect(),
+            Some(Duration::from_secs(ttl)),
+        ))
+    }
+
     #[test]
     fn upstream_answers_give_their_a_records_and_shortest_ttl() {
-        let name: Name = "www.origin.test.".parse().unwrap();
-        let mut answer = Message::response(1, OpCode::Query);
-        answer.add_query(Question::query(name.clone(), RecordType::A));
-        answer.add_answer(Record::from_rdata(
-            name.clone(),
-            300,
-            RData::CNAME(hickory_proto::rr::rdata::CNAME(
-                "cdn.test.".parse().unwrap(),
-            )),
-        ));
-        for (ip, ttl) in [([192, 0, 2, 1], 120), ([192, 0, 2, 2], 60)] {
-            answer.add_answer(Record::from_rdata(
-                "cdn.test.".parse().unwrap(),
-                ttl,
-                RData::A(A(Ipv4Addr::from(ip))),
-            ));
-        }
+        let asked = name("www.origin.test.");
+        let answer = response(
+            "www.origin.test.",
+            vec![
+                cname("www.origin.test.", 300, "cdn.test."),
+                a("cdn.test.", 120, [192, 0, 2, 1]),
+                a("cdn.test.", 60, [192, 0, 2, 2]),
+                // Off the chain: not an address of the name asked for.
+                a("elsewhere.test.", 10, [203, 0, 113, 9]),
+            ],
+            vec![],
+        );
         assert_eq!(
-            read_answer(&answer),
+            read_answer(&answer, &asked, CHAIN_MAX),
+            addresses(&["192.0.2.1", "192.0.2.2"], 60)
+        );
+        assert!(is_answer_to(&answer, 1, &asked));
+        assert!(!is_answer_to(&answer, 2, &asked), "another id");
+        assert!(!is_answer_to(&answer, 1, &name("other.test.")));
+        let missing = Message::error_msg(1, OpCode::Query, ResponseCode::NXDomain);
+        assert_eq!(
+            read_answer(&missing, &asked, CHAIN_MAX),
+            Chain::End(Resolved::NoSuchName)
+        );
+        let failed = Message::error_msg(1, OpCode::Query, ResponseCode::ServFail);
+        assert!(matches!(
+            read_answer(&failed, &asked, CHAIN_MAX),
+            Chain::End(Resolved::Failed(_))
+        ));
+    }
+
+    /// A chain whose target's addresses are in the additional section (as CDNs' servers send
+    /// them), one whose target's are not in the answer at all, and chains too long or looped.
+    #[test]
+    fn cname_chains_are_followed_through_both_sections_and_bounded() {
+        let asked = name("registry.test.");
+        let additional = response(
+            "registry.test.",
+            vec![
+                cname("registry.test.", 300, "edge.cdn.test."),
+                cname("Edge.CDN.test.", 200, "pop.cdn.test."),
+            ],
+            vec![a("pop.cdn.test.", 250, [192, 0, 2, 5])],
+        );
+        assert_eq!(
+            read_answer(&additional, &asked, CHAIN_MAX),
+            addresses(&["192.0.2.5"], 200),
+            "the chain's shortest TTL, names compared without case"
+        );
+        let alias_only = response(
+            "registry.test.",
+            vec![cname("registry.test.", 30, "edge.cdn.test.")],
+            vec![],
+        );
+        assert_eq!(
+            read_answer(&alias_only, &asked, CHAIN_MAX),
+            Chain::Alias {
+                target: name("edge.cdn.test."),
+                passed: 1,
+                ttl: 30
+            }
+        );
+        let no_address = response("registry.test.", vec![], vec![]);
+        assert_eq!(
+            read_answer(&no_address, &asked, CHAIN_MAX),
+            addresses(&[], 0)
+        );
+        let looped = response(
+            "registry.test.",
+            vec![
+                cname("registry.test.", 30, "b.test."),
+                cname("b.test.", 30, "registry.test."),
+            ],
+            vec![],
+        );
+        assert!(matches!(
+            read_answer(&looped, &asked, CHAIN_MAX),
+            Chain::End(Resolved::Failed(_))
+        ));
+        let long: Vec<Record> = (0..CHAIN_MAX)
+            .map(|i| {
+                let owner = if i == 0 {
+                    "registry.test.".to_string()
+                } else {
+                    format!("n{i}.test.")
+                };
+                cname(&owner, 30, &format!("n{}.test.", i + 1))
+            })
+            .chain([a(&format!("n{CHAIN_MAX}.test."), 30, [192, 0, 2, 9])])
+            .collect();
+        let long = response("registry.test.", long, vec![]);
+        assert!(matches!(
+            read_answer(&long, &asked, CHAIN_MAX),
+            Chain::End(Resolved::Failed(_))
+        ));
+    }
+
+    /// A server that answers the name asked for with an alias only: the target is asked for
+    /// next, and its addresses are the name's, with the chain's shortest TTL.
+    #[tokio::test]
+    async fn an_alias_without_its_addresses_is_asked_for_next() {
+        let server = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let addr = server.local_addr().unwrap();
+        let serve = tokio::spawn(async move {
+            let mut asked = Vec::new();
+            let mut buf = [0u8; 512];
+            for _ in 0..2 {
+                let (n, peer) = server.recv_from(&mut buf).await.unwrap();
+                let query = Message::from_vec(&buf[..n]).unwrap();
+                let question = query.queries[0].name().to_ascii();
+                let mut answer = Message::response(query.metadata.id, OpCode::Query);
+                answer.add_queries(query.queries.clone());
+                answer.add_answer(if question == "alias.test." {
+                    cname("alias.test.", 20, "target.test.")
+                } else {
+                    a(&question, 600, [192, 0, 2, 8])
+                });
+                server
+                    .send_to(&answer.to_vec().unwrap(), peer)
+                    .await
+                    .unwrap();
+                asked.push(question);
+            }
+            asked
+        });
+        let resolved = resolve(
+            &ResolverKind::Upstream([addr].into()),
+            "alias.test",
+            &budget(),
+        )
+        .await;
+        assert_eq!(
+            resolved,
             Resolved::Addresses(
-                vec!["192.0.2.1".parse().unwrap(), "192.0.2.2".parse().unwrap()],
-                Some(Duration::from_secs(60))
+                vec!["192.0.2.8".parse().unwrap()],
+                Some(Duration::from_secs(20))
             )
         );
-        assert!(is_answer_to(&answer, 1, &name));
-        assert!(!is_answer_to(&answer, 2, &name), "another id");
-        assert!(!is_answer_to(&answer, 1, &"other.test.".parse().unwrap()));
-        let missing = Message::error_msg(1, OpCode::Query, ResponseCode::NXDomain);
-        assert_eq!(read_answer(&missing), Resolved::NoSuchName);
-        let failed = Message::error_msg(1, OpCode::Query, ResponseCode::ServFail);
-        assert!(matches!(read_answer(&failed), Resolved::Failed(_)));
+        assert_eq!(serve.await.unwrap(), ["alias.test.", "target.test."]);
     }
 
     #[tokio::test]

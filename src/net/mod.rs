@@ -41,6 +41,7 @@
 pub mod address;
 mod audit;
 pub(crate) mod dns;
+pub(crate) mod dns_stream;
 pub(crate) mod frame;
 mod intercept;
 mod names;

@@ -21,6 +21,7 @@ use tracing::Instrument;
 
 use super::audit::{Audit, Counters, NetworkEvent, Outcome};
 use super::dns::{self, GuestQuery, Incoming, Resolved};
+use super::dns_stream;
 use super::frame::FrameDecoder;
 use super::intercept::{self, ca::CertificateAuthority, InterceptJob};
 use super::names::{self, Names};
@@ -159,7 +160,7 @@ impl NetService {
 enum Event {
     /// A DNS query's outcome: no grant, or the grant's resolver and its answer.
     Dns {
-        to: IpEndpoint,
+        to: DnsReply,
         query: Box<GuestQuery>,
         outcome: Option<(Resolver, Resolved)>,
     },
@@ -175,6 +176,20 @@ enum Event {
     UdpConnected(FlowKey, tokio::net::UdpSocket, Descriptor),
     /// A UDP flow is denied, or its upstream could not be reached.
     UdpRefused(FlowKey),
+    /// A query the guest sent over TCP (from this address), for the policy.
+    StreamQuery(
+        Box<GuestQuery>,
+        SocketAddr,
+        tokio::sync::oneshot::Sender<Vec<u8>>,
+    ),
+}
+
+/// Where the answer to a guest's DNS query goes.
+enum DnsReply {
+    /// A datagram to this address of the guest.
+    Datagram(IpEndpoint),
+    /// The connection the query came on (its task writes it).
+    Stream(tokio::sync::oneshot::Sender<Vec<u8>>),
 }
 
 /// What a UDP flow's task tells the service.
@@ -405,7 +420,9 @@ impl Service {
             match dns::incoming(&bytes) {
                 Incoming::Ignore => {}
                 Incoming::Answer(answer) => self.gateway.send_dns(from, &answer),
-                Incoming::Query(query) => self.start_query(from, query),
+                Incoming::Query(query) => {
+                    self.start_query(DnsReply::Datagram(from), endpoint_addr(from), query)
+                }
             }
         }
     }
@@ -530,6 +547,10 @@ impl Service {
     }
 
     fn start_connection(&mut self, key: FlowKey) {
+        if key.destination == SocketAddrV4::new(self.addressing.dns, 53) {
+            self.start_dns_stream(key);
+            return;
+        }
         let Some((policy, flow, stale)) = self.flow_for(key, Protocol::Tcp) else {
             self.gateway.refuse_tcp(key);
             return;
@@ -630,18 +651,45 @@ impl Service {
         );
     }
 
-    fn start_query(&mut self, from: IpEndpoint, query: GuestQuery) {
-        let Some(policy) = self.policy.clone() else {
-            if let Some(answer) = query.fail(ResponseCode::Refused) {
-                self.gateway.send_dns(from, &answer);
+    /// Serves DNS over TCP on a connection to the resolver's port 53 (`dns_stream`): its
+    /// queries come back to the service as [`Event::StreamQuery`], and go to the policy as a
+    /// datagram's do.
+    fn start_dns_stream(&mut self, key: FlowKey) {
+        if !self.gateway.accept_tcp(key) {
+            return;
+        }
+        let events = self.events.0.clone();
+        let source = SocketAddr::from(key.guest);
+        let ask = move |query: GuestQuery| {
+            let events = events.clone();
+            async move {
+                let (answer, answered) = tokio::sync::oneshot::channel();
+                let event = Event::StreamQuery(Box::new(query), source, answer);
+                events.send(event).await.ok()?;
+                answered.await.ok()
             }
+        };
+        self.start_relay(key, |guest| dns_stream::serve(guest, ask));
+    }
+
+    /// Sends the answer to a guest's DNS query where it goes.
+    fn reply_dns(&mut self, to: DnsReply, answer: Option<Vec<u8>>) {
+        let Some(answer) = answer else { return };
+        match to {
+            DnsReply::Datagram(to) => self.gateway.send_dns(to, &answer),
+            // The connection may be gone: then nobody waits for it.
+            DnsReply::Stream(answered) => drop(answered.send(answer)),
+        }
+    }
+
+    fn start_query(&mut self, to: DnsReply, source: SocketAddr, query: GuestQuery) {
+        let Some(policy) = self.policy.clone() else {
+            self.reply_dns(to, query.fail(ResponseCode::Refused));
             return;
         };
         if self.pending_dns >= MAX_PENDING_DNS {
             tracing::debug!(target: "krunbox::net", "too many DNS queries pending: refused one");
-            if let Some(answer) = query.fail(ResponseCode::Refused) {
-                self.gateway.send_dns(from, &answer);
-            }
+            self.reply_dns(to, query.fail(ResponseCode::Refused));
             return;
         }
         self.pending_dns += 1;
@@ -650,7 +698,7 @@ impl Service {
         let budget = self.budget.clone();
         let flow = Flow {
             protocol: Protocol::Dns,
-            source: endpoint_addr(from),
+            source,
             destination: SocketAddrV4::new(self.addressing.dns, 53).into(),
             hostname: Some(query.name.as_str().into()),
             upstream: Vec::new(),
@@ -679,7 +727,7 @@ impl Service {
                 };
                 let _ = events
                     .send(Event::Dns {
-                        to: from,
+                        to,
                         query: Box::new(query),
                         outcome,
                     })
@@ -715,9 +763,10 @@ impl Service {
                         query.fail(ResponseCode::ServFail)
                     }
                 };
-                if let Some(answer) = answer {
-                    self.gateway.send_dns(to, &answer);
-                }
+                self.reply_dns(to, answer);
+            }
+            Event::StreamQuery(query, source, answered) => {
+                self.start_query(DnsReply::Stream(answered), source, *query)
             }
             Event::Refused(key) => self.gateway.refuse_tcp(key),
             Event::UdpRefused(key) => self.gateway.refuse_udp(key),

@@ -281,3 +281,125 @@ except ConnectionResetError:
         vm.shutdown().await.unwrap();
     });
 }
+
+/// A server that speaks first (as SSH does): it sends its banner on accept, then keeps the
+/// one line the client sends back.
+async fn banner_server() -> (u16, Arc<Mutex<Vec<String>>>) {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind((LOOPBACK, 0)).await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let lines = Arc::new(Mutex::new(Vec::new()));
+    let kept = lines.clone();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let kept = kept.clone();
+            tokio::spawn(async move {
+                conn.write_all(b"SSH-2.0-krunbox-origin\r\n").await?;
+                let mut line = String::new();
+                tokio::io::BufReader::new(conn).read_line(&mut line).await?;
+                kept.lock().unwrap().push(line);
+                Ok::<_, std::io::Error>(())
+            });
+        }
+    });
+    (port, lines)
+}
+
+/// Issue 35, the reference suite's TLS and raw scenarios, in one boot of an intercepting
+/// network: an intercepted upstream whose certificate the network does not trust gives the
+/// guest a 502 and its origin no request (one it trusts answers); a granted, not intercepted,
+/// TLS connection reaches its origin end to end (the guest verifies the origin's own
+/// certificate, against the origin's CA alone); a granted connection to a server that speaks
+/// first gets the banner before sending anything.
+#[test]
+fn untrusted_upstreams_get_a_502_and_granted_tls_and_server_first_connections_pass_untouched() {
+    common::run(async {
+        let requests = |counter: &Arc<Mutex<Vec<String>>>| {
+            let counter = counter.clone();
+            Arc::new(move |request: Request<Bytes>| {
+                counter.lock().unwrap().push(request.uri().to_string());
+                https_origin::respond(
+                    200,
+                    "text/plain",
+                    format!("origin says {}\n", request.uri()),
+                )
+            })
+        };
+        let trusted_got = Arc::new(Mutex::new(Vec::new()));
+        let untrusted_got = Arc::new(Mutex::new(Vec::new()));
+        let trusted = https_origin::start(
+            &["trusted.test", "passthrough.test"],
+            requests(&trusted_got),
+        )
+        .await;
+        let untrusted = https_origin::start(&["untrusted.test"], requests(&untrusted_got)).await;
+        let (banner_port, banner_lines) = banner_server().await;
+        let network = Network::with_policy(move |flow: Flow| async move {
+            match (flow.protocol(), flow.hostname()) {
+                (Protocol::Dns, Some(_)) => Verdict::resolve(Resolver::fixed([LOOPBACK])),
+                (Protocol::Tcp, Some("trusted.test" | "untrusted.test")) => {
+                    Verdict::intercept(Intercept::new())
+                }
+                (Protocol::Tcp, Some("passthrough.test" | "banner.test")) => Verdict::accept(),
+                _ => Verdict::deny(),
+            }
+        })
+        .upstream_trust(UpstreamTrust::pem(trusted.ca_pem.as_bytes()).unwrap());
+        let vm = guest::sandbox(BuiltinImage::Agent, Some(network))
+            .boot()
+            .await
+            .expect("boot");
+        vm.write_file("/tmp/origin-ca.pem", trusted.ca_pem.as_bytes())
+            .await
+            .unwrap();
+        let (text, _) = sh(
+            &vm,
+            &format!(
+                "curl -sS -o /dev/null -w 'untrusted %{{http_code}}\\n' \
+                   https://untrusted.test:{u}/never; \
+                 curl -sS https://trusted.test:{t}/intercepted; \
+                 curl -sS --cacert /tmp/origin-ca.pem https://passthrough.test:{t}/end-to-end; \
+                 echo rc=$?",
+                u = untrusted.port,
+                t = trusted.port
+            ),
+            SH_TIMEOUT,
+        )
+        .await;
+        assert!(text.contains("untrusted 502"), "{text}");
+        assert!(untrusted_got.lock().unwrap().is_empty(), "{text}");
+        assert!(text.contains("origin says /intercepted"), "{text}");
+        // Only the origin's own certificate verifies against its CA alone: had the connection
+        // been intercepted, the guest would have been shown the sandbox CA's.
+        assert!(text.contains("origin says /end-to-end"), "{text}");
+        assert!(text.contains("rc=0"), "{text}");
+        assert_eq!(
+            *trusted_got.lock().unwrap(),
+            ["/intercepted", "/end-to-end"]
+        );
+        let (text, _) = sh(
+            &vm,
+            &format!(
+                "python3 -c \"
+import socket
+s = socket.create_connection(('banner.test', {banner_port}), timeout=20)
+banner = s.makefile('rb').readline()
+s.sendall(b'SSH-2.0-krunbox-guest\\r\\n')
+print('banner', banner.decode().strip())
+\"; echo rc=$?"
+            ),
+            SH_TIMEOUT,
+        )
+        .await;
+        assert!(text.contains("banner SSH-2.0-krunbox-origin"), "{text}");
+        assert!(text.contains("rc=0"), "{text}");
+        for _ in 0..50 {
+            if !banner_lines.lock().unwrap().is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(*banner_lines.lock().unwrap(), ["SSH-2.0-krunbox-guest\r\n"]);
+        vm.shutdown().await.unwrap();
+    });
+}

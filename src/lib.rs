@@ -77,7 +77,7 @@ pub use artifacts::{cache_dir, data_dir, Artifacts};
 pub use boot_options::BootOptions;
 pub use capabilities::{HostCapabilities, ImageState, KvmStatus};
 pub use error::{Error, Result};
-pub use files::{DirEntry, GuestFileReader, GuestFileWriter, Metadata};
+pub use files::{DirEntry, GuestFileReader, GuestFileWriter, Metadata, WriteOptions};
 pub use instance::Instance;
 pub use jail::{Canary, CanaryReport, Isolation, Layer, LayerReport};
 pub use limits::{

@@ -624,3 +624,73 @@ fn files_past_the_limits_are_refused_and_streamed_instead() {
         assert!(vm.is_running());
     });
 }
+
+/// Issue 35's file operations: rename (replacing a file atomically, a missing parent of the
+/// destination refused), a ranged read (inside, across the end, past the end, of a file larger
+/// than `read_file` takes), and a write that makes its missing parents.
+#[test]
+fn rename_ranged_reads_and_writes_that_make_their_parents() {
+    common::run(async {
+        let vm = shared_vm().await;
+        let dir = scratch(vm, "rename").await;
+        vm.write_file(format!("{dir}/report.part"), b"new")
+            .await
+            .unwrap();
+        vm.write_file(format!("{dir}/report"), b"old")
+            .await
+            .unwrap();
+        vm.rename(format!("{dir}/report.part"), format!("{dir}/report"))
+            .await
+            .unwrap();
+        assert_eq!(vm.read_file(format!("{dir}/report")).await.unwrap(), b"new");
+        let (kind, _) = fs_kind(vm.metadata(format!("{dir}/report.part")).await);
+        assert_eq!(kind, FsErrorKind::NotFound);
+        let (kind, message) = fs_kind(
+            vm.rename(format!("{dir}/report"), format!("{dir}/missing/report"))
+                .await,
+        );
+        assert_eq!(kind, FsErrorKind::NotFound, "{message}");
+        assert_eq!(vm.read_file(format!("{dir}/report")).await.unwrap(), b"new");
+
+        vm.write_file(format!("{dir}/greeting"), b"hello world")
+            .await
+            .unwrap();
+        let range = |offset, len| vm.read_file_range(format!("{dir}/greeting"), offset, len);
+        assert_eq!(range(6, 5).await.unwrap(), b"world");
+        assert_eq!(range(9, 100).await.unwrap(), b"ld", "cut at the end");
+        assert_eq!(range(11, 4).await.unwrap(), b"", "nothing past the end");
+        // 80 MiB (sparse: no guest time spent writing it), past read_file's 64 MiB: a range of it
+        // reads all the same.
+        sh(
+            vm,
+            &format!("truncate -s 83886080 {dir}/big && printf tail >> {dir}/big"),
+        )
+        .await;
+        let (kind, _) = fs_kind(vm.read_file(format!("{dir}/big")).await);
+        assert_eq!(kind, FsErrorKind::TooLarge);
+        let end = vm
+            .read_file_range(format!("{dir}/big"), 83886080 - 2, 16)
+            .await
+            .unwrap();
+        assert_eq!(end, b"\0\0tail");
+
+        let deep = format!("{dir}/made/on/the/way/token");
+        let (kind, _) = fs_kind(vm.write_file(&deep, b"t").await);
+        assert_eq!(kind, FsErrorKind::NotFound, "no parents without the option");
+        vm.write_file_with(
+            &deep,
+            b"t",
+            krunbox::WriteOptions::new()
+                .create_parents(true)
+                .mode(0o600),
+        )
+        .await
+        .unwrap();
+        assert_eq!(vm.read_file(&deep).await.unwrap(), b"t");
+        assert_eq!(vm.metadata(&deep).await.unwrap().mode & 0o777, 0o600);
+        let parent = vm.metadata(format!("{dir}/made/on")).await.unwrap();
+        assert!(parent.is_dir());
+        assert_eq!(parent.mode & 0o777, 0o755);
+        vm.remove_all(format!("{dir}/big")).await.unwrap();
+    });
+}

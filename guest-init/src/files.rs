@@ -67,6 +67,7 @@ pub fn run(op: FsOp) -> Result<FsOk, FsError> {
             mode,
             parents,
         } => create_dir(path_of(&path), mode, parents),
+        FsOp::Rename { from, to } => rename(path_of(&from), path_of(&to)),
     }
 }
 
@@ -427,6 +428,13 @@ fn unescape_octal(field: &[u8]) -> Vec<u8> {
 fn mkdir(path: &Path, mode: u32) -> io::Result<()> {
     fs::DirBuilder::new().mode(mode).create(path)?;
     fs::set_permissions(path, fs::Permissions::from_mode(mode))
+}
+
+/// `rename(2)`: never follows a symlink at either end (the link itself is renamed or
+/// replaced), and refuses the root, which cannot be renamed, and a mount point (EBUSY).
+fn rename(from: &Path, to: &Path) -> Result<FsOk, FsError> {
+    fs::rename(from, to).map_err(|e| error("rename", from, &e))?;
+    Ok(FsOk::Done)
 }
 
 fn create_dir(path: &Path, mode: u32, parents: bool) -> Result<FsOk, FsError> {
@@ -813,6 +821,36 @@ mod tests {
         let followed = meta("l", true);
         assert_eq!(followed.file_type, FileType::File);
         assert_eq!(followed.len, 5);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn rename_replaces_the_destination_and_moves_a_symlink_itself() {
+        let dir = scratch("rename");
+        fs::write(dir.join("new"), b"new").unwrap();
+        fs::write(dir.join("old"), b"old").unwrap();
+        std::os::unix::fs::symlink("old", dir.join("link")).unwrap();
+        let rename = |from: &str, to: &str| {
+            run(FsOp::Rename {
+                from: bytes(&dir.join(from)),
+                to: bytes(&dir.join(to)),
+            })
+        };
+        assert_eq!(rename("new", "old"), Ok(FsOk::Done));
+        assert_eq!(fs::read(dir.join("old")).unwrap(), b"new");
+        assert!(!dir.join("new").exists());
+        assert_eq!(rename("link", "moved"), Ok(FsOk::Done));
+        assert!(fs::symlink_metadata(dir.join("moved"))
+            .unwrap()
+            .is_symlink());
+        assert_eq!(
+            fs::read(dir.join("old")).unwrap(),
+            b"new",
+            "the target stays"
+        );
+        let err = rename("old", "missing/old").unwrap_err();
+        assert_eq!(err.kind, FsErrorKind::NotFound);
+        assert!(err.message.starts_with("rename "), "{}", err.message);
         fs::remove_dir_all(&dir).unwrap();
     }
 }

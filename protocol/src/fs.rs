@@ -96,6 +96,14 @@ pub enum FsOp {
         /// Create missing parents; an existing directory is then not an error.
         parents: bool,
     },
+    /// Rename `from` to `to` (`rename(2)`: an existing file at `to` is replaced, atomically;
+    /// a missing parent of `to` is an error). Replies [`FsOk::Done`].
+    Rename {
+        /// The path renamed.
+        from: ByteBuf,
+        /// Its new path.
+        to: ByteBuf,
+    },
 }
 
 /// The answer to one [`FsRequest`].
@@ -242,6 +250,10 @@ impl FsRequest {
                 path_ok("path", path)
             }
             FsOp::Remove { path, .. } => path_ok("remove path", path),
+            FsOp::Rename { from, to } => {
+                path_ok("rename from", from)?;
+                path_ok("rename to", to)
+            }
             FsOp::ReadDir { path, after } => {
                 path_ok("read_dir path", path)?;
                 match after {

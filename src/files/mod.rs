@@ -27,7 +27,7 @@ use crate::instance::Instance;
 use crate::protocol::fs::{FileMeta, FileType, FsErrorKind, FsOk, FsOp};
 
 pub use read::GuestFileReader;
-pub use write::GuestFileWriter;
+pub use write::{GuestFileWriter, WriteOptions};
 
 use request::Target;
 
@@ -204,6 +204,32 @@ impl Instance {
             .call_done(FsOp::Remove {
                 path: target.wire_path(),
                 recursive: true,
+            })
+            .await
+    }
+
+    /// Renames `from` to `to`, as `rename(2)` does: a file at `to` is replaced atomically (the
+    /// way to publish a file whole: write it beside, then rename), a symlink is renamed itself,
+    /// never followed. Both must be on one filesystem of the guest's.
+    ///
+    /// Relative paths are relative to the guest's `/`. A missing `from`, or a missing parent
+    /// of `to`, is [`FsErrorKind::NotFound`]; a directory onto a file, or the reverse,
+    /// [`FsErrorKind::NotADirectory`] / [`FsErrorKind::IsADirectory`]; across filesystems
+    /// (say, from `/tmp` into a mount) [`FsErrorKind::Other`] with the guest's `EXDEV`.
+    ///
+    /// ```no_run
+    /// # async fn demo(vm: &krunbox::Instance) -> krunbox::Result<()> {
+    /// vm.write_file("/tmp/report.json.part", b"{}").await?;
+    /// vm.rename("/tmp/report.json.part", "/tmp/report.json").await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn rename(&self, from: impl AsRef<Path>, to: impl AsRef<Path>) -> Result<()> {
+        let source = Target::new(self, "rename", from.as_ref())?;
+        let destination = Target::new(self, "rename", to.as_ref())?;
+        source
+            .call_done(FsOp::Rename {
+                from: source.wire_path(),
+                to: destination.wire_path(),
             })
             .await
     }

@@ -198,6 +198,73 @@ impl Instance {
     pub async fn open_file(&self, path: impl AsRef<Path>) -> Result<GuestFileReader> {
         GuestFileReader::open(Target::new(self, "open_file", path.as_ref())?).await
     }
+
+    /// Reads `len` bytes of a guest file from `offset` (fewer where the file ends first, none
+    /// past its end): a piece of a log, a header, a window of a file of any size.
+    ///
+    /// A relative path is relative to the guest's `/`. Fails as [`Instance::read_file`] does
+    /// for a missing file, a directory or what is not a regular file, and with
+    /// [`FsErrorKind::TooLarge`] for a `len` past
+    /// [`Limits::read_file_max`](crate::Limits::read_file_max), before anything is read.
+    ///
+    /// ```no_run
+    /// # async fn demo(vm: &krunbox::Instance) -> krunbox::Result<()> {
+    /// vm.write_file("/tmp/greeting", "hello world").await?;
+    /// assert_eq!(vm.read_file_range("/tmp/greeting", 6, 5).await?, b"world");
+    /// # Ok(()) }
+    /// ```
+    pub async fn read_file_range(
+        &self,
+        path: impl AsRef<Path>,
+        offset: u64,
+        len: usize,
+    ) -> Result<Vec<u8>> {
+        read_range(
+            Target::new(self, "read_file_range", path.as_ref())?,
+            offset,
+            len,
+        )
+        .await
+    }
+}
+
+/// Reads `len` bytes at `offset` (fewer at the end of the file), never more than asked.
+pub(super) async fn read_range(target: Target, offset: u64, len: usize) -> Result<Vec<u8>> {
+    let limit = target.control.limits.read_file_max;
+    if len as u64 > limit {
+        return Err(too_large(
+            &target,
+            &format!("{len} bytes were asked for"),
+            limit,
+        ));
+    }
+    let mut data = Vec::with_capacity(len.min(MAX_FILE_CHUNK));
+    while data.len() < len {
+        let want = (len - data.len()).min(MAX_FILE_CHUNK);
+        let chunk = match target
+            .call(FsOp::Read {
+                path: target.wire_path(),
+                offset: offset.saturating_add(data.len() as u64),
+                len: want as u32,
+            })
+            .await?
+        {
+            FsOk::Data(chunk) => chunk,
+            other => return Err(target.unexpected("Data", &other)),
+        };
+        if chunk.is_empty() {
+            break;
+        }
+        // The guest answers at most what was asked; more is a broken guest, not data.
+        if chunk.len() > want {
+            return Err(target.invalid(&format!(
+                "the guest answered {} bytes to a read of {want}",
+                chunk.len()
+            )));
+        }
+        data.extend_from_slice(&chunk);
+    }
+    Ok(data)
 }
 
 /// Reads a whole file, never holding more than
@@ -375,5 +442,20 @@ mod tests {
         );
         let (kind, _) = kind_and_message(read_whole(target).await);
         assert_eq!(kind, FsErrorKind::TooLarge);
+    }
+
+    /// A range is read in chunks up to exactly its length, however much more the file has; a
+    /// length past the limit is refused before any read.
+    #[tokio::test(start_paused = true)]
+    async fn a_range_reads_exactly_its_length_and_never_past_the_limit() {
+        let len = 2 * MAX_FILE_CHUNK + 5;
+        let (target, log) = lying_guest(Limits::new(), FileType::File, 10);
+        let data = read_range(target, 7, len).await.unwrap();
+        assert_eq!(data.len(), len);
+        assert_eq!(reads(&log), 3);
+        let (target, log) = lying_guest(Limits::new().read_file_max(100), FileType::File, 10);
+        let (kind, message) = kind_and_message(read_range(target, 0, 101).await);
+        assert_eq!(kind, FsErrorKind::TooLarge, "{message}");
+        assert_eq!(reads(&log), 0);
     }
 }

@@ -20,6 +20,48 @@ use crate::protocol::fs::{FsErrorKind, FsOk, FsOp, MAX_FILE_CHUNK};
 /// Mode of files created by [`Instance::write_file`].
 const FILE_MODE: u32 = 0o644;
 
+/// How [`Instance::write_file_with`] writes a file: the mode a created file gets (`0o644`
+/// unless set), and whether its missing parent directories are made first (no, unless set).
+///
+/// ```
+/// use krunbox::WriteOptions;
+/// let script = WriteOptions::new().mode(0o755).create_parents(true);
+/// # let _ = script;
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriteOptions {
+    mode: u32,
+    create_parents: bool,
+}
+
+impl WriteOptions {
+    /// Mode `0o644`, parents not made.
+    pub fn new() -> WriteOptions {
+        WriteOptions {
+            mode: FILE_MODE,
+            create_parents: false,
+        }
+    }
+
+    /// The exact mode of a created file (the umask does not apply), e.g. `0o755` for a script.
+    pub fn mode(mut self, mode: u32) -> WriteOptions {
+        self.mode = mode;
+        self
+    }
+
+    /// Whether missing parent directories are made first (each `0o755`).
+    pub fn create_parents(mut self, create: bool) -> WriteOptions {
+        self.create_parents = create;
+        self
+    }
+}
+
+impl Default for WriteOptions {
+    fn default() -> WriteOptions {
+        WriteOptions::new()
+    }
+}
+
 /// Writes a guest file as a stream: implements [`AsyncWrite`]. From [`Instance::create_file`].
 ///
 /// Bytes are buffered up to one chunk, then sent; at most two chunk writes are in flight.
@@ -252,7 +294,41 @@ impl Instance {
         data: impl AsRef<[u8]>,
         mode: u32,
     ) -> Result<()> {
+        self.write_file_with(path, data, WriteOptions::new().mode(mode))
+            .await
+    }
+
+    /// Like [`Instance::write_file`], with [`WriteOptions`]: the created file's mode, and
+    /// whether missing parent directories are made first (each `0o755`, as
+    /// [`Instance::create_dir_all`] makes them).
+    ///
+    /// ```no_run
+    /// # async fn demo(vm: &krunbox::Instance) -> krunbox::Result<()> {
+    /// use krunbox::WriteOptions;
+    /// let options = WriteOptions::new().create_parents(true).mode(0o600);
+    /// vm.write_file_with("/tmp/work/config/token", b"...", options).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn write_file_with(
+        &self,
+        path: impl AsRef<Path>,
+        data: impl AsRef<[u8]>,
+        options: WriteOptions,
+    ) -> Result<()> {
         let target = Target::new(self, "write_file", path.as_ref())?;
+        if options.create_parents {
+            if let Some(parent) = target.path.parent() {
+                let parent = Target::new(self, "write_file", parent)?;
+                parent
+                    .call_done(FsOp::CreateDir {
+                        path: parent.wire_path(),
+                        mode: super::DIR_MODE,
+                        parents: true,
+                    })
+                    .await?;
+            }
+        }
+        let mode = options.mode;
         let data = data.as_ref();
         // The first chunk creates and truncates; it must land before any later chunk.
         let first = data.len().min(MAX_FILE_CHUNK);

@@ -17,6 +17,9 @@ cd "$here/.."
 repo=$PWD
 target=$(cargo_target_dir)
 out=$target/as-a-user
+# The workspaces' dev profile (line tables only, Cargo.toml), for the project too: with cargo's
+# default (full debug info) nothing the workspaces built would be reused.
+export CARGO_PROFILE_DEV_DEBUG=line-tables-only
 rm -rf "$out"
 mkdir -p "$out/embedder"
 

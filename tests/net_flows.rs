@@ -73,11 +73,20 @@ fn a_granted_name_reaches_its_loopback_origin_and_nothing_else_gets_through() {
                 }
             }
         });
+        // The caller's own /tmp (issue 35): busybox has no CA bundle of its own, and the
+        // sandbox CA's must still be where SSL_CERT_FILE says, under no mount of the caller's.
         let vm = guest::sandbox(BuiltinImage::Busybox, Some(network))
-            .boot()
+            .boot_with(krunbox::BootOptions::new().mount("/tmp", krunbox::fs::MemoryFs::new()))
             .await
             .expect("boot");
         let mut events = vm.network_events().expect("a network");
+        let (text, _) = sh(
+            &vm,
+            "echo bundle=$SSL_CERT_FILE; grep -c 'BEGIN CERTIFICATE' \"$SSL_CERT_FILE\"",
+            SH_TIMEOUT,
+        )
+        .await;
+        assert_eq!(text, "bundle=/etc/ssl/certs/ca-certificates.crt\n1\n");
 
         // The granted name resolves to an address of the sandbox's own (198.18.0.0/15), and
         // the origin is reached through it.

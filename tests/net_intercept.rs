@@ -306,7 +306,8 @@ async fn banner_server() -> (u16, Arc<Mutex<Vec<String>>>) {
 }
 
 /// Issue 35, the reference suite's TLS and raw scenarios, in one boot of an intercepting
-/// network: an intercepted upstream whose certificate the network does not trust gives the
+/// network with the caller's own filesystem over `/tmp` (the sandbox CA stays trusted, the
+/// image unwritten): an intercepted upstream whose certificate the network does not trust gives the
 /// guest a 502 and its origin no request (one it trusts answers); a granted, not intercepted,
 /// TLS connection reaches its origin end to end (the guest verifies the origin's own
 /// certificate, against the origin's CA alone); a granted connection to a server that speaks
@@ -345,10 +346,26 @@ fn untrusted_upstreams_get_a_502_and_granted_tls_and_server_first_connections_pa
             }
         })
         .upstream_trust(UpstreamTrust::pem(trusted.ca_pem.as_bytes()).unwrap());
+        // The caller's own /tmp (issue 35): the sandbox CA's bundle must stay reachable under
+        // it, and the read-only image stay unwritten.
         let vm = guest::sandbox(BuiltinImage::Agent, Some(network))
-            .boot()
+            .boot_with(krunbox::BootOptions::new().mount("/tmp", krunbox::fs::MemoryFs::new()))
             .await
             .expect("boot");
+        let (text, _) = sh(
+            &vm,
+            "echo bundle=$SSL_CERT_FILE; touch /etc/krunbox-probe 2>/dev/null || echo read-only; \
+             echo tmp=$(grep ' /tmp ' /proc/self/mountinfo | tail -n 1 | sed 's/.* - //' | cut -d' ' -f1)",
+            SH_TIMEOUT,
+        )
+        .await;
+        for line in [
+            "bundle=/etc/ssl/certs/ca-certificates.crt",
+            "read-only",
+            "tmp=virtiofs",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line}: {text}");
+        }
         vm.write_file("/tmp/origin-ca.pem", trusted.ca_pem.as_bytes())
             .await
             .unwrap();

@@ -1,10 +1,13 @@
 //! Real tools through intercepted HTTPS in the agent image: `git clone` from a smart-HTTP
 //! server (git's own `git http-backend`, run as CGI by the test's origin) and `pip install`
-//! from a package index the test serves, both trusting the sandbox CA. The origin runs on
+//! from a package index the test serves, both trusting the sandbox CA (installed in the image's
+//! own trust store on this writable root, and kept by its `update-ca-certificates`, run first).
+//! The origin runs on
 //! 127.0.0.1 with a CA of its own; the guest reaches it only as `git.test` and `pypi.test`.
 
 mod common;
 #[path = "common/guest.rs"]
+#[allow(dead_code)] // its `sh` only: this test builds its own sandbox (a writable root)
 mod guest;
 #[path = "common/https_origin.rs"]
 mod https_origin;
@@ -20,7 +23,7 @@ use bytes::Bytes;
 use guest::sh;
 use hyper::{Request, Response};
 use krunbox::net::{Flow, Intercept, Network, Protocol, Resolver, UpstreamTrust, Verdict};
-use krunbox::BuiltinImage;
+use krunbox::{BuiltinImage, Rootfs};
 
 /// How long one guest shell script may take (a clone, an install).
 const SH_TIMEOUT: Duration = Duration::from_secs(180);
@@ -196,11 +199,34 @@ fn git_clone_and_pip_install_work_over_intercepted_https() {
             }
         })
         .upstream_trust(UpstreamTrust::pem(origin.ca_pem.as_bytes()).unwrap());
-        let vm = guest::sandbox(BuiltinImage::Agent, Some(network))
+        // A writable root (issue 35): the sandbox CA is installed in the image's own trust
+        // store there, so the image's `update-ca-certificates` keeps working and keeps it.
+        let vm = krunbox::Sandbox::builder()
+            .rootfs(Rootfs::ephemeral(
+                Rootfs::builtin(BuiltinImage::Agent),
+                128 << 20,
+            ))
+            .memory_mib(512)
+            .network(network)
+            .build()
+            .expect("sandbox definition")
             .boot()
             .await
             .expect("boot");
         let port = origin.port;
+        let (text, _) = sh(
+            &vm,
+            "update-ca-certificates >/dev/null 2>&1; echo rc=$?; \
+             test -f /usr/local/share/ca-certificates/krunbox-sandbox.crt && echo local-ca; \
+             key=$(sed -n 2p /usr/local/share/ca-certificates/krunbox-sandbox.crt); \
+             grep -qF \"$key\" /etc/ssl/certs/ca-certificates.crt && echo ca-in-bundle; \
+             grep -q ca-certificates.crt /proc/self/mountinfo && echo bound || echo a-plain-file",
+            SH_TIMEOUT,
+        )
+        .await;
+        for line in ["rc=0", "local-ca", "ca-in-bundle", "a-plain-file"] {
+            assert!(text.lines().any(|l| l == line), "{line}: {text}");
+        }
 
         let (text, _) = sh(
             &vm,

@@ -22,4 +22,5 @@ pub mod net;
 pub mod outbox;
 pub mod supervisor;
 pub mod sys;
+pub mod trust;
 pub mod vsock;

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use guest_init::outbox::Outbox;
 use guest_init::supervisor::{self, Reaper, Table};
-use guest_init::{files, host_fs, identity, mounts, net, sys, vsock};
+use guest_init::{files, host_fs, identity, mounts, net, sys, trust, vsock};
 use krunbox_protocol::{
     Failure, FrameDecoder, GuestMessage, Hello, HostMessage, CONTROL_PORT, PROTOCOL_VERSION,
 };
@@ -58,7 +58,17 @@ fn run() -> Result<(), String> {
         other => return Err(format!("expected Setup from the host, got {other:?}")),
     };
     let mount_points: Vec<&str> = setup.mounts.iter().map(|m| m.path.as_str()).collect();
-    let setup_result = mounts::switch_root(&setup.root, &mount_points)
+    let ca = setup
+        .network
+        .as_ref()
+        .and_then(|n| n.ca_certificate.as_deref());
+    let bound_files: Vec<&str> = identity::BOUND_FILES
+        .iter()
+        .chain(trust::bound_files(ca.is_some()))
+        .copied()
+        .collect();
+    let writable_root = setup.root.writable_layer.is_some();
+    let setup_result = mounts::switch_root(&setup.root, &mount_points, &bound_files)
         .map_err(|e| format!("switching to root {}: {e}", setup.root.device))
         .and_then(|()| identity::set_up(&setup.hostname).map_err(|e| e.to_string()))
         .and_then(|()| match &setup.network {
@@ -66,6 +76,9 @@ fn run() -> Result<(), String> {
                 .map(|name| eprintln!("guest-init: network on {name}"))
                 .map_err(|e| format!("configuring the network: {e}")),
             None => Ok(()),
+        })
+        .and_then(|()| {
+            trust::install(ca, writable_root).map_err(|e| format!("installing the sandbox CA: {e}"))
         })
         .and_then(|()| host_fs::mount_all(&setup.mounts));
     if let Err(message) = setup_result {

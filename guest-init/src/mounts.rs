@@ -51,7 +51,11 @@ const WRITABLE_SCRATCH: usize = 2;
 /// `/`. The old (virtio-fs) root is detached so nothing in the guest can reach it by path.
 /// `mount_points` are the directories the host's filesystems will be mounted on (see
 /// [`add_to_image`]).
-pub fn switch_root(root: &RootMount, mount_points: &[&str]) -> io::Result<()> {
+pub fn switch_root(
+    root: &RootMount,
+    mount_points: &[&str],
+    bound_files: &[&str],
+) -> io::Result<()> {
     let mut flags = libc::MS_NOATIME;
     if root.read_only {
         flags |= libc::MS_RDONLY;
@@ -67,9 +71,10 @@ pub fn switch_root(root: &RootMount, mount_points: &[&str]) -> io::Result<()> {
             .copied()
             .filter(|point| needs_creating_in_image(point))
             .collect();
-        // The files guest-init binds its own over (`identity.rs`): a bind needs a file there.
+        // The files guest-init binds its own over (`identity.rs`, `trust.rs`): a bind needs a
+        // file there.
         let etc_is_dir = std::path::Path::new(&format!("{NEW_ROOT}/etc")).is_dir();
-        let missing_files: Vec<&str> = crate::identity::BOUND_FILES
+        let missing_files: Vec<&str> = bound_files
             .iter()
             .copied()
             .filter(|file| {
@@ -253,7 +258,13 @@ fn add_to_image(flags: libc::c_ulong, points: &[&str], files: &[&str]) -> io::Re
         })?;
     }
     for file in files {
-        std::fs::write(format!("{NEW_ROOT}{file}"), b"")
+        let path = std::path::PathBuf::from(format!("{NEW_ROOT}{file}"));
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| {
+                io::Error::new(e.kind(), format!("creating {file}'s directory: {e}"))
+            })?;
+        }
+        std::fs::write(&path, b"")
             .map_err(|e| io::Error::new(e.kind(), format!("creating {file}: {e}")))?;
     }
     mount("root", NEW_ROOT, None, libc::MS_REMOUNT | flags, None)

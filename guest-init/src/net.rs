@@ -40,9 +40,6 @@ pub fn configure(network: &GuestNetwork) -> io::Result<String> {
     socket.set_up(&name)?;
     socket.add_default_route(Ipv4Addr::from(network.gateway))?;
     write_resolv_conf(&network.nameservers)?;
-    if let Some(pem) = &network.ca_certificate {
-        install_ca(pem)?;
-    }
     let _ = ENVIRONMENT.set(network.environment.clone());
     Ok(name)
 }
@@ -55,25 +52,15 @@ pub fn loopback_up() -> io::Result<()> {
 /// Variables every command gets unless it sets them (the host's secret placeholders).
 static ENVIRONMENT: std::sync::OnceLock<Vec<(String, String)>> = std::sync::OnceLock::new();
 
-/// The system's CA bundle in Debian-family images (what OpenSSL, curl and git read by
-/// default).
-const SYSTEM_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
-
-/// Where the bundle goes in an image without one.
-const OWN_BUNDLE: &str = "/tmp/.krunbox-ca-bundle.pem";
-
-/// The bundle holding the sandbox CA, once installed.
-static CA_BUNDLE: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
-
 /// Environment variables for the commands that do not set them themselves: the host's
-/// (secret placeholders), and those that point TLS clients at the CA bundle: OpenSSL
-/// (Python's `ssl`, ...), curl, git, requests and pip, Node.
+/// (secret placeholders), and those that point TLS clients at the bundle holding the sandbox
+/// CA (`trust.rs`): OpenSSL (Python's `ssl`, ...), curl, git, requests and pip, Node.
 pub fn environment() -> Vec<(&'static str, &'static str)> {
     let mut variables: Vec<(&'static str, &'static str)> = ENVIRONMENT
         .get()
         .map(|vars| vars.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect())
         .unwrap_or_default();
-    let Some(bundle) = CA_BUNDLE.get() else {
+    let Some(bundle) = crate::trust::bundle() else {
         return variables;
     };
     variables.extend(
@@ -86,44 +73,9 @@ pub fn environment() -> Vec<(&'static str, &'static str)> {
             "NODE_EXTRA_CA_CERTS",
         ]
         .into_iter()
-        .map(|name| (name, *bundle)),
+        .map(|name| (name, bundle)),
     );
     variables
-}
-
-/// Adds the sandbox CA to the guest's trust: the system bundle plus the CA, bind-mounted
-/// (read-only) over the system bundle where the image has one, so programs that read it by
-/// default trust the CA too; else a bundle of its own on the scratch tmpfs. Either way the
-/// commands' environment names it (see [`environment`]).
-fn install_ca(pem: &str) -> io::Result<()> {
-    let system = std::fs::read_to_string(SYSTEM_BUNDLE).ok();
-    let mut bundle = system.clone().unwrap_or_default();
-    if !bundle.is_empty() && !bundle.ends_with('\n') {
-        bundle.push('\n');
-    }
-    bundle.push_str(pem);
-    if system.is_none() {
-        std::fs::write(OWN_BUNDLE, bundle)?;
-        let _ = CA_BUNDLE.set(OWN_BUNDLE);
-        return Ok(());
-    }
-    const SCRATCH: &str = "/tmp/.krunbox-ca-scratch.pem";
-    std::fs::write(SCRATCH, bundle)?;
-    let result = mount(SCRATCH, SYSTEM_BUNDLE, None, libc::MS_BIND, None).and_then(|()| {
-        mount(
-            "none",
-            SYSTEM_BUNDLE,
-            None,
-            libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY,
-            None,
-        )
-    });
-    let scratch = c(SCRATCH)?;
-    // SAFETY: a valid C string; the bind mount keeps the file itself alive.
-    unsafe { libc::unlink(scratch.as_ptr()) };
-    result?;
-    let _ = CA_BUNDLE.set(SYSTEM_BUNDLE);
-    Ok(())
 }
 
 /// The interface whose `/sys/class/net/NAME/address` is `mac`.

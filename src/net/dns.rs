@@ -192,7 +192,8 @@ pub(crate) async fn resolve(resolver: &ResolverKind, name: &str, budget: &Arc<Bu
     }
 }
 
-/// Asks `server` for the addresses of `name`, following its CNAME chain: when an answer
+/// Asks `server` for the addresses of `name` (over UDP, over TCP if the answer is truncated),
+/// following its CNAME chain: when an answer
 /// names an alias's target without its addresses, the target is asked for in turn (at most
 /// [`CHAIN_MAX`] names in all).
 async fn ask_upstream(server: SocketAddr, name: &str) -> Result<Resolved, String> {
@@ -223,13 +224,63 @@ async fn ask_upstream(server: SocketAddr, name: &str) -> Result<Resolved, String
     }
 }
 
-/// One `A` query for `fqdn` to `server` over UDP: its answer.
+/// The largest answer read over TCP: DNS's own limit there (a two-byte length).
+const TCP_ANSWER_MAX: usize = u16::MAX as usize;
+
+/// One `A` query for `fqdn` to `server`: over UDP, and once more over TCP when the UDP answer
+/// came truncated (the server's way of saying the answer needs TCP, RFC 7766).
 async fn query_upstream(server: SocketAddr, fqdn: &Name) -> Result<Message, String> {
+    let answer = query_udp(server, fqdn).await?;
+    if !answer.metadata.truncation {
+        return Ok(answer);
+    }
+    query_tcp(server, fqdn).await
+}
+
+/// An `A` query for `fqdn`, with a fresh random id: the id and the bytes.
+fn a_query(fqdn: &Name) -> Result<(u16, Vec<u8>), String> {
     let id = random_id();
     let mut query = Message::new(id, MessageType::Query, OpCode::Query);
     query.metadata.recursion_desired = true;
     query.add_query(Question::query(fqdn.clone(), RecordType::A));
-    let bytes = query.to_vec().map_err(|e| e.to_string())?;
+    Ok((id, query.to_vec().map_err(|e| e.to_string())?))
+}
+
+/// One `A` query for `fqdn` to `server` over TCP: length-prefixed messages (tokio-util's
+/// codec), within [`UPSTREAM_TIMEOUT`] for the connection and the answer together.
+async fn query_tcp(server: SocketAddr, fqdn: &Name) -> Result<Message, String> {
+    use futures_util::{SinkExt, StreamExt};
+    let (id, bytes) = a_query(fqdn)?;
+    let exchange = async {
+        let stream = tokio::net::TcpStream::connect(server)
+            .await
+            .map_err(|e| format!("over TCP: {e}"))?;
+        let codec = tokio_util::codec::LengthDelimitedCodec::builder()
+            .length_field_length(2)
+            .max_frame_length(TCP_ANSWER_MAX)
+            .new_codec();
+        let mut messages = tokio_util::codec::Framed::new(stream, codec);
+        messages
+            .send(bytes::Bytes::from(bytes))
+            .await
+            .map_err(|e| format!("over TCP: {e}"))?;
+        while let Some(message) = messages.next().await {
+            let message = message.map_err(|e| format!("over TCP: {e}"))?;
+            match Message::from_vec(&message) {
+                Ok(answer) if is_answer_to(&answer, id, fqdn) => return Ok(answer),
+                _ => continue,
+            }
+        }
+        Err("over TCP: the server closed the connection without an answer".to_string())
+    };
+    tokio::time::timeout(UPSTREAM_TIMEOUT, exchange)
+        .await
+        .map_err(|_| "over TCP: no answer in time".to_string())?
+}
+
+/// One `A` query for `fqdn` to `server` over UDP: its answer.
+async fn query_udp(server: SocketAddr, fqdn: &Name) -> Result<Message, String> {
+    let (id, bytes) = a_query(fqdn)?;
     let local: SocketAddr = match server {
         SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
         SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
@@ -765,6 +816,56 @@ pub(crate) mod tests {
             panic!("{resolved:?}")
         };
         assert!(why.contains(&silent_addr.to_string()), "{why}");
+    }
+
+    /// A server whose UDP answer is truncated (no records, the TC bit) is asked again over TCP,
+    /// on the same port, and its TCP answer is the name's.
+    #[tokio::test]
+    async fn a_truncated_answer_is_asked_again_over_tcp() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (udp, tcp) = loop {
+            let udp = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+            if let Ok(tcp) = tokio::net::TcpListener::bind(udp.local_addr().unwrap()).await {
+                break (udp, tcp);
+            }
+        };
+        let addr = udp.local_addr().unwrap();
+        let serve = tokio::spawn(async move {
+            let mut buf = [0u8; 512];
+            let (n, peer) = udp.recv_from(&mut buf).await.unwrap();
+            let query = Message::from_vec(&buf[..n]).unwrap();
+            let mut truncated = Message::response(query.metadata.id, OpCode::Query);
+            truncated.add_queries(query.queries.clone());
+            truncated.metadata.truncation = true;
+            udp.send_to(&truncated.to_vec().unwrap(), peer)
+                .await
+                .unwrap();
+            let (mut conn, _) = tcp.accept().await.unwrap();
+            let length = conn.read_u16().await.unwrap();
+            let mut query = vec![0; usize::from(length)];
+            conn.read_exact(&mut query).await.unwrap();
+            let query = Message::from_vec(&query).unwrap();
+            let mut answer = Message::response(query.metadata.id, OpCode::Query);
+            answer.add_queries(query.queries.clone());
+            answer.add_answer(a("big.test.", 90, [192, 0, 2, 44]));
+            let answer = answer.to_vec().unwrap();
+            conn.write_u16(answer.len() as u16).await.unwrap();
+            conn.write_all(&answer).await.unwrap();
+        });
+        let resolved = resolve(
+            &ResolverKind::Upstream([addr].into()),
+            "big.test",
+            &budget(),
+        )
+        .await;
+        assert_eq!(
+            resolved,
+            Resolved::Addresses(
+                vec!["192.0.2.44".parse().unwrap()],
+                Some(Duration::from_secs(90))
+            )
+        );
+        serve.await.unwrap();
     }
 
     /// Datagrams a guest's resolver sends, and a few it should not: each is a `dns_query`

@@ -160,6 +160,15 @@ fn a_persistent_root_keeps_its_changes_and_serves_one_sandbox_at_a_time() {
             Ok(_) => panic!("a second sandbox booted on a layer in use"),
             Err(other) => panic!("a second boot failed otherwise: {other}"),
         }
+        // The same file by another name (a symlink to it): the lock is the file's, not the
+        // name's (issue 35).
+        let alias = dir.path().join("alias.qcow2");
+        std::os::unix::fs::symlink(&path, &alias).unwrap();
+        match persistent(BuiltinImage::Busybox, &alias).boot().await {
+            Err(Error::RootInUse { .. }) => {}
+            Ok(_) => panic!("a second sandbox booted on a layer in use through a symlink"),
+            Err(other) => panic!("a boot through a symlink failed otherwise: {other}"),
+        }
         vm.shutdown().await.expect("shutdown");
 
         let vm = sandbox.boot().await.expect("second boot");

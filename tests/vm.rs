@@ -648,7 +648,14 @@ fn the_guest_is_a_normal_linux_system_without_a_network() {
                  python3 -c 'import socket; print(socket.gethostbyname(socket.gethostname()))'; \
                  cat /sys/class/net/lo/flags; \
                  readlink /dev/fd /dev/stdin /dev/stdout /dev/stderr; echo to-stderr > /dev/stderr; \
-                 test -e /sys/fs/cgroup/cgroup.controllers && echo cgroup2",
+                 test -e /sys/fs/cgroup/cgroup.controllers && echo cgroup2; \
+                 grep -q ' /dev/mqueue .* - mqueue ' /proc/self/mountinfo && echo mqueue; \
+                 echo shm > /dev/shm/probe && cat /dev/shm/probe; \
+                 python3 -c 'import socket; s = socket.create_server((\"127.0.0.1\", 0)); \
+                   c = socket.create_connection(s.getsockname()); a, _ = s.accept(); \
+                   c.sendall(b\"lo-round-trip\"); print(a.recv(64).decode())'; \
+                 sh -c 'sleep 0.2 & exit 0'; sleep 1; \
+                 echo zombies=$(grep -l '^State:.*Z' /proc/[0-9]*/status 2>/dev/null | wc -l)",
             ])
             .timeout(Duration::from_secs(60))
             .output()
@@ -674,6 +681,11 @@ fn the_guest_is_a_normal_linux_system_without_a_network() {
             "{text}"
         );
         assert_eq!(lines[8], "cgroup2", "{text}");
+        assert_eq!(
+            &lines[9..13],
+            ["mqueue", "shm", "lo-round-trip", "zombies=0"],
+            "message queues, /dev/shm, a TCP round trip on lo, an orphan reaped: {text}"
+        );
         assert_eq!(out.stderr_text(), "to-stderr\n");
 
         // A buffered command's stdin is closed: `cat` reads end of file at once (a stdin left

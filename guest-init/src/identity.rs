@@ -1,6 +1,7 @@
 //! What makes the guest a normal Linux system beyond its mounts: its hostname, set and
 //! resolvable (`/etc/hostname`, an `/etc/hosts` entry), loopback up with or without a network,
-//! `/dev/fd` and `/dev/std{in,out,err}`, and the cgroup2 hierarchy at `/sys/fs/cgroup`.
+//! `/dev/fd` and `/dev/std{in,out,err}`, POSIX message queues at `/dev/mqueue`, and the
+//! cgroup2 hierarchy at `/sys/fs/cgroup`.
 //!
 //! Each is best effort past `sethostname`: an image without an `/etc` to bind over, or a
 //! kernel without cgroup2, costs that item (said on the console), never the boot.
@@ -13,7 +14,7 @@ use crate::sys::{c, mount};
 /// Sets the hostname and everything else above; runs once the root is in place.
 pub fn set_up(hostname: &str) -> io::Result<()> {
     crate::sys::set_hostname(hostname)?;
-    let steps: [(&str, &dyn Fn() -> io::Result<()>); 5] = [
+    let steps: [(&str, &dyn Fn() -> io::Result<()>); 6] = [
         ("/etc/hostname", &|| {
             overlay_file("/etc/hostname", &format!("{hostname}\n"))
         }),
@@ -22,6 +23,7 @@ pub fn set_up(hostname: &str) -> io::Result<()> {
         }),
         ("loopback", &|| crate::net::loopback_up()),
         ("/dev/fd and /dev/std*", &dev_links),
+        ("/dev/mqueue", &mount_mqueue),
         ("cgroup2", &mount_cgroup2),
     ];
     for (what, step) in steps {
@@ -113,6 +115,21 @@ fn dev_links() -> io::Result<()> {
 }
 
 /// The cgroup2 hierarchy at `/sys/fs/cgroup`, where tools look for it.
+/// POSIX message queues (`mq_open`), where glibc and musl look for them.
+fn mount_mqueue() -> io::Result<()> {
+    std::fs::create_dir_all("/dev/mqueue")?;
+    match mount(
+        "mqueue",
+        "/dev/mqueue",
+        Some("mqueue"),
+        libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+        None,
+    ) {
+        Err(e) if e.kind() == io::ErrorKind::ResourceBusy => Ok(()),
+        other => other,
+    }
+}
+
 fn mount_cgroup2() -> io::Result<()> {
     match mount(
         "cgroup2",

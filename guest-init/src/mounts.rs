@@ -61,15 +61,16 @@ pub fn switch_root(
         flags |= libc::MS_RDONLY;
     }
     if let Some(layer) = &root.writable_layer {
-        mount_writable(root, layer)?;
+        mount_writable(root, layer, mount_points)?;
     } else {
         mount(&root.device, NEW_ROOT, Some(&root.fstype), flags, None)?;
     }
     if root.read_only && root.writable_layer.is_none() {
+        let in_image = |path: &str| std::path::Path::new(&format!("{NEW_ROOT}{path}")).exists();
         let missing: Vec<&str> = mount_points
             .iter()
             .copied()
-            .filter(|point| needs_creating_in_image(point))
+            .filter(|point| needs_creating(point, &SCRATCH, in_image))
             .collect();
         // The files guest-init binds its own over (`identity.rs`, `trust.rs`): a bind needs a
         // file there.
@@ -154,12 +155,20 @@ pub fn switch_root(
 /// (and overlayfs's work directory) lives on the writable layer's device. What the guest writes
 /// lands on that device, never on the image, which stays the verified bytes every boot shares.
 /// A layer used before already holds `upper/` and `work/`; a fresh one gets them.
-fn mount_writable(root: &RootMount, layer: &WritableLayer) -> io::Result<()> {
+///
+/// The host's `mount_points` that neither the image nor the layer has are made in a small layer
+/// of their own between the two, never on the writable layer: a root that outlives the boot
+/// (copy-on-write, persistent) keeps no directory that only this boot's mounts needed.
+fn mount_writable(
+    root: &RootMount,
+    layer: &WritableLayer,
+    mount_points: &[&str],
+) -> io::Result<()> {
     let context =
         |what: String| move |e: io::Error| io::Error::new(e.kind(), format!("{what}: {e}"));
     let lower = format!("{LAYERS}/lower");
     let disk = format!("{LAYERS}/disk");
-    mount_layers("64k")?;
+    mount_layers("1m")?;
     for dir in [&lower, &disk] {
         std::fs::create_dir(dir)?;
     }
@@ -182,7 +191,27 @@ fn mount_writable(root: &RootMount, layer: &WritableLayer) -> io::Result<()> {
         std::fs::create_dir_all(format!("{disk}/{dir}"))
             .map_err(context(format!("making {dir}/ on the writable layer")))?;
     }
-    let options = format!("lowerdir={lower},upperdir={disk}/upper,workdir={disk}/work");
+    let in_root = |path: &str| {
+        std::path::Path::new(&format!("{lower}{path}")).exists()
+            || std::path::Path::new(&format!("{disk}/upper{path}")).exists()
+    };
+    let missing: Vec<&str> = mount_points
+        .iter()
+        .copied()
+        .filter(|point| needs_creating(point, &SCRATCH[..WRITABLE_SCRATCH], in_root))
+        .collect();
+    let lowers = if missing.is_empty() {
+        lower
+    } else {
+        let points = format!("{LAYERS}/points");
+        for point in &missing {
+            std::fs::create_dir_all(format!("{points}{point}"))
+                .map_err(context(format!("making the mount point {point}")))?;
+        }
+        // The leftmost lower layer is the uppermost.
+        format!("{points}:{lower}")
+    };
+    let options = format!("lowerdir={lowers},upperdir={disk}/upper,workdir={disk}/work");
     mount(
         "root",
         NEW_ROOT,
@@ -219,17 +248,16 @@ fn disk_by_serial(serial: &str) -> io::Result<String> {
     }
 }
 
-/// Whether a mount point must be made in the (read-only) image itself: it does not exist there,
-/// and it is not inside a scratch tmpfs, where guest-init can make it later.
-fn needs_creating_in_image(point: &str) -> bool {
-    let in_image = format!("{NEW_ROOT}{point}");
-    if std::path::Path::new(&in_image).exists() {
+/// Whether a mount point must be made before the root is assembled: `exists` says whether a
+/// path is in the root as it will be, and a point inside one of `scratch` (a tmpfs guest-init
+/// mounts later, where the mount makes its point itself) never must.
+fn needs_creating(point: &str, scratch: &[(&str, &str)], exists: impl Fn(&str) -> bool) -> bool {
+    if exists(point) {
         return false;
     }
-    !SCRATCH.iter().any(|(dir, _)| {
-        point.starts_with(&format!("{dir}/"))
-            && (*dir == "/tmp" || std::path::Path::new(&format!("{NEW_ROOT}{dir}")).is_dir())
-    })
+    !scratch
+        .iter()
+        .any(|(dir, _)| point.starts_with(&format!("{dir}/")) && (*dir == "/tmp" || exists(dir)))
 }
 
 /// Gives a read-only image the mount points and the files to bind over that it lacks: the
@@ -280,4 +308,33 @@ fn mount_layers(size: &str) -> io::Result<()> {
         libc::MS_NOSUID | libc::MS_NODEV,
         Some(&format!("size={size},mode=700")),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A point the root has, or one inside a scratch tmpfs the root has (or `/tmp`, always
+    /// made), is left to the mount; anything else is made before the root is assembled.
+    #[test]
+    fn only_points_outside_the_root_and_its_scratch_are_made_first() {
+        let root = ["/srv", "/srv/data", "/root", "/run"];
+        let exists = |path: &str| root.contains(&path);
+        let made = |point: &str, scratch: &[(&str, &str)]| needs_creating(point, scratch, exists);
+        assert!(!made("/srv/data", &SCRATCH), "in the root");
+        assert!(made("/workspace", &SCRATCH));
+        assert!(made("/srv/new", &SCRATCH));
+        assert!(!made("/tmp/work", &SCRATCH), "/tmp is always a tmpfs");
+        assert!(
+            !made("/root/work", &SCRATCH),
+            "a scratch tmpfs the root has"
+        );
+        assert!(
+            made("/home/agent", &SCRATCH),
+            "the root has no /home: no tmpfs there"
+        );
+        let writable = &SCRATCH[..WRITABLE_SCRATCH];
+        assert!(made("/root/work", writable), "a writable root keeps /root");
+        assert!(!made("/run/user", writable));
+    }
 }

@@ -45,6 +45,7 @@ mod cgroup;
 mod config;
 mod control;
 mod error;
+mod facts;
 mod files;
 pub mod fs;
 /// The fuzz harness's entry points (not API): built for this crate's tests and with the
@@ -77,6 +78,7 @@ pub use artifacts::{cache_dir, data_dir, Artifacts};
 pub use boot_options::BootOptions;
 pub use capabilities::{HostCapabilities, ImageState, KvmStatus};
 pub use error::{Error, Result};
+pub use facts::{Distro, GuestFacts, PackageManager, RootKind, COMMANDS};
 pub use files::{DirEntry, GuestFileReader, GuestFileWriter, Metadata, WriteOptions};
 pub use instance::Instance;
 pub use jail::{Canary, CanaryReport, Isolation, Layer, LayerReport};

@@ -14,10 +14,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use krunbox::fs::MemoryFs;
 use krunbox::rootfs::{
     async_trait, BlockStore, DirectoryStore, MemoryStore, StoreContext, StoreError,
 };
-use krunbox::{BuiltinImage, Error, Rootfs, Sandbox};
+use krunbox::{BootOptions, BuiltinImage, Error, Rootfs, Sandbox};
 
 use guest::sh;
 
@@ -50,12 +51,31 @@ const CHECK: &str =
 
 /// A file and a package installed with `dpkg -i` survive into the next boot over the same
 /// memory store; a second boot while one runs is refused; the store holds what was written.
+/// The first boot's mounts (one inside the other, at a path the image lacks) do not leave
+/// their mount point in the layer (issue 35).
 #[test]
 fn a_cow_root_over_a_memory_store_keeps_a_file_and_a_dpkg_installed_package_across_boots() {
     common::run(async {
         let store = MemoryStore::new();
         let sandbox = cow(BuiltinImage::Agent, store.clone());
-        let vm = sandbox.boot().await.expect("boot");
+        let (outer, inner) = (MemoryFs::new(), MemoryFs::new());
+        outer.write_file("/hello", b"outer\n").unwrap();
+        inner.write_file("/hello", b"inner\n").unwrap();
+        let mounts = BootOptions::new()
+            .mount("/srv/lane/data", outer.clone())
+            .mount("/srv/lane/data/cache", inner);
+        let vm = sandbox.boot_with(mounts).await.expect("boot");
+        let (out, _) = sh(
+            &vm,
+            "cat /srv/lane/data/hello /srv/lane/data/cache/hello",
+            TIMEOUT,
+        )
+        .await;
+        assert_eq!(out, "outer\ninner\n", "{out}");
+        assert!(
+            outer.metadata("/cache").unwrap().kind == krunbox::fs::FileKind::Directory,
+            "the inner mount's point is made in the outer mount"
+        );
         match sandbox.boot().await {
             Err(Error::BlockStore {
                 source: StoreError::InUse,
@@ -83,6 +103,50 @@ fn a_cow_root_over_a_memory_store_keeps_a_file_and_a_dpkg_installed_package_acro
         let vm = sandbox.boot().await.expect("second boot");
         let (out, _) = sh(&vm, CHECK, TIMEOUT).await;
         assert_eq!(out, "kept\nprobe says hi\ninstall ok installed\n", "{out}");
+        let (out, _) = sh(&vm, "ls -A /srv 2>/dev/null; echo end", TIMEOUT).await;
+        assert_eq!(
+            out, "end\n",
+            "the last boot's mount points stayed in the layer: {out}"
+        );
+        // What an agent is told of this guest (issue 35), read through the file API.
+        let facts = vm.facts().await.expect("facts");
+        assert_eq!(facts.root, krunbox::RootKind::CopyOnWrite);
+        assert!(facts.root_read_write && !facts.network, "{facts:?}");
+        let distro = facts
+            .distro
+            .clone()
+            .expect("the agent image has an os-release");
+        assert_eq!(distro.id, "debian", "{facts:?}");
+        assert!(distro.version_id.is_some(), "{facts:?}");
+        assert_eq!(facts.package_manager, Some(krunbox::PackageManager::Apt));
+        assert_eq!(facts.shell.as_deref(), Some("/bin/sh"));
+        for command in ["git", "curl", "python3"] {
+            assert!(facts.commands.iter().any(|c| c == command), "{facts:?}");
+        }
+        // An os-release that is a script is refused, and never run.
+        sh(
+            &vm,
+            "printf '%s\\n' 'ID=$(touch /tmp/os-release-executed)' 'VERSION_ID=3.23' > /etc/os-release",
+            TIMEOUT,
+        )
+        .await;
+        let refused = vm.facts().await.expect_err("a script for an os-release");
+        assert_eq!(
+            refused.fs_kind(),
+            Some(krunbox::FsErrorKind::InvalidInput),
+            "{refused}"
+        );
+        assert!(
+            refused.to_string().contains("unsupported guest distro"),
+            "{refused}"
+        );
+        let (out, _) = sh(
+            &vm,
+            "test -e /tmp/os-release-executed || echo never-run",
+            TIMEOUT,
+        )
+        .await;
+        assert_eq!(out, "never-run\n");
         vm.shutdown().await.expect("shutdown");
     });
 }
@@ -484,11 +548,26 @@ fn a_cow_root_flattens_into_an_image_with_its_changes() {
         assert_eq!(out, "changed\n", "{out}");
         vm.shutdown().await.expect("shutdown");
 
-        let flat = krunbox::image::flatten(&root, dir.path().join("flat.qcow2"))
+        // Into a writer of the caller's (issue 35: an upload's body), then booted from where it
+        // landed; its bytes streamed back are the same.
+        let path = dir.path().join("uploaded.qcow2");
+        let mut upload = tokio::fs::File::create(&path).await.unwrap();
+        let written = krunbox::image::flatten_into(&root, &mut upload)
             .await
             .expect("flatten");
+        drop(upload);
+        assert_eq!(written.len, std::fs::metadata(&path).unwrap().len());
+        let image = Rootfs::image(&path, "ext4", &written.sha256);
+        let mut streamed = Vec::new();
+        tokio::io::AsyncReadExt::read_to_end(
+            &mut krunbox::image::bytes(&image).await.unwrap(),
+            &mut streamed,
+        )
+        .await
+        .unwrap();
+        assert_eq!(streamed, std::fs::read(&path).unwrap());
         let vm = Sandbox::builder()
-            .rootfs(flat.rootfs())
+            .rootfs(image)
             .memory_mib(256)
             .build()
             .unwrap()

@@ -114,6 +114,102 @@ pub async fn flatten(root: &Rootfs, output: impl AsRef<Path>) -> Result<FlatImag
     build.finish().await
 }
 
+/// Like [`flatten`], with the image's bytes written to `dest` (an upload's body, a pipe, a file
+/// of the caller's) rather than left at a path: a qcow2 is made with seeks, so it is made in a
+/// temporary directory first (`TMPDIR`, else `/tmp`; gone after), which must have room for the
+/// image twice while it is made. Returns its size and SHA-256, which
+/// booting it from wherever it lands needs (`Rootfs::image(path, "ext4", sha256)`).
+///
+/// ```no_run
+/// # async fn demo() -> krunbox::Result<()> {
+/// use krunbox::rootfs::MemoryStore;
+/// use krunbox::{BuiltinImage, Rootfs};
+///
+/// let root = Rootfs::cow(Rootfs::builtin(BuiltinImage::Busybox), MemoryStore::new(), 32 << 20);
+/// let mut upload = tokio::fs::File::create("/tmp/lane.qcow2").await.unwrap();
+/// let written = krunbox::image::flatten_into(&root, &mut upload).await?;
+/// println!("{} bytes, sha256 {}", written.len, written.sha256);
+/// # Ok(()) }
+/// ```
+pub async fn flatten_into<W>(root: &Rootfs, dest: &mut W) -> Result<WrittenImage>
+where
+    W: tokio::io::AsyncWrite + Unpin + ?Sized,
+{
+    let scratch = tempfile::Builder::new()
+        .prefix("krunbox-flatten-")
+        .tempdir()
+        .map_err(|source| Error::Io {
+            context: format!(
+                "making a scratch directory in {}",
+                std::env::temp_dir().display()
+            ),
+            source,
+        })?;
+    let flat = flatten(root, scratch.path().join("image.qcow2")).await?;
+    let mut image = flat.stream().await.map_err(|source| Error::Io {
+        context: format!("reading the image {}", flat.path.display()),
+        source,
+    })?;
+    let len = tokio::io::copy(&mut image, dest)
+        .await
+        .map_err(|source| Error::Io {
+            context: "writing the flattened image to its destination".into(),
+            source,
+        })?;
+    tokio::io::AsyncWriteExt::flush(dest)
+        .await
+        .map_err(|source| Error::Io {
+            context: "flushing the flattened image's destination".into(),
+            source,
+        })?;
+    Ok(WrittenImage {
+        len,
+        sha256: flat.sha256,
+    })
+}
+
+/// What [`flatten_into`] wrote: the image's size in bytes and its SHA-256 (lowercase hex).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WrittenImage {
+    /// Bytes written.
+    pub len: u64,
+    /// Their SHA-256, lowercase hex.
+    pub sha256: String,
+}
+
+/// The bytes of the image file a root boots from, as a stream, to upload or copy it: a
+/// built-in image (built first if the cache has none), an image file, a flattened image; for
+/// a writable root, its base image (its changes are not in it: [`flatten_into`] merges them).
+/// The bytes are the image container's (an erofs or ext4 filesystem, a qcow2), not the files
+/// inside it.
+///
+/// ```no_run
+/// # async fn demo() -> krunbox::Result<()> {
+/// use krunbox::{BuiltinImage, Rootfs};
+/// let mut bytes = krunbox::image::bytes(&Rootfs::builtin(BuiltinImage::Busybox)).await?;
+/// let mut copy = tokio::fs::File::create("/tmp/busybox.img").await.unwrap();
+/// tokio::io::copy(&mut bytes, &mut copy).await.unwrap();
+/// # Ok(()) }
+/// ```
+pub async fn bytes(root: &Rootfs) -> Result<tokio::fs::File> {
+    let root = root.clone();
+    let cache = crate::cache_dir();
+    let (path, _, _) = tokio::task::spawn_blocking(move || {
+        crate::rootfs::resolve(&root, &cache, &mut |_: &str| {})
+    })
+    .await
+    .map_err(|e| Error::Io {
+        context: "finding the image".into(),
+        source: std::io::Error::other(e),
+    })??;
+    tokio::fs::File::open(&path)
+        .await
+        .map_err(|source| Error::Io {
+            context: format!("opening the image {}", path.display()),
+            source,
+        })
+}
+
 /// An image being built: an empty ext4 (journal-less) in a sparse scratch file beside the
 /// output, which a VM fills through [`ImageBuild::disk`] (the guest finds the disk by its
 /// serial and mounts it, see [`mount_output`] and [`unmount_output`]); then

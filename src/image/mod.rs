@@ -1,7 +1,9 @@
 //! Making images: above [`Sandbox`](crate::Sandbox), since each of these boots one to do its
 //! work inside a guest (an image's own files are never unpacked or run on the host).
 //!
-//! - [`flatten`]: a writable root's image and layer merged into one standalone qcow2.
+//! - [`flatten`]: a writable root's image and layer merged into one standalone qcow2 at a path,
+//!   or written to any writer ([`flatten_into`]); [`bytes`] streams the image file a root boots
+//!   from.
 //! - [`oci`]: OCI and Docker images imported from an archive or pulled from a registry, kept by
 //!   name ([`oci::LocalImages`]), and built by running steps on one ([`oci::build`]).
 //!
@@ -11,4 +13,4 @@
 mod flatten;
 pub mod oci;
 
-pub use flatten::{flatten, FlatImage};
+pub use flatten::{bytes, flatten, flatten_into, FlatImage, WrittenImage};

@@ -371,6 +371,7 @@ impl Parts {
                 kernel_release: ready.hello.kernel_release,
                 image_config: config.image_config.clone(),
                 current_dir: config.current_dir.clone(),
+                root_kind: crate::RootKind::of(&config.rootfs),
                 exited,
                 kill,
                 _lifeline: ready.lifeline,

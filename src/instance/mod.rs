@@ -75,6 +75,8 @@ struct Inner {
     image_config: Option<crate::rootfs::ImageConfig>,
     /// Where commands start unless they say otherwise (a boot option; wins over the image's).
     current_dir: Option<std::path::PathBuf>,
+    /// How the root was given, for [`Instance::facts`].
+    root_kind: crate::RootKind,
     /// `Some(description)` once the VMM helper has exited.
     exited: watch::Receiver<Option<String>>,
     /// Asks the supervisor task to kill the VMM helper.
@@ -300,6 +302,16 @@ impl Instance {
     pub fn root_usage(&self) -> Option<crate::RootUsage> {
         let layer = self.inner.layer.lock().unwrap_or_else(|e| e.into_inner());
         layer.as_ref().map(|layer| layer.usage())
+    }
+
+    /// How this instance's root was given.
+    pub(crate) fn root_kind(&self) -> crate::RootKind {
+        self.inner.root_kind
+    }
+
+    /// Whether this instance's guest has a network device.
+    pub(crate) fn has_network(&self) -> bool {
+        self.inner.network.is_some()
     }
 
     /// The instance's id: `kb-` and 12 random hex digits, unique among running instances. Every

@@ -25,6 +25,12 @@ pub type Handler = dyn Fn(Request<Bytes>) -> Response<Bytes> + Send + Sync;
 /// Starts an origin for `names` on 127.0.0.1 (a free port), answering with `handler` (run on
 /// a blocking thread: it may run a program).
 pub async fn start(names: &[&str], handler: Arc<Handler>) -> HttpsOrigin {
+    start_on(0, names, handler).await
+}
+
+/// [`start`] on a given port of 127.0.0.1 (0: a free one). A port below 1024 needs root, as
+/// the VM tests have in the nested L1.
+pub async fn start_on(port: u16, names: &[&str], handler: Arc<Handler>) -> HttpsOrigin {
     let ca_key = rcgen::KeyPair::generate().unwrap();
     let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
     ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
@@ -51,9 +57,9 @@ pub async fn start(names: &[&str], handler: Arc<Handler>) -> HttpsOrigin {
     )
     .unwrap();
     let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
-    let listener = TcpListener::bind((IpAddr::V4(Ipv4Addr::LOCALHOST), 0))
+    let listener = TcpListener::bind((IpAddr::V4(Ipv4Addr::LOCALHOST), port))
         .await
-        .unwrap();
+        .unwrap_or_else(|e| panic!("binding 127.0.0.1:{port} for the test's origin: {e}"));
     let port = listener.local_addr().unwrap().port();
     tokio::spawn(async move {
         loop {

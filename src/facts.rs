@@ -105,8 +105,9 @@ const PACKAGE_MANAGERS: &[(PackageManager, &str)] = &[
 
 const BIN_DIRS: &[&str] = &["/usr/local/bin", "/usr/bin", "/bin"];
 
-/// The most of `os-release` and of the mount table read: both are a few lines.
-const FILE_MAX: usize = 64 << 10;
+/// The most of `os-release` and of the mount table read: a few lines each, and a mount table
+/// of thousands of mounts still fits.
+const FILE_MAX: usize = 1 << 20;
 
 impl Instance {
     /// What this guest is, for an agent to be told before it acts (see [`GuestFacts`]): read
@@ -167,18 +168,13 @@ impl Instance {
         })
     }
 
-    /// Whether `path` names something that is (or whose symlink leads to) a file or directory.
+    /// Whether `path` names something that is (or whose symlink leads to) a file or directory:
+    /// any file error (missing, a loop of links, no permission) is "no"; only the instance's
+    /// own failures (gone, hung) are errors.
     async fn exists(&self, path: &str) -> Result<bool> {
         match self.metadata(path).await {
             Ok(_) => Ok(true),
-            Err(err)
-                if matches!(
-                    err.fs_kind(),
-                    Some(FsErrorKind::NotFound | FsErrorKind::NotADirectory)
-                ) =>
-            {
-                Ok(false)
-            }
+            Err(Error::Fs { .. }) => Ok(false),
             Err(err) => Err(err),
         }
     }
@@ -252,13 +248,17 @@ fn parse_os_release(text: &str) -> std::result::Result<Distro, String> {
     })
 }
 
-/// An `os-release` value: plain, or in quotes; shell syntax is refused rather than read.
+/// An `os-release` value: plain, or in quotes (the other kind of quote may be inside); shell
+/// syntax is refused rather than read.
 fn unquote(value: &str) -> std::result::Result<String, String> {
-    let inner = match value.as_bytes() {
-        [b'"', .., b'"'] | [b'\'', .., b'\''] if value.len() >= 2 => &value[1..value.len() - 1],
-        _ => value,
+    let (inner, quote) = match value.as_bytes() {
+        [q @ (b'"' | b'\''), .., last] if value.len() >= 2 && last == q => {
+            (&value[1..value.len() - 1], Some(char::from(*q)))
+        }
+        _ => (value, None),
     };
-    if inner.contains(['$', '`', '\\', '"', '\'']) {
+    let forbidden = |c: char| matches!(c, '$' | '`' | '\\') || Some(c) == quote;
+    if inner.contains(forbidden) || (quote.is_none() && inner.contains(['"', '\''])) {
         return Err(format!("a value with shell syntax: {value:?}"));
     }
     if inner.len() != value.len() || !inner.contains(char::is_whitespace) {
@@ -284,7 +284,8 @@ mod tests {
                 pretty_name: Some("Debian GNU/Linux 12 (bookworm)".into()),
             })
         );
-        let alpine = "ID=alpine\nVERSION_ID=3.23.0\nPRETTY_NAME='Alpine Linux v3.23'\n";
+        let alpine = "ID=alpine\nVERSION_ID=3.23.0\nPRETTY_NAME='Alpine Linux v3.23'\n\
+                      NAME=\"Foo's Linux\"\n";
         assert_eq!(
             parse_os_release(alpine).unwrap().version_id.as_deref(),
             Some("3.23.0")

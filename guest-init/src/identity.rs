@@ -114,7 +114,6 @@ fn dev_links() -> io::Result<()> {
     Ok(())
 }
 
-/// The cgroup2 hierarchy at `/sys/fs/cgroup`, where tools look for it.
 /// POSIX message queues (`mq_open`), where glibc and musl look for them.
 fn mount_mqueue() -> io::Result<()> {
     std::fs::create_dir_all("/dev/mqueue")?;
@@ -130,6 +129,7 @@ fn mount_mqueue() -> io::Result<()> {
     }
 }
 
+/// The cgroup2 hierarchy at `/sys/fs/cgroup`, where tools look for it.
 fn mount_cgroup2() -> io::Result<()> {
     match mount(
         "cgroup2",

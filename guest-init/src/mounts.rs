@@ -78,9 +78,7 @@ pub fn switch_root(
         let missing_files: Vec<&str> = bound_files
             .iter()
             .copied()
-            .filter(|file| {
-                etc_is_dir && !std::path::Path::new(&format!("{NEW_ROOT}{file}")).exists()
-            })
+            .filter(|file| etc_is_dir && creatable_in_image(file))
             .collect();
         if !missing.is_empty() || !missing_files.is_empty() {
             add_to_image(flags, &missing, &missing_files)?;
@@ -246,6 +244,24 @@ fn disk_by_serial(serial: &str) -> io::Result<String> {
         }
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
+}
+
+/// Whether `file` is missing from the image and can be made there: neither it nor any of its
+/// directories is a symlink (which, before the switch, would resolve against the first root:
+/// the file is left to the image, and a bind over it to what it leads to once switched) or
+/// anything but a directory.
+fn creatable_in_image(file: &str) -> bool {
+    let mut path = std::path::PathBuf::from(NEW_ROOT);
+    let components: Vec<&str> = file.split('/').filter(|c| !c.is_empty()).collect();
+    for (i, component) in components.iter().enumerate() {
+        path.push(component);
+        match std::fs::symlink_metadata(&path) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return true,
+            Ok(meta) if meta.is_dir() && i + 1 < components.len() => continue,
+            _ => return false,
+        }
+    }
+    false
 }
 
 /// Whether a mount point must be made before the root is assembled: `exists` says whether a

@@ -50,18 +50,69 @@ pub fn bound_files(has_ca: bool) -> &'static [&'static str] {
 }
 
 /// Puts `ca` (PEM) in the guest's trust, as the module says for a `writable_root` or a
-/// read-only one; with no CA, a writable root only loses a previous boot's.
+/// read-only one; with no CA, a writable root only loses a previous boot's. A writable root
+/// whose trust store cannot take it (no room, a bundle that is not text, a dangling link)
+/// gets the read-only root's bind instead, said on the console, and its store is left as it
+/// was.
 pub fn install(ca: Option<&str>, writable_root: bool) -> io::Result<()> {
     if writable_root {
-        install_in_store(ca)?;
-    } else if let Some(pem) = ca {
-        bind_bundle(pem)?;
-        return Ok(());
+        match install_in_store(ca) {
+            Ok(()) => {
+                if ca.is_some() {
+                    let _ = BUNDLE.set(SYSTEM_BUNDLE);
+                }
+                return Ok(());
+            }
+            Err(e) => eprintln!(
+                "guest-init: the root's trust store could not take the sandbox CA ({e}): \
+                 bound over it instead"
+            ),
+        }
     }
-    if ca.is_some() {
-        let _ = BUNDLE.set(SYSTEM_BUNDLE);
+    match ca {
+        Some(pem) => bind_bundle(pem),
+        None => Ok(()),
     }
-    Ok(())
+}
+
+/// The most of a bundle read (Debian's is about 200 KiB).
+const BUNDLE_MAX: u64 = 16 << 20;
+
+/// The most of a certificate read.
+const CERTIFICATE_MAX: u64 = 64 << 10;
+
+/// The text of `path` when it is a regular file of at most `max` bytes (`None`: there is
+/// none). Opened without following a final symlink and without blocking, so a link to
+/// `/dev/zero` or a FIFO the guest left in its root is an error, not a hang.
+fn read_text(path: &Path, max: u64) -> io::Result<Option<String>> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = match fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+    {
+        Ok(file) => file,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io::Error::new(e.kind(), format!("{}: {e}", path.display()))),
+    };
+    if !file.metadata()?.is_file() {
+        return Err(io::Error::other(format!(
+            "{} is not a regular file",
+            path.display()
+        )));
+    }
+    let mut bytes = Vec::new();
+    file.take(max + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > max {
+        return Err(io::Error::other(format!(
+            "{} is over {max} bytes",
+            path.display()
+        )));
+    }
+    String::from_utf8(bytes)
+        .map(Some)
+        .map_err(|_| io::Error::other(format!("{} is not text", path.display())))
 }
 
 /// `text` with a final newline unless empty.
@@ -75,12 +126,14 @@ fn terminated(mut text: String) -> String {
 /// The image's bundle plus `pem`, bound read-only over it; in an image without `/etc`, a
 /// bundle of its own on the scratch `/tmp`.
 fn bind_bundle(pem: &str) -> io::Result<()> {
-    let bundle = terminated(fs::read_to_string(SYSTEM_BUNDLE).unwrap_or_default()) + pem;
-    if !Path::new(SYSTEM_BUNDLE).exists() {
-        fs::write(OWN_BUNDLE, bundle)?;
+    // Where the bundle is (a link, as in RHEL-family images, is followed; the bind then lands
+    // on what it leads to); without one (no /etc, a dangling link), a bundle of its own.
+    let Ok(target) = fs::canonicalize(SYSTEM_BUNDLE) else {
+        fs::write(OWN_BUNDLE, pem)?;
         let _ = BUNDLE.set(OWN_BUNDLE);
         return Ok(());
-    }
+    };
+    let bundle = terminated(read_text(&target, BUNDLE_MAX)?.unwrap_or_default()) + pem;
     const SCRATCH: &str = "/tmp/.krunbox-ca-scratch.pem";
     fs::write(SCRATCH, bundle)?;
     let result = mount(SCRATCH, SYSTEM_BUNDLE, None, libc::MS_BIND, None).and_then(|()| {
@@ -107,12 +160,18 @@ fn install_in_store(ca: Option<&str>) -> io::Result<()> {
 
 fn install_in_store_at(root: &Path, ca: Option<&str>) -> io::Result<()> {
     let at = |path: &str| root.join(path.trim_start_matches('/'));
-    let (local_ca, system_bundle) = (at(LOCAL_CA), at(SYSTEM_BUNDLE));
-    let previous = fs::read_to_string(&local_ca).ok();
+    let local_ca = at(LOCAL_CA);
+    let previous = read_text(&local_ca, CERTIFICATE_MAX)?;
     if previous.is_none() && ca.is_none() {
         return Ok(());
     }
-    let mut bundle = fs::read_to_string(&system_bundle).unwrap_or_default();
+    // A bundle that is a link (to where the image's own tools keep it) is rewritten where it
+    // leads, so the link and those tools keep working; a dangling one is an error.
+    let mut system_bundle = at(SYSTEM_BUNDLE);
+    if fs::symlink_metadata(&system_bundle).is_ok_and(|m| m.file_type().is_symlink()) {
+        system_bundle = fs::canonicalize(&system_bundle)?;
+    }
+    let mut bundle = read_text(&system_bundle, BUNDLE_MAX)?.unwrap_or_default();
     if let Some(previous) = previous.as_deref().map(str::trim).filter(|p| !p.is_empty()) {
         bundle = bundle
             .replace(&format!("{previous}\n"), "")

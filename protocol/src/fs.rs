@@ -97,7 +97,7 @@ pub enum FsOp {
         parents: bool,
     },
     /// Rename `from` to `to` (`rename(2)`: an existing file at `to` is replaced, atomically;
-    /// a missing parent of `to` is an error). Replies [`FsOk::Done`].
+    /// a missing parent of `to` is an error). Replies [`FsOk::Done`]. Since protocol 13.
     Rename {
         /// The path renamed.
         from: ByteBuf,

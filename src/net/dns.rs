@@ -27,6 +27,10 @@ const NAME_MAX: usize = 253;
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(2);
 const UPSTREAM_TRIES: usize = 2;
 
+/// How long one try of one upstream server gets for a whole lookup (its CNAME hops, a TCP
+/// retry): at most two tries of each server, so a slow server holds a query at most 12 s.
+const LOOKUP_DEADLINE: Duration = Duration::from_secs(6);
+
 /// How long the system resolver gets.
 const SYSTEM_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -178,9 +182,14 @@ pub(crate) async fn resolve(resolver: &ResolverKind, name: &str, budget: &Arc<Bu
                             .push("the sandbox holds as many host descriptors as it may".into());
                         continue;
                     };
-                    match ask_upstream(*server, name).await {
-                        Ok(resolved) => return resolved,
-                        Err(err) => failures.push(format!("{server}: {err}")),
+                    // One deadline for the whole lookup: its CNAME hops and TCP retries each
+                    // have their own, which add up.
+                    match tokio::time::timeout(LOOKUP_DEADLINE, ask_upstream(*server, name)).await {
+                        Ok(Ok(resolved)) => return resolved,
+                        Ok(Err(err)) => failures.push(format!("{server}: {err}")),
+                        Err(_) => failures.push(format!(
+                            "{server}: no whole answer within {LOOKUP_DEADLINE:?}"
+                        )),
                     }
                 }
             }
@@ -234,7 +243,9 @@ async fn query_upstream(server: SocketAddr, fqdn: &Name) -> Result<Message, Stri
     if !answer.metadata.truncation {
         return Ok(answer);
     }
-    query_tcp(server, fqdn).await
+    // A server (or a firewall) without DNS over TCP: what the truncated answer holds is
+    // still the server's answer, often with the addresses needed.
+    Ok(query_tcp(server, fqdn).await.unwrap_or(answer))
 }
 
 /// An `A` query for `fqdn`, with a fresh random id: the id and the bytes.

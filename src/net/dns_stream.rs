@@ -7,7 +7,7 @@
 //!
 //! Bounded: one query at a time per connection (the next is not read before the answer is
 //! sent), a message of at most [`MESSAGE_MAX`] bytes (a longer one ends the connection), and
-//! [`IDLE`] without a query ends it too. Connections count against the sandbox's
+//! [`IDLE`] without a query, or with an answer the guest does not take, ends it too. Connections count against the sandbox's
 //! (`MAX_CONNECTIONS` in the stack).
 
 use std::future::Future;
@@ -58,9 +58,21 @@ where
                 None => break,
             },
         };
-        messages.send(Bytes::from(answer)).await?;
+        // A guest that stops reading holds its answer and the connection only this long.
+        tokio::time::timeout(IDLE, messages.send(Bytes::from(answer)))
+            .await
+            .map_err(|_| unread())??;
     }
-    SinkExt::<Bytes>::close(&mut messages).await
+    tokio::time::timeout(IDLE, SinkExt::<Bytes>::close(&mut messages))
+        .await
+        .map_err(|_| unread())?
+}
+
+fn unread() -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        "the guest did not take its DNS answer in time",
+    )
 }
 
 /// The fuzz entry point over what the guest controls in DNS over TCP (see
@@ -79,23 +91,27 @@ pub(crate) fn fuzz_stream(data: &[u8]) {
         .build()
         .expect("a runtime");
     runtime.block_on(async {
-        let (mut guest, host) = tokio::io::duplex(64 * 1024);
+        let (guest, host) = tokio::io::duplex(64 * 1024);
         let ask = |query: GuestQuery| {
             std::future::ready(query.answer(std::net::Ipv4Addr::new(192, 0, 2, 1), 60))
         };
         let served = tokio::spawn(serve(host, ask));
+        let (mut from_host, mut to_host) = tokio::io::split(guest);
         let mut rest = data.to_vec();
-        let read = tokio::spawn(async move {
+        // The guest writes and reads at once: answers past the pipe's room never block it.
+        tokio::spawn(async move {
             while !rest.is_empty() {
                 let cut = usize::from(rest[0]).clamp(1, rest.len());
                 let piece: Vec<u8> = rest.drain(..cut).collect();
-                if guest.write_all(&piece).await.is_err() {
+                if to_host.write_all(&piece).await.is_err() {
                     break;
                 }
             }
-            let _ = guest.shutdown().await;
+            let _ = to_host.shutdown().await;
+        });
+        let read = tokio::spawn(async move {
             let mut sent_back = Vec::new();
-            let _ = guest.read_to_end(&mut sent_back).await;
+            let _ = from_host.read_to_end(&mut sent_back).await;
             sent_back
         });
         let deadline = IDLE * 4;
@@ -238,12 +254,37 @@ mod tests {
         tokio::time::pause();
         let (mut guest, host) = tokio::io::duplex(4096);
         let served = tokio::spawn(serve(host, never));
-        tokio::time::advance(IDLE + Duration::from_secs(1)).await;
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        tokio::time::advance(IDLE - Duration::from_secs(1)).await;
+        assert!(!served.is_finished(), "closed before the idle bound");
+        tokio::time::advance(Duration::from_secs(2)).await;
         served.await.unwrap().unwrap();
         assert_eq!(
             guest.read(&mut [0; 8]).await.unwrap(),
             0,
             "closed when idle"
+        );
+    }
+
+    /// A guest that sends a query and never reads holds the connection only for the idle
+    /// bound: the answer it does not take times out and the connection is reset.
+    #[tokio::test(start_paused = true)]
+    async fn a_guest_that_does_not_read_its_answers_is_cut_off() {
+        // Room for less than one answer.
+        let (mut guest, host) = tokio::io::duplex(16);
+        let served = tokio::spawn(serve(host, numbered()));
+        let query = dns::tests::query("one.test.", RecordType::A);
+        guest.write_all(&framed(&query)).await.unwrap();
+        let result = tokio::time::timeout(IDLE * 3, served)
+            .await
+            .expect("the service ended")
+            .unwrap();
+        assert_eq!(
+            result.unwrap_err().kind(),
+            std::io::ErrorKind::TimedOut,
+            "reset, not closed"
         );
     }
 

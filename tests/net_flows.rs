@@ -5,6 +5,8 @@
 //! grant; nothing else is ever dialled.
 
 mod common;
+#[path = "common/dns_server.rs"]
+mod dns_server;
 #[path = "common/guest.rs"]
 mod guest;
 #[path = "common/http_origin.rs"]
@@ -287,45 +289,16 @@ fn internal_addresses_are_classified_and_a_panicking_policy_denies_only_its_flow
 }
 
 /// A DNS server on loopback answering `A` queries for `origin.test` with 127.0.0.1 (TTL 30)
-/// and NXDOMAIN for anything else. It counts the queries it gets.
-async fn dns_server() -> (SocketAddr, Arc<Mutex<Vec<String>>>) {
-    use hickory_proto::op::{Message, OpCode, ResponseCode};
-    use hickory_proto::rr::rdata::A;
-    use hickory_proto::rr::{RData, Record};
-    let socket = tokio::net::UdpSocket::bind((LOOPBACK, 0)).await.unwrap();
-    let addr = socket.local_addr().unwrap();
-    let asked = Arc::new(Mutex::new(Vec::new()));
-    let kept = asked.clone();
-    tokio::spawn(async move {
-        let mut buf = [0u8; 512];
-        loop {
-            let Ok((n, peer)) = socket.recv_from(&mut buf).await else {
-                return;
-            };
-            let Ok(query) = Message::from_vec(&buf[..n]) else {
-                continue;
-            };
-            let Some(question) = query.queries.first() else {
-                continue;
-            };
-            let name = question.name().to_ascii();
-            kept.lock().unwrap().push(name.clone());
-            let mut answer = if name == "origin.test." {
-                let mut answer = Message::response(query.metadata.id, OpCode::Query);
-                answer.add_answer(Record::from_rdata(
-                    question.name().clone(),
-                    30,
-                    RData::A(A(Ipv4Addr::LOCALHOST)),
-                ));
-                answer
-            } else {
-                Message::error_msg(query.metadata.id, OpCode::Query, ResponseCode::NXDomain)
-            };
-            answer.add_queries(query.queries.clone());
-            let _ = socket.send_to(&answer.to_vec().unwrap(), peer).await;
+/// and NXDOMAIN for anything else. It keeps the names it is asked.
+async fn dns_server() -> (SocketAddr, dns_server::Asked) {
+    dns_server::start(|name, answer| {
+        if name == "origin.test." {
+            answer.add_answer(dns_server::a(name, 30, Ipv4Addr::LOCALHOST));
+        } else {
+            answer.metadata.response_code = hickory_proto::op::ResponseCode::NXDomain;
         }
-    });
-    (addr, asked)
+    })
+    .await
 }
 
 /// A TCP echo server on loopback that counts connections open at once.
@@ -660,33 +633,8 @@ fn cdn_answer(name: &str, answer: &mut hickory_proto::op::Message) {
 }
 
 /// A DNS server on loopback answering as [`cdn_answer`] says; it keeps each name asked.
-async fn cdn_dns_server() -> (SocketAddr, Arc<Mutex<Vec<String>>>) {
-    use hickory_proto::op::{Message, OpCode};
-    let socket = tokio::net::UdpSocket::bind((LOOPBACK, 0)).await.unwrap();
-    let addr = socket.local_addr().unwrap();
-    let asked = Arc::new(Mutex::new(Vec::new()));
-    let kept = asked.clone();
-    tokio::spawn(async move {
-        let mut buf = [0u8; 512];
-        loop {
-            let Ok((n, peer)) = socket.recv_from(&mut buf).await else {
-                return;
-            };
-            let Ok(query) = Message::from_vec(&buf[..n]) else {
-                continue;
-            };
-            let Some(question) = query.queries.first() else {
-                continue;
-            };
-            let name = question.name().to_ascii();
-            kept.lock().unwrap().push(name.clone());
-            let mut answer = Message::response(query.metadata.id, OpCode::Query);
-            answer.add_queries(query.queries.clone());
-            cdn_answer(&name, &mut answer);
-            let _ = socket.send_to(&answer.to_vec().unwrap(), peer).await;
-        }
-    });
-    (addr, asked)
+async fn cdn_dns_server() -> (SocketAddr, dns_server::Asked) {
+    dns_server::start(cdn_answer).await
 }
 
 /// The guest's side of [`dns_over_tcp_several_addresses_cname_chains_and_expired_answers_work`]:

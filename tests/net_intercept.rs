@@ -6,6 +6,8 @@
 //! names and Host headers reach nothing.
 
 mod common;
+#[path = "common/dns_server.rs"]
+mod dns_server;
 #[path = "common/guest.rs"]
 mod guest;
 #[path = "common/https_origin.rs"]
@@ -602,12 +604,11 @@ fn the_designs_readme_example_runs_with_our_names() {
             let origin = https_origin::start_on(443, &["api.github.com"], Arc::new(handler)).await;
             (origin, heads)
         };
-        let resolver = {
-            let socket = tokio::net::UdpSocket::bind((LOOPBACK, 0)).await.unwrap();
-            let addr = socket.local_addr().unwrap();
-            tokio::spawn(answer_every_name_with_loopback(socket));
-            addr
-        };
+        // Every name is 127.0.0.1.
+        let (resolver, _) = dns_server::start(|name, answer| {
+            answer.add_answer(dns_server::a(name, 60, Ipv4Addr::LOCALHOST));
+        })
+        .await;
         let lanes = tempfile::tempdir().unwrap();
 
         let workspace = MemoryFs::new();
@@ -705,28 +706,4 @@ fn the_designs_readme_example_runs_with_our_names() {
         assert!(!env.stdout_text().contains("ghs_installation"));
         lane.shutdown().await.unwrap();
     });
-}
-
-/// A DNS server that answers every `A` query with 127.0.0.1 (TTL 60).
-async fn answer_every_name_with_loopback(socket: tokio::net::UdpSocket) {
-    use hickory_proto::op::{Message, OpCode};
-    use hickory_proto::rr::rdata::A;
-    use hickory_proto::rr::{RData, Record};
-    let mut buf = [0u8; 512];
-    while let Ok((n, peer)) = socket.recv_from(&mut buf).await {
-        let Ok(query) = Message::from_vec(&buf[..n]) else {
-            continue;
-        };
-        let Some(question) = query.queries.first() else {
-            continue;
-        };
-        let mut answer = Message::response(query.metadata.id, OpCode::Query);
-        answer.add_queries(query.queries.clone());
-        answer.add_answer(Record::from_rdata(
-            question.name().clone(),
-            60,
-            RData::A(A(Ipv4Addr::LOCALHOST)),
-        ));
-        let _ = socket.send_to(&answer.to_vec().unwrap(), peer).await;
-    }
 }

@@ -184,6 +184,110 @@ fn a_persistent_root_keeps_its_changes_and_serves_one_sandbox_at_a_time() {
     });
 }
 
+/// Masked host directories (issue 35; the reference suite's sandbox-api #22, #23 and #40): a
+/// read-only project whose `.git` and `node_modules` the guest does not see; a writable one
+/// whose masked paths are served from a storage directory inside its own masked `.kc`, which
+/// also holds the boot's persistent root, never visible to the guest. The guest's entries at
+/// masked paths land in the storage and the source's stay as they were.
+#[test]
+fn masked_host_directories_hide_their_paths_and_keep_the_guests_entries_in_storage() {
+    use krunbox::fs::{HostDir, Mask};
+    common::run(async {
+        let dir = tempfile::tempdir().unwrap();
+        let source = dir.path().join("project");
+        for sub in [
+            "node_modules",
+            ".git",
+            "packages/a/node_modules",
+            ".kc/mounts/ws",
+        ] {
+            std::fs::create_dir_all(source.join(sub)).unwrap();
+        }
+        std::fs::write(source.join("node_modules/lower.txt"), "lower\n").unwrap();
+        std::fs::write(source.join(".git/config"), "lower-git\n").unwrap();
+        std::fs::write(source.join("packages/a/node_modules/lower.txt"), "lower\n").unwrap();
+        std::fs::write(source.join("visible.txt"), "visible\n").unwrap();
+        let storage = source.join(".kc/mounts/ws");
+        std::fs::write(storage.join("preexisting"), "upper\n").unwrap();
+        std::fs::write(source.join("preexisting"), "lower\n").unwrap();
+
+        let read_only = HostDir::read_only(&source)
+            .unwrap()
+            .with_mask(Mask::hide(["/node_modules", "/.git", "/.kc"]))
+            .unwrap();
+        let masked = [
+            "/.kc",
+            "/node_modules",
+            "/packages/a/node_modules",
+            "/preexisting",
+        ];
+        let writable = HostDir::new(&source)
+            .unwrap()
+            .with_mask(Mask::hide(masked).stored_in(&storage))
+            .unwrap();
+        let layer = source.join(".kc/root.qcow2");
+        let vm = Sandbox::builder()
+            .rootfs(Rootfs::persistent(
+                Rootfs::builtin(BuiltinImage::Busybox),
+                &layer,
+            ))
+            .memory_mib(256)
+            .mount("/tmp/ro", read_only)
+            .mount("/tmp/ws", writable)
+            .build()
+            .expect("sandbox definition (run scripts/setup.sh)")
+            .boot()
+            .await
+            .expect("boot");
+        let (out, _) = sh(
+            &vm,
+            "set -e
+             cat /tmp/ro/visible.txt
+             test ! -e /tmp/ro/node_modules && test ! -e /tmp/ro/.git
+             ls -a /tmp/ro | tr '\\n' ' '; echo
+             ls -a /tmp/ws | tr '\\n' ' '; echo
+             cat /tmp/ws/preexisting
+             test ! -e /tmp/ws/.kc && test ! -e /tmp/ws/packages/a/node_modules
+             if (echo x > /tmp/ws/node_modules/child.txt) 2>/dev/null; then echo made-without-parent; fi
+             mkdir /tmp/ws/node_modules /tmp/ws/packages/a/node_modules
+             echo child > /tmp/ws/node_modules/child.txt
+             echo pkg > /tmp/ws/packages/a/node_modules/pkg.txt
+             ln /tmp/ws/node_modules/child.txt /tmp/ws/node_modules/link.txt
+             if mv /tmp/ws/packages /tmp/ws/moved 2>/dev/null; then echo moved; fi
+             cat /tmp/ws/node_modules/link.txt /tmp/ws/packages/a/node_modules/pkg.txt
+             test ! -e /tmp/ws/.kc && echo done",
+            TIMEOUT,
+        )
+        .await;
+        vm.shutdown().await.expect("shutdown");
+        assert_eq!(
+            out,
+            "visible\n. .. packages preexisting visible.txt \n. .. .git packages preexisting visible.txt \n\
+             upper\nchild\npkg\ndone\n",
+            "{out}"
+        );
+        let read = |path: &std::path::Path| std::fs::read_to_string(path).unwrap();
+        // The guest's entries are in the storage; the source's masked ones are untouched.
+        assert_eq!(read(&storage.join("node_modules/link.txt")), "child\n");
+        assert_eq!(
+            read(&storage.join("packages/a/node_modules/pkg.txt")),
+            "pkg\n"
+        );
+        assert_eq!(read(&source.join("node_modules/lower.txt")), "lower\n");
+        assert_eq!(
+            read(&source.join("packages/a/node_modules/lower.txt")),
+            "lower\n"
+        );
+        assert_eq!(read(&source.join("preexisting")), "lower\n");
+        assert!(!source.join("node_modules/child.txt").exists());
+        assert!(
+            source.join("packages/a").is_dir(),
+            "a directory on the way to a mask stays"
+        );
+        assert_qcow2_is_clean(&layer);
+    });
+}
+
 /// A layer made over one image is refused over another, before anything boots.
 #[test]
 fn a_persistent_root_made_over_one_image_refuses_another() {

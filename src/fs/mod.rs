@@ -46,7 +46,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use async_trait::async_trait;
-pub use host_dir::HostDir;
+pub use host_dir::{HostDir, Mask};
 pub use memory::MemoryFs;
 pub use types::*;
 pub use virtual_fs::VirtualFs;

@@ -1,11 +1,14 @@
 //! `HostDir`: a host directory, served to the guest so that nothing it does reaches outside.
 //! The how and why are on [`HostDir`] itself, where the public documentation shows them.
 
+mod mask;
 mod overlay;
 mod sys;
 
 #[cfg(test)]
 mod escape_tests;
+#[cfg(test)]
+mod mask_tests;
 #[cfg(test)]
 mod tests;
 
@@ -14,9 +17,11 @@ use std::ffi::{CStr, CString, OsStr};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+pub use mask::Mask;
+use mask::{Intent, MaskDir, Masks, Place};
 use overlay::{host_perm, Overlay, PRIVATE_PREFIX, XATTR};
 
 use super::types::*;
@@ -50,6 +55,10 @@ const MAX_KNOWN: usize = 65_536;
 /// Inode numbers from here on are HostDir's own (inodes on another device than the root's);
 /// below, they are host inode numbers.
 const FOREIGN_BASE: u64 = 1 << 62;
+
+/// Listing offsets from here on are a masked directory's entries from its mask's storage,
+/// listed after the source's (`readdir`): above every host cookie, which is an `off_t`.
+const STORED_BASE: u64 = 1 << 63;
 
 /// Longest symlink target.
 const PATH_MAX: usize = libc::PATH_MAX as usize;
@@ -171,6 +180,8 @@ struct Inner {
     table: Mutex<Table>,
     handles: Mutex<Handles>,
     limits: Limits,
+    /// Paths hidden from the guest, or served from storage (`mask.rs`).
+    masks: Option<Masks>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -196,6 +207,8 @@ struct Node {
     key: (u64, u64),
     kind: FileKind,
     overlay: Mutex<OverlayState>,
+    /// For a directory on the way to masked paths, found by their names: its branch of them.
+    mask: OnceLock<Arc<MaskDir>>,
     /// `fd`'s charge to the budget of the sandbox that looked it up (none for the root, or
     /// outside a sandbox).
     _charge: Option<Descriptor>,
@@ -322,6 +335,40 @@ impl HostDir {
         Self::open(path.as_ref(), true, Limits::default())
     }
 
+    /// The same directory served with `mask`: its paths hidden from the guest, or served from
+    /// the mask's storage (see [`Mask`]). Returns a new `HostDir` (the directory opened again,
+    /// sharing nothing with `self`); give it to a sandbox before the guest uses it.
+    ///
+    /// Fails with [`Error::InvalidConfig`](crate::Error::InvalidConfig) for a path that is not
+    /// a plain relative one, or a storage directory the guest could reach through the served
+    /// one too (inside it but under no masked path, or holding it).
+    ///
+    /// ```
+    /// use krunbox::fs::{FsError, HostDir, InodeId, Mask, VirtualFs};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let project = tempfile::tempdir()?;
+    /// std::fs::create_dir(project.path().join(".git"))?;
+    /// std::fs::write(project.path().join("main.rs"), "fn main() {}")?;
+    ///
+    /// let fs = HostDir::read_only(project.path())?.with_mask(Mask::hide([".git"]))?;
+    /// assert!(fs.lookup(InodeId::ROOT, "main.rs".as_ref()).await.is_ok());
+    /// let git = fs.lookup(InodeId::ROOT, ".git".as_ref()).await;
+    /// assert_eq!(git.unwrap_err(), FsError::NOT_FOUND);
+    /// # Ok(()) }
+    /// ```
+    pub fn with_mask(&self, mask: Mask) -> crate::Result<Self> {
+        let inner = &self.inner;
+        let masks = Masks::open(&mask, &inner.path).map_err(crate::Error::InvalidConfig)?;
+        Self::open_with(&inner.path, inner.read_only, inner.limits, Some(masks)).map_err(|err| {
+            crate::Error::Io {
+                context: format!("opening {} again", inner.path.display()),
+                source: std::io::Error::from_raw_os_error(err.errno()),
+            }
+        })
+    }
+
     /// Whether this is served read-only ([`read_only`](Self::read_only)).
     ///
     /// ```
@@ -335,6 +382,15 @@ impl HostDir {
     }
 
     fn open(path: &Path, read_only: bool, limits: Limits) -> FsResult<Self> {
+        Self::open_with(path, read_only, limits, None)
+    }
+
+    fn open_with(
+        path: &Path,
+        read_only: bool,
+        limits: Limits,
+        masks: Option<Masks>,
+    ) -> FsResult<Self> {
         crate::budget::raise_descriptor_limit();
         let c_path = CString::new(path.as_os_str().as_bytes()).map_err(|_| FsError::INVALID)?;
         // SAFETY: NUL-terminated path; we own the descriptor on success.
@@ -362,6 +418,10 @@ impl HostDir {
             key: root_key,
             kind: FileKind::Directory,
             overlay: Mutex::new(overlay),
+            mask: match &masks {
+                Some(masks) => OnceLock::from(masks.root.clone()),
+                None => OnceLock::new(),
+            },
             _charge: None,
         });
         Ok(HostDir {
@@ -380,6 +440,7 @@ impl HostDir {
                     ..Handles::default()
                 }),
                 limits,
+                masks,
             }),
         })
     }
@@ -760,6 +821,7 @@ impl Inner {
             key,
             kind,
             overlay: Mutex::new(overlay),
+            mask: OnceLock::new(),
             _charge: charge()?,
         });
         table.nodes.insert(id, (node.clone(), 1));
@@ -833,10 +895,35 @@ impl Inner {
         }
     }
 
+    /// Where the guest's `name` in `parent` lives on the host, for `intent` (see `mask.rs`:
+    /// in `parent` itself unless masks say otherwise).
+    fn place(&self, parent: &Node, name: &CStr, intent: Intent) -> FsResult<Place> {
+        match (&self.masks, parent.mask.get()) {
+            (Some(masks), Some(dir)) => masks.place(dir, name, intent),
+            _ => Ok(Place::Source { mask: None }),
+        }
+    }
+
+    /// Gives a directory found at `place` the branch of masked paths below it.
+    fn adopt(node: &Node, place: &Place) {
+        if let (Some(mask), FileKind::Directory) = (place.leads_on(), node.kind) {
+            // Set once: a directory has one name, and one on the way to masks cannot be
+            // renamed (see `rename`).
+            let _ = node.mask.set(mask.clone());
+        }
+    }
+
     fn lookup(&self, parent: &Node, name: &CStr) -> FsResult<Entry> {
-        let fd = sys::openat2(parent.fd.as_fd(), name, libc::O_PATH | libc::O_NOFOLLOW, 0)?;
+        let place = self.place(parent, name, Intent::Find)?;
+        self.lookup_at(parent, &place, name)
+    }
+
+    fn lookup_at(&self, parent: &Node, place: &Place, name: &CStr) -> FsResult<Entry> {
+        let dir = place.dir(parent.fd.as_fd());
+        let fd = sys::openat2(dir, name, libc::O_PATH | libc::O_NOFOLLOW, 0)?;
         let st = sys::fstat(fd.as_fd())?;
         let node = self.remember(fd, &st, None)?;
+        Self::adopt(&node, place);
         Ok(self.entry(&node, &st))
     }
 
@@ -956,7 +1043,7 @@ impl Inner {
     #[allow(clippy::too_many_arguments)]
     fn finish_create(
         &self,
-        parent: &Node,
+        (parent, place): (&Node, &Place),
         name: &CStr,
         kind: u32,
         uid: u32,
@@ -967,7 +1054,12 @@ impl Inner {
         let fd = match io {
             // The very file just created, whatever has happened to its name since.
             Some(io) => self.proc.reopen(io, libc::O_PATH)?,
-            None => sys::openat2(parent.fd.as_fd(), name, libc::O_PATH | libc::O_NOFOLLOW, 0)?,
+            None => sys::openat2(
+                place.dir(parent.fd.as_fd()),
+                name,
+                libc::O_PATH | libc::O_NOFOLLOW,
+                0,
+            )?,
         };
         let mut st = sys::fstat(fd.as_fd())?;
         if st.st_mode & libc::S_IFMT != kind {
@@ -994,6 +1086,7 @@ impl Inner {
         let record = Overlay::between(uid, gid, perm, &st);
         let state = self.persist_overlay(node_kind, fd.as_fd(), record, io);
         let node = self.remember(fd, &st, Some(state))?;
+        Self::adopt(&node, place);
         Ok((node, st))
     }
 
@@ -1139,8 +1232,9 @@ impl Inner {
             return Err(FsError::INVALID);
         }
         let (uid, gid, perm) = self.new_owner(parent, caller, libc::S_IFREG, mode)?;
+        let place = self.place(parent, name, Intent::Make)?;
         let created = sys::openat2(
-            parent.fd.as_fd(),
+            place.dir(parent.fd.as_fd()),
             name,
             libc::O_CREAT
                 | libc::O_EXCL
@@ -1153,7 +1247,7 @@ impl Inner {
             Ok(io) => io,
             Err(err) if err.raw_os_error() == Some(libc::EEXIST) && !flags.exclusive() => {
                 // It exists (made meanwhile): opened like any existing file.
-                let entry = self.lookup(parent, name)?;
+                let entry = self.lookup_at(parent, &place, name)?;
                 let node = self.node(entry.attr.ino)?;
                 return match self.open(&node, flags) {
                     Ok(handle) => Ok((entry, handle)),
@@ -1166,7 +1260,7 @@ impl Inner {
             Err(err) => return Err(err.into()),
         };
         let (node, st) = self.finish_create(
-            parent,
+            (parent, &place),
             name,
             libc::S_IFREG,
             uid,
@@ -1204,8 +1298,10 @@ impl Inner {
             _ => return Err(FsError::INVALID),
         };
         let (uid, gid, perm) = self.new_owner(parent, caller, kind, mode)?;
-        sys::mknodat(parent.fd.as_fd(), name, kind | host_perm(kind, perm))?;
-        let (node, st) = self.finish_create(parent, name, kind, uid, gid, perm, None)?;
+        let place = self.place(parent, name, Intent::Make)?;
+        let dir = place.dir(parent.fd.as_fd());
+        sys::mknodat(dir, name, kind | host_perm(kind, perm))?;
+        let (node, st) = self.finish_create((parent, &place), name, kind, uid, gid, perm, None)?;
         Ok(self.entry(&node, &st))
     }
 
@@ -1213,8 +1309,11 @@ impl Inner {
         self.writable()?;
         self.room_for_inode()?;
         let (uid, gid, perm) = self.new_owner(parent, caller, libc::S_IFDIR, mode)?;
-        sys::mkdirat(parent.fd.as_fd(), name, host_perm(libc::S_IFDIR, perm))?;
-        let (node, st) = self.finish_create(parent, name, libc::S_IFDIR, uid, gid, perm, None)?;
+        let place = self.place(parent, name, Intent::Make)?;
+        let dir = place.dir(parent.fd.as_fd());
+        sys::mkdirat(dir, name, host_perm(libc::S_IFDIR, perm))?;
+        let (node, st) =
+            self.finish_create((parent, &place), name, libc::S_IFDIR, uid, gid, perm, None)?;
         Ok(self.entry(&node, &st))
     }
 
@@ -1236,8 +1335,10 @@ impl Inner {
         }
         let target = CString::new(target).map_err(|_| FsError::INVALID)?;
         let (uid, gid, _) = self.new_owner(parent, caller, libc::S_IFLNK, 0o777)?;
-        sys::symlinkat(&target, parent.fd.as_fd(), name)?;
-        let (node, st) = self.finish_create(parent, name, libc::S_IFLNK, uid, gid, 0o777, None)?;
+        let place = self.place(parent, name, Intent::Make)?;
+        sys::symlinkat(&target, place.dir(parent.fd.as_fd()), name)?;
+        let (node, st) =
+            self.finish_create((parent, &place), name, libc::S_IFLNK, uid, gid, 0o777, None)?;
         Ok(self.entry(&node, &st))
     }
 
@@ -1247,15 +1348,61 @@ impl Inner {
         if node.kind == FileKind::Directory {
             return Err(FsError::NOT_PERMITTED);
         }
-        sys::link(&self.proc, node.fd.as_fd(), new_parent.fd.as_fd(), new_name)?;
-        self.lookup(new_parent, new_name)
+        let place = self.place(new_parent, new_name, Intent::Make)?;
+        sys::link(
+            &self.proc,
+            node.fd.as_fd(),
+            place.dir(new_parent.fd.as_fd()),
+            new_name,
+        )?;
+        self.lookup_at(new_parent, &place, new_name)
+    }
+
+    /// Removes `name` from `parent` (`flags` as `unlinkat`'s).
+    fn remove(&self, parent: &Node, name: &CStr, flags: i32) -> FsResult<()> {
+        let place = self.place(parent, name, Intent::Remove)?;
+        Ok(sys::unlinkat(place.dir(parent.fd.as_fd()), name, flags)?)
+    }
+
+    /// Renames `parent/name` to `new_parent/new_name` (`flags` as `renameat2`'s). A directory
+    /// on the way to masked paths stays where it is (`EBUSY`, as for a mount point: moved, its
+    /// masks would no longer be found by their names; not `EXDEV`, on which `mv` would copy
+    /// the tree and then remove the masked entries' storage).
+    fn rename(
+        &self,
+        (parent, name): (&Node, &CStr),
+        (new_parent, new_name): (&Node, &CStr),
+        flags: u32,
+    ) -> FsResult<()> {
+        let from = self.place(parent, name, Intent::Remove)?;
+        let to = self.place(new_parent, new_name, Intent::Make)?;
+        if from.leads_on().is_some() || to.leads_on().is_some() {
+            return Err(errno(libc::EBUSY));
+        }
+        Ok(sys::renameat2(
+            from.dir(parent.fd.as_fd()),
+            name,
+            to.dir(new_parent.fd.as_fd()),
+            new_name,
+            flags,
+        )?)
     }
 
     /// The entries of `dir` from the guest's offset on, a batch at a time. Offsets are the
     /// host filesystem's own cookies (`d_off`), so a listing resumes where the guest says
     /// without the host holding anything but the descriptor; `.` and `..` come as the host
     /// lists them, `..` of the root being the root.
+    ///
+    /// A directory on the way to masked paths lists the source's entries but the masked ones,
+    /// then the masked names its mask's storage holds (at offsets from [`STORED_BASE`]).
     fn readdir(&self, dir: &OpenDir, offset: u64, room: usize) -> FsResult<Vec<DirEntry>> {
+        let masked = self.masks.as_ref().zip(dir.node.mask.get());
+        if offset >= STORED_BASE {
+            return Ok(masked.map_or_else(Vec::new, |(masks, mask)| {
+                self.stored_listing(masks, mask, offset - STORED_BASE)
+            }));
+        }
+        let hidden = masked.map(|(_, mask)| mask.as_ref());
         let fd = lock(&dir.fd);
         let mut entries = Vec::new();
         let mut from = offset;
@@ -1265,15 +1412,46 @@ impl Inner {
             let raw = sys::read_dir_at(fd.as_fd(), from, READDIR_CHUNK, room)?;
             let Some(last) = raw.last() else { break };
             from = last.next;
-            self.add_listed(dir, raw, &mut entries);
+            self.add_listed(dir, raw, hidden, &mut entries);
+        }
+        if let (true, Some((masks, mask))) = (entries.is_empty(), masked) {
+            return Ok(self.stored_listing(masks, mask, 0));
         }
         Ok(entries)
     }
 
-    /// `raw` entries of `dir` as the guest sees them.
-    fn add_listed(&self, dir: &OpenDir, raw: Vec<sys::RawEntry>, entries: &mut Vec<DirEntry>) {
+    /// The entries of a masked directory's storage from the `from`th on.
+    fn stored_listing(&self, masks: &Masks, mask: &MaskDir, from: u64) -> Vec<DirEntry> {
+        let from = usize::try_from(from).unwrap_or(usize::MAX);
+        masks
+            .stored_entries(mask)
+            .into_iter()
+            .enumerate()
+            .skip(from)
+            .filter_map(|(i, (name, st))| {
+                Some(DirEntry {
+                    ino: self.listed_id(st.st_ino),
+                    offset: STORED_BASE + i as u64 + 1,
+                    kind: FileKind::from_mode(st.st_mode)?,
+                    name: OsStr::from_bytes(name.as_bytes()).to_owned(),
+                })
+            })
+            .collect()
+    }
+
+    /// `raw` entries of `dir` as the guest sees them: all but those `hidden` masks.
+    fn add_listed(
+        &self,
+        dir: &OpenDir,
+        raw: Vec<sys::RawEntry>,
+        hidden: Option<&MaskDir>,
+        entries: &mut Vec<DirEntry>,
+    ) {
         for entry in raw {
             let name = entry.name.as_bytes();
+            if hidden.is_some_and(|mask| mask.is_masked(name)) {
+                continue;
+            }
             let (ino, kind) = match name {
                 b"." => (dir.node.id, FileKind::Directory),
                 b".." if dir.node.id == InodeId::ROOT => (InodeId::ROOT, FileKind::Directory),
@@ -1396,7 +1574,7 @@ impl VirtualFs for HostDir {
         let name = component(name)?;
         let parent = self.inner.dir(parent)?;
         // Removing a file's last name frees its blocks inside the call.
-        self.run_blocking(move |_| Ok(sys::unlinkat(parent.fd.as_fd(), &name, 0)?))
+        self.run_blocking(move |inner| inner.remove(&parent, &name, 0))
             .await
     }
 
@@ -1404,7 +1582,7 @@ impl VirtualFs for HostDir {
         self.inner.writable()?;
         let name = component(name)?;
         let parent = self.inner.dir(parent)?;
-        self.run_blocking(move |_| Ok(sys::unlinkat(parent.fd.as_fd(), &name, libc::AT_REMOVEDIR)?))
+        self.run_blocking(move |inner| inner.remove(&parent, &name, libc::AT_REMOVEDIR))
             .await
     }
 
@@ -1447,14 +1625,8 @@ impl VirtualFs for HostDir {
             0
         };
         // A rename over a file frees the file it replaces.
-        self.run_blocking(move |_| {
-            Ok(sys::renameat2(
-                parent.fd.as_fd(),
-                &name,
-                new_parent.fd.as_fd(),
-                &new_name,
-                flags,
-            )?)
+        self.run_blocking(move |inner| {
+            inner.rename((&parent, &name), (&new_parent, &new_name), flags)
         })
         .await
     }

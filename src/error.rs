@@ -72,7 +72,9 @@ pub enum Error {
     /// sync and at shutdown, and this error says when they could not be stored. `shutdown`
     /// reports the run's first failure even when a later retry stored everything (the guest
     /// saw `EIO` then, and may have acted on it); the store's error comes as its message.
-    #[error("the root's block store failed to {operation}: {source}")]
+    /// Also a store an image is written into or read from
+    /// ([`image::flatten_into_store`](crate::image::flatten_into_store)) that failed.
+    #[error("the block store failed to {operation}: {source}")]
     BlockStore {
         /// What krunbox asked of the store (`attach`, `read`, `write`, `flush`, ...).
         operation: &'static str,

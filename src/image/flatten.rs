@@ -135,7 +135,15 @@ pub async fn flatten_into<W>(root: &Rootfs, dest: &mut W) -> Result<WrittenImage
 where
     W: tokio::io::AsyncWrite + Unpin + ?Sized,
 {
-    let scratch = tempfile::Builder::new()
+    let scratch = scratch_dir()?;
+    let flat = flatten(root, scratch.path().join("image.qcow2")).await?;
+    write_to(&flat, dest).await
+}
+
+/// A directory to flatten into before the image goes where it is wanted (`TMPDIR`, else
+/// `/tmp`; removed when dropped).
+pub(super) fn scratch_dir() -> Result<tempfile::TempDir> {
+    tempfile::Builder::new()
         .prefix("krunbox-flatten-")
         .tempdir()
         .map_err(|source| Error::Io {
@@ -144,8 +152,14 @@ where
                 std::env::temp_dir().display()
             ),
             source,
-        })?;
-    let flat = flatten(root, scratch.path().join("image.qcow2")).await?;
+        })
+}
+
+/// Copies the image file `flat` into `dest` (see [`flatten_into`]).
+pub(super) async fn write_to<W>(flat: &FlatImage, dest: &mut W) -> Result<WrittenImage>
+where
+    W: tokio::io::AsyncWrite + Unpin + ?Sized,
+{
     let mut image = flat.stream().await.map_err(|source| Error::Io {
         context: format!("reading the image {}", flat.path.display()),
         source,
@@ -164,7 +178,7 @@ where
         })?;
     Ok(WrittenImage {
         len,
-        sha256: flat.sha256,
+        sha256: flat.sha256.clone(),
     })
 }
 

@@ -28,13 +28,12 @@
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use tracing::Instrument;
 
 use super::block_cache::{BlockCache, Fetched};
 use super::layer::{data_extents, formatted_memfd, Journal, RootUsage};
 use super::persistent::{parse_record, record};
 use super::served::{DiskSource, ServedDisk};
-use super::store::{check_block_size, BlockStore, Guarded, StoreContext, StoreError};
+use super::store::{check_block_size, BlockStore, Claim, Guarded, StoreContext, StoreError};
 use crate::error::{Error, Result};
 use crate::fs::{async_trait, FsError, FsResult};
 
@@ -50,44 +49,6 @@ struct Blocks {
     cache: BlockCache,
     /// The VM has stopped and everything went to the store (or failed to): no more I/O.
     finished: bool,
-}
-
-/// A store handle taken by an attach that has not finished: dropped armed (the attach failed,
-/// or the boot awaiting it was dropped), it detaches the store (in a task: `Drop` cannot wait)
-/// and frees the handle.
-struct Claim {
-    attached: Arc<AtomicBool>,
-    /// The store, once its `attach` succeeded (then it needs a `detach`).
-    store: Option<Arc<dyn BlockStore>>,
-    armed: bool,
-}
-
-impl Claim {
-    /// The layer is ready and owns the handle now.
-    fn disarm(mut self) {
-        self.armed = false;
-    }
-}
-
-impl Drop for Claim {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        let attached = self.attached.clone();
-        match (self.store.take(), tokio::runtime::Handle::try_current()) {
-            (Some(store), Ok(runtime)) => {
-                runtime.spawn(
-                    async move {
-                        let _ = store.detach().await;
-                        attached.store(false, Ordering::SeqCst);
-                    }
-                    .in_current_span(),
-                );
-            }
-            _ => attached.store(false, Ordering::SeqCst),
-        }
-    }
 }
 
 /// One boot's attachment to a store: the layer disk the guest sees, served from it.
@@ -161,29 +122,17 @@ impl CowLayer {
         let store: Arc<dyn BlockStore> = Arc::new(Guarded(store));
         let block_size = store.block_size();
         check_block_size(block_size).map_err(Error::InvalidConfig)?;
-        if attached
-            .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
-            .is_err()
-        {
-            return Err(store_error("attach")(StoreError::InUse));
-        }
         // Until the layer is ready, a boot that fails or is dropped gives the store back.
-        let mut claim = Claim {
-            attached: attached.clone(),
-            store: None,
-            armed: true,
-        };
+        let mut claim = Claim::take(attached.clone()).map_err(store_error("attach"))?;
         let mut layer = CowLayer::new(store, attached, max_dirty_bytes);
         let context = StoreContext {
             base_sha256: base_sha256.to_string(),
             disk_bytes: COW_LAYER_BYTES,
         };
-        layer
-            .store
-            .attach(&context)
+        claim
+            .attach(&layer.store, &context)
             .await
             .map_err(store_error("attach"))?;
-        claim.store = Some(layer.store.clone());
         layer.load(base_sha256).await?;
         // Asked once everything before the guest went through the trait (the format, block 0
         // read for its record): the cache holds nothing dirty, and no clean copy goes stale.

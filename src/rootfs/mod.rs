@@ -410,6 +410,18 @@ impl Rootfs {
 }
 
 impl StoreHandle {
+    /// The store (guarded: a panic in it fails only its call) and the handle's claim on it,
+    /// for a use other than a boot (an image written or read).
+    pub(crate) fn take(
+        &self,
+    ) -> std::result::Result<(std::sync::Arc<dyn BlockStore>, store::Claim), StoreError> {
+        let claim = store::Claim::take(self.attached.clone())?;
+        Ok((
+            std::sync::Arc::new(store::Guarded(self.store.clone())),
+            claim,
+        ))
+    }
+
     /// Attaches the store for one boot over `base_sha256` (see [`CowLayer::attach`]).
     pub(crate) async fn attach(&self, base_sha256: &str, max_dirty_bytes: u64) -> Result<CowLayer> {
         CowLayer::attach(

@@ -18,10 +18,12 @@
 //! assert_eq!(store.stored_bytes(), 0);
 //! ```
 
+mod claim;
 mod directory;
 pub(crate) mod error;
 mod memory;
 
+pub(crate) use claim::Claim;
 pub use directory::DirectoryStore;
 pub use error::StoreError;
 pub use memory::MemoryStore;

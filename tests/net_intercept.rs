@@ -567,9 +567,8 @@ fn intercepted_http_passes_every_response_framing_to_real_clients() {
 /// the example's blob-backed store) and where a test must: the resolver and "api.github.com"
 /// are servers of this test on loopback (its HTTPS origin on 127.0.0.1:443, with a CA of its
 /// own given as the upstream trust), and the lane gets 1 vCPU and 1 GiB, not 4 and 4 GiB, to
-/// fit the nested L1. Our
-/// middleware is synchronous until the Python issue makes it async: the token is fetched in the
-/// async policy and handed to it.
+/// fit the nested L1. The middleware is async, as the example's: it awaits the token per
+/// request (`Intercept::middleware_async`; a Rust closure returns its future boxed).
 #[test]
 fn the_designs_readme_example_runs_with_our_names() {
     use krunbox::fs::MemoryFs;
@@ -585,7 +584,8 @@ fn the_designs_readme_example_runs_with_our_names() {
         async fn can_serve(&self, flow: &Flow) -> bool {
             self.installation_id == 123456 && flow.hostname() == Some("api.github.com")
         }
-        async fn token_for_request(&self) -> String {
+        async fn token_for_request(&self, request: &RequestHead) -> String {
+            assert_eq!(request.hostname(), "api.github.com");
             format!("ghs_installation_{}", self.installation_id)
         }
     }
@@ -651,13 +651,17 @@ fn the_designs_readme_example_runs_with_our_names() {
                             return Verdict::deny();
                         }
 
-                        let token = github_tokens.token_for_request().await;
-                        Verdict::intercept(Intercept::new().middleware(
+                        Verdict::intercept(Intercept::new().middleware_async(
                             move |request: &mut RequestHead| {
-                                request.headers_mut().insert(
-                                    "authorization",
-                                    HeaderValue::from_str(&format!("Bearer {token}")).unwrap(),
-                                );
+                                let github_tokens = github_tokens.clone();
+                                Box::pin(async move {
+                                    let token = github_tokens.token_for_request(request).await;
+                                    request.headers_mut().insert(
+                                        "authorization",
+                                        HeaderValue::from_str(&format!("Bearer {token}")).unwrap(),
+                                    );
+                                    None
+                                })
                             },
                         ))
                     }

@@ -142,6 +142,9 @@ pub enum RequestOutcome {
         /// The panic's message.
         message: String,
     },
+    /// The caller's middleware took longer than
+    /// [`MIDDLEWARE_DEADLINE`](crate::net::MIDDLEWARE_DEADLINE): answered `504`, sent nowhere.
+    MiddlewareTimedOut,
     /// The guest's connection ended (or the network stopped) before it was answered.
     Abandoned,
 }
@@ -164,6 +167,7 @@ impl std::fmt::Display for RequestOutcome {
             RequestOutcome::MiddlewarePanicked { message } => {
                 write!(f, "middleware panicked: {message}")
             }
+            RequestOutcome::MiddlewareTimedOut => f.write_str("middleware took too long"),
             RequestOutcome::Abandoned => f.write_str("abandoned before its answer"),
         }
     }

@@ -59,7 +59,14 @@ pub use ::http::{uri::Scheme, HeaderName, HeaderValue, Method, StatusCode};
 pub use address::{classify, AddressClass};
 pub use audit::{NetworkEvent, Outcome, RequestOutcome};
 pub(crate) use intercept::ca::CertificateAuthority;
-pub use intercept::{Answer, Intercept, Middleware, RequestHead, UpstreamTrust};
+pub use intercept::{
+    Answer, Intercept, Middleware, MiddlewareFuture, RequestHead, UpstreamTrust,
+    MIDDLEWARE_DEADLINE,
+};
+
+/// Re-exported so that [`Middleware`] implementations can write `#[async_trait]` without
+/// depending on the crate themselves.
+pub use async_trait::async_trait;
 pub use policy::{Decide, Flow, Policy, Protocol, Resolver, Verdict};
 pub use rules::{Action, Cidr, DomainPattern, Ports, Rule, RuleError, Rules, Target};
 pub use secrets::Secret;

@@ -1356,8 +1356,9 @@ struct MethodGate {
     rules: Vec<(usize, Rule)>,
 }
 
+#[async_trait::async_trait]
 impl super::Middleware for MethodGate {
-    fn handle(&self, request: &mut super::RequestHead) -> Option<super::Answer> {
+    async fn handle(&self, request: &mut super::RequestHead) -> Option<super::Answer> {
         let method = request.method().as_str();
         let (hostname, port) = (&self.hostname, self.port);
         match self.rules.iter().find(|(_, r)| r.matches_method(method)) {

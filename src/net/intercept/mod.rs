@@ -121,6 +121,31 @@ impl Intercept {
         self.middleware(AnswerWith(answer))
     }
 
+    /// Adds async middleware written as a function: it gets each request and returns
+    /// `Box::pin(async move { .. })`, a future that may change the request, wait, and answer it
+    /// (`Some`) or let it go on (`None`); run after the middleware added before it.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use krunbox::net::{Intercept, RequestHead};
+    ///
+    /// async fn token() -> String { "ghs_short_lived".into() } // the program's token service
+    ///
+    /// let intercept = Intercept::new().middleware_async(|request: &mut RequestHead| {
+    ///     Box::pin(async move {
+    ///         let value = format!("Bearer {}", token().await).parse().unwrap();
+    ///         request.headers_mut().insert("authorization", value);
+    ///         None
+    ///     })
+    /// });
+    /// ```
+    pub fn middleware_async<F>(self, middleware: F) -> Self
+    where
+        F: for<'a> Fn(&'a mut RequestHead) -> MiddlewareFuture<'a> + Send + Sync + 'static,
+    {
+        self.middleware(AsyncFn(middleware))
+    }
+
     /// Sets header `name` to `value` on every request (replacing what the guest sent).
     ///
     /// ```
@@ -151,7 +176,9 @@ impl Intercept {
 
 /// Changes a request on its way upstream, or answers it itself so it never goes upstream. Any
 /// `Fn(&mut RequestHead)` that is `Send + Sync` is one (it changes requests); to answer, use
-/// [`Intercept::answer_with`] or implement [`Middleware::handle`].
+/// [`Intercept::answer_with`] or implement [`Middleware::handle`], which is async: it may wait
+/// for a token service, a database, a person's approval. The whole chain gets
+/// [`MIDDLEWARE_DEADLINE`] per request; past it the guest gets `504` and nothing goes upstream.
 ///
 /// ```
 /// use krunbox::net::{Middleware, RequestHead};
@@ -170,13 +197,14 @@ impl Intercept {
 /// `on_request`):
 ///
 /// ```
-/// use krunbox::net::{Answer, Method, Middleware, RequestHead};
+/// use krunbox::net::{async_trait, Answer, Method, Middleware, RequestHead};
 ///
 /// /// Read-only access: anything but GET and HEAD is answered 403 and goes nowhere.
 /// struct ReadOnly;
 ///
+/// #[async_trait]
 /// impl Middleware for ReadOnly {
-///     fn handle(&self, request: &mut RequestHead) -> Option<Answer> {
+///     async fn handle(&self, request: &mut RequestHead) -> Option<Answer> {
 ///         match *request.method() {
 ///             Method::GET | Method::HEAD => None,
 ///             _ => Some(Answer::forbidden("read-only access\n")),
@@ -184,6 +212,31 @@ impl Intercept {
 ///     }
 /// }
 /// ```
+///
+/// Middleware that waits for something before the request goes on, a short-lived token:
+///
+/// ```
+/// use std::sync::Arc;
+/// use krunbox::net::{async_trait, Answer, Middleware, RequestHead};
+///
+/// struct Tokens; // a token service of the program's
+/// impl Tokens {
+///     async fn token_for(&self, path: &str) -> String { format!("ghs_for_{}", path.len()) }
+/// }
+///
+/// struct GitHubAuth(Arc<Tokens>);
+///
+/// #[async_trait]
+/// impl Middleware for GitHubAuth {
+///     async fn handle(&self, request: &mut RequestHead) -> Option<Answer> {
+///         let token = self.0.token_for(request.path()).await;
+///         let value = format!("Bearer {token}").parse().unwrap();
+///         request.headers_mut().insert("authorization", value);
+///         None
+///     }
+/// }
+/// ```
+#[async_trait::async_trait]
 pub trait Middleware: Send + Sync + 'static {
     /// Called once per request, before it is sent upstream, by the default
     /// [`handle`](Middleware::handle). Does nothing unless implemented.
@@ -193,13 +246,22 @@ pub trait Middleware: Send + Sync + 'static {
     /// the next middleware, then upstream), an [`Answer`] is sent to the guest in place of
     /// the upstream's response, and then no later middleware runs, no secret is swapped in and
     /// nothing goes upstream; the connection stays open for the guest's next request. The
-    /// default calls [`on_request`](Middleware::on_request) and lets the request go on, so
-    /// middleware written before this method existed behaves as it did.
-    fn handle(&self, request: &mut RequestHead) -> Option<Answer> {
+    /// default calls [`on_request`](Middleware::on_request) and lets the request go on.
+    /// Implement it with `#[async_trait]` ([`async_trait`](crate::net::async_trait)) on the
+    /// `impl` block.
+    async fn handle(&self, request: &mut RequestHead) -> Option<Answer> {
         self.on_request(request);
         None
     }
 }
+
+/// How long the middleware of one request may take together: past it the request is answered
+/// `504` and nothing goes upstream (a middleware that waits for ever costs its request only).
+pub const MIDDLEWARE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// The future [`Intercept::middleware_async`]'s function returns: `Box::pin(async move { .. })`.
+pub type MiddlewareFuture<'a> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Option<Answer>> + Send + 'a>>;
 
 /// What middleware answers a request with instead of sending it upstream
 /// ([`Middleware::handle`]): a status and a short plain-text body for the guest.
@@ -263,12 +325,26 @@ impl Answer {
 /// [`Intercept::answer_with`]'s middleware.
 struct AnswerWith<F>(F);
 
+#[async_trait::async_trait]
 impl<F> Middleware for AnswerWith<F>
 where
     F: Fn(&RequestHead) -> Option<Answer> + Send + Sync + 'static,
 {
-    fn handle(&self, request: &mut RequestHead) -> Option<Answer> {
+    async fn handle(&self, request: &mut RequestHead) -> Option<Answer> {
         (self.0)(request)
+    }
+}
+
+/// [`Intercept::middleware_async`]'s middleware.
+struct AsyncFn<F>(F);
+
+#[async_trait::async_trait]
+impl<F> Middleware for AsyncFn<F>
+where
+    F: for<'a> Fn(&'a mut RequestHead) -> MiddlewareFuture<'a> + Send + Sync + 'static,
+{
+    async fn handle(&self, request: &mut RequestHead) -> Option<Answer> {
+        (self.0)(request).await
     }
 }
 
@@ -636,18 +712,34 @@ fn without_reflected_secrets(
     body::SwapBody::response(body, swap, record.clone()).boxed()
 }
 
-/// Runs the middleware in order until one answers. A panic in one (the caller's code) is
-/// [`Panicked`](crate::callback::Panicked): the request fails, not the connection's task.
-fn run_middleware(
+/// What became of a request's middleware when it did not finish: the caller's code panicked,
+/// or took longer than [`MIDDLEWARE_DEADLINE`].
+enum MiddlewareFailure {
+    Panicked(crate::callback::Panicked),
+    TimedOut,
+}
+
+/// Runs the middleware in order until one answers, all of them within `deadline`. A panic in
+/// one (the caller's code) or the deadline fails the request, not the connection's task.
+async fn run_middleware(
     intercept: &Intercept,
     head: &mut RequestHead,
-) -> Result<Option<Answer>, crate::callback::Panicked> {
-    crate::callback::guarded_sync(|| {
-        intercept
-            .middleware
-            .iter()
-            .find_map(|middleware| middleware.handle(head))
-    })
+    deadline: std::time::Duration,
+) -> Result<Option<Answer>, MiddlewareFailure> {
+    let chain = async {
+        for middleware in &intercept.middleware {
+            let answered = crate::callback::guarded(|| middleware.handle(head))
+                .await
+                .map_err(MiddlewareFailure::Panicked)?;
+            if answered.is_some() {
+                return Ok(answered);
+            }
+        }
+        Ok(None)
+    };
+    tokio::time::timeout(deadline, chain)
+        .await
+        .unwrap_or(Err(MiddlewareFailure::TimedOut))
 }
 
 /// The answer to a request that goes nowhere: its body is read and dropped first where that
@@ -773,9 +865,33 @@ async fn forward(
     };
     // On plain HTTP, what the guest sent, to tell what middleware added.
     let guest_headers = (!tls).then(|| head.headers.clone());
-    let answered = match run_middleware(&context.intercept, &mut head) {
+    let answered = match run_middleware(&context.intercept, &mut head, MIDDLEWARE_DEADLINE).await {
         Ok(answered) => answered,
-        Err(panicked) => {
+        Err(MiddlewareFailure::TimedOut) => {
+            // The caller's code waited too long: this request only gets a 504.
+            tracing::error!(
+                target: "krunbox::net",
+                hostname = %context.hostname,
+                "middleware took longer than {MIDDLEWARE_DEADLINE:?}; the request is answered 504"
+            );
+            record.answered(
+                StatusCode::GATEWAY_TIMEOUT,
+                RequestOutcome::MiddlewareTimedOut,
+            );
+            let text = format!(
+                "krunbox: the host's middleware took longer than {} s on this request\n",
+                MIDDLEWARE_DEADLINE.as_secs()
+            );
+            return answer_unsent(
+                parts.version,
+                expects_continue,
+                body,
+                StatusCode::GATEWAY_TIMEOUT,
+                text,
+            )
+            .await;
+        }
+        Err(MiddlewareFailure::Panicked(panicked)) => {
             // The caller's code failed: this request only gets a 500, the connection goes on.
             tracing::error!(
                 target: "krunbox::net",

@@ -946,3 +946,71 @@ fn values_in_response_headers_go_back_as_placeholders() {
         "a value this short is not looked for"
     );
 }
+
+/// Middleware is async (issue 35, the design's `accept(async (request) => ...)`): it waits for
+/// something of the program's (here a token handed over a channel after the request arrived)
+/// and the request goes upstream only then, with what it set.
+#[tokio::test]
+async fn async_middleware_waits_before_the_request_goes_upstream() {
+    let tls = tls();
+    let (tokens, waiting) = tokio::sync::mpsc::unbounded_channel::<String>();
+    let waiting = Arc::new(tokio::sync::Mutex::new(waiting));
+    let asked = Arc::new(tokio::sync::Notify::new());
+    let told = asked.clone();
+    let intercept = Intercept::new().middleware_async(move |request: &mut RequestHead| {
+        let (waiting, told) = (waiting.clone(), told.clone());
+        Box::pin(async move {
+            told.notify_one();
+            let token = waiting.lock().await.recv().await.expect("a token");
+            let value = format!("Bearer {token}").parse().unwrap();
+            request.headers_mut().insert("authorization", value);
+            None
+        })
+    });
+    let mut harness = serve_in_memory(&tls, job(&tls, 443, intercept, Vec::new())).await;
+    let sent = tokio::spawn(async move {
+        let answer = send(&mut harness, request(Method::GET, "/user", b"")).await;
+        (answer, harness)
+    });
+    asked.notified().await;
+    tokens.send("ghs_short_lived".into()).unwrap();
+    let ((status, _, body), harness) = sent.await.unwrap();
+    assert_eq!(
+        (status, body.as_str()),
+        (StatusCode::OK, "origin says /user")
+    );
+    let received = harness.origin.received.lock().unwrap().clone();
+    assert_eq!(received.len(), 1);
+    assert_eq!(
+        received[0].headers["authorization"],
+        "Bearer ghs_short_lived"
+    );
+}
+
+/// A middleware that never finishes costs its request only: past the deadline the chain ends
+/// (`TimedOut`, answered 504 by the caller), and later middleware never ran.
+#[tokio::test]
+async fn middleware_past_its_deadline_fails_its_request() {
+    let later = Arc::new(AtomicUsize::new(0));
+    let counted = later.clone();
+    let intercept = Intercept::new()
+        .middleware_async(|_: &mut RequestHead| Box::pin(std::future::pending()))
+        .middleware(move |_: &mut RequestHead| {
+            counted.fetch_add(1, Ordering::SeqCst);
+        });
+    let mut head = RequestHead {
+        hostname: HOSTNAME.into(),
+        scheme: Scheme::HTTPS,
+        method: Method::GET,
+        path_and_query: "/".into(),
+        headers: HeaderMap::new(),
+    };
+    let ran = run_middleware(&intercept, &mut head, std::time::Duration::from_millis(50)).await;
+    assert!(matches!(ran, Err(MiddlewareFailure::TimedOut)));
+    assert_eq!(later.load(Ordering::SeqCst), 0);
+    // A panic inside the async part is caught as one.
+    let panicking = Intercept::new()
+        .middleware_async(|_: &mut RequestHead| Box::pin(async { panic!("async bug") }));
+    let ran = run_middleware(&panicking, &mut head, MIDDLEWARE_DEADLINE).await;
+    assert!(matches!(ran, Err(MiddlewareFailure::Panicked(p)) if p.0 == "async bug"));
+}

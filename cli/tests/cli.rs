@@ -92,10 +92,12 @@ fn run_keeps_stdout_and_stderr_apart_and_passes_env_workdir_and_hostname() {
 }
 
 #[test]
-fn run_on_the_agent_image_prints_the_guest_kernel_and_has_python() {
+fn run_on_the_agent_image_prints_the_guest_kernel_and_has_python_node_and_gh() {
     let out = krunbox(&[
         "run", "--", "sh", "-c",
-        "uname -r; python3 -c 'import ssl, sqlite3; print(\"py-ok\")'; git --version; curl --version | head -n1",
+        "uname -r; python3 -c 'import ssl, sqlite3; print(\"py-ok\")'; git --version; curl --version | head -n1; \
+         node --version; command -v npm; grep -m1 '\"version\"' /usr/share/nodejs/npm/package.json; \
+         gh --version | head -n1",
     ]);
     assert!(out.status.success(), "stderr: {}", text(&out.stderr));
     let stdout = text(&out.stdout);
@@ -111,6 +113,16 @@ fn run_on_the_agent_image_prints_the_guest_kernel_and_has_python() {
     assert!(stdout.contains("py-ok"), "{stdout}");
     assert!(stdout.contains("git version"), "{stdout}");
     assert!(stdout.contains("curl "), "{stdout}");
+    // The agent runtimes and CLIs the reference suite expects (its sandbox-api #16). npm is
+    // checked on PATH and by its package, not run: under the nested emulation anything that
+    // starts V8 takes 15 s and `npm --version` 40 s (`node --version` starts no V8).
+    assert!(
+        stdout.lines().any(|line| line.starts_with("v18.")),
+        "{stdout}"
+    );
+    assert!(stdout.contains("\"version\": \"9."), "{stdout}");
+    assert!(stdout.contains("/usr/bin/npm"), "{stdout}");
+    assert!(stdout.contains("gh version "), "{stdout}");
 }
 
 #[test]

@@ -31,7 +31,7 @@ const SUITE: &str = "bookworm";
 /// Packages on top of minbase (Essential and Priority: required). pip is what
 /// agents install Python packages with (into a venv, or with
 /// `--break-system-packages`: Debian marks its Python externally managed).
-const INCLUDE: &str = "python3,python3-pip,curl,git,ca-certificates,procps";
+const INCLUDE: &str = "python3,python3-pip,curl,git,ca-certificates,procps,nodejs,npm,gh";
 
 /// The packages the image is asked for: a cached image whose manifest lacks
 /// one was made from an older recipe and is rebuilt.

@@ -379,3 +379,30 @@ read -r status < /tmp/.krunbox-read-status
         unmount = unmount_output()
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn an_image_is_written_whole_to_a_writer_with_its_size_and_digest() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("image.qcow2");
+        let bytes: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+        std::fs::write(&path, &bytes).unwrap();
+        let flat = FlatImage {
+            path,
+            sha256: "recorded digest".into(),
+        };
+        let mut dest = Vec::new();
+        let written = write_to(&flat, &mut dest).await.unwrap();
+        assert_eq!(dest, bytes);
+        assert_eq!(
+            written,
+            WrittenImage {
+                len: bytes.len() as u64,
+                sha256: "recorded digest".into()
+            }
+        );
+    }
+}

@@ -300,6 +300,11 @@ impl Rootfs {
     /// `max_dirty_bytes` of them in host memory at a time (see [`Rootfs::Cow`] for when they
     /// reach the store).
     ///
+    /// The value only describes the base and its store (the design's `compose`): nothing is
+    /// attached until a boot, and the same description is what
+    /// [`image::flatten_into_store`](crate::image::flatten_into_store) and its siblings merge
+    /// into a standalone image.
+    ///
     /// ```no_run
     /// # async fn demo() -> krunbox::Result<()> {
     /// use krunbox::rootfs::DirectoryStore;
@@ -316,6 +321,7 @@ impl Rootfs {
     /// # Ok(())
     /// # }
     /// ```
+    #[doc(alias = "compose")]
     pub fn cow(base: Rootfs, store: impl Into<StoreHandle>, max_dirty_bytes: u64) -> Rootfs {
         Rootfs::Cow {
             base: Box::new(base),
@@ -503,11 +509,62 @@ pub(crate) fn dir_of(path: &Path) -> &Path {
         .unwrap_or(Path::new("."))
 }
 
-/// Opens `path`, hashes the open file, and fails closed on a mismatch.
+/// The most images whose digests [`digest_of`] remembers.
+const MAX_REMEMBERED_DIGESTS: usize = 64;
+
+/// What identifies one state of an inode: its device and number, size, and modification and
+/// change times (seconds, nanoseconds). Any write, truncation or attribute change moves the
+/// ctime, which no caller can set back.
+type InodeStamp = (u64, u64, u64, (i64, i64), (i64, i64));
+
+/// Digests this process computed, by the stamp of the inode they were computed for.
+static DIGESTS: std::sync::Mutex<Vec<(InodeStamp, String)>> = std::sync::Mutex::new(Vec::new());
+
+/// The SHA-256 of the open `file`: hashed, unless this process hashed the same inode in the
+/// same state before (a boot of the agent image hashed 450 MiB each time, seconds under the
+/// nested emulation the tests run in). Only a state whose ctime lies two seconds back is
+/// remembered: a filesystem's timestamps may be as coarse as the kernel's tick, so a write
+/// in the same tick as the hash could leave the ctime it had (git does the same with its
+/// index). Returns the digest, and whether it was hashed now.
+fn digest_of(file: &mut File) -> std::io::Result<(String, bool)> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = file.metadata()?;
+    let stamp: InodeStamp = (
+        meta.dev(),
+        meta.ino(),
+        meta.size(),
+        (meta.mtime(), meta.mtime_nsec()),
+        (meta.ctime(), meta.ctime_nsec()),
+    );
+    let digests = || {
+        DIGESTS
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    };
+    if let Some((_, digest)) = digests().iter().find(|(known, _)| *known == stamp) {
+        return Ok((digest.clone(), false));
+    }
+    let digest = sha256_hex(&mut *file)?;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_secs() as i64);
+    if meta.ctime() < now - 2 {
+        let mut known = digests();
+        known.retain(|(other, _)| (other.0, other.1) != (stamp.0, stamp.1));
+        if known.len() >= MAX_REMEMBERED_DIGESTS {
+            known.remove(0);
+        }
+        known.push((stamp, digest.clone()));
+    }
+    Ok((digest, true))
+}
+
+/// Opens `path`, hashes the open file (unless this process hashed the same unchanged inode
+/// before: [`digest_of`]), and fails closed on a mismatch.
 pub(crate) fn verify(path: &Path, fstype: &str, expected: &str) -> Result<VerifiedImage> {
     let mut file =
         File::open(path).map_err(Error::io(format!("opening root image {}", path.display())))?;
-    let actual = sha256_hex(&mut file)
+    let (actual, _) = digest_of(&mut file)
         .map_err(Error::io(format!("reading root image {}", path.display())))?;
     if !actual.eq_ignore_ascii_case(expected) {
         return Err(Error::ImageDigestMismatch {
@@ -569,5 +626,27 @@ mod tests {
             verify(&dir.path().join("missing"), "erofs", good),
             Err(Error::Io { .. })
         ));
+    }
+
+    #[test]
+    fn a_digest_is_remembered_only_for_the_same_settled_inode() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("img");
+        std::fs::write(&path, b"abc").unwrap();
+        let digest = |path: &Path| digest_of(&mut File::open(path).unwrap()).unwrap();
+        // Just written: hashed each time (a write in the same tick could keep the ctime).
+        assert!(digest(&path).1);
+        assert!(digest(&path).1);
+        std::thread::sleep(std::time::Duration::from_millis(3100));
+        let (first, hashed) = digest(&path);
+        assert!(hashed);
+        assert_eq!(digest(&path), (first.clone(), false), "remembered");
+        // The same bytes written again change the ctime: hashed again.
+        std::fs::write(&path, b"abc").unwrap();
+        assert_eq!(digest(&path), (first.clone(), true));
+        std::fs::write(&path, b"abd").unwrap();
+        let (changed, hashed) = digest(&path);
+        assert!(hashed);
+        assert_ne!(changed, first);
     }
 }

@@ -55,9 +55,19 @@ fn store_error(operation: &'static str) -> impl Fn(StoreError) -> Error {
     move |source| Error::BlockStore { operation, source }
 }
 
-/// `n` rounded up to whole blocks of `block` bytes.
+/// `n` rounded up to whole blocks of `block` bytes (a checked block size, never 0).
 fn whole_blocks(n: u64, block: u64) -> u64 {
-    n.div_ceil(block) * block
+    n.div_ceil(block).saturating_mul(block)
+}
+
+/// The disk an image of `len` bytes takes in blocks of `block`: refused when it would not fit
+/// in a `u64` (a length no image has; only a caller's mistake gives one).
+fn image_disk_bytes(len: u64, block: u64) -> Result<u64> {
+    len.div_ceil(block).checked_mul(block).ok_or_else(|| {
+        Error::InvalidConfig(format!(
+            "an image of {len} bytes is larger than any store holds"
+        ))
+    })
 }
 
 /// Writes the image file `flat` into the empty store `handle` (see [`flatten_into_store`]).
@@ -78,7 +88,7 @@ pub(super) async fn write_image(flat: &FlatImage, handle: &StoreHandle) -> Resul
     let len = file.metadata().await.map_err(io("reading"))?.len();
     let context = StoreContext {
         base_sha256: flat.sha256.clone(),
-        disk_bytes: whole_blocks(len, block.into()),
+        disk_bytes: image_disk_bytes(len, block.into())?,
     };
     claim
         .attach(&store, &context)
@@ -162,6 +172,7 @@ pub fn stored_bytes(
         image: image.clone(),
         open: None,
         started: false,
+        block: 0,
         next_block: 0,
         left: image.len,
         hasher: Sha256::new(),
@@ -186,6 +197,8 @@ struct Reading {
     open: Option<(Arc<dyn BlockStore>, Claim)>,
     /// Whether the store was taken (it is given back when the stream ends).
     started: bool,
+    /// The store's block size, checked when it was taken.
+    block: u64,
     next_block: u64,
     /// Image bytes not read yet.
     left: u64,
@@ -210,13 +223,14 @@ impl Reading {
                 .map_err(failed)?;
             let context = StoreContext {
                 base_sha256: self.image.sha256.clone(),
-                disk_bytes: whole_blocks(self.image.len, block.into()),
+                disk_bytes: image_disk_bytes(self.image.len, block.into()).map_err(failed)?,
             };
             claim
                 .attach(&store, &context)
                 .await
                 .map_err(store_error("attach"))
                 .map_err(failed)?;
+            self.block = u64::from(block);
             self.open = Some((store, claim));
         }
         let Some((store, _)) = &self.open else {
@@ -228,7 +242,9 @@ impl Reading {
             self.finish().await?;
             return Ok(None);
         }
-        let block = u64::from(store.block_size());
+        // The size checked at the start: a store is not asked again (one that panicked
+        // would say 0).
+        let block = self.block;
         let want = self.left.min(CHUNK as u64);
         let mut buf = vec![0u8; whole_blocks(want, block) as usize];
         store

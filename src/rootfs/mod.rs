@@ -528,14 +528,21 @@ static DIGESTS: std::sync::Mutex<Vec<(InodeStamp, String)>> = std::sync::Mutex::
 /// index). Returns the digest, and whether it was hashed now.
 fn digest_of(file: &mut File) -> std::io::Result<(String, bool)> {
     use std::os::unix::fs::MetadataExt;
-    let meta = file.metadata()?;
-    let stamp: InodeStamp = (
-        meta.dev(),
-        meta.ino(),
-        meta.size(),
-        (meta.mtime(), meta.mtime_nsec()),
-        (meta.ctime(), meta.ctime_nsec()),
-    );
+    // Read before the stamp: a hash can take seconds, and "settled" is about the stamp.
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_secs() as i64);
+    let stamp_of = |file: &File| -> std::io::Result<InodeStamp> {
+        let meta = file.metadata()?;
+        Ok((
+            meta.dev(),
+            meta.ino(),
+            meta.size(),
+            (meta.mtime(), meta.mtime_nsec()),
+            (meta.ctime(), meta.ctime_nsec()),
+        ))
+    };
+    let stamp = stamp_of(file)?;
     let digests = || {
         DIGESTS
             .lock()
@@ -545,10 +552,10 @@ fn digest_of(file: &mut File) -> std::io::Result<(String, bool)> {
         return Ok((digest.clone(), false));
     }
     let digest = sha256_hex(&mut *file)?;
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |since| since.as_secs() as i64);
-    if meta.ctime() < now - 2 {
+    // Remembered only if nothing changed the inode while it was hashed, and its ctime was
+    // settled before the hash began.
+    let settled = (stamp.4).0 < now - 2;
+    if settled && stamp_of(file)? == stamp {
         let mut known = digests();
         known.retain(|(other, _)| (other.0, other.1) != (stamp.0, stamp.1));
         if known.len() >= MAX_REMEMBERED_DIGESTS {

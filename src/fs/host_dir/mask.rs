@@ -7,8 +7,12 @@
 //! relative path, made as the guest first creates something there) or, without storage, not at
 //! all. So the source's entry at a masked path is never named by the host on the guest's
 //! behalf, whatever the guest does: a directory on the way to a mask cannot be renamed
-//! (`EBUSY`, as a mount point), and nothing else moves a name. A path a symlink in the source
-//! leads to is not masked by the symlink's path: masks name real directories.
+//! (`EBUSY`, as a mount point), and nothing else moves a name. On a filesystem that folds case,
+//! the source's masked entries are also hidden by inode (`.GIT` opens `.git` there). A path a
+//! symlink in the source leads to is not masked by the symlink's path: masks name real
+//! directories. What a mask does not hide: that a hidden entry exists (a directory holding
+//! only hidden entries is not empty to `rmdir`, and hidden subdirectories count in its link
+//! count).
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::{CStr, CString};
@@ -164,26 +168,41 @@ impl Masks {
         }
     }
 
-    /// The masked names of `dir` that its storage holds, with their host metadata, sorted:
-    /// what a listing of `dir` shows after the source's own entries.
-    pub(super) fn stored_entries(&self, dir: &MaskDir) -> Vec<(CString, libc::stat)> {
+    /// The masked names of `dir` that its storage holds, with their host metadata, each with
+    /// its index among all of `dir`'s masked names in byte order: what a listing of `dir`
+    /// shows after the source's own entries, the index its cookie.
+    pub(super) fn stored_entries(&self, dir: &MaskDir) -> Vec<(usize, CString, libc::stat)> {
         let Some(storage) = &self.storage else {
             return Vec::new();
         };
         let Ok(Some(fd)) = storage_dir(storage.as_fd(), &dir.path, false) else {
             return Vec::new();
         };
-        let mut found: Vec<_> = dir
-            .masked
+        let mut names: Vec<&Vec<u8>> = dir.masked.iter().collect();
+        names.sort();
+        names
+            .into_iter()
+            .enumerate()
+            .filter_map(|(index, name)| {
+                let name = CString::new(name.as_slice()).ok()?;
+                let st = sys::fstatat_nofollow(fd.as_fd(), &name).ok()?;
+                Some((index, name, st))
+            })
+            .collect()
+    }
+
+    /// The inodes (device, number) that `dir`'s masked names name in the source directory
+    /// `source`, as its filesystem looks them up (one that folds case finds `.git` for
+    /// `.GIT`, so an entry is hidden by what it is, not only by its name).
+    pub(super) fn hidden_inodes(&self, source: BorrowedFd<'_>, dir: &MaskDir) -> Vec<(u64, u64)> {
+        dir.masked
             .iter()
             .filter_map(|name| {
                 let name = CString::new(name.as_slice()).ok()?;
-                let st = sys::fstatat_nofollow(fd.as_fd(), &name).ok()?;
-                Some((name, st))
+                let st = sys::fstatat_nofollow(source, &name).ok()?;
+                Some((st.st_dev, st.st_ino))
             })
-            .collect();
-        found.sort_by(|a, b| a.0.cmp(&b.0));
-        found
+            .collect()
     }
 }
 

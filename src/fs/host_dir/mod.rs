@@ -56,6 +56,19 @@ const MAX_KNOWN: usize = 65_536;
 /// below, they are host inode numbers.
 const FOREIGN_BASE: u64 = 1 << 62;
 
+/// A masked directory's source entries not to list: its masked names, and the inodes they
+/// name (found by the filesystem's own lookup, which may fold case).
+struct Hidden<'a> {
+    mask: &'a MaskDir,
+    inodes: Vec<(u64, u64)>,
+}
+
+impl Hidden<'_> {
+    fn has_inode(&self, ino: u64) -> bool {
+        self.inodes.iter().any(|&(_, hidden)| hidden == ino)
+    }
+}
+
 /// Listing offsets from here on are a masked directory's entries from its mask's storage,
 /// listed after the source's (`readdir`): above every host cookie, which is an `off_t`.
 const STORED_BASE: u64 = 1 << 63;
@@ -735,17 +748,28 @@ impl Inner {
     /// metadata) refers to and returns its node: the live one if the guest holds the inode
     /// already (`fd` is then closed), else a new one. `fresh` is a record just written (for an
     /// inode just created); otherwise a new node's record is read from the host.
+    /// `place` is where it was found: a directory on the way to masked paths is given its
+    /// branch before anything else can reach it (the guest knows inode numbers from listings,
+    /// and may name the inode in a request while this lookup is still running).
     fn remember(
         &self,
         fd: OwnedFd,
         st: &libc::stat,
         fresh: Option<OverlayState>,
+        place: &Place,
     ) -> FsResult<Arc<Node>> {
         let key = (st.st_dev, st.st_ino);
         let kind = kind_of(st.st_mode)?;
+        let mask = match (place.leads_on(), kind) {
+            (Some(mask), FileKind::Directory) => Some(mask.clone()),
+            _ => None,
+        };
         {
             let mut table = lock(&self.table);
             if let Some(node) = self.bump(&mut table, key) {
+                if let Some(mask) = &mask {
+                    let _ = node.mask.set(mask.clone());
+                }
                 if let Some(fresh) = fresh {
                     *lock(&node.overlay) = fresh;
                 }
@@ -790,6 +814,9 @@ impl Inner {
         let mut table = lock(&self.table);
         if let Some(node) = self.bump(&mut table, key) {
             // Another lookup of the same inode won the race.
+            if let Some(mask) = &mask {
+                let _ = node.mask.set(mask.clone());
+            }
             return Ok(node);
         }
         if table.nodes.len() >= self.limits.inodes {
@@ -821,7 +848,9 @@ impl Inner {
             key,
             kind,
             overlay: Mutex::new(overlay),
-            mask: OnceLock::new(),
+            // Set once, here or above, under the table's lock: a directory has one name, and
+            // one on the way to masks cannot be renamed (see `rename`).
+            mask: mask.map_or_else(OnceLock::new, OnceLock::from),
             _charge: charge()?,
         });
         table.nodes.insert(id, (node.clone(), 1));
@@ -904,15 +933,6 @@ impl Inner {
         }
     }
 
-    /// Gives a directory found at `place` the branch of masked paths below it.
-    fn adopt(node: &Node, place: &Place) {
-        if let (Some(mask), FileKind::Directory) = (place.leads_on(), node.kind) {
-            // Set once: a directory has one name, and one on the way to masks cannot be
-            // renamed (see `rename`).
-            let _ = node.mask.set(mask.clone());
-        }
-    }
-
     fn lookup(&self, parent: &Node, name: &CStr) -> FsResult<Entry> {
         let place = self.place(parent, name, Intent::Find)?;
         self.lookup_at(parent, &place, name)
@@ -922,9 +942,26 @@ impl Inner {
         let dir = place.dir(parent.fd.as_fd());
         let fd = sys::openat2(dir, name, libc::O_PATH | libc::O_NOFOLLOW, 0)?;
         let st = sys::fstat(fd.as_fd())?;
-        let node = self.remember(fd, &st, None)?;
-        Self::adopt(&node, place);
+        self.refuse_masked(parent, place, &st)?;
+        let node = self.remember(fd, &st, None, place)?;
         Ok(self.entry(&node, &st))
+    }
+
+    /// Fails with `ENOENT` when `st`, found in the source directory `parent`, is the inode of
+    /// one of its masked names: a filesystem that folds case (ext4's casefold directories,
+    /// vfat, cifs) opens `.GIT` as `.git`.
+    fn refuse_masked(&self, parent: &Node, place: &Place, st: &libc::stat) -> FsResult<()> {
+        if let (Some(masks), Some(mask), Place::Source { .. }) =
+            (&self.masks, parent.mask.get(), place)
+        {
+            if masks
+                .hidden_inodes(parent.fd.as_fd(), mask)
+                .contains(&(st.st_dev, st.st_ino))
+            {
+                return Err(FsError::NOT_FOUND);
+            }
+        }
+        Ok(())
     }
 
     /// Opens a regular file's inode for I/O. Writing (or truncating) a host file that has
@@ -1085,8 +1122,7 @@ impl Inner {
         }
         let record = Overlay::between(uid, gid, perm, &st);
         let state = self.persist_overlay(node_kind, fd.as_fd(), record, io);
-        let node = self.remember(fd, &st, Some(state))?;
-        Self::adopt(&node, place);
+        let node = self.remember(fd, &st, Some(state), place)?;
         Ok((node, st))
     }
 
@@ -1402,7 +1438,10 @@ impl Inner {
                 self.stored_listing(masks, mask, offset - STORED_BASE)
             }));
         }
-        let hidden = masked.map(|(_, mask)| mask.as_ref());
+        let hidden = masked.map(|(masks, mask)| Hidden {
+            mask: mask.as_ref(),
+            inodes: masks.hidden_inodes(dir.node.fd.as_fd(), mask),
+        });
         let fd = lock(&dir.fd);
         let mut entries = Vec::new();
         let mut from = offset;
@@ -1412,7 +1451,7 @@ impl Inner {
             let raw = sys::read_dir_at(fd.as_fd(), from, READDIR_CHUNK, room)?;
             let Some(last) = raw.last() else { break };
             from = last.next;
-            self.add_listed(dir, raw, hidden, &mut entries);
+            self.add_listed(dir, raw, hidden.as_ref(), &mut entries);
         }
         if let (true, Some((masks, mask))) = (entries.is_empty(), masked) {
             return Ok(self.stored_listing(masks, mask, 0));
@@ -1420,18 +1459,18 @@ impl Inner {
         Ok(entries)
     }
 
-    /// The entries of a masked directory's storage from the `from`th on.
+    /// The entries of a masked directory's storage from its `from`th masked name on (the
+    /// names in a fixed order, absent ones skipped: a cookie means the same name whatever
+    /// the storage gains or loses meanwhile).
     fn stored_listing(&self, masks: &Masks, mask: &MaskDir, from: u64) -> Vec<DirEntry> {
-        let from = usize::try_from(from).unwrap_or(usize::MAX);
         masks
             .stored_entries(mask)
             .into_iter()
-            .enumerate()
-            .skip(from)
-            .filter_map(|(i, (name, st))| {
+            .filter(|(index, _, _)| (*index as u64) >= from)
+            .filter_map(|(index, name, st)| {
                 Some(DirEntry {
                     ino: self.listed_id(st.st_ino),
-                    offset: STORED_BASE + i as u64 + 1,
+                    offset: STORED_BASE + index as u64 + 1,
                     kind: FileKind::from_mode(st.st_mode)?,
                     name: OsStr::from_bytes(name.as_bytes()).to_owned(),
                 })
@@ -1439,17 +1478,22 @@ impl Inner {
             .collect()
     }
 
-    /// `raw` entries of `dir` as the guest sees them: all but those `hidden` masks.
+    /// `raw` entries of `dir` as the guest sees them: all but those `hidden` masks (by name,
+    /// or by inode where the filesystem folds case).
     fn add_listed(
         &self,
         dir: &OpenDir,
         raw: Vec<sys::RawEntry>,
-        hidden: Option<&MaskDir>,
+        hidden: Option<&Hidden<'_>>,
         entries: &mut Vec<DirEntry>,
     ) {
         for entry in raw {
             let name = entry.name.as_bytes();
-            if hidden.is_some_and(|mask| mask.is_masked(name)) {
+            let masked = hidden.is_some_and(|hidden| {
+                hidden.mask.is_masked(name)
+                    || (name != b"." && name != b".." && hidden.has_inode(entry.ino))
+            });
+            if masked {
                 continue;
             }
             let (ino, kind) = match name {

@@ -32,6 +32,9 @@ cd "$here/.."
 
 need_apt erofs-utils mmdebstrap busybox-static python3 passt e2fsprogs qemu-utils \
     docker-registry skopeo patch libc6-dev
+# The Python package's tests run in a virtualenv (python.sh); Debian's python3 makes one only
+# with python3-venv.
+python3 -c 'import ensurepip, venv' 2>/dev/null || need_apt python3-venv
 
 # Before any cargo command in the helper's workspace: vmm/Cargo.toml names libkrun's patched
 # krun-vmm, which this makes (with python3 and patch, installed just above).

@@ -69,6 +69,12 @@ for line in sys.stdin:
 ')
 ((${#benches[@]})) || die "no bench binaries were built"
 
+# The Python package: its wheel built from this clone into a fresh virtualenv (python.sh), and
+# its pytest tests, each run below like a VM test, in its own process and microVMs.
+"$here/python.sh" build
+mapfile -t python_tests < <("$here/python.sh" tests)
+((${#python_tests[@]})) || die "no Python tests were collected"
+
 # Where VMs boot: natively, or in the nested L1 that `nested.sh serve` keeps alive (a fresh one
 # replaces one that dies) with `nested.sh exec` as the target runner of every test process.
 # Two L1s of one vCPU each, one test at a time in each: measured, L1s with two vCPUs faulted in
@@ -134,13 +140,15 @@ for attempt in 1 2 3; do
     [[ -n $filter ]] || break
 done
 
-# One bench's smoke run, retried like a VM test after a diagnosed fault: its output into
-# $dir/NAME.out, its status (pass or fail, and whether it was retried) into $dir/NAME.status.
-smoke_bench() {
-    local name=$1 path=$2 dir=$3 out status retried=0
+# One job in its own process (where VMs boot: through the runner), retried like a VM test
+# after a diagnosed fault: run_job NAME DIR CMD [ARG]... puts its output into DIR/NAME.out, its
+# status (pass or fail, and whether it was retried) into DIR/NAME.status. NAME is a file name.
+run_job() {
+    local name=$1 dir=$2 out status retried=0
+    shift 2
     for attempt in 1 2 3; do
-        # A deadline: a bench's own hang must not eat CI's time (about a minute here).
-        out=$(timeout -s TERM 600 "${runner[@]}" "$path" 2>&1) && status=pass || status=fail
+        # A deadline: a job's own hang must not eat CI's time (about a minute here).
+        out=$(timeout -s TERM 600 "${runner[@]}" "$@" 2>&1) && status=pass || status=fail
         printf '%s\n' "$out" >>"$dir/$name.out"
         if [[ $status == fail ]] && ((retry_faults && attempt < 3)) && grep -qE "$fault_signature" <<<"$out"; then
             retried=1
@@ -159,7 +167,7 @@ running=()
 for bench in "${benches[@]}"; do
     read -r name path <<<"$bench"
     log "bench $name, once as a smoke test"
-    smoke_bench "$name" "$path" "$bench_dir" &
+    run_job "$name" "$bench_dir" "$path" &
     running+=($!)
     if ((${#running[@]} >= parallel)); then
         wait "${running[0]}" || true
@@ -175,6 +183,29 @@ for bench in "${benches[@]}"; do
     result["bench $name"]=$status
 done
 rm -rf "$bench_dir"
+
+# The Python tests, as many at once as there are L1s, each a pytest process of one test.
+python_dir=$(mktemp -d /tmp/krunbox-python.XXXXXX)
+running=()
+for i in "${!python_tests[@]}"; do
+    log "python ${python_tests[$i]}"
+    (cd bindings/python && run_job "test-$i" "$python_dir" env KRUNBOX_DATA_DIR="$target/python/data" \
+        "$target/python/venv/bin/python" -m pytest -q -p no:cacheprovider "${python_tests[$i]}") &
+    running+=($!)
+    if ((${#running[@]} >= parallel)); then
+        wait "${running[0]}" || true
+        running=("${running[@]:1}")
+    fi
+done
+for pid in "${running[@]}"; do wait "$pid" || true; done
+for i in "${!python_tests[@]}"; do
+    key="python ${python_tests[$i]}"
+    read -r status was_retried <"$python_dir/test-$i.status" || status=fail was_retried=0
+    if [[ $status != pass ]]; then cat "$python_dir/test-$i.out" 2>/dev/null || true; fi
+    ((was_retried)) && retried+=("$key")
+    result["$key"]=$status
+done
+rm -rf "$python_dir"
 
 passed=0 failed=0 skipped=0 broken=()
 for key in "${!result[@]}"; do

@@ -1,0 +1,24 @@
+//! `krunbox._krunbox`: the native half of the `krunbox` Python package. Each class wraps the
+//! library's own type; every call that waits on a VM comes twice, as an asyncio awaitable
+//! (`boot`, `run`, ...) and as a blocking call that releases the GIL while it waits
+//! (`boot_blocking`, ...), which `krunbox.sync` turns into the synchronous API.
+//!
+//! This process is the library's (host, trusted caller): nothing here parses guest bytes
+//! beyond what the library already bounds.
+
+mod errors;
+mod instance;
+mod runtime;
+mod sandbox;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _krunbox(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::register(module)?;
+    module.add_class::<sandbox::Sandbox>()?;
+    module.add_class::<instance::Instance>()?;
+    module.add_class::<instance::Completed>()?;
+    module.add("TIMEOUT_EXIT_CODE", krunbox::TIMEOUT_EXIT_CODE)?;
+    Ok(())
+}

@@ -1,0 +1,69 @@
+//! `Sandbox`: a definition (root, resources), booted into instances as often as wanted.
+
+use pyo3::prelude::*;
+
+use crate::errors::InvalidConfig;
+use crate::instance::Instance;
+use crate::runtime::{awaitable, block_on};
+
+/// A sandbox definition: what each instance boots from. Cheap to boot many times.
+#[pyclass(module = "krunbox._krunbox", frozen)]
+pub(crate) struct Sandbox {
+    inner: krunbox::Sandbox,
+}
+
+/// The built-in image of `name`.
+fn builtin(name: &str) -> PyResult<krunbox::BuiltinImage> {
+    match name {
+        "busybox" => Ok(krunbox::BuiltinImage::Busybox),
+        "agent" => Ok(krunbox::BuiltinImage::Agent),
+        other => Err(InvalidConfig::new_err(format!(
+            "{other:?} is not a built-in image: say \"agent\" (Debian with python3, node, git, \
+             curl) or \"busybox\""
+        ))),
+    }
+}
+
+#[pymethods]
+impl Sandbox {
+    /// A definition booting the built-in `image` ("agent" or "busybox") with `cpus` vCPUs and
+    /// `memory_mib` of memory (the library's defaults when not given), and `hostname`.
+    #[new]
+    #[pyo3(signature = (image = "agent", *, cpus = None, memory_mib = None, hostname = None))]
+    fn new(
+        image: &str,
+        cpus: Option<u8>,
+        memory_mib: Option<u32>,
+        hostname: Option<String>,
+    ) -> PyResult<Self> {
+        let mut builder =
+            krunbox::Sandbox::builder().rootfs(krunbox::Rootfs::builtin(builtin(image)?));
+        if let Some(cpus) = cpus {
+            builder = builder.cpus(cpus);
+        }
+        if let Some(mib) = memory_mib {
+            builder = builder.memory_mib(mib);
+        }
+        if let Some(hostname) = hostname {
+            builder = builder.hostname(hostname);
+        }
+        let inner = builder.build().map_err(crate::errors::to_py)?;
+        Ok(Sandbox { inner })
+    }
+
+    /// Boots an instance (awaitable).
+    fn boot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let sandbox = self.inner.clone();
+        awaitable(py, async move { sandbox.boot().await.map(Instance::new) })
+    }
+
+    /// Boots an instance, waiting here with the GIL released.
+    fn boot_blocking(&self, py: Python<'_>) -> PyResult<Instance> {
+        let sandbox = self.inner.clone();
+        block_on(py, async move { sandbox.boot().await.map(Instance::new) })
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Sandbox(rootfs={:?})", self.inner.rootfs())
+    }
+}

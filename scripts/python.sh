@@ -5,10 +5,10 @@
 #       A fresh virtualenv in TARGET/python/venv with the pinned tools of
 #       bindings/python/requirements-dev.txt (pip's own cache keeps their downloads), the
 #       wheel built by maturin from this clone (the dev profile and target directory the rest
-#       of the suite builds in, so the library is not built twice), installed into it; the
-#       package's types checked by mypy --strict; and the run-time files a wheel does not carry
-#       yet installed where the package finds them (`krunbox setup --data-dir
-#       TARGET/python/data`, given to the tests as KRUNBOX_DATA_DIR).
+#       of the suite builds in, so the library is not built twice), carrying this build's
+#       krunbox-vmm helper and guest-init (`krunbox setup` into the package's _artifacts
+#       directory first; the guest kernel is found as the library finds it), installed into
+#       it; and the package's types checked by mypy --strict.
 #   scripts/python.sh tests
 #       The pytest node ids of the package's tests, one a line (collected here, on the host).
 #
@@ -26,6 +26,10 @@ case ${1:-} in
 build)
     log "the Python package: a fresh virtualenv, the wheel built from this clone, mypy"
     rm -rf "$venv" "$target/python/wheels"
+    artifacts=$package/python/krunbox/_artifacts
+    rm -rf "$artifacts"
+    "$target/debug/krunbox" setup --data-dir "$artifacts" >&2
+    rm -rf "$artifacts/libkrunfw"
     python3 -m venv "$venv"
     "$venv/bin/pip" install --quiet --disable-pip-version-check -r "$package/requirements-dev.txt"
     CARGO_TARGET_DIR=$target "$venv/bin/maturin" build --quiet --profile dev \
@@ -33,7 +37,6 @@ build)
     "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps \
         "$target/python/wheels"/krunbox-*.whl
     (cd "$package" && "$venv/bin/mypy" --strict python/krunbox tests >&2)
-    "$target/debug/krunbox" setup --data-dir "$target/python/data" >&2
     ;;
 tests)
     cd "$package"

@@ -189,7 +189,7 @@ python_dir=$(mktemp -d /tmp/krunbox-python.XXXXXX)
 running=()
 for i in "${!python_tests[@]}"; do
     log "python ${python_tests[$i]}"
-    (cd bindings/python && run_job "test-$i" "$python_dir" env KRUNBOX_DATA_DIR="$target/python/data" \
+    (cd bindings/python && run_job "test-$i" "$python_dir" \
         "$target/python/venv/bin/python" -m pytest -q -p no:cacheprovider "${python_tests[$i]}") &
     running+=($!)
     if ((${#running[@]} >= parallel)); then

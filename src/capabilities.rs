@@ -128,6 +128,28 @@ impl HostCapabilities {
     /// # }
     /// ```
     pub async fn probe() -> HostCapabilities {
+        Self::probe_with(None, None).await
+    }
+
+    /// [`probe`](Self::probe) with the VMM helper and guest-init a program ships itself (as
+    /// [`SandboxBuilder::vmm_helper`](crate::SandboxBuilder::vmm_helper) and
+    /// [`guest_init`](crate::SandboxBuilder::guest_init) give them): `None` searches as
+    /// `probe` does. The Python package probes with the files in its wheel.
+    ///
+    /// ```no_run
+    /// # async fn demo() {
+    /// let caps = krunbox::HostCapabilities::probe_with(
+    ///     Some("/opt/myagent/krunbox-vmm".into()),
+    ///     Some("/opt/myagent/guest-init".into()),
+    /// )
+    /// .await;
+    /// println!("{}", caps.report());
+    /// # }
+    /// ```
+    pub async fn probe_with(
+        vmm_helper: Option<PathBuf>,
+        guest_init: Option<PathBuf>,
+    ) -> HostCapabilities {
         let cache = artifacts::cache_dir();
         let images = tokio::task::spawn_blocking(move || image_states(&cache))
             .await
@@ -136,8 +158,10 @@ impl HostCapabilities {
             kvm: KvmStatus::NotProbed {
                 reason: String::new(),
             },
-            vmm_helper: artifacts::locate_vmm_helper(None).map_err(|e| e.to_string()),
-            guest_init: artifacts::locate_guest_init(None).map_err(|e| e.to_string()),
+            vmm_helper: artifacts::locate_vmm_helper(vmm_helper.as_deref())
+                .map_err(|e| e.to_string()),
+            guest_init: artifacts::locate_guest_init(guest_init.as_deref())
+                .map_err(|e| e.to_string()),
             libkrunfw: artifacts::locate_libkrunfw(None).map_err(|e| e.to_string()),
             mke2fs: crate::rootfs::mke2fs().map_err(|e| e.to_string()),
             images,
@@ -177,7 +201,12 @@ impl HostCapabilities {
                 reason: format!("missing {}", missing.join(", ")),
             };
         }
-        match probe_boot().await {
+        let (Ok(helper), Ok(guest_init)) = (&self.vmm_helper, &self.guest_init) else {
+            return KvmStatus::NotProbed {
+                reason: "missing the VMM helper or guest-init".into(),
+            };
+        };
+        match probe_boot(helper, guest_init).await {
             Ok(kernel_release) => KvmStatus::Boots { kernel_release },
             Err(error) => KvmStatus::BootFailed { error },
         }
@@ -282,9 +311,11 @@ fn image_states(cache: &Path) -> Vec<(BuiltinImage, ImageState)> {
         .collect()
 }
 
-async fn probe_boot() -> Result<String, String> {
+async fn probe_boot(vmm_helper: &Path, guest_init: &Path) -> Result<String, String> {
     let sandbox = Sandbox::builder()
         .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
+        .vmm_helper(vmm_helper)
+        .guest_init(guest_init)
         .memory_mib(256)
         // Long enough for a slow (nested, or busy) host and one retry of a stalled boot;
         // a host whose KVM hangs guests costs this once.

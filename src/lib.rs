@@ -91,7 +91,7 @@ pub use logs::DEFAULT_CONSOLE_LOG_MAX;
 pub use metrics::{Metrics, MetricsSource, NetworkMetrics};
 pub use net::Network;
 pub use process::{
-    Child, ChildStderr, ChildStdin, ChildStdout, Command, ExitStatus, Output, Stdio,
+    Child, ChildControl, ChildStderr, ChildStdin, ChildStdout, Command, ExitStatus, Output, Stdio,
     DEFAULT_MAX_OUTPUT, TIMEOUT_EXIT_CODE,
 };
 pub use protocol::fs::{FileType, FsErrorKind};

@@ -45,6 +45,27 @@ impl Child {
         self.pid
     }
 
+    /// A handle that signals and resizes this process from another task while this one awaits
+    /// [`wait`](Self::wait) (which holds the `Child` mutably): a supervisor's SIGTERM, a
+    /// terminal's resize.
+    ///
+    /// ```no_run
+    /// # async fn demo(vm: &krunbox::Instance) -> krunbox::Result<()> {
+    /// let mut child = vm.command("sleep").arg("600").spawn().await?;
+    /// let control = child.control();
+    /// const SIGTERM: i32 = 15;
+    /// tokio::spawn(async move { control.signal(SIGTERM) });
+    /// assert_eq!(child.wait().await?.signal(), Some(SIGTERM));
+    /// # Ok(()) }
+    /// ```
+    pub fn control(&self) -> ChildControl {
+        ChildControl {
+            instance: self.instance.clone(),
+            key: self.key,
+            is_pty: self.is_pty,
+        }
+    }
+
     /// Sends `signal` (a Linux signal number, e.g. `libc::SIGTERM`) to the process group.
     pub fn signal(&self, signal: i32) -> Result<()> {
         if self.status.is_some() {
@@ -222,6 +243,50 @@ impl Drop for Child {
                 send_kill(&control, self.key);
             }
         }
+    }
+}
+
+/// Signals and resizes a [`Child`] from anywhere ([`Child::control`]); cheap to clone. Once
+/// the process has ended, what it sends is ignored by the guest (a process's number is never
+/// given to another in the instance's life).
+#[derive(Clone)]
+pub struct ChildControl {
+    instance: Arc<dyn Guest>,
+    key: u32,
+    is_pty: bool,
+}
+
+impl fmt::Debug for ChildControl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ChildControl")
+            .field("key", &self.key)
+            .field("is_pty", &self.is_pty)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ChildControl {
+    /// Sends `signal` to the process group, as [`Child::signal`] does.
+    pub fn signal(&self, signal: i32) -> Result<()> {
+        self.instance
+            .control()?
+            .send(&HostMessage::Signal(SignalProcess {
+                id: self.key,
+                signal,
+            }))
+    }
+
+    /// Changes the size of the process's pty, as [`Child::resize`] does.
+    pub fn resize(&self, rows: u16, cols: u16) -> Result<()> {
+        if !self.is_pty {
+            return Err(Error::InvalidConfig(
+                "resize needs a command started with .pty(rows, cols)".into(),
+            ));
+        }
+        self.instance.control()?.send(&HostMessage::Resize(Resize {
+            id: self.key,
+            size: PtySize { rows, cols },
+        }))
     }
 }
 

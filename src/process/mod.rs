@@ -20,7 +20,7 @@ use serde_bytes::ByteBuf;
 use tokio::sync::oneshot;
 use tokio_util::sync::{CancellationToken, PollSemaphore};
 
-pub use child::{Child, ExitStatus, TIMEOUT_EXIT_CODE};
+pub use child::{Child, ChildControl, ExitStatus, TIMEOUT_EXIT_CODE};
 pub(crate) use guest::Guest;
 pub use output::{Output, DEFAULT_MAX_OUTPUT};
 pub use stdio::{ChildStderr, ChildStdin, ChildStdout};

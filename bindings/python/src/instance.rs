@@ -138,8 +138,8 @@ impl RunRequest {
         })
     }
 
-    /// Runs it on `instance` to its end.
-    async fn run(self, instance: krunbox::Instance) -> krunbox::Result<(Self, krunbox::Output)> {
+    /// The library's command for it on `instance`.
+    fn command(&self, instance: &krunbox::Instance) -> krunbox::Command {
         let mut command = instance.command(&self.args[0]);
         command.args(&self.args[1..]);
         if let Some(timeout) = self.timeout {
@@ -149,8 +149,43 @@ impl RunRequest {
             command.current_dir(cwd);
         }
         command.envs(self.env.iter().map(|(k, v)| (k, v)));
-        let output = command.output().await?;
+        command
+    }
+
+    /// Runs it on `instance` to its end.
+    async fn run(self, instance: krunbox::Instance) -> krunbox::Result<(Self, krunbox::Output)> {
+        let output = self.command(&instance).output().await?;
         Ok((self, output))
+    }
+
+    /// Starts it on `instance`, stdin piped if asked (a pty's always is).
+    async fn spawn(
+        self,
+        instance: krunbox::Instance,
+        stdin: bool,
+        pty: Option<(u16, u16)>,
+    ) -> krunbox::Result<crate::process::Process> {
+        let mut command = self.command(&instance);
+        if stdin {
+            command.stdin(krunbox::Stdio::piped());
+        }
+        if let Some((rows, cols)) = pty {
+            command.pty(rows, cols);
+        }
+        let cancel = krunbox::CancellationToken::new();
+        command.cancel_on(cancel.clone());
+        let child = command.spawn().await?;
+        Ok(crate::process::Process::new(child, cancel))
+    }
+}
+
+/// An exit status as Python's `subprocess` gives it: the code, `-N` for signal N (124 for a
+/// timeout, whose kill is not the command's doing).
+pub(crate) fn returncode(status: &krunbox::ExitStatus) -> i32 {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => code,
+        (None, Some(signal)) => -signal,
+        (None, None) => -1,
     }
 }
 
@@ -160,11 +195,7 @@ fn completed(
     (request, output): (RunRequest, krunbox::Output),
 ) -> PyResult<Py<Completed>> {
     let status = output.status;
-    let returncode = match (status.code(), status.signal()) {
-        (Some(code), _) => code,
-        (None, Some(signal)) => -signal,
-        (None, None) => -1,
-    };
+    let returncode = returncode(&status);
     let done = Bound::new(
         py,
         Completed {
@@ -216,6 +247,48 @@ impl Instance {
         let instance = self.inner.clone();
         let ran = block_on(py, request.run(instance))?;
         completed(py, ran)
+    }
+
+    /// Starts `cmd` and returns its `Process` at once (awaitable): its stdout and stderr read
+    /// as they come, its stdin written when `stdin=True`; `pty=(rows, cols)` runs it on a
+    /// terminal of that size (stdout is then the terminal's output, stdin its keyboard).
+    #[pyo3(signature = (
+        cmd, *, stdin = false, pty = None, timeout = None, cwd = None, env = None
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn spawn<'py>(
+        &self,
+        py: Python<'py>,
+        cmd: &Bound<'py, PyAny>,
+        stdin: bool,
+        pty: Option<(u16, u16)>,
+        timeout: Option<f64>,
+        cwd: Option<String>,
+        env: Option<Vec<(String, String)>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let request = RunRequest::new(cmd, timeout, cwd, env, false)?;
+        let instance = self.inner.clone();
+        awaitable(py, request.spawn(instance, stdin, pty))
+    }
+
+    /// `spawn`, waiting here with the GIL released.
+    #[pyo3(signature = (
+        cmd, *, stdin = false, pty = None, timeout = None, cwd = None, env = None
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn spawn_blocking(
+        &self,
+        py: Python<'_>,
+        cmd: &Bound<'_, PyAny>,
+        stdin: bool,
+        pty: Option<(u16, u16)>,
+        timeout: Option<f64>,
+        cwd: Option<String>,
+        env: Option<Vec<(String, String)>>,
+    ) -> PyResult<crate::process::Process> {
+        let request = RunRequest::new(cmd, timeout, cwd, env, false)?;
+        let instance = self.inner.clone();
+        block_on(py, request.spawn(instance, stdin, pty))
     }
 
     /// The file at `path` in the guest, whole (awaitable; at most the library's read limit).
@@ -279,7 +352,7 @@ impl<'py> IntoPyObject<'py> for Ran {
 }
 
 /// Bytes on their way back to Python, as `bytes` (a `Vec<u8>` would become a list).
-struct Bytes(Vec<u8>);
+pub(crate) struct Bytes(pub(crate) Vec<u8>);
 
 impl<'py> IntoPyObject<'py> for Bytes {
     type Target = PyBytes;

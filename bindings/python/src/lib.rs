@@ -6,8 +6,10 @@
 //! This process is the library's (host, trusted caller): nothing here parses guest bytes
 //! beyond what the library already bounds.
 
+mod doctor;
 mod errors;
 mod instance;
+mod process;
 mod runtime;
 mod sandbox;
 
@@ -19,6 +21,8 @@ fn _krunbox(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<sandbox::Sandbox>()?;
     module.add_class::<instance::Instance>()?;
     module.add_class::<instance::Completed>()?;
+    module.add_class::<process::Process>()?;
+    module.add_function(wrap_pyfunction!(doctor::doctor, module)?)?;
     module.add("TIMEOUT_EXIT_CODE", krunbox::TIMEOUT_EXIT_CODE)?;
     Ok(())
 }

@@ -1,5 +1,7 @@
 //! `Sandbox`: a definition (root, resources), booted into instances as often as wanted.
 
+use std::path::PathBuf;
+
 use pyo3::prelude::*;
 
 use crate::errors::InvalidConfig;
@@ -28,16 +30,30 @@ fn builtin(name: &str) -> PyResult<krunbox::BuiltinImage> {
 impl Sandbox {
     /// A definition booting the built-in `image` ("agent" or "busybox") with `cpus` vCPUs and
     /// `memory_mib` of memory (the library's defaults when not given), and `hostname`.
+    /// `artifacts` is the package's own directory of the run-time files it ships (the
+    /// helper, guest-init): used where present, else the library's search order.
     #[new]
-    #[pyo3(signature = (image = "agent", *, cpus = None, memory_mib = None, hostname = None))]
+    #[pyo3(signature = (
+        image = "agent", *, cpus = None, memory_mib = None, hostname = None, artifacts = None
+    ))]
     fn new(
         image: &str,
         cpus: Option<u8>,
         memory_mib: Option<u32>,
         hostname: Option<String>,
+        artifacts: Option<PathBuf>,
     ) -> PyResult<Self> {
         let mut builder =
             krunbox::Sandbox::builder().rootfs(krunbox::Rootfs::builtin(builtin(image)?));
+        if let Some(dir) = artifacts {
+            let (helper, guest_init) = (dir.join("bin/krunbox-vmm"), dir.join("guest-init"));
+            if helper.is_file() {
+                builder = builder.vmm_helper(helper);
+            }
+            if guest_init.is_file() {
+                builder = builder.guest_init(guest_init);
+            }
+        }
         if let Some(cpus) = cpus {
             builder = builder.cpus(cpus);
         }

@@ -21,7 +21,20 @@ subclass per case a caller handles differently.
 
 from __future__ import annotations
 
-from typing import Any, Generator, List, Mapping, Optional, Sequence, Tuple, Union
+import os
+from typing import (
+    Any,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Generator,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 from . import _krunbox
 from ._krunbox import (
@@ -50,6 +63,9 @@ from ._krunbox import (
 __all__ = [
     "Sandbox",
     "Instance",
+    "Process",
+    "OutputStream",
+    "InputStream",
     "Completed",
     "TIMEOUT_EXIT_CODE",
     "KrunboxError",
@@ -71,6 +87,10 @@ __all__ = [
     "StoreError",
     "TooMany",
 ]
+
+ARTIFACTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_artifacts")
+"""The run-time files this package ships (the ``krunbox-vmm`` helper, guest-init); the guest
+kernel (libkrunfw) is found as the Rust library finds it (``krunbox setup``, the cache)."""
 
 Command = Union[str, Sequence[str]]
 """A shell command line (run by ``sh -c``), or a program and its arguments."""
@@ -102,7 +122,7 @@ class Sandbox:
         hostname: Optional[str] = None,
     ) -> None:
         self._native = _krunbox.Sandbox(
-            image, cpus=cpus, memory_mib=memory_mib, hostname=hostname
+            image, cpus=cpus, memory_mib=memory_mib, hostname=hostname, artifacts=ARTIFACTS
         )
 
     def boot(self) -> "_Booting":
@@ -164,6 +184,35 @@ class Instance:
             cmd, timeout=timeout, cwd=cwd, env=_env_pairs(env), check=check
         )
 
+    async def spawn(
+        self,
+        cmd: Command,
+        *,
+        stdin: bool = False,
+        pty: Optional[Tuple[int, int]] = None,
+        timeout: Optional[float] = None,
+        cwd: Optional[str] = None,
+        env: Optional[Mapping[str, str]] = None,
+    ) -> "Process":
+        """Starts ``cmd`` and returns its :class:`Process` as soon as it runs::
+
+            proc = await vm.spawn(["cat"], stdin=True)
+            await proc.stdin.write(b"hello")
+            await proc.stdin.close()
+            async for chunk in proc.stdout:
+                print(chunk)
+            print(await proc.wait())   # 0
+
+        ``pty=(rows, cols)`` runs it on a terminal of that size: its output (stdout and stderr
+        together) is ``stdout``, its keyboard ``stdin``. The process is killed if the
+        :class:`Process` is dropped before it ends.
+        """
+        native = await self._native.spawn(
+            cmd, stdin=stdin or pty is not None, pty=pty, timeout=timeout, cwd=cwd,
+            env=_env_pairs(env),
+        )
+        return Process(native, has_stdin=stdin or pty is not None)
+
     async def read_file(self, path: str) -> bytes:
         """The file at ``path`` in the guest, whole."""
         return await self._native.read_file(path)
@@ -181,3 +230,73 @@ class Instance:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.shutdown()
+
+
+class OutputStream:
+    """A process's stdout or stderr: ``async for chunk in stream`` gets its bytes as they come,
+    ``await stream.read()`` all of the rest."""
+
+    def __init__(self, read: Callable[[int], Awaitable[bytes]]) -> None:
+        self._read = read
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self
+
+    async def __anext__(self) -> bytes:
+        chunk = await self._read(65536)
+        if not chunk:
+            raise StopAsyncIteration
+        return chunk
+
+    async def read(self) -> bytes:
+        """Everything until the stream ends."""
+        return b"".join([chunk async for chunk in self])
+
+
+class InputStream:
+    """A process's stdin."""
+
+    def __init__(self, native: _krunbox.Process) -> None:
+        self._native = native
+
+    async def write(self, data: Union[bytes, str]) -> None:
+        """Writes ``data`` (a ``str`` as UTF-8), whole."""
+        await self._native.write_stdin(_data(data))
+
+    async def close(self) -> None:
+        """Closes it: the process reads its end."""
+        await self._native.close_stdin()
+
+
+class Process:
+    """A command running in the guest (:meth:`Instance.spawn`)."""
+
+    def __init__(self, native: _krunbox.Process, *, has_stdin: bool) -> None:
+        self._native = native
+        self.stdout = OutputStream(native.read_stdout)
+        """Its standard output (a pty's whole output)."""
+        self.stderr = OutputStream(native.read_stderr)
+        """Its standard error."""
+        self.stdin: Optional[InputStream] = InputStream(native) if has_stdin else None
+        """Its standard input, when spawned with ``stdin=True`` or a pty."""
+
+    @property
+    def pid(self) -> int:
+        """Its process id in the guest."""
+        return self._native.pid
+
+    async def wait(self) -> int:
+        """Waits for it to end: its exit code, ``-N`` for signal N, 124 for its timeout."""
+        return await self._native.wait()
+
+    def signal(self, signal: int) -> None:
+        """Sends ``signal`` (e.g. ``signal.SIGTERM``) to its process group."""
+        self._native.signal(int(signal))
+
+    def kill(self) -> None:
+        """Kills its process group (``wait`` then returns -9)."""
+        self._native.kill()
+
+    def resize(self, rows: int, cols: int) -> None:
+        """Resizes its pty; the foreground process group gets SIGWINCH."""
+        self._native.resize(rows, cols)

@@ -71,29 +71,16 @@ impl Child {
         if self.status.is_some() {
             return Ok(());
         }
-        self.instance
-            .control()?
-            .send(&HostMessage::Signal(SignalProcess {
-                id: self.key,
-                signal,
-            }))
+        self.control().signal(signal)
     }
 
     /// Changes the size of the process's pty; the foreground process group gets SIGWINCH.
     /// An error if the command was not started with [`Command::pty`](crate::Command::pty).
     pub fn resize(&self, rows: u16, cols: u16) -> Result<()> {
-        if !self.is_pty {
-            return Err(Error::InvalidConfig(
-                "resize needs a command started with .pty(rows, cols)".into(),
-            ));
-        }
-        if self.status.is_some() {
+        if self.is_pty && self.status.is_some() {
             return Ok(());
         }
-        self.instance.control()?.send(&HostMessage::Resize(Resize {
-            id: self.key,
-            size: PtySize { rows, cols },
-        }))
+        self.control().resize(rows, cols)
     }
 
     /// Kills the process group with SIGKILL and waits for the process to end.

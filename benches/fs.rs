@@ -54,7 +54,7 @@
 //! `cargo bench` (which passes `--bench`): 5 rounds of 1000 files and 128 MiB; under nested
 //! emulation (`KRUNBOX_NESTED_POOL` set: its guests fault under sustained I/O, and its rounds
 //! vary a lot, hence 5 of them) 300 files and 16 MiB. Without `--bench` (`cargo test
-//! --benches`, and `scripts/test.sh` runs it once as a smoke test): 2 rounds, 20 files, 1 MiB,
+//! --benches`, and `scripts/test.sh` runs it once as a smoke test): 1 round, 20 files, 1 MiB,
 //! no warm-up, under two minutes in a nested L1 that runs other VMs too (debug builds of the
 //! library and the VMM helper: a cold small-file operation costs tens of milliseconds there,
 //! so a few hundred files would take many minutes). `KRUNBOX_BENCH_ITERS` sets the rounds, `KRUNBOX_BENCH_FILES` F and
@@ -329,7 +329,7 @@ fn main() {
     // moves a MiB or two per second, and sustained I/O makes the emulation fault.
     let nested = std::env::var_os("KRUNBOX_NESTED_POOL").is_some();
     let (rounds, files, mib) = match (smoke, nested) {
-        (true, _) => (2, 20, 1),
+        (true, _) => (1, 20, 1),
         (false, false) => (5, 1000, 128),
         (false, true) => (5, 300, 16),
     };

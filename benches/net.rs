@@ -33,8 +33,8 @@
 //!
 //! `cargo bench` (which passes `--bench`): 5 rounds, 256 MiB uploads, 200 requests; under
 //! nested emulation (`KRUNBOX_NESTED_POOL` set) 3 rounds, 64 MiB, 100 requests. Without
-//! `--bench` (`cargo test --benches`, and `scripts/test.sh` runs it once as a smoke test): 2
-//! rounds, 8 MiB, 20 requests. `KRUNBOX_BENCH_ITERS` sets the rounds,
+//! `--bench` (`cargo test --benches`, and `scripts/test.sh` runs it once as a smoke test): 1
+//! round, 8 MiB, 20 requests. `KRUNBOX_BENCH_ITERS` sets the rounds,
 //! `KRUNBOX_BENCH_MIB` the upload size (MiB) and `KRUNBOX_BENCH_REQUESTS` K, in either mode.
 //! `KRUNBOX_PASST` names the passt binary (default `passt` on `PATH`; `scripts/setup.sh`
 //! installs it).
@@ -382,7 +382,7 @@ fn main() {
     // moves one or two MiB/s: a full run would take most of an hour.
     let nested = std::env::var_os("KRUNBOX_NESTED_POOL").is_some();
     let (rounds, mib, requests) = match (smoke, nested) {
-        (true, _) => (2, 8, 20),
+        (true, _) => (1, 8, 20),
         (false, false) => (5, 256, 200),
         (false, true) => (3, 64, 100),
     };

@@ -160,37 +160,25 @@ run_job() {
     echo "$status $retried" >"$dir/$name.status"
 }
 
-# As many benches at once as there are L1s (or one natively): the runner gives each its own.
-bench_dir=$(mktemp -d /tmp/krunbox-benches.XXXXXX)
-parallel=$(( ${#pools[@]} > 1 ? ${#pools[@]} : 1 ))
-running=()
+# The bench smokes and the Python tests, in one queue with as many jobs at once as there are
+# L1s (or one natively): the runner gives each its own. A job is "KEY|DIR|PROGRAM ARG...", its
+# words without spaces; KEY names its result, DIR is where it runs.
+queue=()
 for bench in "${benches[@]}"; do
     read -r name path <<<"$bench"
-    log "bench $name, once as a smoke test"
-    run_job "$name" "$bench_dir" "$path" &
-    running+=($!)
-    if ((${#running[@]} >= parallel)); then
-        wait "${running[0]}" || true
-        running=("${running[@]:1}")
-    fi
+    queue+=("bench $name|.|$path")
 done
-for pid in "${running[@]}"; do wait "$pid" || true; done
-for bench in "${benches[@]}"; do
-    read -r name _ <<<"$bench"
-    cat "$bench_dir/$name.out" 2>/dev/null || true
-    read -r status was_retried <"$bench_dir/$name.status" || status=fail was_retried=0
-    ((was_retried)) && retried+=("bench $name")
-    result["bench $name"]=$status
+for id in "${python_tests[@]}"; do
+    queue+=("python $id|bindings/python|$target/python/venv/bin/python -m pytest -q -p no:cacheprovider $id")
 done
-rm -rf "$bench_dir"
-
-# The Python tests, as many at once as there are L1s, each a pytest process of one test.
-python_dir=$(mktemp -d /tmp/krunbox-python.XXXXXX)
+job_dir=$(mktemp -d /tmp/krunbox-jobs.XXXXXX)
+parallel=$(( ${#pools[@]} > 1 ? ${#pools[@]} : 1 ))
 running=()
-for i in "${!python_tests[@]}"; do
-    log "python ${python_tests[$i]}"
-    (cd bindings/python && run_job "test-$i" "$python_dir" \
-        "$target/python/venv/bin/python" -m pytest -q -p no:cacheprovider "${python_tests[$i]}") &
+for i in "${!queue[@]}"; do
+    IFS="|" read -r key dir line <<<"${queue[$i]}"
+    read -ra argv <<<"$line"
+    log "$key"
+    (cd "$dir" && run_job "job-$i" "$job_dir" "${argv[@]}") &
     running+=($!)
     if ((${#running[@]} >= parallel)); then
         wait "${running[0]}" || true
@@ -198,14 +186,15 @@ for i in "${!python_tests[@]}"; do
     fi
 done
 for pid in "${running[@]}"; do wait "$pid" || true; done
-for i in "${!python_tests[@]}"; do
-    key="python ${python_tests[$i]}"
-    read -r status was_retried <"$python_dir/test-$i.status" || status=fail was_retried=0
-    if [[ $status != pass ]]; then cat "$python_dir/test-$i.out" 2>/dev/null || true; fi
+for i in "${!queue[@]}"; do
+    IFS='|' read -r key _ <<<"${queue[$i]}"
+    read -r status was_retried <"$job_dir/job-$i.status" || status=fail was_retried=0
+    # A bench's output is its report; a test's is shown when it failed.
+    if [[ $key == bench* || $status != pass ]]; then cat "$job_dir/job-$i.out" 2>/dev/null || true; fi
     ((was_retried)) && retried+=("$key")
     result["$key"]=$status
 done
-rm -rf "$python_dir"
+rm -rf "$job_dir"
 
 passed=0 failed=0 skipped=0 broken=()
 for key in "${!result[@]}"; do

@@ -55,7 +55,7 @@ pub(crate) mod stack;
 use std::net::Ipv4Addr;
 use std::sync::Arc;
 
-pub use ::http::{uri::Scheme, HeaderName, HeaderValue, Method, StatusCode};
+pub use ::http::{uri::Scheme, HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 pub use address::{classify, AddressClass};
 pub use audit::{NetworkEvent, Outcome, RequestOutcome};
 pub(crate) use intercept::ca::CertificateAuthority;

@@ -11,7 +11,7 @@ use crate::runtime::{awaitable, block_on};
 /// A running sandbox instance.
 #[pyclass(module = "krunbox._krunbox", frozen)]
 pub(crate) struct Instance {
-    inner: krunbox::Instance,
+    pub(crate) inner: krunbox::Instance,
 }
 
 impl Instance {
@@ -35,6 +35,25 @@ pub(crate) struct Completed {
 
 #[pymethods]
 impl Completed {
+    /// A command's end as `run` reports it (for runs assembled from a `Process`).
+    #[new]
+    #[pyo3(signature = (args, returncode, stdout, stderr, *, timed_out = false))]
+    fn new(
+        args: Vec<String>,
+        returncode: i32,
+        stdout: Py<PyBytes>,
+        stderr: Py<PyBytes>,
+        timed_out: bool,
+    ) -> Self {
+        Completed {
+            args,
+            returncode,
+            timed_out,
+            stdout,
+            stderr,
+        }
+    }
+
     /// stdout decoded as UTF-8 (invalid bytes replaced).
     #[getter]
     fn stdout_text(&self, py: Python<'_>) -> String {
@@ -101,6 +120,15 @@ struct RunRequest {
 }
 
 impl RunRequest {
+    /// The program and arguments of `cmd`: a shell command line (run by `sh -c`, as
+    /// `subprocess.run(..., shell=True)` takes it), or a list.
+    fn args(cmd: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
+        match cmd.extract::<String>() {
+            Ok(line) => Ok(vec!["sh".into(), "-c".into(), line]),
+            Err(_) => cmd.extract(),
+        }
+    }
+
     fn new(
         cmd: &Bound<'_, PyAny>,
         timeout: Option<f64>,
@@ -108,11 +136,7 @@ impl RunRequest {
         env: Option<Vec<(String, String)>>,
         check: bool,
     ) -> PyResult<Self> {
-        // A string is a shell command line, as `subprocess.run(..., shell=True)` takes it.
-        let args: Vec<String> = match cmd.extract::<String>() {
-            Ok(line) => vec!["sh".into(), "-c".into(), line],
-            Err(_) => cmd.extract()?,
-        };
+        let args = Self::args(cmd)?;
         if args.is_empty() {
             return Err(InvalidConfig::new_err("run() needs a program to run"));
         }
@@ -177,6 +201,12 @@ impl RunRequest {
         let child = command.spawn().await?;
         Ok(crate::process::Process::new(child, cancel))
     }
+}
+
+/// The program and arguments `run` makes of `cmd` (a command line becomes `sh -c LINE`).
+#[pyfunction]
+pub(crate) fn command_args(cmd: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
+    RunRequest::args(cmd)
 }
 
 /// An exit status as Python's `subprocess` gives it: the code, `-N` for signal N (124 for a

@@ -6,9 +6,12 @@
 //! This process is the library's (host, trusted caller): nothing here parses guest bytes
 //! beyond what the library already bounds.
 
+mod callback;
 mod doctor;
 mod errors;
+mod files;
 mod instance;
+mod net;
 mod process;
 mod runtime;
 mod sandbox;
@@ -22,7 +25,14 @@ fn _krunbox(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<instance::Instance>()?;
     module.add_class::<instance::Completed>()?;
     module.add_class::<process::Process>()?;
+    module.add_class::<files::FileInfo>()?;
+    module.add_class::<files::DirEntry>()?;
+    module.add_class::<files::FileReader>()?;
+    module.add_class::<files::FileWriter>()?;
+    net::register(module)?;
     module.add_function(wrap_pyfunction!(doctor::doctor, module)?)?;
     module.add("TIMEOUT_EXIT_CODE", krunbox::TIMEOUT_EXIT_CODE)?;
+    module.add("MAX_OUTPUT", krunbox::DEFAULT_MAX_OUTPUT)?;
+    module.add_function(wrap_pyfunction!(instance::command_args, module)?)?;
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! `Process`: a command started by `Instance.spawn`, its streams read and written while it
 //! runs.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use krunbox::{ChildStderr, ChildStdin, ChildStdout};
@@ -27,6 +28,8 @@ pub(crate) struct Process {
     stdout: Arc<Mutex<Option<ChildStdout>>>,
     stderr: Arc<Mutex<Option<ChildStderr>>>,
     stdin: Arc<Mutex<Option<ChildStdin>>>,
+    /// Whether its timeout ended it, known once `wait` has returned.
+    timed_out: Arc<AtomicBool>,
 }
 
 impl Process {
@@ -39,6 +42,7 @@ impl Process {
             stderr: Arc::new(Mutex::new(child.stderr.take())),
             stdin: Arc::new(Mutex::new(child.stdin.take())),
             child: Arc::new(Mutex::new(child)),
+            timed_out: Arc::new(AtomicBool::new(false)),
         }
     }
 }
@@ -92,13 +96,23 @@ async fn close(stdin: Arc<Mutex<Option<ChildStdin>>>) -> krunbox::Result<()> {
     Ok(())
 }
 
-async fn wait(child: Arc<Mutex<krunbox::Child>>) -> krunbox::Result<i32> {
+async fn wait(
+    child: Arc<Mutex<krunbox::Child>>,
+    timed_out: Arc<AtomicBool>,
+) -> krunbox::Result<i32> {
     let status = child.lock().await.wait().await?;
+    timed_out.store(status.timed_out(), Ordering::Relaxed);
     Ok(returncode(&status))
 }
 
 #[pymethods]
 impl Process {
+    /// Whether its `timeout` ended it (known once `wait` has returned).
+    #[getter]
+    fn timed_out(&self) -> bool {
+        self.timed_out.load(Ordering::Relaxed)
+    }
+
     /// The process id in the guest.
     #[getter]
     fn pid(&self) -> u32 {
@@ -163,12 +177,12 @@ impl Process {
     /// Waits for the process to end and returns its exit code (`-N` for signal N, 124 for its
     /// timeout) (awaitable). Output not read yet stays readable.
     fn wait<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        awaitable(py, wait(self.child.clone()))
+        awaitable(py, wait(self.child.clone(), self.timed_out.clone()))
     }
 
     /// `wait`, waiting here with the GIL released.
     fn wait_blocking(&self, py: Python<'_>) -> PyResult<i32> {
-        block_on(py, wait(self.child.clone()))
+        block_on(py, wait(self.child.clone(), self.timed_out.clone()))
     }
 
     /// Sends signal `signal` (a number, e.g. `signal.SIGTERM`) to the process group.

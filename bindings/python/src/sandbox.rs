@@ -1,9 +1,11 @@
 //! `Sandbox`: a definition (root, resources), booted into instances as often as wanted.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use pyo3::prelude::*;
 
+use crate::callback::EventLoop;
 use crate::errors::InvalidConfig;
 use crate::instance::Instance;
 use crate::runtime::{awaitable, block_on};
@@ -12,6 +14,8 @@ use crate::runtime::{awaitable, block_on};
 #[pyclass(module = "krunbox._krunbox", frozen)]
 pub(crate) struct Sandbox {
     inner: krunbox::Sandbox,
+    /// Where its network callbacks await their coroutines: the loop that booted it last.
+    event_loop: Arc<EventLoop>,
 }
 
 /// The built-in image of `name`.
@@ -31,18 +35,23 @@ impl Sandbox {
     /// A definition booting the built-in `image` ("agent" or "busybox") with `cpus` vCPUs and
     /// `memory_mib` of memory (the library's defaults when not given), and `hostname`.
     /// `artifacts` is the package's own directory of the run-time files it ships (the
-    /// helper, guest-init): used where present, else the library's search order.
+    /// helper, guest-init): used where present, else the library's search order. `network`
+    /// gives it a network (none without).
     #[new]
     #[pyo3(signature = (
-        image = "agent", *, cpus = None, memory_mib = None, hostname = None, artifacts = None
+        image = "agent", *, cpus = None, memory_mib = None, hostname = None, network = None,
+        artifacts = None
     ))]
     fn new(
+        py: Python<'_>,
         image: &str,
         cpus: Option<u8>,
         memory_mib: Option<u32>,
         hostname: Option<String>,
+        network: Option<PyRef<'_, crate::net::Network>>,
         artifacts: Option<PathBuf>,
     ) -> PyResult<Self> {
+        let event_loop = Arc::new(EventLoop::default());
         let mut builder =
             krunbox::Sandbox::builder().rootfs(krunbox::Rootfs::builtin(builtin(image)?));
         if let Some(dir) = artifacts {
@@ -63,18 +72,26 @@ impl Sandbox {
         if let Some(hostname) = hostname {
             builder = builder.hostname(hostname);
         }
+        if let Some(network) = network {
+            builder = builder.network(network.build(py, &event_loop));
+        }
         let inner = builder.build().map_err(crate::errors::to_py)?;
-        Ok(Sandbox { inner })
+        Ok(Sandbox { inner, event_loop })
     }
 
-    /// Boots an instance (awaitable).
+    /// Boots an instance (awaitable). Its network callbacks' coroutines run on the loop
+    /// awaiting this.
     fn boot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.event_loop
+            .set(Some(pyo3_async_runtimes::tokio::get_current_locals(py)?));
         let sandbox = self.inner.clone();
         awaitable(py, async move { sandbox.boot().await.map(Instance::new) })
     }
 
-    /// Boots an instance, waiting here with the GIL released.
+    /// Boots an instance, waiting here with the GIL released. Its network callbacks'
+    /// coroutines run by `asyncio.run`.
     fn boot_blocking(&self, py: Python<'_>) -> PyResult<Instance> {
+        self.event_loop.set(None);
         let sandbox = self.inner.clone();
         block_on(py, async move { sandbox.boot().await.map(Instance::new) })
     }

@@ -82,5 +82,16 @@ def test_the_sync_api_runs_and_shuts_down() -> None:
         assert vm.read_file("/tmp/x") == b"\x00\x01binary"
         with pytest.raises(krunbox.CommandFailed):
             vm.run("exit 1", check=True)
+        lines: list[bytes] = []
+        fed = vm.run("cat; echo to-err >&2", input=b"fed\n", on_stdout=lines.append)
+        assert (fed.stdout, fed.stderr, b"".join(lines)) == (b"fed\n", b"to-err\n", b"fed\n")
+        with vm.open_writer("/tmp/streamed") as writer:
+            writer.write(b"a" * 100_000)
+            writer.write("b")
+        assert vm.stat("/tmp/streamed").size == 100_001
+        with vm.open_reader("/tmp/streamed") as reader:
+            assert sum(len(chunk) for chunk in reader) == 100_001
+        vm.remove("/tmp/streamed")
+        assert "streamed" not in [e.name for e in vm.list_dir("/tmp")]
     with pytest.raises(krunbox.InstanceGone):
         vm.run("true")

@@ -21,6 +21,8 @@ subclass per case a caller handles differently.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
 from typing import (
     Any,
@@ -28,23 +30,28 @@ from typing import (
     Awaitable,
     Callable,
     Generator,
+    Generic,
     List,
     Mapping,
     Optional,
     Sequence,
     Tuple,
+    TypeVar,
     Union,
 )
 
 from . import _krunbox
 from ._krunbox import (
+    MAX_OUTPUT,
     TIMEOUT_EXIT_CODE,
     BootFailed,
     Cancelled,
     CommandFailed,
     CommandTimeout,
     Completed,
+    DirEntry,
     ExecFailed,
+    FileInfo,
     GuestFsError,
     GuestHung,
     ImageDigestMismatch,
@@ -60,14 +67,27 @@ from ._krunbox import (
     TooMany,
 )
 
+from .net import Answer, Flow, Network, Request, Secret, Verdict
+
 __all__ = [
     "Sandbox",
+    "Network",
+    "Secret",
+    "Verdict",
+    "Flow",
+    "Request",
+    "Answer",
     "Instance",
     "Process",
     "OutputStream",
     "InputStream",
     "Completed",
+    "FileInfo",
+    "DirEntry",
+    "FileReader",
+    "FileWriter",
     "TIMEOUT_EXIT_CODE",
+    "MAX_OUTPUT",
     "KrunboxError",
     "BootFailed",
     "Cancelled",
@@ -104,11 +124,48 @@ def _data(data: Union[bytes, bytearray, memoryview, str]) -> bytes:
     return data.encode() if isinstance(data, str) else bytes(data)
 
 
+OnOutput = Callable[[bytes], Optional[Awaitable[None]]]
+"""A callback for each chunk of a command's output, as it comes (plain or ``async``)."""
+
+
+async def _collect(stream: "OutputStream", callback: Optional[OnOutput], name: str) -> bytes:
+    """All of ``stream``, each chunk given to ``callback`` first; at most :data:`MAX_OUTPUT`."""
+    parts: List[bytes] = []
+    total = 0
+    async for chunk in stream:
+        total += len(chunk)
+        if total > MAX_OUTPUT:
+            raise OutputLimitExceeded(
+                f"the command's {name} passed {MAX_OUTPUT} bytes: stream it with spawn()"
+            )
+        parts.append(chunk)
+        if callback is not None:
+            returned = callback(chunk)
+            if inspect.isawaitable(returned):
+                await returned
+    return b"".join(parts)
+
+
+async def _feed(stdin: Optional["InputStream"], data: Optional[bytes]) -> None:
+    """Writes ``data`` to ``stdin`` and closes it; a process that ended without reading it all
+    is no error (as ``subprocess`` has it)."""
+    if stdin is None or data is None:
+        return
+    try:
+        await stdin.write(data)
+        await stdin.close()
+    except (InstanceGone, GuestFsError):
+        raise
+    except KrunboxError:
+        pass
+
+
 class Sandbox:
     """A sandbox definition: the root image and resources every instance boots with.
 
     ``image`` is a built-in image: ``"agent"`` (Debian with python3, pip, node, npm, gh, git
-    and curl) or ``"busybox"``. Booting is cheap; boot one instance per task.
+    and curl) or ``"busybox"``. ``network`` gives it a :class:`Network` (without one it has no
+    network device). Booting is cheap; boot one instance per task.
 
     >>> sandbox = Sandbox("busybox", cpus=1, memory_mib=256)  # doctest: +SKIP
     """
@@ -120,9 +177,15 @@ class Sandbox:
         cpus: Optional[int] = None,
         memory_mib: Optional[int] = None,
         hostname: Optional[str] = None,
+        network: Optional[Network] = None,
     ) -> None:
         self._native = _krunbox.Sandbox(
-            image, cpus=cpus, memory_mib=memory_mib, hostname=hostname, artifacts=ARTIFACTS
+            image,
+            cpus=cpus,
+            memory_mib=memory_mib,
+            hostname=hostname,
+            network=None if network is None else network._native,
+            artifacts=ARTIFACTS,
         )
 
     def boot(self) -> "_Booting":
@@ -167,6 +230,9 @@ class Instance:
         self,
         cmd: Command,
         *,
+        input: Optional[Union[bytes, str]] = None,
+        on_stdout: Optional[OnOutput] = None,
+        on_stderr: Optional[OnOutput] = None,
         timeout: Optional[float] = None,
         cwd: Optional[str] = None,
         env: Optional[Mapping[str, str]] = None,
@@ -179,10 +245,35 @@ class Instance:
         when it passes: the exit code is then 124. ``check=True`` raises
         :class:`CommandFailed` (:class:`CommandTimeout` for a timeout) for an exit code other
         than 0. Cancelling the awaiting task kills the command's process group.
+
+        ``input`` is written to its stdin (then closed). ``on_stdout`` and ``on_stderr`` get
+        each chunk of output as it comes (and the :class:`Completed` still has all of it)::
+
+            await vm.run("pip install rich", on_stdout=lambda b: print(b.decode(), end=""))
+
+        An exception in a callback kills the command and is raised here.
         """
-        return await self._native.run(
-            cmd, timeout=timeout, cwd=cwd, env=_env_pairs(env), check=check
+        if input is None and on_stdout is None and on_stderr is None:
+            return await self._native.run(
+                cmd, timeout=timeout, cwd=cwd, env=_env_pairs(env), check=check
+            )
+        proc = await self.spawn(cmd, stdin=input is not None, timeout=timeout, cwd=cwd, env=env)
+        try:
+            stdout, stderr, _ = await asyncio.gather(
+                _collect(proc.stdout, on_stdout, "stdout"),
+                _collect(proc.stderr, on_stderr, "stderr"),
+                _feed(proc.stdin, None if input is None else _data(input)),
+            )
+            returncode = await proc.wait()
+        except BaseException:
+            proc.kill()
+            raise
+        done = Completed(
+            _krunbox.command_args(cmd), returncode, stdout, stderr, timed_out=proc.timed_out
         )
+        if check:
+            done.check_returncode()
+        return done
 
     async def spawn(
         self,
@@ -221,6 +312,53 @@ class Instance:
         """Writes ``data`` (a ``str`` as UTF-8) to ``path`` in the guest, replacing the file."""
         await self._native.write_file(path, _data(data))
 
+    async def list_dir(self, path: str) -> List[DirEntry]:
+        """The entries of the guest directory ``path`` (name and type), sorted by name."""
+        return await self._native.list_dir(path)
+
+    async def stat(self, path: str, *, follow_symlinks: bool = True) -> FileInfo:
+        """What ``stat`` says about ``path``: type, size, mode, owner, mtime."""
+        return await self._native.stat(path, follow_symlinks)
+
+    async def remove(self, path: str, *, recursive: bool = False) -> None:
+        """Removes a file, a symlink or an empty directory; ``recursive=True`` a whole tree
+        (never ``/`` or a tree holding a mount of the sandbox's)."""
+        await self._native.remove(path, recursive)
+
+    async def rename(self, source: str, destination: str) -> None:
+        """Renames ``source`` to ``destination``, replacing a file there atomically."""
+        await self._native.rename(source, destination)
+
+    async def make_dir(self, path: str, *, mode: int = 0o755, parents: bool = False) -> None:
+        """Makes the directory ``path``; ``parents=True`` also those above it, and an existing
+        directory is then no error."""
+        await self._native.make_dir(path, mode, parents)
+
+    def open_reader(self, path: str) -> "_Opening[FileReader]":
+        """Reads the guest file ``path`` in chunks, for files too large to hold::
+
+            async with vm.open_reader("/tmp/big.tar") as reader:
+                async for chunk in reader:
+                    out.write(chunk)
+        """
+        async def opened() -> FileReader:
+            return FileReader(await self._native.open_reader(path))
+
+        return _Opening(opened())
+
+    def open_writer(self, path: str, *, mode: int = 0o644) -> "_Opening[FileWriter]":
+        """Creates (or truncates) the guest file ``path`` and writes it in chunks; the block's
+        end (or ``await writer.close()``) waits until the guest has it all on disk::
+
+            async with vm.open_writer("/tmp/big.bin") as writer:
+                for chunk in chunks:
+                    await writer.write(chunk)
+        """
+        async def opened() -> FileWriter:
+            return FileWriter(await self._native.open_writer(path, mode))
+
+        return _Opening(opened())
+
     async def shutdown(self) -> None:
         """Stops the VM; later calls fail with :class:`InstanceGone`."""
         await self._native.shutdown()
@@ -230,6 +368,65 @@ class Instance:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.shutdown()
+
+
+_T = TypeVar("_T")
+
+
+class _Opening(Generic[_T]):
+    """A file being opened: awaitable, or an ``async with`` that closes it (a writer only
+    when the block ends without an exception: a file half written is not made whole)."""
+
+    def __init__(self, opening: Awaitable[_T]) -> None:
+        self._opening: Awaitable[_T] = opening
+        self._file: Optional[_T] = None
+
+    def __await__(self) -> Generator[Any, None, _T]:
+        return self._opening.__await__()
+
+    async def __aenter__(self) -> _T:
+        self._file = await self._opening
+        return self._file
+
+    async def __aexit__(self, kind: Optional[type], *exc: object) -> None:
+        if isinstance(self._file, FileWriter) and kind is None:
+            await self._file.close()
+
+
+class FileReader:
+    """A guest file read in chunks: ``async for chunk in reader``, or ``await reader.read()``."""
+
+    def __init__(self, native: _krunbox.FileReader) -> None:
+        self._native = native
+
+    async def read(self, max: int = 1 << 20) -> bytes:
+        """Up to ``max`` bytes (at most 1 MiB); ``b""`` at the end of the file."""
+        return await self._native.read(max)
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self
+
+    async def __anext__(self) -> bytes:
+        chunk = await self._native.read(1 << 20)
+        if not chunk:
+            raise StopAsyncIteration
+        return chunk
+
+
+class FileWriter:
+    """A guest file written in chunks; :meth:`close` makes it whole."""
+
+    def __init__(self, native: _krunbox.FileWriter) -> None:
+        self._native = native
+
+    async def write(self, data: Union[bytes, str]) -> None:
+        """Writes ``data`` (a ``str`` as UTF-8), whole."""
+        await self._native.write(_data(data))
+
+    async def close(self) -> None:
+        """Waits until the guest has written everything and ``fsync``ed the file; raises what
+        went wrong on the way."""
+        await self._native.finish()
 
 
 class OutputStream:
@@ -284,6 +481,11 @@ class Process:
     def pid(self) -> int:
         """Its process id in the guest."""
         return self._native.pid
+
+    @property
+    def timed_out(self) -> bool:
+        """Whether its ``timeout`` ended it (known once :meth:`wait` has returned)."""
+        return self._native.timed_out
 
     async def wait(self) -> int:
         """Waits for it to end: its exit code, ``-N`` for signal N, 124 for its timeout."""

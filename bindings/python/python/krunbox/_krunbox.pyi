@@ -1,8 +1,11 @@
 """The native module (``krunbox._krunbox``); use :mod:`krunbox` and :mod:`krunbox.sync`."""
 
-from typing import Any, Awaitable, Optional, Sequence, Union
+from typing import Any, Awaitable, Callable, Optional, Sequence, Union
 
 TIMEOUT_EXIT_CODE: int
+MAX_OUTPUT: int
+
+def command_args(cmd: Union[str, Sequence[str]]) -> list[str]: ...
 
 class KrunboxError(Exception): ...
 class InvalidConfig(KrunboxError): ...
@@ -27,6 +30,15 @@ class RootInUse(KrunboxError): ...
 class Completed:
     """How a command ended and what it wrote."""
 
+    def __init__(
+        self,
+        args: Sequence[str],
+        returncode: int,
+        stdout: bytes,
+        stderr: bytes,
+        *,
+        timed_out: bool = False,
+    ) -> None: ...
     @property
     def args(self) -> list[str]: ...
     @property
@@ -49,6 +61,8 @@ _Env = Optional[Sequence[tuple[str, str]]]
 class Process:
     @property
     def pid(self) -> int: ...
+    @property
+    def timed_out(self) -> bool: ...
     def read_stdout(self, max: int = 65536) -> Awaitable[bytes]: ...
     def read_stderr(self, max: int = 65536) -> Awaitable[bytes]: ...
     def read_stdout_blocking(self, max: int = 65536) -> bytes: ...
@@ -64,6 +78,20 @@ class Process:
     def resize(self, rows: int, cols: int) -> None: ...
 
 class Instance:
+    def list_dir(self, path: str) -> Awaitable[list[DirEntry]]: ...
+    def list_dir_blocking(self, path: str) -> list[DirEntry]: ...
+    def stat(self, path: str, follow_symlinks: bool = True) -> Awaitable[FileInfo]: ...
+    def stat_blocking(self, path: str, follow_symlinks: bool = True) -> FileInfo: ...
+    def remove(self, path: str, recursive: bool = False) -> Awaitable[None]: ...
+    def remove_blocking(self, path: str, recursive: bool = False) -> None: ...
+    def rename(self, source: str, destination: str) -> Awaitable[None]: ...
+    def rename_blocking(self, source: str, destination: str) -> None: ...
+    def make_dir(self, path: str, mode: int = 0o755, parents: bool = False) -> Awaitable[None]: ...
+    def make_dir_blocking(self, path: str, mode: int = 0o755, parents: bool = False) -> None: ...
+    def open_reader(self, path: str) -> Awaitable[FileReader]: ...
+    def open_reader_blocking(self, path: str) -> FileReader: ...
+    def open_writer(self, path: str, mode: int = 0o644) -> Awaitable[FileWriter]: ...
+    def open_writer_blocking(self, path: str, mode: int = 0o644) -> FileWriter: ...
     def spawn(
         self,
         cmd: _Cmd,
@@ -109,6 +137,118 @@ class Instance:
     def shutdown(self) -> Awaitable[None]: ...
     def shutdown_blocking(self) -> None: ...
 
+class FileInfo:
+    """What ``stat`` says about a guest path."""
+
+    @property
+    def type(self) -> str:
+        """``"file"``, ``"dir"``, ``"symlink"`` or ``"other"``."""
+    @property
+    def size(self) -> int: ...
+    @property
+    def mode(self) -> int: ...
+    @property
+    def uid(self) -> int: ...
+    @property
+    def gid(self) -> int: ...
+    @property
+    def mtime(self) -> float: ...
+
+class DirEntry:
+    """One entry of a guest directory."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def type(self) -> str:
+        """``"file"``, ``"dir"``, ``"symlink"`` or ``"other"`` (a symlink is not followed)."""
+
+class FileReader:
+    def read(self, max: int = 65536) -> Awaitable[bytes]: ...
+    def read_blocking(self, max: int = 65536) -> bytes: ...
+
+class FileWriter:
+    def write(self, data: bytes) -> Awaitable[None]: ...
+    def write_blocking(self, data: bytes) -> None: ...
+    def finish(self) -> Awaitable[None]: ...
+    def finish_blocking(self) -> None: ...
+
+class Flow:
+    """A new connection or query from the guest, as a network policy gets it."""
+
+    @property
+    def protocol(self) -> str:
+        """``"tcp"``, ``"udp"`` or ``"dns"``."""
+    @property
+    def hostname(self) -> Optional[str]:
+        """The name the guest resolved for the destination (for DNS, the name asked)."""
+    @property
+    def source(self) -> tuple[str, int]: ...
+    @property
+    def destination(self) -> tuple[str, int]: ...
+    @property
+    def upstream(self) -> list[str]:
+        """The addresses the sandbox's DNS answered for ``hostname``."""
+
+class Verdict:
+    """A network policy's answer for one flow."""
+
+    @staticmethod
+    def deny() -> Verdict:
+        """Blocks the flow."""
+    @staticmethod
+    def accept() -> Verdict:
+        """Grants the flow where the guest sent it (a DNS query: the host's resolver answers)."""
+    @staticmethod
+    def connect_to(host: str, port: int) -> Verdict:
+        """Grants a TCP or UDP flow, connected to ``host`` (an IP address) and ``port``."""
+    @staticmethod
+    def resolve(addresses: Sequence[str]) -> Verdict:
+        """Answers a DNS query with ``addresses``."""
+    @staticmethod
+    def resolve_with(servers: Sequence[tuple[str, int]]) -> Verdict:
+        """Answers a DNS query by asking the DNS servers ``servers``."""
+    @staticmethod
+    def intercept(middleware: Sequence[Callable[[Request], Any]] = ...) -> Verdict:
+        """Grants a TCP flow through the host's HTTP(S) interception, each request going
+        through ``middleware`` in order."""
+
+class Request:
+    """An intercepted HTTP request on its way upstream."""
+
+    @property
+    def hostname(self) -> str: ...
+    @property
+    def scheme(self) -> str: ...
+    @property
+    def method(self) -> str: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def headers(self) -> dict[str, str]: ...
+    def set_header(self, name: str, value: str) -> None: ...
+    def remove_header(self, name: str) -> None: ...
+
+class Answer:
+    """What middleware answers a request with instead of sending it upstream."""
+
+    def __init__(self, status: int, text: str = "") -> None: ...
+    @property
+    def status(self) -> int: ...
+    @property
+    def text(self) -> str: ...
+
+class Network:
+    def __init__(
+        self,
+        *,
+        rules: Optional[str] = None,
+        policy: Optional[Callable[[Flow], Any]] = None,
+        secrets: Sequence[tuple[str, str, Sequence[str], bool, bool]] = ...,
+        publish: Sequence[tuple[int, int]] = ...,
+        upstream_ca: Optional[bytes] = None,
+    ) -> None: ...
+
 class Sandbox:
     def __init__(
         self,
@@ -117,6 +257,7 @@ class Sandbox:
         cpus: Optional[int] = None,
         memory_mib: Optional[int] = None,
         hostname: Optional[str] = None,
+        network: Optional[Network] = None,
         artifacts: Optional[str] = None,
     ) -> None: ...
     def boot(self) -> Awaitable[Instance]: ...

@@ -9,11 +9,68 @@ while the VM works, so other threads go on)::
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Mapping, Optional, Tuple, Union
+import threading
+from typing import Any, Callable, Iterator, List, Mapping, Optional, Tuple, Union
 
-from . import ARTIFACTS, Command, Completed, _data, _env_pairs, _krunbox
+from . import (
+    ARTIFACTS,
+    MAX_OUTPUT,
+    Command,
+    Completed,
+    DirEntry,
+    FileInfo,
+    InstanceGone,
+    KrunboxError,
+    Network,
+    OutputLimitExceeded,
+    _data,
+    _env_pairs,
+    _krunbox,
+)
 
-__all__ = ["Sandbox", "Instance", "Process"]
+__all__ = ["Sandbox", "Instance", "Process", "FileReader", "FileWriter"]
+
+OnOutput = Callable[[bytes], Any]
+"""A callback for each chunk of a command's output, as it comes."""
+
+
+def _collect(stream: "OutputStream", callback: Optional[OnOutput], name: str) -> bytes:
+    parts: List[bytes] = []
+    total = 0
+    for chunk in stream:
+        total += len(chunk)
+        if total > MAX_OUTPUT:
+            raise OutputLimitExceeded(
+                f"the command's {name} passed {MAX_OUTPUT} bytes: stream it with spawn()"
+            )
+        parts.append(chunk)
+        if callback is not None:
+            callback(chunk)
+    return b"".join(parts)
+
+
+class _Beside(threading.Thread):
+    """Work on a thread of its own (a stream pumped while another is), its result or
+    exception kept for :meth:`result`."""
+
+    def __init__(self, work: Callable[[], Any]) -> None:
+        super().__init__(daemon=True)
+        self._work = work
+        self._value: Any = None
+        self._error: Optional[BaseException] = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self._value = self._work()
+        except BaseException as error:  # handed to result()
+            self._error = error
+
+    def result(self) -> Any:
+        self.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 class Sandbox:
@@ -26,9 +83,15 @@ class Sandbox:
         cpus: Optional[int] = None,
         memory_mib: Optional[int] = None,
         hostname: Optional[str] = None,
+        network: Optional[Network] = None,
     ) -> None:
         self._native = _krunbox.Sandbox(
-            image, cpus=cpus, memory_mib=memory_mib, hostname=hostname, artifacts=ARTIFACTS
+            image,
+            cpus=cpus,
+            memory_mib=memory_mib,
+            hostname=hostname,
+            network=None if network is None else network._native,
+            artifacts=ARTIFACTS,
         )
 
     def boot(self) -> "Instance":
@@ -49,15 +112,49 @@ class Instance:
         self,
         cmd: Command,
         *,
+        input: Optional[Union[bytes, str]] = None,
+        on_stdout: Optional[OnOutput] = None,
+        on_stderr: Optional[OnOutput] = None,
         timeout: Optional[float] = None,
         cwd: Optional[str] = None,
         env: Optional[Mapping[str, str]] = None,
         check: bool = False,
     ) -> Completed:
-        """Runs ``cmd`` to its end (see :meth:`krunbox.Instance.run`)."""
-        return self._native.run_blocking(
-            cmd, timeout=timeout, cwd=cwd, env=_env_pairs(env), check=check
+        """Runs ``cmd`` to its end (see :meth:`krunbox.Instance.run`). ``on_stderr`` is
+        called on a thread of its own."""
+        if input is None and on_stdout is None and on_stderr is None:
+            return self._native.run_blocking(
+                cmd, timeout=timeout, cwd=cwd, env=_env_pairs(env), check=check
+            )
+        proc = self.spawn(cmd, stdin=input is not None, timeout=timeout, cwd=cwd, env=env)
+        try:
+            feeding = _Beside(lambda: self._feed(proc, input))
+            errors = _Beside(lambda: _collect(proc.stderr, on_stderr, "stderr"))
+            stdout = _collect(proc.stdout, on_stdout, "stdout")
+            stderr = errors.result()
+            feeding.result()
+            returncode = proc.wait()
+        except BaseException:
+            proc.kill()
+            raise
+        done = Completed(
+            _krunbox.command_args(cmd), returncode, stdout, stderr, timed_out=proc.timed_out
         )
+        if check:
+            done.check_returncode()
+        return done
+
+    @staticmethod
+    def _feed(proc: "Process", data: Optional[Union[bytes, str]]) -> None:
+        if proc.stdin is None or data is None:
+            return
+        try:
+            proc.stdin.write(data)
+            proc.stdin.close()
+        except InstanceGone:
+            raise
+        except KrunboxError:
+            pass  # it ended without reading it all: no error, as in subprocess
 
     def spawn(
         self,
@@ -84,6 +181,36 @@ class Instance:
         """Writes ``data`` to ``path`` in the guest, replacing the file."""
         self._native.write_file_blocking(path, _data(data))
 
+    def list_dir(self, path: str) -> List[DirEntry]:
+        """The entries of the guest directory ``path``, sorted by name."""
+        return self._native.list_dir_blocking(path)
+
+    def stat(self, path: str, *, follow_symlinks: bool = True) -> FileInfo:
+        """What ``stat`` says about ``path``."""
+        return self._native.stat_blocking(path, follow_symlinks)
+
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        """Removes a file, a symlink or an empty directory; ``recursive=True`` a whole tree."""
+        self._native.remove_blocking(path, recursive)
+
+    def rename(self, source: str, destination: str) -> None:
+        """Renames ``source`` to ``destination``, replacing a file there atomically."""
+        self._native.rename_blocking(source, destination)
+
+    def make_dir(self, path: str, *, mode: int = 0o755, parents: bool = False) -> None:
+        """Makes the directory ``path`` (``parents=True``: and those above it)."""
+        self._native.make_dir_blocking(path, mode, parents)
+
+    def open_reader(self, path: str) -> "FileReader":
+        """Reads the guest file ``path`` in chunks: ``with vm.open_reader(p) as r: for chunk
+        in r: ...``."""
+        return FileReader(self._native.open_reader_blocking(path))
+
+    def open_writer(self, path: str, *, mode: int = 0o644) -> "FileWriter":
+        """Writes the guest file ``path`` in chunks; the ``with`` block's end (or
+        :meth:`FileWriter.close`) waits until the guest has it all on disk."""
+        return FileWriter(self._native.open_writer_blocking(path, mode))
+
     def shutdown(self) -> None:
         """Stops the VM."""
         self._native.shutdown_blocking()
@@ -93,6 +220,54 @@ class Instance:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+class FileReader:
+    """A guest file read in chunks: ``for chunk in reader``, or :meth:`read`."""
+
+    def __init__(self, native: _krunbox.FileReader) -> None:
+        self._native = native
+
+    def read(self, max: int = 1 << 20) -> bytes:
+        """Up to ``max`` bytes (at most 1 MiB); ``b""`` at the end of the file."""
+        return self._native.read_blocking(max)
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self
+
+    def __next__(self) -> bytes:
+        chunk = self._native.read_blocking(1 << 20)
+        if not chunk:
+            raise StopIteration
+        return chunk
+
+    def __enter__(self) -> "FileReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class FileWriter:
+    """A guest file written in chunks; :meth:`close` makes it whole."""
+
+    def __init__(self, native: _krunbox.FileWriter) -> None:
+        self._native = native
+
+    def write(self, data: Union[bytes, str]) -> None:
+        """Writes ``data`` (a ``str`` as UTF-8), whole."""
+        self._native.write_blocking(_data(data))
+
+    def close(self) -> None:
+        """Waits until the guest has written everything and ``fsync``ed the file."""
+        self._native.finish_blocking()
+
+    def __enter__(self) -> "FileWriter":
+        return self
+
+    def __exit__(self, kind: Optional[type], *exc: object) -> None:
+        if kind is None:
+            self.close()
 
 
 class OutputStream:
@@ -143,6 +318,11 @@ class Process:
     def pid(self) -> int:
         """Its process id in the guest."""
         return self._native.pid
+
+    @property
+    def timed_out(self) -> bool:
+        """Whether its ``timeout`` ended it (known once :meth:`wait` has returned)."""
+        return self._native.timed_out
 
     def wait(self) -> int:
         """Waits for it to end: its exit code, ``-N`` for signal N, 124 for its timeout."""

@@ -1,0 +1,77 @@
+//! A network policy written in Python: a callable that gets each new `Flow` and returns a
+//! `Verdict` (or `True` / `False`), directly or from a coroutine.
+
+use std::sync::Arc;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyTuple};
+
+use super::flow::{Decision, Flow, Verdict};
+use super::middleware::PythonMiddleware;
+use crate::callback::{report, Callable, EventLoop};
+
+/// A Python callable as the library's policy. What it raises denies the flow it was asked
+/// about, and nothing else.
+pub(crate) struct PythonPolicy {
+    callable: Arc<Callable>,
+    event_loop: Arc<EventLoop>,
+}
+
+impl PythonPolicy {
+    pub(crate) fn new(function: Py<PyAny>, event_loop: Arc<EventLoop>) -> Self {
+        PythonPolicy {
+            callable: Arc::new(Callable::new(function, Arc::clone(&event_loop))),
+            event_loop,
+        }
+    }
+}
+
+/// The verdict a policy's result stands for: a `Verdict`, or a bool (accept or deny).
+fn verdict(
+    result: &Bound<'_, PyAny>,
+    event_loop: &Arc<EventLoop>,
+) -> PyResult<krunbox::net::Verdict> {
+    if let Ok(granted) = result.cast::<PyBool>() {
+        return Ok(if granted.is_true() {
+            krunbox::net::Verdict::accept()
+        } else {
+            krunbox::net::Verdict::deny()
+        });
+    }
+    let verdict = result.cast::<Verdict>()?.get();
+    Ok(match &verdict.decision {
+        Decision::Ready(verdict) => verdict.clone(),
+        Decision::Intercept(middleware) => {
+            let py = result.py();
+            let mut intercept = krunbox::net::Intercept::new();
+            for function in middleware {
+                let callable = Callable::new(function.clone_ref(py), Arc::clone(event_loop));
+                intercept = intercept.middleware(PythonMiddleware(Arc::new(callable)));
+            }
+            krunbox::net::Verdict::intercept(intercept)
+        }
+    })
+}
+
+impl krunbox::net::Policy for PythonPolicy {
+    fn decide(&self, flow: krunbox::net::Flow) -> krunbox::net::Decide {
+        let callable = Arc::clone(&self.callable);
+        let event_loop = Arc::clone(&self.event_loop);
+        let asked = Flow::from(&flow);
+        Box::pin(async move {
+            let decided = callable
+                .call(
+                    move |py| PyTuple::new(py, [Py::new(py, asked)?]),
+                    move |result| verdict(result, &event_loop),
+                )
+                .await;
+            match decided {
+                Ok(verdict) => verdict,
+                Err(error) => {
+                    report(error, "the network policy", "the flow is denied").await;
+                    krunbox::net::Verdict::deny()
+                }
+            }
+        })
+    }
+}

@@ -1,0 +1,118 @@
+"""The network from Python, in a real microVM: a policy written in Python grants one domain,
+async middleware adds a credential that an HTTPS origin on loopback receives (the guest never
+holds it), and callbacks that raise cost only their own flow or request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import ssl
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Iterator, List, Optional, Tuple
+
+import pytest
+import trustme
+
+import krunbox
+
+
+def _origin_handler(seen: List[Optional[str]]) -> type[BaseHTTPRequestHandler]:
+    class Origin(BaseHTTPRequestHandler):
+        """Answers every GET with a line, keeping the authorization header it got in ``seen``."""
+
+        def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+            seen.append(self.headers.get("authorization"))
+            body = b"hello from the origin\n"
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    return Origin
+
+
+@pytest.fixture
+def origin() -> Iterator[Tuple[int, bytes, List[Optional[str]]]]:
+    """An HTTPS origin for ``api.test`` on 127.0.0.1: its port, its CA (PEM), what it saw."""
+    ca = trustme.CA()
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ca.issue_cert("api.test").configure_cert(context)
+    seen: List[Optional[str]] = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _origin_handler(seen))
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1], ca.cert_pem.bytes(), seen
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+async def test_a_python_policy_and_async_middleware_hold_the_credential_on_the_host(
+    origin: Tuple[int, bytes, List[Optional[str]]], caplog: pytest.LogCaptureFixture
+) -> None:
+    port, ca_pem, seen = origin
+    token = "tok-" + secrets.token_hex(8)
+    test_loop = asyncio.get_running_loop()
+    middleware_loops: List[asyncio.AbstractEventLoop] = []
+
+    async def add_token(request: krunbox.Request) -> Optional[krunbox.Answer]:
+        middleware_loops.append(asyncio.get_running_loop())
+        await asyncio.sleep(0.01)  # as a token service would
+        if request.path == "/raise":
+            raise RuntimeError("middleware bug")
+        if request.path == "/refuse":
+            return krunbox.Answer(403, "not this path\n")
+        request.set_header("authorization", f"Bearer {token}")
+        return None
+
+    def policy(flow: krunbox.Flow) -> krunbox.Verdict:
+        if flow.protocol == "dns":
+            if flow.hostname == "boom.test":
+                raise RuntimeError("policy bug")
+            if flow.hostname in ("api.test", "other.test"):
+                return krunbox.Verdict.resolve(["127.0.0.1"])
+            return krunbox.Verdict.deny()
+        if flow.protocol == "tcp" and flow.hostname == "api.test":
+            return krunbox.Verdict.intercept([add_token])
+        return krunbox.Verdict.deny()
+
+    network = krunbox.Network(policy=policy, upstream_ca=ca_pem)
+    sandbox = krunbox.Sandbox("agent", memory_mib=512, network=network)
+    curl = "curl -sS -m 20 -o /dev/null -w '%{http_code}' "
+    caplog.set_level(logging.ERROR, logger="krunbox")
+    async with sandbox.boot() as vm:
+        got = await vm.run(f"curl -fsS -m 20 https://api.test:{port}/hello", timeout=60)
+        assert (got.returncode, got.stdout, got.stderr) == (0, b"hello from the origin\n", b"")
+        assert seen == [f"Bearer {token}"]
+        assert middleware_loops and all(loop is test_loop for loop in middleware_loops)
+
+        # The policy raising on one name denies that query alone; a name it denies is
+        # refused; middleware raising answers its request 500, an Answer its own status.
+        boom = await vm.run(f"curl -sS -m 20 https://boom.test:{port}/", timeout=60)
+        assert boom.returncode != 0 and b"resolve" in boom.stderr.lower(), boom
+        other = await vm.run(f"curl -sS -m 20 https://other.test:{port}/", timeout=60)
+        assert other.returncode != 0, other
+        codes = await vm.run(
+            f"{curl} https://api.test:{port}/raise; echo; {curl} https://api.test:{port}/refuse",
+            timeout=60,
+        )
+        assert codes.stdout_text.split() == ["500", "403"], codes
+        assert len(seen) == 1  # neither went upstream
+
+        again = await vm.run(f"curl -fsS -m 20 https://api.test:{port}/again", timeout=60)
+        assert again.stdout == b"hello from the origin\n", again
+        assert seen == [f"Bearer {token}"] * 2
+        env = await vm.run("env; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'")
+        assert token not in env.stdout_text
+
+    raised = [r.getMessage() for r in caplog.records if r.name == "krunbox"]
+    assert any("network policy" in m and "policy bug" in m for m in raised), raised
+    assert any("middleware" in m and "middleware bug" in m for m in raised), raised

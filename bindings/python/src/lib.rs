@@ -10,9 +10,11 @@ mod callback;
 mod doctor;
 mod errors;
 mod files;
+mod fs;
 mod instance;
 mod net;
 mod process;
+mod rootfs;
 mod runtime;
 mod sandbox;
 
@@ -30,6 +32,10 @@ fn _krunbox(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<files::FileReader>()?;
     module.add_class::<files::FileWriter>()?;
     net::register(module)?;
+    fs::register(module)?;
+    module.add_class::<rootfs::Rootfs>()?;
+    module.add_class::<rootfs::DirectoryStore>()?;
+    module.add_class::<rootfs::MemoryStore>()?;
     module.add_function(wrap_pyfunction!(doctor::doctor, module)?)?;
     module.add("TIMEOUT_EXIT_CODE", krunbox::TIMEOUT_EXIT_CODE)?;
     module.add("MAX_OUTPUT", krunbox::DEFAULT_MAX_OUTPUT)?;

@@ -1,4 +1,5 @@
-//! `Sandbox`: a definition (root, resources), booted into instances as often as wanted.
+//! `Sandbox`: a definition (root, resources, mounts, network), booted into instances as often
+//! as wanted.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -6,54 +7,54 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 
 use crate::callback::EventLoop;
-use crate::errors::InvalidConfig;
+use crate::fs::Mounts;
 use crate::instance::Instance;
+use crate::rootfs::Rootfs;
 use crate::runtime::{awaitable, block_on};
 
 /// A sandbox definition: what each instance boots from. Cheap to boot many times.
 #[pyclass(module = "krunbox._krunbox", frozen)]
 pub(crate) struct Sandbox {
     inner: krunbox::Sandbox,
-    /// Where its network callbacks await their coroutines: the loop that booted it last.
+    /// Where its callbacks (network, stores, filesystems) await their coroutines: the loop
+    /// that booted it last.
     event_loop: Arc<EventLoop>,
 }
 
-/// The built-in image of `name`.
-fn builtin(name: &str) -> PyResult<krunbox::BuiltinImage> {
-    match name {
-        "busybox" => Ok(krunbox::BuiltinImage::Busybox),
-        "agent" => Ok(krunbox::BuiltinImage::Agent),
-        other => Err(InvalidConfig::new_err(format!(
-            "{other:?} is not a built-in image: say \"agent\" (Debian with python3, node, git, \
-             curl) or \"busybox\""
-        ))),
+/// The root a sandbox is given as: a built-in image's name, or a `Rootfs`.
+fn root(image: &Bound<'_, PyAny>, event_loop: &Arc<EventLoop>) -> PyResult<krunbox::Rootfs> {
+    if let Ok(name) = image.extract::<String>() {
+        return Ok(krunbox::Rootfs::builtin(crate::rootfs::builtin(&name)?));
     }
+    let rootfs = image.cast::<Rootfs>()?;
+    Ok(rootfs.get().build(image.py(), event_loop))
 }
 
 #[pymethods]
 impl Sandbox {
-    /// A definition booting the built-in `image` ("agent" or "busybox") with `cpus` vCPUs and
-    /// `memory_mib` of memory (the library's defaults when not given), and `hostname`.
-    /// `artifacts` is the package's own directory of the run-time files it ships (the
-    /// helper, guest-init): used where present, else the library's search order. `network`
-    /// gives it a network (none without).
+    /// A definition booting `image` (a built-in image's name, "agent" or "busybox", or a
+    /// `Rootfs`) with `cpus` vCPUs and `memory_mib` of memory (the library's defaults when
+    /// not given), `hostname`, `mounts` ((guest path, filesystem) pairs) and `network` (none
+    /// without). `artifacts` is the package's own directory of the run-time files it ships
+    /// (the helper, guest-init): used where present, else the library's search order.
     #[new]
     #[pyo3(signature = (
-        image = "agent", *, cpus = None, memory_mib = None, hostname = None, network = None,
-        artifacts = None
+        image, *, cpus = None, memory_mib = None, hostname = None, mounts = Vec::new(),
+        network = None, artifacts = None
     ))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
-        image: &str,
+        image: &Bound<'_, PyAny>,
         cpus: Option<u8>,
         memory_mib: Option<u32>,
         hostname: Option<String>,
+        mounts: Vec<(String, Bound<'_, PyAny>)>,
         network: Option<PyRef<'_, crate::net::Network>>,
         artifacts: Option<PathBuf>,
     ) -> PyResult<Self> {
         let event_loop = Arc::new(EventLoop::default());
-        let mut builder =
-            krunbox::Sandbox::builder().rootfs(krunbox::Rootfs::builtin(builtin(image)?));
+        let mut builder = krunbox::Sandbox::builder().rootfs(root(image, &event_loop)?);
         if let Some(dir) = artifacts {
             let (helper, guest_init) = (dir.join("bin/krunbox-vmm"), dir.join("guest-init"));
             if helper.is_file() {
@@ -72,6 +73,7 @@ impl Sandbox {
         if let Some(hostname) = hostname {
             builder = builder.hostname(hostname);
         }
+        builder = builder.with_mounts(crate::fs::mounts(mounts, &event_loop)?);
         if let Some(network) = network {
             builder = builder.network(network.build(py, &event_loop));
         }
@@ -79,24 +81,64 @@ impl Sandbox {
         Ok(Sandbox { inner, event_loop })
     }
 
-    /// Boots an instance (awaitable). Its network callbacks' coroutines run on the loop
-    /// awaiting this.
-    fn boot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+    /// Boots an instance (awaitable), with this boot's own `mounts`, `hostname` and working
+    /// directory `cwd` if given. Callbacks' coroutines run on the loop awaiting this.
+    #[pyo3(signature = (*, mounts = Vec::new(), hostname = None, cwd = None))]
+    fn boot<'py>(
+        &self,
+        py: Python<'py>,
+        mounts: Vec<(String, Bound<'py, PyAny>)>,
+        hostname: Option<String>,
+        cwd: Option<PathBuf>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let options = self.options(mounts, hostname, cwd)?;
         self.event_loop
             .set(Some(pyo3_async_runtimes::tokio::get_current_locals(py)?));
         let sandbox = self.inner.clone();
-        awaitable(py, async move { sandbox.boot().await.map(Instance::new) })
+        awaitable(py, async move {
+            sandbox.boot_with(options).await.map(Instance::new)
+        })
     }
 
-    /// Boots an instance, waiting here with the GIL released. Its network callbacks'
-    /// coroutines run by `asyncio.run`.
-    fn boot_blocking(&self, py: Python<'_>) -> PyResult<Instance> {
+    /// `boot`, waiting here with the GIL released. Callbacks' coroutines run by
+    /// `asyncio.run`.
+    #[pyo3(signature = (*, mounts = Vec::new(), hostname = None, cwd = None))]
+    fn boot_blocking(
+        &self,
+        py: Python<'_>,
+        mounts: Vec<(String, Bound<'_, PyAny>)>,
+        hostname: Option<String>,
+        cwd: Option<PathBuf>,
+    ) -> PyResult<Instance> {
+        let options = self.options(mounts, hostname, cwd)?;
         self.event_loop.set(None);
         let sandbox = self.inner.clone();
-        block_on(py, async move { sandbox.boot().await.map(Instance::new) })
+        block_on(py, async move {
+            sandbox.boot_with(options).await.map(Instance::new)
+        })
     }
 
     fn __repr__(&self) -> String {
         format!("Sandbox(rootfs={:?})", self.inner.rootfs())
+    }
+}
+
+impl Sandbox {
+    /// One boot's options.
+    fn options(
+        &self,
+        mounts: Vec<(String, Bound<'_, PyAny>)>,
+        hostname: Option<String>,
+        cwd: Option<PathBuf>,
+    ) -> PyResult<krunbox::BootOptions> {
+        let mut options =
+            krunbox::BootOptions::new().with_mounts(crate::fs::mounts(mounts, &self.event_loop)?);
+        if let Some(hostname) = hostname {
+            options = options.hostname(hostname);
+        }
+        if let Some(cwd) = cwd {
+            options = options.current_dir(cwd);
+        }
+        Ok(options)
     }
 }

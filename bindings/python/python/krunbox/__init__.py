@@ -67,10 +67,23 @@ from ._krunbox import (
     TooMany,
 )
 
+from .fs import HostDir, MemoryFs, Stat, VirtualFs
 from .net import Answer, Flow, Network, Request, Secret, Verdict
+from .rootfs import BlockStore, DirectoryStore, MemoryStore, Rootfs
 
 __all__ = [
     "Sandbox",
+    "Command",
+    "Mounts",
+    "Filesystem",
+    "Rootfs",
+    "BlockStore",
+    "DirectoryStore",
+    "MemoryStore",
+    "VirtualFs",
+    "Stat",
+    "MemoryFs",
+    "HostDir",
     "Network",
     "Secret",
     "Verdict",
@@ -114,6 +127,16 @@ kernel (libkrunfw) is found as the Rust library finds it (``krunbox setup``, the
 
 Command = Union[str, Sequence[str]]
 """A shell command line (run by ``sh -c``), or a program and its arguments."""
+
+Filesystem = Union[MemoryFs, HostDir, VirtualFs]
+"""What can be mounted: a :class:`MemoryFs`, a :class:`HostDir`, or a :class:`VirtualFs`."""
+
+Mounts = Mapping[str, Filesystem]
+"""Guest paths and the filesystems mounted there."""
+
+
+def _mounts(mounts: Optional[Mounts]) -> List[Tuple[str, Any]]:
+    return [] if mounts is None else [(str(path), fs) for path, fs in mounts.items()]
 
 
 def _env_pairs(env: Optional[Mapping[str, str]]) -> Optional[List[Tuple[str, str]]]:
@@ -164,19 +187,22 @@ class Sandbox:
     """A sandbox definition: the root image and resources every instance boots with.
 
     ``image`` is a built-in image: ``"agent"`` (Debian with python3, pip, node, npm, gh, git
-    and curl) or ``"busybox"``. ``network`` gives it a :class:`Network` (without one it has no
-    network device). Booting is cheap; boot one instance per task.
+    and curl) or ``"busybox"``, or a :class:`Rootfs` (an image file, a writable root).
+    ``mounts`` maps guest paths to filesystems (:class:`MemoryFs`, :class:`HostDir`, a
+    :class:`VirtualFs` of yours). ``network`` gives it a :class:`Network` (without one it has
+    no network device). Booting is cheap; boot one instance per task.
 
     >>> sandbox = Sandbox("busybox", cpus=1, memory_mib=256)  # doctest: +SKIP
     """
 
     def __init__(
         self,
-        image: str = "agent",
+        image: Union[str, Rootfs] = "agent",
         *,
         cpus: Optional[int] = None,
         memory_mib: Optional[int] = None,
         hostname: Optional[str] = None,
+        mounts: Optional[Mounts] = None,
         network: Optional[Network] = None,
     ) -> None:
         self._native = _krunbox.Sandbox(
@@ -184,14 +210,22 @@ class Sandbox:
             cpus=cpus,
             memory_mib=memory_mib,
             hostname=hostname,
+            mounts=_mounts(mounts),
             network=None if network is None else network._native,
             artifacts=ARTIFACTS,
         )
 
-    def boot(self) -> "_Booting":
+    def boot(
+        self,
+        *,
+        mounts: Optional[Mounts] = None,
+        hostname: Optional[str] = None,
+        cwd: Optional[str] = None,
+    ) -> "_Booting":
         """Boots an instance: ``vm = await sandbox.boot()``, or ``async with sandbox.boot() as
-        vm:`` to shut it down at the block's end."""
-        return _Booting(self._native)
+        vm:`` to shut it down at the block's end. ``mounts``, ``hostname`` and ``cwd`` (where
+        commands start) are this boot's own, besides the definition's."""
+        return _Booting(self._native.boot(mounts=_mounts(mounts), hostname=hostname, cwd=cwd))
 
     def __repr__(self) -> str:
         return repr(self._native)
@@ -201,12 +235,12 @@ class _Booting:
     """A boot under way: awaitable (the instance) and an async context manager (the instance,
     shut down at the block's end)."""
 
-    def __init__(self, native: _krunbox.Sandbox) -> None:
-        self._native = native
+    def __init__(self, booting: Awaitable[_krunbox.Instance]) -> None:
+        self._booting = booting
         self._instance: Optional[Instance] = None
 
     async def _boot(self) -> "Instance":
-        return Instance(await self._native.boot())
+        return Instance(await self._booting)
 
     def __await__(self) -> Generator[Any, None, "Instance"]:
         return self._boot().__await__()

@@ -1,5 +1,6 @@
 """The native module (``krunbox._krunbox``); use :mod:`krunbox` and :mod:`krunbox.sync`."""
 
+import os
 from typing import Any, Awaitable, Callable, Optional, Sequence, Union
 
 TIMEOUT_EXIT_CODE: int
@@ -249,19 +250,96 @@ class Network:
         upstream_ca: Optional[bytes] = None,
     ) -> None: ...
 
+class Stat:
+    """What a ``VirtualFs`` says of a path."""
+
+    def __init__(
+        self,
+        type: str = "file",
+        *,
+        size: int = 0,
+        mode: Optional[int] = None,
+        mtime: float = 0.0,
+        uid: int = 0,
+        gid: int = 0,
+    ) -> None: ...
+    @property
+    def type(self) -> str: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def mode(self) -> int: ...
+    @property
+    def mtime(self) -> float: ...
+    @property
+    def uid(self) -> int: ...
+    @property
+    def gid(self) -> int: ...
+
+class MemoryFs:
+    """A filesystem in this process's memory, shared with the guests it is mounted in."""
+
+    def __init__(self) -> None: ...
+    def write_file(self, path: str, data: bytes) -> None: ...
+    def read_file(self, path: str) -> bytes: ...
+    def list_dir(self, path: str) -> list[str]: ...
+
+class HostDir:
+    """A host directory the guest can never reach outside of."""
+
+    def __init__(
+        self,
+        path: Union[str, "os.PathLike[str]"],
+        *,
+        read_only: bool = False,
+        hide: Sequence[Union[str, "os.PathLike[str]"]] = ...,
+        hidden_store: Optional[Union[str, "os.PathLike[str]"]] = None,
+    ) -> None: ...
+
+class DirectoryStore:
+    """Blocks kept as files in a host directory."""
+
+    def __init__(self, path: Union[str, "os.PathLike[str]"]) -> None: ...
+
+class MemoryStore:
+    """Blocks kept in this process's memory."""
+
+    def __init__(self) -> None: ...
+
+class Rootfs:
+    """A root filesystem definition."""
+
+    @staticmethod
+    def builtin(name: str) -> Rootfs: ...
+    @staticmethod
+    def image(path: Union[str, "os.PathLike[str]"], sha256: str, fstype: str = "ext4") -> Rootfs: ...
+    @staticmethod
+    def ephemeral(base: Rootfs, max_dirty_bytes: int = ...) -> Rootfs: ...
+    @staticmethod
+    def persistent(base: Rootfs, path: Union[str, "os.PathLike[str]"]) -> Rootfs: ...
+    @staticmethod
+    def cow(base: Rootfs, store: Any, max_dirty_bytes: int = ...) -> Rootfs: ...
+
+_Mounts = Sequence[tuple[str, Any]]
+
 class Sandbox:
     def __init__(
         self,
-        image: str = "agent",
+        image: Union[str, Rootfs],
         *,
         cpus: Optional[int] = None,
         memory_mib: Optional[int] = None,
         hostname: Optional[str] = None,
+        mounts: _Mounts = ...,
         network: Optional[Network] = None,
         artifacts: Optional[str] = None,
     ) -> None: ...
-    def boot(self) -> Awaitable[Instance]: ...
-    def boot_blocking(self) -> Instance: ...
+    def boot(
+        self, *, mounts: _Mounts = ..., hostname: Optional[str] = None, cwd: Optional[str] = None
+    ) -> Awaitable[Instance]: ...
+    def boot_blocking(
+        self, *, mounts: _Mounts = ..., hostname: Optional[str] = None, cwd: Optional[str] = None
+    ) -> Instance: ...
 
 def doctor(artifacts: Optional[str] = None) -> tuple[str, bool]: ...
 

@@ -21,11 +21,14 @@ from . import (
     FileInfo,
     InstanceGone,
     KrunboxError,
+    Mounts,
     Network,
     OutputLimitExceeded,
+    Rootfs,
     _data,
     _env_pairs,
     _krunbox,
+    _mounts,
 )
 
 __all__ = ["Sandbox", "Instance", "Process", "FileReader", "FileWriter"]
@@ -78,11 +81,12 @@ class Sandbox:
 
     def __init__(
         self,
-        image: str = "agent",
+        image: Union[str, Rootfs] = "agent",
         *,
         cpus: Optional[int] = None,
         memory_mib: Optional[int] = None,
         hostname: Optional[str] = None,
+        mounts: Optional[Mounts] = None,
         network: Optional[Network] = None,
     ) -> None:
         self._native = _krunbox.Sandbox(
@@ -90,13 +94,23 @@ class Sandbox:
             cpus=cpus,
             memory_mib=memory_mib,
             hostname=hostname,
+            mounts=_mounts(mounts),
             network=None if network is None else network._native,
             artifacts=ARTIFACTS,
         )
 
-    def boot(self) -> "Instance":
-        """Boots an instance; ``with sandbox.boot() as vm:`` shuts it down at the block's end."""
-        return Instance(self._native.boot_blocking())
+    def boot(
+        self,
+        *,
+        mounts: Optional[Mounts] = None,
+        hostname: Optional[str] = None,
+        cwd: Optional[str] = None,
+    ) -> "Instance":
+        """Boots an instance; ``with sandbox.boot() as vm:`` shuts it down at the block's end.
+        ``mounts``, ``hostname`` and ``cwd`` are this boot's own (see
+        :meth:`krunbox.Sandbox.boot`)."""
+        native = self._native.boot_blocking(mounts=_mounts(mounts), hostname=hostname, cwd=cwd)
+        return Instance(native)
 
     def __repr__(self) -> str:
         return repr(self._native)

@@ -1,0 +1,125 @@
+//! The inode table of a filesystem written in Python: the guest's kernel speaks inode numbers,
+//! the Python object paths. Each inode the kernel holds maps to the path it was found at, with
+//! the count of lookups the kernel has not yet given back (`forget`); renames move the paths
+//! of an inode and everything under it. Sans-IO: no Python in here.
+
+use std::collections::HashMap;
+
+use krunbox::fs::InodeId;
+
+struct Node {
+    path: String,
+    lookups: u64,
+}
+
+/// Inode numbers and the paths they stand for. The root is inode 1, `/`, never forgotten.
+/// The table holds only what the guest's kernel holds (each entry a lookup it has not
+/// forgotten), which the kernel's own inode cache bounds.
+pub(crate) struct Inodes {
+    by_ino: HashMap<u64, Node>,
+    by_path: HashMap<String, u64>,
+    next: u64,
+}
+
+/// The path of `name` in the directory `parent`.
+pub(crate) fn join(parent: &str, name: &str) -> String {
+    if parent == "/" {
+        format!("/{name}")
+    } else {
+        format!("{parent}/{name}")
+    }
+}
+
+/// Inode numbers of entries listed but not looked up: derived from their path, with the top
+/// bit set so they never collide with the table's (counted from 2).
+pub(crate) fn listed_ino(path: &str) -> InodeId {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    path.hash(&mut hasher);
+    InodeId(hasher.finish() | 1 << 63)
+}
+
+impl Inodes {
+    pub(crate) fn new() -> Self {
+        let root = Node {
+            path: "/".into(),
+            lookups: 1,
+        };
+        Inodes {
+            by_ino: HashMap::from([(InodeId::ROOT.0, root)]),
+            by_path: HashMap::from([("/".to_owned(), InodeId::ROOT.0)]),
+            next: 2,
+        }
+    }
+
+    /// The path of `ino`, if the kernel still holds it.
+    pub(crate) fn path(&self, ino: InodeId) -> Option<String> {
+        self.by_ino.get(&ino.0).map(|n| n.path.clone())
+    }
+
+    /// The inode of `path` if it has one.
+    pub(crate) fn existing(&self, path: &str) -> Option<InodeId> {
+        self.by_path.get(path).map(|&ino| InodeId(ino))
+    }
+
+    /// The inode for `path`, counting one more lookup of it.
+    pub(crate) fn remember(&mut self, path: &str) -> InodeId {
+        if let Some(&ino) = self.by_path.get(path) {
+            if let Some(node) = self.by_ino.get_mut(&ino) {
+                node.lookups += 1;
+            }
+            return InodeId(ino);
+        }
+        let ino = self.next;
+        self.next += 1;
+        let node = Node {
+            path: path.to_owned(),
+            lookups: 1,
+        };
+        self.by_ino.insert(ino, node);
+        self.by_path.insert(path.to_owned(), ino);
+        InodeId(ino)
+    }
+
+    /// The kernel gives back `count` lookups of `ino`; at none left it is dropped.
+    pub(crate) fn forget(&mut self, ino: InodeId, count: u64) {
+        if ino == InodeId::ROOT {
+            return;
+        }
+        let Some(node) = self.by_ino.get_mut(&ino.0) else {
+            return;
+        };
+        node.lookups = node.lookups.saturating_sub(count);
+        if node.lookups == 0 {
+            let path = self.by_ino.remove(&ino.0).map(|n| n.path);
+            if let Some(path) = path {
+                if self.by_path.get(&path) == Some(&ino.0) {
+                    self.by_path.remove(&path);
+                }
+            }
+        }
+    }
+
+    /// `from` was renamed to `to`: it and everything under it now live there. What was at
+    /// `to` is gone (its inode, if the kernel holds it, keeps no path).
+    pub(crate) fn rename(&mut self, from: &str, to: &str) {
+        if let Some(replaced) = self.by_path.remove(to) {
+            self.by_ino.remove(&replaced);
+        }
+        let prefix = format!("{from}/");
+        let moved: Vec<(String, u64)> = self
+            .by_path
+            .iter()
+            .filter(|(path, _)| path.as_str() == from || path.starts_with(&prefix))
+            .map(|(path, &ino)| (path.clone(), ino))
+            .collect();
+        for (old, ino) in moved {
+            let new = format!("{to}{}", &old[from.len()..]);
+            self.by_path.remove(&old);
+            self.by_path.insert(new.clone(), ino);
+            if let Some(node) = self.by_ino.get_mut(&ino) {
+                node.path = new;
+            }
+        }
+    }
+}

@@ -97,7 +97,7 @@ struct Parts {
     /// Where the guest's control connection arrives (until it has).
     listener: Option<UnixListener>,
     /// The instance's directory: the control socket, the console, the logs.
-    dir: tempfile::TempDir,
+    dir: super::dir::InstanceDir,
     /// The verified image and the writable root's layer.
     root: RootPart,
 }
@@ -106,7 +106,7 @@ impl Parts {
     /// Each part prepared, checking what it can before anything starts.
     async fn prepare(config: &SandboxConfig, id: &str) -> Result<Parts> {
         let root = RootPart::prepare(config).await?;
-        let dir = instance_dir()?;
+        let dir = super::dir::InstanceDir::create()?;
         let socket = dir.path().join(CONTROL_SOCKET);
         let listener = UnixListener::bind(&socket)
             .map_err(Error::io(format!("binding {}", socket.display())))?;
@@ -403,17 +403,3 @@ struct Admitted {
 
 /// The control socket's name in the instance's directory.
 const CONTROL_SOCKET: &str = "control.sock";
-
-/// The instance's directory (control socket, console, logs, the helper's configuration), on a
-/// local filesystem; kept after the instance with `KRUNBOX_KEEP_INSTANCE_DIR`, for debugging.
-fn instance_dir() -> Result<tempfile::TempDir> {
-    let mut dir = tempfile::Builder::new()
-        .prefix("krunbox-")
-        .tempdir_in(crate::artifacts::runtime_dir())
-        .map_err(Error::io("creating the instance directory"))?;
-    if std::env::var_os("KRUNBOX_KEEP_INSTANCE_DIR").is_some() {
-        dir.disable_cleanup(true);
-        tracing::info!(dir = %dir.path().display(), "keeping the instance directory");
-    }
-    Ok(dir)
-}

@@ -5,6 +5,7 @@
 mod admit;
 mod attempt;
 mod boot;
+mod dir;
 mod root;
 mod supervisor;
 
@@ -111,7 +112,7 @@ struct Inner {
     /// A copy-on-write root's attachment, for the store failures `shutdown` reports.
     /// (In a mutex only to be unwind-safe, as `Inner` must be.)
     cow: std::sync::Mutex<Option<Arc<rootfs::CowLayer>>>,
-    dir: tempfile::TempDir,
+    dir: dir::InstanceDir,
 }
 
 impl std::fmt::Debug for Inner {

@@ -36,7 +36,7 @@ build)
         --manifest-path "$package/Cargo.toml" --out "$target/python/wheels" >&2
     "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps \
         "$target/python/wheels"/krunbox-*.whl
-    (cd "$package" && "$venv/bin/mypy" --strict python/krunbox tests >&2)
+    (cd "$package" && "$venv/bin/mypy" --strict python/krunbox tests benches ../../examples/python >&2)
     ;;
 tests)
     cd "$package"

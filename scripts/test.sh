@@ -168,6 +168,7 @@ for bench in "${benches[@]}"; do
     read -r name path <<<"$bench"
     queue+=("bench $name|.|$path")
 done
+queue+=("bench python|bindings/python|$target/python/venv/bin/python benches/bench_exec.py")
 for id in "${python_tests[@]}"; do
     queue+=("python $id|bindings/python|$target/python/venv/bin/python -m pytest -q -p no:cacheprovider $id")
 done

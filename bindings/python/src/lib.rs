@@ -6,6 +6,7 @@
 //! This process is the library's (host, trusted caller): nothing here parses guest bytes
 //! beyond what the library already bounds.
 
+mod bench;
 mod callback;
 mod doctor;
 mod errors;
@@ -37,6 +38,7 @@ fn _krunbox(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<rootfs::DirectoryStore>()?;
     module.add_class::<rootfs::MemoryStore>()?;
     module.add_function(wrap_pyfunction!(doctor::doctor, module)?)?;
+    module.add_function(wrap_pyfunction!(bench::rust_run_seconds, module)?)?;
     module.add("TIMEOUT_EXIT_CODE", krunbox::TIMEOUT_EXIT_CODE)?;
     module.add("MAX_OUTPUT", krunbox::DEFAULT_MAX_OUTPUT)?;
     module.add_function(wrap_pyfunction!(instance::command_args, module)?)?;

@@ -341,6 +341,9 @@ class Sandbox:
         self, *, mounts: _Mounts = ..., hostname: Optional[str] = None, cwd: Optional[str] = None
     ) -> Instance: ...
 
+def _rust_run_seconds(
+    instance: Instance, args: Sequence[str], stdout_bytes: int
+) -> float: ...
 def doctor(artifacts: Optional[str] = None) -> tuple[str, bool]: ...
 
 __all__: Any

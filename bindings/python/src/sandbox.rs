@@ -35,12 +35,11 @@ impl Sandbox {
     /// A definition booting `image` (a built-in image's name, "agent" or "busybox", or a
     /// `Rootfs`) with `cpus` vCPUs and `memory_mib` of memory (the library's defaults when
     /// not given), `hostname`, `mounts` ((guest path, filesystem) pairs) and `network` (none
-    /// without). `artifacts` is the package's own directory of the run-time files it ships
-    /// (the helper, guest-init): used where present, else the library's search order.
+    /// without).
     #[new]
     #[pyo3(signature = (
         image, *, cpus = None, memory_mib = None, hostname = None, mounts = Vec::new(),
-        network = None, artifacts = None
+        network = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -51,19 +50,9 @@ impl Sandbox {
         hostname: Option<String>,
         mounts: Vec<(String, Bound<'_, PyAny>)>,
         network: Option<PyRef<'_, crate::net::Network>>,
-        artifacts: Option<PathBuf>,
     ) -> PyResult<Self> {
         let event_loop = Arc::new(EventLoop::default());
         let mut builder = krunbox::Sandbox::builder().rootfs(root(image, &event_loop)?);
-        if let Some(dir) = artifacts {
-            let (helper, guest_init) = (dir.join("bin/krunbox-vmm"), dir.join("guest-init"));
-            if helper.is_file() {
-                builder = builder.vmm_helper(helper);
-            }
-            if guest_init.is_file() {
-                builder = builder.guest_init(guest_init);
-            }
-        }
         if let Some(cpus) = cpus {
             builder = builder.cpus(cpus);
         }

@@ -8,11 +8,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from typing import List, Optional, Tuple
+import time
+import urllib.request
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 
 import krunbox
+
+
+def _get_when_up(url: str) -> bytes:
+    """``url``'s body, once its server answers (at most a minute)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                body: bytes = response.read()
+                return body
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 async def test_a_python_policy_and_async_middleware_hold_the_credential_on_the_host(
@@ -44,11 +60,12 @@ async def test_a_python_policy_and_async_middleware_hold_the_credential_on_the_h
             return krunbox.Verdict.intercept([add_token])
         return krunbox.Verdict.deny()
 
-    network = krunbox.Network(policy=policy, upstream_ca=ca_pem)
+    network = krunbox.Network(policy=policy, upstream_ca=ca_pem, publish={8000: 0})
     sandbox = krunbox.Sandbox("agent", memory_mib=512, network=network)
     curl = "curl -sS -m 20 -o /dev/null -w '%{http_code}' "
     caplog.set_level(logging.ERROR, logger="krunbox")
     async with sandbox.boot() as vm:
+        events = vm.network_events()
         got = await vm.run(f"curl -fsS -m 20 https://api.test:{port}/hello", timeout=60)
         assert (got.returncode, got.stdout, got.stderr) == (0, b"hello from the origin\n", b"")
         assert seen == [f"Bearer {token}"]
@@ -72,6 +89,31 @@ async def test_a_python_policy_and_async_middleware_hold_the_credential_on_the_h
         assert seen == [f"Bearer {token}"] * 2
         env = await vm.run("env; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'")
         assert token not in env.stdout_text
+
+        # The audit: the request the middleware changed, the flow the policy denied.
+        seen_events: List[Dict[str, Any]] = []
+        async for event in events:
+            seen_events.append(event)
+            if event["type"] == "request" and event["path"] == "/again":
+                break
+        requests = [(e["path"], e["status"]) for e in seen_events if e["type"] == "request"]
+        assert requests == [("/hello", 200), ("/raise", 500), ("/refuse", 403), ("/again", 200)]
+        denied = [
+            e["flow"].hostname
+            for e in seen_events
+            if e["type"] == "decided" and e["outcome"] == "deny"
+        ]
+        assert "other.test" in denied and "boom.test" in denied, denied
+
+        # A published port: the guest's server, reached from the host's loopback.
+        page = secrets.token_hex(8).encode()
+        await vm.run("mkdir -p /tmp/www", check=True)
+        await vm.write_file("/tmp/www/page.txt", page)
+        server = await vm.spawn("cd /tmp/www && exec python3 -m http.server 8000")
+        host, port = vm.published_address(8000) or ("", 0)
+        assert host == "127.0.0.1" and port > 0
+        assert await asyncio.to_thread(_get_when_up, f"http://{host}:{port}/page.txt") == page
+        server.kill()
 
     raised = [r.getMessage() for r in caplog.records if r.name == "krunbox"]
     assert any("network policy" in m and "policy bug" in m for m in raised), raised

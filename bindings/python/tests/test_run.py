@@ -34,6 +34,15 @@ async def test_run_files_errors_and_cancellation_on_one_instance() -> None:
         with pytest.raises(krunbox.CommandTimeout):
             await vm.run("sleep 30", timeout=0.5, check=True)
 
+        isolation = vm.isolation()
+        assert isolation["canaries"] and all(c["blocked"] for c in isolation["canaries"])
+        assert any(layer["enforced"] for layer in isolation["layers"]), isolation
+        metrics = vm.metrics()
+        assert metrics["memory_bytes"] > 0 and metrics["network"] is None, metrics
+        assert vm.published_address(8000) is None
+        with pytest.raises(krunbox.InvalidConfig, match="no network"):
+            vm.network_events()
+
         env = await vm.run("echo $GREETING from $PWD", cwd="/tmp", env={"GREETING": "hello"})
         assert env.stdout_text == "hello from /tmp\n"
 

@@ -29,6 +29,7 @@ from typing import (
     AsyncIterator,
     Awaitable,
     Callable,
+    Dict,
     Generator,
     Generic,
     List,
@@ -68,6 +69,7 @@ from ._krunbox import (
 )
 
 from .fs import HostDir, MemoryFs, Stat, VirtualFs
+from .images import Image, Images
 from .net import Answer, Flow, Network, Request, Secret, Verdict
 from .rootfs import BlockStore, DirectoryStore, MemoryStore, Rootfs
 
@@ -77,6 +79,8 @@ __all__ = [
     "Mounts",
     "Filesystem",
     "Rootfs",
+    "Images",
+    "Image",
     "BlockStore",
     "DirectoryStore",
     "MemoryStore",
@@ -99,6 +103,7 @@ __all__ = [
     "DirEntry",
     "FileReader",
     "FileWriter",
+    "NetworkEvents",
     "TIMEOUT_EXIT_CODE",
     "MAX_OUTPUT",
     "KrunboxError",
@@ -122,8 +127,14 @@ __all__ = [
 ]
 
 ARTIFACTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_artifacts")
-"""The run-time files this package ships (the ``krunbox-vmm`` helper, guest-init); the guest
-kernel (libkrunfw) is found as the Rust library finds it (``krunbox setup``, the cache)."""
+"""The run-time files this package ships (the ``krunbox-vmm`` helper, guest-init): every boot
+and image build of this process uses them, unless ``KRUNBOX_VMM`` or ``KRUNBOX_GUEST_INIT``
+name others. The guest kernel (libkrunfw) is found as the Rust library finds it
+(``krunbox setup``, the cache)."""
+
+for _variable, _name in (("KRUNBOX_VMM", "bin/krunbox-vmm"), ("KRUNBOX_GUEST_INIT", "guest-init")):
+    if os.path.isfile(os.path.join(ARTIFACTS, _name)):
+        os.environ.setdefault(_variable, os.path.join(ARTIFACTS, _name))
 
 Command = Union[str, Sequence[str]]
 """A shell command line (run by ``sh -c``), or a program and its arguments."""
@@ -212,7 +223,6 @@ class Sandbox:
             hostname=hostname,
             mounts=_mounts(mounts),
             network=None if network is None else network._native,
-            artifacts=ARTIFACTS,
         )
 
     def boot(
@@ -393,6 +403,41 @@ class Instance:
 
         return _Opening(opened())
 
+    def isolation(self) -> Dict[str, Any]:
+        """The VMM helper's confinement: each isolation layer (``layer``, ``enforced``,
+        ``detail``) and each canary it tried (``canary``, ``blocked``, ``detail``). A running
+        instance's canaries were all blocked: a boot where one got through fails."""
+        result: Dict[str, Any] = self._native.isolation()
+        return result
+
+    def metrics(self) -> Dict[str, Any]:
+        """What the instance uses now: ``cpu_time`` (``secs``, ``nanos``), ``memory_bytes``,
+        ``memory_peak_bytes``, ``disk_read_bytes``, ``disk_written_bytes``, ``network``
+        (bytes each way, flows granted and denied, requests), host descriptors, ``root``
+        (a writable root's held bytes)."""
+        result: Dict[str, Any] = self._native.metrics()
+        return result
+
+    def published_address(self, guest_port: int) -> Optional[Tuple[str, int]]:
+        """Where on the host (``("127.0.0.1", port)``) the guest's TCP ``guest_port`` is
+        published (:class:`Network` ``publish=``); ``None`` if it is not."""
+        return self._native.published_address(guest_port)
+
+    def network_events(self) -> "NetworkEvents":
+        """The network's audit events from now on, as an async iterator of dicts (``"type"``:
+        ``"decided"``, ``"unreachable"``, ``"published"``, ``"request"``, or ``"missed"`` with
+        the ``count`` a slow reader missed)::
+
+            async for event in vm.network_events():
+                if event["type"] == "request":
+                    print(event["method"], event["hostname"], event["path"], event["status"])
+
+        Raises :class:`InvalidConfig` for a sandbox without a network."""
+        events = self._native.network_events()
+        if events is None:
+            raise InvalidConfig("this sandbox has no network: give it a krunbox.Network")
+        return NetworkEvents(events)
+
     async def shutdown(self) -> None:
         """Stops the VM; later calls fail with :class:`InstanceGone`."""
         await self._native.shutdown()
@@ -425,6 +470,23 @@ class _Opening(Generic[_T]):
     async def __aexit__(self, kind: Optional[type], *exc: object) -> None:
         if isinstance(self._file, FileWriter) and kind is None:
             await self._file.close()
+
+
+class NetworkEvents:
+    """A sandbox network's audit events, from when it was asked for (an async iterator of
+    dicts; it ends when the network stops)."""
+
+    def __init__(self, native: _krunbox.NetworkEvents) -> None:
+        self._native = native
+
+    def __aiter__(self) -> AsyncIterator[Dict[str, Any]]:
+        return self
+
+    async def __anext__(self) -> Dict[str, Any]:
+        event: Optional[Dict[str, Any]] = await self._native.next()
+        if event is None:
+            raise StopAsyncIteration
+        return event
 
 
 class FileReader:

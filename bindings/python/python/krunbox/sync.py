@@ -9,17 +9,20 @@ while the VM works, so other threads go on)::
 
 from __future__ import annotations
 
+import os
 import threading
-from typing import Any, Callable, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
+from . import images as _images
 from . import (
-    ARTIFACTS,
     MAX_OUTPUT,
     Command,
     Completed,
     DirEntry,
     FileInfo,
+    Image,
     InstanceGone,
+    InvalidConfig,
     KrunboxError,
     Mounts,
     Network,
@@ -31,7 +34,15 @@ from . import (
     _mounts,
 )
 
-__all__ = ["Sandbox", "Instance", "Process", "FileReader", "FileWriter"]
+__all__ = [
+    "Sandbox",
+    "Instance",
+    "Process",
+    "FileReader",
+    "FileWriter",
+    "NetworkEvents",
+    "Images",
+]
 
 OnOutput = Callable[[bytes], Any]
 """A callback for each chunk of a command's output, as it comes."""
@@ -96,7 +107,6 @@ class Sandbox:
             hostname=hostname,
             mounts=_mounts(mounts),
             network=None if network is None else network._native,
-            artifacts=ARTIFACTS,
         )
 
     def boot(
@@ -225,6 +235,28 @@ class Instance:
         :meth:`FileWriter.close`) waits until the guest has it all on disk."""
         return FileWriter(self._native.open_writer_blocking(path, mode))
 
+    def isolation(self) -> Dict[str, Any]:
+        """The VMM helper's confinement (see :meth:`krunbox.Instance.isolation`)."""
+        result: Dict[str, Any] = self._native.isolation()
+        return result
+
+    def metrics(self) -> Dict[str, Any]:
+        """What the instance uses now (see :meth:`krunbox.Instance.metrics`)."""
+        result: Dict[str, Any] = self._native.metrics()
+        return result
+
+    def published_address(self, guest_port: int) -> Optional[Tuple[str, int]]:
+        """Where on the host the guest's TCP ``guest_port`` is published, if it is."""
+        return self._native.published_address(guest_port)
+
+    def network_events(self) -> "NetworkEvents":
+        """The network's audit events from now on, as an iterator of dicts (see
+        :meth:`krunbox.Instance.network_events`)."""
+        events = self._native.network_events()
+        if events is None:
+            raise InvalidConfig("this sandbox has no network: give it a krunbox.Network")
+        return NetworkEvents(events)
+
     def shutdown(self) -> None:
         """Stops the VM."""
         self._native.shutdown_blocking()
@@ -234,6 +266,51 @@ class Instance:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+class NetworkEvents:
+    """A sandbox network's audit events (an iterator of dicts; it ends when the network
+    stops)."""
+
+    def __init__(self, native: _krunbox.NetworkEvents) -> None:
+        self._native = native
+
+    def __iter__(self) -> Iterator[Dict[str, Any]]:
+        return self
+
+    def __next__(self) -> Dict[str, Any]:
+        event: Optional[Dict[str, Any]] = self._native.next_blocking()
+        if event is None:
+            raise StopIteration
+        return event
+
+
+class Images(_images._Store):
+    """A local store of OCI images (see :class:`krunbox.Images`), importing and pulling here."""
+
+    def import_archive(self, name: str, archive: _images.PathLike) -> Image:
+        """Imports ``archive`` as ``name`` (see :meth:`krunbox.Images.import_archive`)."""
+        return self._native.import_archive_blocking(name, os.fspath(archive))
+
+    def pull(
+        self,
+        name: str,
+        reference: str,
+        *,
+        username: Optional[str] = None,
+        password: Optional[str] = None,
+        plain_http: bool = False,
+        ca_pem: Optional[bytes] = None,
+    ) -> Image:
+        """Pulls ``reference`` as ``name`` (see :meth:`krunbox.Images.pull`)."""
+        return self._native.pull_blocking(
+            name,
+            reference,
+            username=username,
+            password=password,
+            plain_http=plain_http,
+            ca_pem=ca_pem,
+        )
 
 
 class FileReader:

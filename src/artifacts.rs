@@ -55,6 +55,37 @@ pub fn data_dir() -> PathBuf {
     home.join(".local/share/krunbox")
 }
 
+/// A directory laid out like the data directory that this process searches first (after the
+/// explicit paths and the environment variables): see [`search_first_in`].
+static SEARCHED_FIRST: std::sync::RwLock<Option<PathBuf>> = std::sync::RwLock::new(None);
+
+/// Makes this process look for the helper, guest-init and libkrunfw in `dir` (laid out as the
+/// data directory is: `bin/krunbox-vmm`, `guest-init`, `libkrunfw/`) before the data
+/// directory and the other usual places; the builder's paths and the environment variables
+/// still come first. For a package that ships them beside itself (the Python wheel does):
+/// unlike setting `KRUNBOX_VMM`, it is not inherited by the programs this process starts.
+///
+/// ```
+/// krunbox::artifacts_search_first_in("/opt/my-agent/krunbox");
+/// ```
+pub fn search_first_in(dir: impl Into<PathBuf>) {
+    *SEARCHED_FIRST.write().unwrap_or_else(|e| e.into_inner()) = Some(dir.into());
+}
+
+/// The usual places for `what`: the directory searched first, if one was given, then the data
+/// directory.
+fn installed_candidates(what: Installed) -> Vec<PathBuf> {
+    let first = SEARCHED_FIRST
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    first
+        .into_iter()
+        .chain(std::iter::once(data_dir()))
+        .map(|dir| installed(&dir, what))
+        .collect()
+}
+
 /// Where an installed artifact lies below a data directory.
 fn installed(data: &Path, what: Installed) -> PathBuf {
     match what {
@@ -200,7 +231,8 @@ fn explicit_or_env(explicit: Option<&Path>, var: &str) -> Option<PathBuf> {
 pub(crate) fn locate_vmm_helper(explicit: Option<&Path>) -> Result<PathBuf> {
     let candidates = match explicit_or_env(explicit, "KRUNBOX_VMM") {
         Some(p) => vec![p],
-        None => std::iter::once(installed(&data_dir(), Installed::Helper))
+        None => installed_candidates(Installed::Helper)
+            .into_iter()
             .chain(exe_dirs().into_iter().map(|d| d.join("krunbox-vmm")))
             .collect(),
     };
@@ -215,7 +247,7 @@ pub(crate) fn locate_guest_init(explicit: Option<&Path>) -> Result<PathBuf> {
     let candidates = match explicit_or_env(explicit, "KRUNBOX_GUEST_INIT") {
         Some(p) => vec![p],
         None => {
-            let mut c = vec![installed(&data_dir(), Installed::GuestInit)];
+            let mut c = installed_candidates(Installed::GuestInit);
             for dir in exe_dirs() {
                 // Only the musl build: a `guest-init` next to the host binaries in a cargo target
                 // directory is the workspace's glibc build, which cannot run as the guest's init.
@@ -300,10 +332,11 @@ pub(crate) fn check_static_elf(path: &Path) -> Result<()> {
 pub(crate) fn locate_libkrunfw(explicit: Option<&Path>) -> Result<PathBuf> {
     let candidates = match explicit_or_env(explicit, "KRUNBOX_LIBKRUNFW_DIR") {
         Some(p) => vec![p],
-        None => vec![
-            installed(&data_dir(), Installed::Libkrunfw),
-            cache_dir().join("libkrunfw"),
-        ],
+        None => {
+            let mut c = installed_candidates(Installed::Libkrunfw);
+            c.push(cache_dir().join("libkrunfw"));
+            c
+        }
     };
     candidates
         .iter()

@@ -74,7 +74,7 @@ pub mod protocol {
     pub use krunbox_protocol::*;
 }
 
-pub use artifacts::{cache_dir, data_dir, Artifacts};
+pub use artifacts::{cache_dir, data_dir, search_first_in as artifacts_search_first_in, Artifacts};
 pub use boot_options::BootOptions;
 pub use capabilities::{HostCapabilities, ImageState, KvmStatus};
 pub use error::{Error, Result};

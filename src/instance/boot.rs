@@ -106,7 +106,7 @@ impl Parts {
     /// Each part prepared, checking what it can before anything starts.
     async fn prepare(config: &SandboxConfig, id: &str) -> Result<Parts> {
         let root = RootPart::prepare(config).await?;
-        let dir = super::dir::InstanceDir::create()?;
+        let dir = super::dir::InstanceDir::create().await?;
         let socket = dir.path().join(CONTROL_SOCKET);
         let listener = UnixListener::bind(&socket)
             .map_err(Error::io(format!("binding {}", socket.display())))?;

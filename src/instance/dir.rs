@@ -32,10 +32,13 @@ pub(crate) struct InstanceDir {
 
 impl InstanceDir {
     /// A new directory in the runtime directory, after sweeping those left by processes that
-    /// died; kept after the instance with `KRUNBOX_KEEP_INSTANCE_DIR`, for debugging.
-    pub(crate) fn create() -> Result<InstanceDir> {
+    /// died (on the blocking pool: it reads the directory and may remove trees); kept after
+    /// the instance with `KRUNBOX_KEEP_INSTANCE_DIR`, for debugging.
+    pub(crate) async fn create() -> Result<InstanceDir> {
         let runtime = crate::artifacts::runtime_dir();
-        sweep(&runtime);
+        let swept = runtime.clone();
+        // A sweep that failed to run (its thread panicked) only leaves directories behind.
+        let _ = tokio::task::spawn_blocking(move || sweep(&swept)).await;
         let mut dir = tempfile::Builder::new()
             .prefix(PREFIX)
             .tempdir_in(&runtime)
@@ -96,6 +99,8 @@ fn sweep(runtime: &Path) {
             continue;
         }
         match std::fs::remove_dir_all(&path) {
+            // Another process's sweep got there first.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Ok(()) => tracing::info!(
                 target: "krunbox",
                 dir = %path.display(),
@@ -110,16 +115,30 @@ fn sweep(runtime: &Path) {
     }
 }
 
-/// Whether `dir` has a lock file nobody holds.
+/// How old a staged lock file must be for its directory to count as abandoned: its process
+/// died between making it and locking it, which takes microseconds.
+const STAGED_GRACE: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Whether `dir` has a lock file nobody holds (or only a staged one, old and unlocked: its
+/// process died before it could rename it).
 fn abandoned(dir: &Path) -> bool {
-    let lock = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(dir.join(OWNER));
-    match lock {
-        Ok(file) => flock(&file, libc::LOCK_EX | libc::LOCK_NB).is_ok(),
-        Err(_) => false,
+    let open = |name: &str| {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(dir.join(name))
+    };
+    if let Ok(file) = open(OWNER) {
+        return flock(&file, libc::LOCK_EX | libc::LOCK_NB).is_ok();
     }
+    let Ok(staged) = open(OWNER_STAGED) else {
+        return false;
+    };
+    let old = staged
+        .metadata()
+        .and_then(|m| m.modified())
+        .is_ok_and(|t| t.elapsed().is_ok_and(|age| age > STAGED_GRACE));
+    old && flock(&staged, libc::LOCK_EX | libc::LOCK_NB).is_ok()
 }
 
 #[cfg(test)]
@@ -127,16 +146,18 @@ mod tests {
     use super::*;
 
     /// A directory whose lock is held survives a sweep; once the holder lets go it is swept;
-    /// one without a lock file (being made, or kept) and one of another name are never
-    /// touched.
+    /// one without a lock file (being made, or kept), one whose lock is being staged and one of
+    /// another name are never touched; one whose staging was abandoned long ago is swept.
     #[test]
     fn a_sweep_removes_only_directories_whose_owner_is_gone() {
         let runtime = tempfile::tempdir().unwrap();
         let live = runtime.path().join("krunbox-live");
+        let crashed = runtime.path().join("krunbox-crashed-while-staging");
+        let staging = runtime.path().join("krunbox-staging-now");
         let dead = runtime.path().join("krunbox-dead");
         let unlocked = runtime.path().join("krunbox-being-made");
         let other = runtime.path().join("other-dead");
-        for dir in [&live, &dead, &unlocked, &other] {
+        for dir in [&live, &dead, &unlocked, &other, &crashed, &staging] {
             std::fs::create_dir(dir).unwrap();
             std::fs::write(dir.join("console.log"), b"x").unwrap();
         }
@@ -144,10 +165,16 @@ mod tests {
         drop(claim(&dead).unwrap());
         drop(claim(&other).unwrap());
         assert!(live.join(OWNER).exists() && !live.join(OWNER_STAGED).exists());
+        // A staged lock file: unlocked and old (its process died before the rename), or
+        // unlocked and new (its process is between making and locking it).
+        let old = std::time::SystemTime::now() - 2 * STAGED_GRACE;
+        let file = File::create(crashed.join(OWNER_STAGED)).unwrap();
+        file.set_modified(old).unwrap();
+        File::create(staging.join(OWNER_STAGED)).unwrap();
 
         sweep(runtime.path());
-        assert!(live.exists() && unlocked.exists() && other.exists());
-        assert!(!dead.exists());
+        assert!(live.exists() && unlocked.exists() && other.exists() && staging.exists());
+        assert!(!dead.exists() && !crashed.exists());
 
         drop(held);
         sweep(runtime.path());

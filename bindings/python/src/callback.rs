@@ -18,27 +18,67 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 use pyo3_async_runtimes::TaskLocals;
+use tokio::sync::Semaphore;
 
 /// Where a sandbox's callables run their coroutines: the event loop of the `asyncio` task that
-/// booted it last (none after a boot by the sync API). Shared by a sandbox and its callbacks.
+/// booted it last (none after a boot by the sync API). Shared by a sandbox and its callbacks;
+/// a block store written in Python has its own, which follows the loop of each sandbox it is
+/// given to (it serves one instance at a time).
 #[derive(Default)]
-pub(crate) struct EventLoop(Mutex<Option<TaskLocals>>);
+pub(crate) struct EventLoop {
+    locals: Mutex<Option<TaskLocals>>,
+    followers: Mutex<Vec<std::sync::Weak<EventLoop>>>,
+}
 
 impl EventLoop {
-    /// From now on, coroutines run on the loop of `locals` (or, for `None`, by `asyncio.run`).
+    /// From now on, coroutines run on the loop of `locals` (or, for `None`, by `asyncio.run`),
+    /// here and in every follower.
     pub(crate) fn set(&self, locals: Option<TaskLocals>) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = locals;
+        let followers: Vec<Arc<EventLoop>> = {
+            let mut followers = self.followers.lock().unwrap_or_else(|e| e.into_inner());
+            followers.retain(|f| f.strong_count() > 0);
+            followers
+                .iter()
+                .filter_map(std::sync::Weak::upgrade)
+                .collect()
+        };
+        for follower in followers {
+            follower.set(locals.clone());
+        }
+        *self.locals.lock().unwrap_or_else(|e| e.into_inner()) = locals;
+    }
+
+    /// Makes `follower` take this loop whenever it is set.
+    pub(crate) fn lead(&self, follower: &Arc<EventLoop>) {
+        let mut followers = self.followers.lock().unwrap_or_else(|e| e.into_inner());
+        followers.push(Arc::downgrade(follower));
     }
 
     fn get(&self) -> Option<TaskLocals> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.locals
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 }
 
-/// A user's Python callable and the loop its coroutines run on.
+/// How many calls into one Python object (a filesystem, a store, a network's policy and
+/// middleware) may wait or run at once; more wait for a turn. Each running plain call holds a
+/// thread of tokio's blocking pool, which the library's own blocking work shares: a guest
+/// cannot fill it through one mount or network.
+pub(crate) const CALLS_AT_ONCE: usize = 64;
+
+/// A fresh bound of [`CALLS_AT_ONCE`] calls, for one Python object's callables to share.
+pub(crate) fn calls_bound() -> Arc<Semaphore> {
+    Arc::new(Semaphore::new(CALLS_AT_ONCE))
+}
+
+/// A user's Python callable, the loop its coroutines run on, and the bound it shares with
+/// the other callables of its object.
 pub(crate) struct Callable {
     function: Py<PyAny>,
     event_loop: Arc<EventLoop>,
+    calls: Arc<Semaphore>,
 }
 
 type Pending = Pin<Box<dyn Future<Output = PyResult<Py<PyAny>>> + Send>>;
@@ -50,10 +90,15 @@ enum Called {
 }
 
 impl Callable {
-    pub(crate) fn new(function: Py<PyAny>, event_loop: Arc<EventLoop>) -> Self {
+    pub(crate) fn new(
+        function: Py<PyAny>,
+        event_loop: Arc<EventLoop>,
+        calls: Arc<Semaphore>,
+    ) -> Self {
         Callable {
             function,
             event_loop,
+            calls,
         }
     }
 
@@ -65,6 +110,8 @@ impl Callable {
         A: for<'py> FnOnce(Python<'py>) -> PyResult<Bound<'py, PyTuple>> + Send + 'static,
         C: for<'py> FnOnce(&Bound<'py, PyAny>) -> PyResult<T> + Send + 'static,
     {
+        // The bound is never closed, so a turn always comes.
+        let _turn = self.calls.acquire().await;
         let this = Arc::clone(self);
         let called = off_the_workers(move || Python::attach(|py| this.start(py, args))).await?;
         let value = match called {
@@ -92,11 +139,23 @@ impl Callable {
                 Ok(Called::Awaiting(Box::pin(pending)))
             }
             None => {
-                let value = py.import("asyncio")?.call_method1("run", (result,))?;
+                // asyncio.run takes only a coroutine: any awaitable is awaited in one.
+                let coroutine = py
+                    .import("krunbox._support")?
+                    .call_method1("awaited", (result,))?;
+                let value = py.import("asyncio")?.call_method1("run", (coroutine,))?;
                 Ok(Called::Value(value.unbind()))
             }
         }
     }
+}
+
+/// Runs `inspect` with the GIL on tokio's blocking pool: how the callers look at what a
+/// callback raised without taking the GIL on a worker.
+pub(crate) async fn with_gil<T: Send + 'static>(
+    inspect: impl FnOnce(Python<'_>) -> T + Send + 'static,
+) -> PyResult<T> {
+    off_the_workers(move || Ok(Python::attach(inspect))).await
 }
 
 /// Runs `work` on tokio's blocking pool (a panic in it, which PyO3 turns into an exception

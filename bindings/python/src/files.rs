@@ -80,8 +80,9 @@ impl FileInfo {
 /// One entry of a guest directory.
 #[pyclass(module = "krunbox._krunbox", frozen, get_all)]
 pub(crate) struct DirEntry {
-    /// Its name (bytes that are not UTF-8 escaped as Python's `os.fsdecode` does).
-    name: String,
+    /// Its name (bytes that are not UTF-8 escaped as Python's `os.fsdecode` does, so
+    /// `os.fsencode` gives them back).
+    name: std::ffi::OsString,
     /// "file", "dir", "symlink" or "other" (a symlink is not followed).
     #[pyo3(name = "type")]
     file_type: &'static str,
@@ -90,7 +91,7 @@ pub(crate) struct DirEntry {
 impl From<krunbox::DirEntry> for DirEntry {
     fn from(entry: krunbox::DirEntry) -> Self {
         DirEntry {
-            name: entry.name.to_string_lossy().into_owned(),
+            name: entry.name,
             file_type: type_name(entry.file_type),
         }
     }
@@ -289,7 +290,7 @@ file_method! {
 
 file_method! {
     /// Makes the directory `path` (with `mode`); `parents=True` also the missing ones above
-    /// it, and an existing directory is no error then (awaitable).
+    /// it (mode 0o755, each), and an existing directory is no error then (awaitable).
     fn make_dir / make_dir_blocking (path: String, mode: u32 = 0o755, parents: bool = false)
         -> () = |vm| {
         if parents {

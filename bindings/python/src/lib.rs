@@ -23,6 +23,14 @@ mod sandbox;
 
 use pyo3::prelude::*;
 
+/// Makes this process find the helper, guest-init (and libkrunfw) in `dir` first, as a data
+/// directory: the package's own, which it ships (not inherited by the programs it starts, as
+/// an environment variable would be).
+#[pyfunction]
+fn _search_artifacts_first(dir: std::path::PathBuf) {
+    krunbox::artifacts_search_first_in(dir);
+}
+
 #[pymodule]
 fn _krunbox(module: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(module)?;
@@ -43,6 +51,7 @@ fn _krunbox(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<rootfs::DirectoryStore>()?;
     module.add_class::<rootfs::MemoryStore>()?;
     module.add_function(wrap_pyfunction!(doctor::doctor, module)?)?;
+    module.add_function(wrap_pyfunction!(_search_artifacts_first, module)?)?;
     module.add_function(wrap_pyfunction!(bench::rust_run_seconds, module)?)?;
     module.add("TIMEOUT_EXIT_CODE", krunbox::TIMEOUT_EXIT_CODE)?;
     module.add("MAX_OUTPUT", krunbox::DEFAULT_MAX_OUTPUT)?;

@@ -9,7 +9,7 @@ use krunbox::rootfs::{StoreContext, StoreError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
-use crate::callback::{report, Callable, EventLoop};
+use crate::callback::{calls_bound, report, with_gil, Callable, EventLoop};
 use crate::errors::{to_py, InvalidConfig};
 
 /// A root filesystem definition. Made by its static methods; a store written in Python is
@@ -26,11 +26,16 @@ enum Spec {
     Cow(Py<Rootfs>, Store, u64),
 }
 
-/// A block store: one of the library's, or a Python object.
+/// A block store: one of the library's, or a Python object's (made into the library's store
+/// once, so that every sandbox given this root shares its "attached" guard).
 enum Store {
     Directory(krunbox::rootfs::DirectoryStore),
     Memory(krunbox::rootfs::MemoryStore),
-    Python(Py<PyAny>),
+    Python {
+        handle: krunbox::rootfs::StoreHandle,
+        /// Its callbacks' loop: that of the sandbox that booted it last.
+        event_loop: Arc<EventLoop>,
+    },
 }
 
 /// The built-in image of `name`.
@@ -90,25 +95,12 @@ impl Rootfs {
         } else if let Ok(native) = store.cast::<MemoryStore>() {
             Store::Memory(native.get().0.clone())
         } else {
-            let block_size: u32 = store.getattr("block_size")?.extract()?;
-            for method in ["written_blocks", "read_blocks", "write_blocks", "flush"] {
-                if !store.hasattr(method)? {
-                    return Err(InvalidConfig::new_err(format!(
-                        "a block store needs a {method}() method"
-                    )));
-                }
+            let event_loop = Arc::new(EventLoop::default());
+            let python = PythonStore::new(&store, &event_loop)?;
+            Store::Python {
+                handle: krunbox::rootfs::StoreHandle::new(python),
+                event_loop,
             }
-            if !(block_size.is_power_of_two()
-                && (krunbox::rootfs::MIN_BLOCK_SIZE..=krunbox::rootfs::MAX_BLOCK_SIZE)
-                    .contains(&block_size))
-            {
-                return Err(InvalidConfig::new_err(format!(
-                    "block_size={block_size}: a power of two from {} to {}",
-                    krunbox::rootfs::MIN_BLOCK_SIZE,
-                    krunbox::rootfs::MAX_BLOCK_SIZE
-                )));
-            }
-            Store::Python(store.unbind())
         };
         Ok(Rootfs {
             spec: Spec::Cow(base, store, max_dirty_bytes),
@@ -135,23 +127,26 @@ impl Rootfs {
     }
 
     /// The library's root for a sandbox whose callbacks run on `event_loop`.
-    pub(crate) fn build(&self, py: Python<'_>, event_loop: &Arc<EventLoop>) -> krunbox::Rootfs {
+    pub(crate) fn build(&self, event_loop: &Arc<EventLoop>) -> krunbox::Rootfs {
         match &self.spec {
             Spec::Ready(rootfs) => rootfs.clone(),
             Spec::Ephemeral(base, bytes) => {
-                krunbox::Rootfs::ephemeral(base.get().build(py, event_loop), *bytes)
+                krunbox::Rootfs::ephemeral(base.get().build(event_loop), *bytes)
             }
             Spec::Persistent(base, path) => {
-                krunbox::Rootfs::persistent(base.get().build(py, event_loop), path.clone())
+                krunbox::Rootfs::persistent(base.get().build(event_loop), path.clone())
             }
             Spec::Cow(base, store, bytes) => {
-                let base = base.get().build(py, event_loop);
+                let base = base.get().build(event_loop);
                 match store {
                     Store::Directory(store) => krunbox::Rootfs::cow(base, store.clone(), *bytes),
                     Store::Memory(store) => krunbox::Rootfs::cow(base, store.clone(), *bytes),
-                    Store::Python(object) => {
-                        let store = PythonStore::new(py, object, event_loop);
-                        krunbox::Rootfs::cow(base, store, *bytes)
+                    Store::Python {
+                        handle,
+                        event_loop: own,
+                    } => {
+                        event_loop.lead(own);
+                        krunbox::Rootfs::cow(base, handle.clone(), *bytes)
                     }
                 }
             }
@@ -199,31 +194,50 @@ struct PythonStore {
 }
 
 impl PythonStore {
-    /// Checked by `Rootfs.cow`: the attribute and the four methods are there.
-    fn new(py: Python<'_>, object: &Py<PyAny>, event_loop: &Arc<EventLoop>) -> Self {
-        let object = object.bind(py);
-        let method = |name: &str| {
-            let function = object.getattr(name).ok()?.unbind();
-            Some(Arc::new(Callable::new(function, Arc::clone(event_loop))))
-        };
-        PythonStore {
-            block_size: object
-                .getattr("block_size")
-                .and_then(|b| b.extract())
-                .unwrap_or(krunbox::rootfs::MIN_BLOCK_SIZE),
-            written_blocks: method("written_blocks").expect("checked by Rootfs.cow"),
-            read_blocks: method("read_blocks").expect("checked by Rootfs.cow"),
-            write_blocks: method("write_blocks").expect("checked by Rootfs.cow"),
-            flush: method("flush").expect("checked by Rootfs.cow"),
-            attach: method("attach"),
-            detach: method("detach"),
+    /// `object`'s methods and block size, checked once: a store lacking one is refused here.
+    fn new(object: &Bound<'_, PyAny>, event_loop: &Arc<EventLoop>) -> PyResult<Self> {
+        let block_size: u32 = object.getattr("block_size")?.extract()?;
+        if !(block_size.is_power_of_two()
+            && (krunbox::rootfs::MIN_BLOCK_SIZE..=krunbox::rootfs::MAX_BLOCK_SIZE)
+                .contains(&block_size))
+        {
+            return Err(InvalidConfig::new_err(format!(
+                "block_size={block_size}: a power of two from {} to {}",
+                krunbox::rootfs::MIN_BLOCK_SIZE,
+                krunbox::rootfs::MAX_BLOCK_SIZE
+            )));
         }
+        let calls = calls_bound();
+        let optional = |name: &str| -> PyResult<Option<Arc<Callable>>> {
+            if !object.hasattr(name)? {
+                return Ok(None);
+            }
+            let function = object.getattr(name)?.unbind();
+            let callable = Callable::new(function, Arc::clone(event_loop), Arc::clone(&calls));
+            Ok(Some(Arc::new(callable)))
+        };
+        let required = |name: &str| -> PyResult<Arc<Callable>> {
+            optional(name)?.ok_or_else(|| {
+                InvalidConfig::new_err(format!("a block store needs a {name}() method"))
+            })
+        };
+        Ok(PythonStore {
+            block_size,
+            written_blocks: required("written_blocks")?,
+            read_blocks: required("read_blocks")?,
+            write_blocks: required("write_blocks")?,
+            flush: required("flush")?,
+            attach: optional("attach")?,
+            detach: optional("detach")?,
+        })
     }
 }
 
 /// A store method's exception as the library's store error, logged first.
 async fn failed(error: PyErr, what: &'static str) -> StoreError {
-    let message = Python::attach(|py| format!("{what}: {}", error.value(py)));
+    let (message, error) = with_gil(move |py| (format!("{what}: {}", error.value(py)), error))
+        .await
+        .unwrap_or_else(|e| (format!("{what}: {e}"), e));
     report(error, what, "the store operation fails (EIO in the guest)").await;
     StoreError::Failed(message)
 }
@@ -275,14 +289,14 @@ impl krunbox::rootfs::BlockStore for PythonStore {
             .call(
                 move |py| (first, count).into_pyobject(py),
                 move |result| {
-                    let data = result.cast::<PyBytes>()?.as_bytes();
+                    let data = crate::fs::bytes_of(result)?;
                     if data.len() != wanted {
                         return Err(InvalidConfig::new_err(format!(
                             "read_blocks({first}, {count}) returned {} bytes, not {wanted}",
                             data.len()
                         )));
                     }
-                    Ok(data.to_vec())
+                    Ok(data)
                 },
             )
             .await;

@@ -27,7 +27,7 @@ fn root(image: &Bound<'_, PyAny>, event_loop: &Arc<EventLoop>) -> PyResult<krunb
         return Ok(krunbox::Rootfs::builtin(crate::rootfs::builtin(&name)?));
     }
     let rootfs = image.cast::<Rootfs>()?;
-    Ok(rootfs.get().build(image.py(), event_loop))
+    Ok(rootfs.get().build(event_loop))
 }
 
 #[pymethods]

@@ -4,6 +4,7 @@ streamed in and out in chunks, and ``run`` with ``input=`` and output callbacks.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 from typing import List
@@ -76,4 +77,9 @@ async def test_files_streams_and_callbacks_on_one_instance() -> None:
 
         with pytest.raises(ValueError, match="callback bug"):
             await vm.run("echo first; exec sleep 300", on_stdout=explode)
-        assert (await vm.run("pgrep -x sleep || true")).stdout == b""
+        for _ in range(50):  # the kill is asynchronous: wait for the sleep to be gone
+            left = (await vm.run("pgrep -x sleep || true")).stdout
+            if left == b"":
+                break
+            await asyncio.sleep(0.2)
+        assert left == b"", left

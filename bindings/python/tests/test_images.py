@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import platform
 import tarfile
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -42,7 +43,7 @@ def _docker_save(layers: List[bytes], config: Dict[str, object]) -> bytes:
     """``docker save``'s layout: manifest.json, the config named by its digest, layer tars."""
     blob = json.dumps(
         {
-            "architecture": "amd64",
+            "architecture": {"x86_64": "amd64", "aarch64": "arm64"}[platform.machine()],
             "os": "linux",
             "config": config,
             "rootfs": {

@@ -9,6 +9,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List
@@ -61,10 +62,10 @@ def _descendants(root: int) -> List[int]:
 
 
 def test_a_killed_python_process_leaves_no_helper_vmm_or_instance_directory(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    runtime = tmp_path / "runtime"
-    runtime.mkdir()
+    # Short: the control socket's path must fit a unix socket address (108 bytes).
+    runtime = Path(tempfile.mkdtemp(prefix="kb-", dir="/tmp"))
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
     child = subprocess.Popen(
         [sys.executable, "-c", _SCRIPT], stdout=subprocess.PIPE, env=dict(os.environ)
@@ -96,3 +97,4 @@ def test_a_killed_python_process_leaves_no_helper_vmm_or_instance_directory(
         assert vm.run("echo ok").stdout == b"ok\n"
     del vm  # the instance's directory goes with the last reference to it
     assert list(runtime.iterdir()) == []
+    runtime.rmdir()

@@ -46,7 +46,8 @@ async def test_a_python_policy_and_async_middleware_hold_the_credential_on_the_h
             raise RuntimeError("middleware bug")
         if request.path == "/refuse":
             return krunbox.Answer(403, "not this path\n")
-        request.set_header("authorization", f"Bearer {token}")
+        if request.path != "/with-secret":
+            request.set_header("authorization", f"Bearer {token}")
         return None
 
     def policy(flow: krunbox.Flow) -> krunbox.Verdict:
@@ -60,7 +61,10 @@ async def test_a_python_policy_and_async_middleware_hold_the_credential_on_the_h
             return krunbox.Verdict.intercept([add_token])
         return krunbox.Verdict.deny()
 
-    network = krunbox.Network(policy=policy, upstream_ca=ca_pem, publish={8000: 0})
+    secret = krunbox.Secret("API_KEY", "real-" + secrets.token_hex(8), hosts=["api.test"])
+    network = krunbox.Network(
+        policy=policy, upstream_ca=ca_pem, publish={8000: 0}, secrets=[secret]
+    )
     sandbox = krunbox.Sandbox("agent", memory_mib=512, network=network)
     curl = "curl -sS -m 20 -o /dev/null -w '%{http_code}' "
     caplog.set_level(logging.ERROR, logger="krunbox")
@@ -87,17 +91,37 @@ async def test_a_python_policy_and_async_middleware_hold_the_credential_on_the_h
         again = await vm.run(f"curl -fsS -m 20 https://api.test:{port}/again", timeout=60)
         assert again.stdout == b"hello from the origin\n", again
         assert seen == [f"Bearer {token}"] * 2
+        # A secret: the guest's variable holds a placeholder, the origin gets the value.
+        held = await vm.run(
+            f"curl -fsS -m 20 -H \"authorization: Bearer $API_KEY\" "
+            f"https://api.test:{port}/with-secret; echo $API_KEY",
+            timeout=60,
+        )
+        placeholder = held.stdout_text.splitlines()[-1]
+        assert placeholder and placeholder != secret.value, held
+        assert seen[-1] == f"Bearer {secret.value}"
         env = await vm.run("env; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'")
-        assert token not in env.stdout_text
+        assert token not in env.stdout_text and secret.value not in env.stdout_text
 
         # The audit: the request the middleware changed, the flow the policy denied.
         seen_events: List[Dict[str, Any]] = []
-        async for event in events:
-            seen_events.append(event)
-            if event["type"] == "request" and event["path"] == "/again":
-                break
+
+        async def read_until_with_secret() -> None:
+            async for event in events:
+                seen_events.append(event)
+                if event["type"] == "request" and event["path"] == "/with-secret":
+                    return
+
+        await asyncio.wait_for(read_until_with_secret(), timeout=60)
         requests = [(e["path"], e["status"]) for e in seen_events if e["type"] == "request"]
-        assert requests == [("/hello", 200), ("/raise", 500), ("/refuse", 403), ("/again", 200)]
+        assert requests == [
+            ("/hello", 200),
+            ("/raise", 500),
+            ("/refuse", 403),
+            ("/again", 200),
+            ("/with-secret", 200),
+        ]
+        assert seen_events[-1]["secrets_swapped"] == ["API_KEY"], seen_events[-1]
         denied = [
             e["flow"].hostname
             for e in seen_events

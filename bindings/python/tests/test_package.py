@@ -12,19 +12,10 @@ def test_the_wheel_ships_the_helper_and_guest_init_executable() -> None:
         path = os.path.join(krunbox.ARTIFACTS, part)
         assert os.path.isfile(path), path
         assert os.access(path, os.X_OK), f"{path} is not executable"
-    # The package points the library at them, and nothing else does: the tests boot with the
-    # wheel's own.
-    assert "KRUNBOX_DATA_DIR" not in os.environ
-    env = {k: v for k, v in os.environ.items() if k not in ("KRUNBOX_VMM", "KRUNBOX_GUEST_INIT")}
-    shown = subprocess.run(
-        [sys.executable, "-c", "import os, krunbox; print(os.environ['KRUNBOX_VMM'])"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert shown.stdout == os.path.join(krunbox.ARTIFACTS, "bin/krunbox-vmm") + "\n", shown
-    assert os.environ["KRUNBOX_VMM"] == os.path.join(krunbox.ARTIFACTS, "bin/krunbox-vmm")
+    # The package points the library at them itself, through no environment variable that
+    # the programs it starts would inherit: the tests boot with the wheel's own.
+    for variable in ("KRUNBOX_VMM", "KRUNBOX_GUEST_INIT", "KRUNBOX_DATA_DIR"):
+        assert variable not in os.environ, variable
 
 
 def test_doctor_says_this_host_boots_microvms() -> None:

@@ -17,6 +17,25 @@ def test_a_bad_definition_is_refused_before_anything_boots() -> None:
         krunbox.Sandbox("windows")
     with pytest.raises(krunbox.KrunboxError):
         krunbox.sync.Sandbox("windows")
+    # Network definitions are checked as they are made, each error saying what to change.
+    with pytest.raises(krunbox.InvalidConfig, match=r"rules\[0\]"):
+        krunbox.Network(rules=[{"action": "allow", "domain": "a.*.com"}])
+    assert krunbox.Network(rules=[{"action": "allow", "domain": "*.example.com", "ports": "443"}])
+    with pytest.raises(krunbox.InvalidConfig, match="not both"):
+        krunbox.Network(rules=[], policy=lambda flow: True)
+    with pytest.raises(krunbox.InvalidConfig):
+        krunbox.Network(secrets=[krunbox.Secret("1BAD", "value", hosts=["x.test"])])
+    with pytest.raises(krunbox.InvalidConfig, match="200 to 999"):
+        krunbox.Answer(101)
+    with pytest.raises(krunbox.InvalidConfig, match="power of two"):
+        krunbox.Rootfs.cow(krunbox.Rootfs.builtin("busybox"), _OddStore())
+
+
+class _OddStore:
+    block_size = 1000
+
+    def written_blocks(self) -> list[int]:
+        return []
 
 
 async def test_run_files_errors_and_cancellation_on_one_instance() -> None:

@@ -26,6 +26,7 @@ class DictStore:
         self.blocks: Dict[int, bytes] = {}
         self.attached: List[str] = []
         self.flushes = 0
+        self.read_loops: Set[asyncio.AbstractEventLoop] = set()
 
     def attach(self, base_sha256: str, disk_bytes: int) -> None:
         if self.attached and self.attached[0] != base_sha256:
@@ -36,6 +37,7 @@ class DictStore:
         return list(self.blocks)
 
     async def read_blocks(self, first: int, count: int) -> bytes:
+        self.read_loops.add(asyncio.get_running_loop())
         await asyncio.sleep(0)
         zero = bytes(self.block_size)
         return b"".join(self.blocks.get(first + i, zero) for i in range(count))
@@ -60,12 +62,19 @@ async def test_a_cow_root_over_a_python_store_keeps_its_changes_across_boots() -
     assert len(store.attached) == 1
 
     # A new definition over the same store boots with what the first boot wrote.
-    again = krunbox.Sandbox(
-        krunbox.Rootfs.cow(krunbox.Rootfs.builtin("busybox"), store), memory_mib=256
-    )
+    again_root = krunbox.Rootfs.cow(krunbox.Rootfs.builtin("busybox"), store)
+    again = krunbox.Sandbox(again_root, memory_mib=256)
     async with again.boot() as vm:
         assert await vm.read_file("/etc/kept") == b"kept\n"
     assert store.attached == [store.attached[0]] * 2
+    # The async reads ran on this test's loop, where the store's objects live.
+    assert store.read_loops == {asyncio.get_running_loop()}
+
+    # One root over a store is attached to one running instance at a time.
+    sandbox_b = krunbox.Sandbox(again_root, memory_mib=256)
+    async with again.boot():
+        with pytest.raises(krunbox.StoreError):
+            await sandbox_b.boot()
 
 
 class DictFs(krunbox.VirtualFs):
@@ -82,7 +91,7 @@ class DictFs(krunbox.VirtualFs):
             return krunbox.Stat("file", size=len(self.files[path]), mtime=time.time())
         if path in ("/secret", "/broken"):
             return krunbox.Stat("file", size=10)
-        raise FileNotFoundError(errno.ENOENT, "no such file", path)
+        raise FileNotFoundError(path)  # no errno: its class says ENOENT
 
     def list_dir(self, path: str) -> List[str]:
         prefix = path.rstrip("/") + "/"
@@ -117,8 +126,20 @@ class DictFs(krunbox.VirtualFs):
     def remove(self, path: str) -> None:
         del self.files[path]
 
+    def remove_dir(self, path: str) -> None:
+        if any(p.startswith(path + "/") for p in list(self.files) + list(self.dirs)):
+            raise OSError(errno.ENOTEMPTY, "not empty", path)
+        self.dirs.remove(path)
+
     def rename(self, source: str, destination: str) -> None:
-        self.files[destination] = self.files.pop(source)
+        moved = {p for p in list(self.files) + list(self.dirs) if p == source or p.startswith(source + "/")}
+        for old in moved:
+            new = destination + old[len(source) :]
+            if old in self.files:
+                self.files[new] = self.files.pop(old)
+            else:
+                self.dirs.remove(old)
+                self.dirs.add(new)
 
 
 async def test_python_memory_and_host_filesystems_mounted_side_by_side(
@@ -150,6 +171,16 @@ async def test_python_memory_and_host_filesystems_mounted_side_by_side(
         assert tree.files == {"/out/b.txt": bytearray(b"made\nmore\n")}
         assert "/out" in tree.dirs
 
+        # A directory renamed with what is in it; a name removed and made again; a listing
+        # longer than a page removed as it is read (rm -r).
+        moved = await vm.run(
+            "mv out done && cat done/b.txt && echo x > f && rm f && echo y > f && cat f && "
+            "mkdir many && for i in $(seq 200); do echo $i > many/n$i; done && "
+            "ls many | wc -l && rm -r many && ls"
+        )
+        assert moved.stdout_text == "made\nmore\ny\n200\nbroken\ndone\nf\nnotes\nsecret\n", moved
+        assert set(tree.files) == {"/done/b.txt", "/f"} and "/many" not in tree.dirs
+
         secret = await vm.run("cat secret")
         assert secret.returncode != 0 and b"Permission denied" in secret.stderr, secret
         broken = await vm.run("cat broken")
@@ -165,3 +196,6 @@ async def test_python_memory_and_host_filesystems_mounted_side_by_side(
     assert (hidden / ".env").read_text() == "guest\n"
     logged = [r.getMessage() for r in caplog.records if r.name == "krunbox"]
     assert any("a bug in the filesystem" in m for m in logged), logged
+    # What the filesystem answered with an OSError (a missing name, a refusal) is not a
+    # failure of it, and is not logged.
+    assert not any("FileNotFoundError" in m or "PermissionError" in m for m in logged), logged

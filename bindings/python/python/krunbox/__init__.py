@@ -128,13 +128,11 @@ __all__ = [
 
 ARTIFACTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_artifacts")
 """The run-time files this package ships (the ``krunbox-vmm`` helper, guest-init): every boot
-and image build of this process uses them, unless ``KRUNBOX_VMM`` or ``KRUNBOX_GUEST_INIT``
-name others. The guest kernel (libkrunfw) is found as the Rust library finds it
-(``krunbox setup``, the cache)."""
+and image build of this process finds them first, unless ``KRUNBOX_VMM`` or
+``KRUNBOX_GUEST_INIT`` name others. The guest kernel (libkrunfw) is found as the Rust library
+finds it (``krunbox setup``, the cache)."""
 
-for _variable, _name in (("KRUNBOX_VMM", "bin/krunbox-vmm"), ("KRUNBOX_GUEST_INIT", "guest-init")):
-    if os.path.isfile(os.path.join(ARTIFACTS, _name)):
-        os.environ.setdefault(_variable, os.path.join(ARTIFACTS, _name))
+_krunbox._search_artifacts_first(ARTIFACTS)
 
 Command = Union[str, Sequence[str]]
 """A shell command line (run by ``sh -c``), or a program and its arguments."""
@@ -188,7 +186,7 @@ async def _feed(stdin: Optional["InputStream"], data: Optional[bytes]) -> None:
     try:
         await stdin.write(data)
         await stdin.close()
-    except (InstanceGone, GuestFsError):
+    except InstanceGone:
         raise
     except KrunboxError:
         pass

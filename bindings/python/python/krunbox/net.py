@@ -27,8 +27,10 @@ headers or answer it themselves (an :class:`Answer`)::
 
 A policy or middleware that raises costs only its own flow (denied) or request (answered
 500); what it raised is logged on the ``krunbox`` logger. The instance and the interpreter
-go on. Coroutines run on the event loop that booted the instance (under :mod:`krunbox.sync`,
-by ``asyncio.run``); plain callables run on a worker thread, never blocking the loop.
+go on. Coroutines run on the event loop that booted the sandbox last (under :mod:`krunbox.sync`,
+by ``asyncio.run``), where your objects live: keep that loop running while the instance
+lives, and boot one sandbox from one loop. Plain callables run on a worker thread, never
+blocking the loop. At most 64 calls into one policy (with its middleware) run at once.
 """
 
 from __future__ import annotations

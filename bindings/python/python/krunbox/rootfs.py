@@ -33,7 +33,10 @@ A block store keeps a copy-on-write root's changes as numbered blocks: the libra
             pass
 
 What a store's method raises fails that I/O (``EIO`` in the guest) and is logged; the
-instance's ``shutdown`` then raises :class:`StoreError`.
+instance's ``shutdown`` then raises :class:`StoreError`. A store serves one instance at a
+time: every sandbox given the same ``Rootfs.cow(...)`` shares its guard (a second boot while
+one runs fails with :class:`StoreError`); across separate ``Rootfs.cow`` calls over one
+store object, that is the store's to enforce (its ``attach``).
 """
 
 from __future__ import annotations

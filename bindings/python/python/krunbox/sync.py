@@ -65,11 +65,13 @@ def _collect(stream: "OutputStream", callback: Optional[OnOutput], name: str) ->
 
 class _Beside(threading.Thread):
     """Work on a thread of its own (a stream pumped while another is), its result or
-    exception kept for :meth:`result`."""
+    exception kept for :meth:`result`; on an exception it calls ``failed`` first (kills the
+    process, so that the other streams end too rather than wait on a reader that stopped)."""
 
-    def __init__(self, work: Callable[[], Any]) -> None:
+    def __init__(self, work: Callable[[], Any], failed: Callable[[], None]) -> None:
         super().__init__(daemon=True)
         self._work = work
+        self._failed = failed
         self._value: Any = None
         self._error: Optional[BaseException] = None
         self.start()
@@ -79,6 +81,7 @@ class _Beside(threading.Thread):
             self._value = self._work()
         except BaseException as error:  # handed to result()
             self._error = error
+            self._failed()
 
     def result(self) -> Any:
         self.join()
@@ -152,8 +155,8 @@ class Instance:
             )
         proc = self.spawn(cmd, stdin=input is not None, timeout=timeout, cwd=cwd, env=env)
         try:
-            feeding = _Beside(lambda: self._feed(proc, input))
-            errors = _Beside(lambda: _collect(proc.stderr, on_stderr, "stderr"))
+            feeding = _Beside(lambda: self._feed(proc, input), proc.kill)
+            errors = _Beside(lambda: _collect(proc.stderr, on_stderr, "stderr"), proc.kill)
             stdout = _collect(proc.stdout, on_stdout, "stdout")
             stderr = errors.result()
             feeding.result()

@@ -8,7 +8,9 @@ use std::collections::HashMap;
 use krunbox::fs::InodeId;
 
 struct Node {
-    path: String,
+    /// Where it is; `None` once it was removed or replaced (the kernel may still hold it: an
+    /// open file, which then has no path to be asked about).
+    path: Option<String>,
     lookups: u64,
 }
 
@@ -42,7 +44,7 @@ pub(crate) fn listed_ino(path: &str) -> InodeId {
 impl Inodes {
     pub(crate) fn new() -> Self {
         let root = Node {
-            path: "/".into(),
+            path: Some("/".into()),
             lookups: 1,
         };
         Inodes {
@@ -52,9 +54,9 @@ impl Inodes {
         }
     }
 
-    /// The path of `ino`, if the kernel still holds it.
+    /// The path of `ino`, if the kernel still holds it and it was not removed since.
     pub(crate) fn path(&self, ino: InodeId) -> Option<String> {
-        self.by_ino.get(&ino.0).map(|n| n.path.clone())
+        self.by_ino.get(&ino.0).and_then(|n| n.path.clone())
     }
 
     /// The inode of `path` if it has one.
@@ -73,7 +75,7 @@ impl Inodes {
         let ino = self.next;
         self.next += 1;
         let node = Node {
-            path: path.to_owned(),
+            path: Some(path.to_owned()),
             lookups: 1,
         };
         self.by_ino.insert(ino, node);
@@ -91,7 +93,7 @@ impl Inodes {
         };
         node.lookups = node.lookups.saturating_sub(count);
         if node.lookups == 0 {
-            let path = self.by_ino.remove(&ino.0).map(|n| n.path);
+            let path = self.by_ino.remove(&ino.0).and_then(|n| n.path);
             if let Some(path) = path {
                 if self.by_path.get(&path) == Some(&ino.0) {
                     self.by_path.remove(&path);
@@ -100,12 +102,20 @@ impl Inodes {
         }
     }
 
+    /// `path` was removed: its inode (if the kernel holds it) keeps no path, and a file made
+    /// there later gets an inode of its own.
+    pub(crate) fn removed(&mut self, path: &str) {
+        if let Some(ino) = self.by_path.remove(path) {
+            if let Some(node) = self.by_ino.get_mut(&ino) {
+                node.path = None;
+            }
+        }
+    }
+
     /// `from` was renamed to `to`: it and everything under it now live there. What was at
     /// `to` is gone (its inode, if the kernel holds it, keeps no path).
     pub(crate) fn rename(&mut self, from: &str, to: &str) {
-        if let Some(replaced) = self.by_path.remove(to) {
-            self.by_ino.remove(&replaced);
-        }
+        self.removed(to);
         let prefix = format!("{from}/");
         let moved: Vec<(String, u64)> = self
             .by_path
@@ -118,7 +128,7 @@ impl Inodes {
             self.by_path.remove(&old);
             self.by_path.insert(new.clone(), ino);
             if let Some(node) = self.by_ino.get_mut(&ino) {
-                node.path = new;
+                node.path = Some(new);
             }
         }
     }

@@ -14,6 +14,21 @@ use pyo3::types::PyBytes;
 use crate::callback::EventLoop;
 use crate::errors::InvalidConfig;
 
+/// The bytes a callback returned: `bytes` or `bytearray` (a `memoryview` is refused: the stable
+/// ABI before 3.11 has no buffer protocol).
+pub(crate) fn bytes_of(value: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
+    if let Ok(bytes) = value.cast::<PyBytes>() {
+        return Ok(bytes.as_bytes().to_vec());
+    }
+    if let Ok(array) = value.cast::<pyo3::types::PyByteArray>() {
+        return Ok(array.to_vec());
+    }
+    Err(pyo3::exceptions::PyTypeError::new_err(format!(
+        "expected bytes or bytearray, got {}",
+        value.get_type().name()?
+    )))
+}
+
 /// An `FsError` as Python's `OSError` of that errno.
 fn os_error(error: krunbox::fs::FsError, path: &str) -> PyErr {
     let errno = error.errno();
@@ -155,7 +170,7 @@ impl HostDir {
 pub(crate) enum MountFs {
     Memory(krunbox::fs::MemoryFs),
     Host(krunbox::fs::HostDir),
-    Python(python_fs::PythonFs),
+    Python(Box<python_fs::PythonFs>),
 }
 
 /// A mount: the guest path, its filesystem, its options.
@@ -177,7 +192,7 @@ pub(crate) trait Mounts: Sized {
             .fold(self, |to, Mount(path, fs, options)| match fs {
                 MountFs::Memory(fs) => to.mount_with(path, fs, options),
                 MountFs::Host(fs) => to.mount_with(path, fs, options),
-                MountFs::Python(fs) => to.mount_with(path, fs, options),
+                MountFs::Python(fs) => to.mount_with(path, *fs, options),
             })
     }
 }
@@ -244,7 +259,7 @@ pub(crate) fn mounts(
             } else {
                 options
             };
-            let fs = MountFs::Python(python_fs::PythonFs::new(&fs, event_loop));
+            let fs = MountFs::Python(Box::new(python_fs::PythonFs::new(&fs, event_loop)));
             Ok(Mount(guest_path, fs, options))
         })
         .collect()

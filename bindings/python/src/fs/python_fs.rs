@@ -3,7 +3,9 @@
 //! object's method for it off tokio's workers. An `OSError` the method raises is its errno
 //! to the guest; anything else is `EIO`, logged.
 
+use std::collections::HashMap;
 use std::ffi::OsStr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -11,13 +13,25 @@ use krunbox::fs::{
     Attr, Caller, DirEntry, Entry, FileHandle, FileKind, FsError, FsResult, InodeId, OpenFlags,
     RenameFlags, SetAttr,
 };
-use pyo3::exceptions::PyOSError;
+use pyo3::exceptions::{
+    PyFileExistsError, PyFileNotFoundError, PyIsADirectoryError, PyNotADirectoryError,
+    PyNotImplementedError, PyOSError, PyPermissionError,
+};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
 use super::inodes::{join, listed_ino, Inodes};
 use super::Stat;
-use crate::callback::{report, Callable, EventLoop};
+use crate::callback::{calls_bound, report, with_gil, Callable, EventLoop};
+
+/// The most names one `list_dir` may return (as the library's own `read_dir` bounds them).
+const MAX_LISTED: usize = 65_536;
+/// The most directories the guest may hold open at once on one mount (each keeps its
+/// listing until it is closed).
+const MAX_OPEN_DIRS: usize = 1024;
+/// The most entries one `readdir` answers (each is a `stat` call): the kernel asks again from
+/// where it stopped.
+const PAGE: usize = 128;
 
 /// The object's methods, each `None` when it has none (the operation is then `ENOSYS`, or for
 /// a read-only filesystem `EROFS`).
@@ -34,15 +48,25 @@ pub(crate) struct PythonFs {
     truncate: Option<Arc<Callable>>,
     read_link: Option<Arc<Callable>>,
     inodes: Mutex<Inodes>,
+    /// Each open directory's listing, taken when it was opened: a reader that removes entries
+    /// as it goes (`rm -r`) still sees every name once, in one order.
+    listings: Mutex<HashMap<u64, Arc<Vec<String>>>>,
+    next_handle: AtomicU64,
 }
 
 impl PythonFs {
     pub(crate) fn new(object: &Bound<'_, PyAny>, event_loop: &Arc<EventLoop>) -> Self {
+        let calls = calls_bound();
         let method = |name: &str| {
             let function = object.getattr(name).ok()?;
-            function
-                .is_callable()
-                .then(|| Arc::new(Callable::new(function.unbind(), Arc::clone(event_loop))))
+            function.is_callable().then(|| {
+                let callable = Callable::new(
+                    function.unbind(),
+                    Arc::clone(event_loop),
+                    Arc::clone(&calls),
+                );
+                Arc::new(callable)
+            })
         };
         PythonFs {
             stat: method("stat"),
@@ -57,15 +81,45 @@ impl PythonFs {
             truncate: method("truncate"),
             read_link: method("read_link"),
             inodes: Mutex::new(Inodes::new()),
+            listings: Mutex::new(HashMap::new()),
+            next_handle: AtomicU64::new(1),
         }
+    }
+
+    fn listings(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<Vec<String>>>> {
+        self.listings.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The names in the directory `path`, as `list_dir` gives them (bounded).
+    async fn list(&self, path: String) -> FsResult<Vec<String>> {
+        let names: Vec<String> = self
+            .call(
+                &self.list_dir,
+                move |py| (path,).into_pyobject(py),
+                |result| {
+                    let mut names = Vec::new();
+                    for name in result.try_iter()? {
+                        if names.len() == MAX_LISTED {
+                            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                                "list_dir returned more than {MAX_LISTED} names"
+                            )));
+                        }
+                        names.push(name?.extract::<String>()?);
+                    }
+                    Ok(names)
+                },
+            )
+            .await?;
+        Ok(names)
     }
 
     fn inodes(&self) -> std::sync::MutexGuard<'_, Inodes> {
         self.inodes.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The path of `ino`: `ENOENT` once it was removed (or for an inode it never handed out).
     fn path(&self, ino: InodeId) -> FsResult<String> {
-        self.inodes().path(ino).ok_or(FsError::BAD_HANDLE)
+        self.inodes().path(ino).ok_or(FsError::NOT_FOUND)
     }
 
     fn child(&self, parent: InodeId, name: &OsStr) -> FsResult<String> {
@@ -118,18 +172,48 @@ impl PythonFs {
     }
 }
 
-/// The errno for what a method raised: an `OSError`'s own, else `EIO` (logged).
+/// The errno for what a method raised: an `OSError`'s own, or its class's when it has none
+/// (`FileNotFoundError("x")` is `ENOENT`), found off tokio's workers. Anything else is `EIO`
+/// and is logged; an `OSError` is the filesystem's answer, not a failure, and is not.
 async fn errno_of(error: PyErr) -> FsError {
-    let errno = Python::attach(|py| {
-        if !error.is_instance_of::<PyOSError>(py) {
-            return None;
+    let classified = with_gil(move |py| {
+        let errno = error
+            .value(py)
+            .getattr("errno")
+            .ok()
+            .and_then(|e| e.extract::<i32>().ok());
+        let by_class = [
+            (
+                error.is_instance_of::<PyFileNotFoundError>(py),
+                libc::ENOENT,
+            ),
+            (error.is_instance_of::<PyFileExistsError>(py), libc::EEXIST),
+            (error.is_instance_of::<PyPermissionError>(py), libc::EACCES),
+            (
+                error.is_instance_of::<PyNotADirectoryError>(py),
+                libc::ENOTDIR,
+            ),
+            (
+                error.is_instance_of::<PyIsADirectoryError>(py),
+                libc::EISDIR,
+            ),
+            (
+                error.is_instance_of::<PyNotImplementedError>(py),
+                libc::ENOSYS,
+            ),
+        ];
+        let by_class = by_class.into_iter().find(|(is, _)| *is).map(|(_, e)| e);
+        let os_error = error.is_instance_of::<PyOSError>(py);
+        match (errno, by_class) {
+            (Some(errno), _) if os_error => Ok(errno),
+            (_, Some(errno)) => Ok(errno),
+            _ => Err(error),
         }
-        let errno = error.value(py).getattr("errno").ok()?;
-        errno.extract::<i32>().ok()
-    });
-    match errno {
-        Some(errno) => FsError::from_errno(errno),
-        None => {
+    })
+    .await;
+    match classified {
+        Ok(Ok(errno)) => FsError::from_errno(errno),
+        Ok(Err(error)) | Err(error) => {
             report(
                 error,
                 "a VirtualFs method",
@@ -221,14 +305,20 @@ impl krunbox::fs::VirtualFs for PythonFs {
 
     async fn unlink(&self, parent: InodeId, name: &OsStr) -> FsResult<()> {
         let path = self.child(parent, name)?;
-        self.call(&self.remove, move |py| (path,).into_pyobject(py), none)
-            .await
+        let at = path.clone();
+        self.call(&self.remove, move |py| (at,).into_pyobject(py), none)
+            .await?;
+        self.inodes().removed(&path);
+        Ok(())
     }
 
     async fn rmdir(&self, parent: InodeId, name: &OsStr) -> FsResult<()> {
         let path = self.child(parent, name)?;
-        self.call(&self.remove_dir, move |py| (path,).into_pyobject(py), none)
-            .await
+        let at = path.clone();
+        self.call(&self.remove_dir, move |py| (at,).into_pyobject(py), none)
+            .await?;
+        self.inodes().removed(&path);
+        Ok(())
     }
 
     async fn rename(
@@ -239,10 +329,20 @@ impl krunbox::fs::VirtualFs for PythonFs {
         new_name: &OsStr,
         flags: RenameFlags,
     ) -> FsResult<()> {
-        if flags.exchange || flags.no_replace {
+        if flags.exchange {
             return Err(FsError::INVALID);
         }
         let (from, to) = (self.child(parent, name)?, self.child(new_parent, new_name)?);
+        // No replacing (`mv` asks so first): refused if the destination is there. Not atomic
+        // against the host changing the tree meanwhile; the guest's kernel holds the
+        // directories' locks against its own processes.
+        if flags.no_replace {
+            match self.attr(to.clone(), InodeId(0)).await {
+                Ok(_) => return Err(FsError::EXISTS),
+                Err(e) if e == FsError::NOT_FOUND => {}
+                Err(e) => return Err(e),
+            }
+        }
         let (source, destination) = (from.clone(), to.clone());
         self.call(
             &self.rename,
@@ -279,9 +379,10 @@ impl krunbox::fs::VirtualFs for PythonFs {
             &self.read,
             move |py| (path, offset, size).into_pyobject(py),
             move |result| {
-                let data = result.cast::<PyBytes>()?.as_bytes();
+                let mut data = super::bytes_of(result)?;
                 // More than was asked for is cut: the guest asked for `size`.
-                Ok(data[..data.len().min(size as usize)].to_vec())
+                data.truncate(size as usize);
+                Ok(data)
             },
         )
         .await
@@ -318,27 +419,43 @@ impl krunbox::fs::VirtualFs for PythonFs {
         Ok(())
     }
 
+    async fn opendir(&self, ino: InodeId) -> FsResult<FileHandle> {
+        let names = self.list(self.path(ino)?).await?;
+        let mut listings = self.listings();
+        if listings.len() >= MAX_OPEN_DIRS {
+            return Err(FsError::from_errno(libc::EMFILE));
+        }
+        let handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
+        listings.insert(handle, Arc::new(names));
+        Ok(FileHandle(handle))
+    }
+
+    async fn releasedir(&self, _ino: InodeId, handle: FileHandle) -> FsResult<()> {
+        self.listings().remove(&handle.0);
+        Ok(())
+    }
+
     async fn readdir(
         &self,
         ino: InodeId,
-        _handle: FileHandle,
+        handle: FileHandle,
         offset: u64,
     ) -> FsResult<Vec<DirEntry>> {
         let path = self.path(ino)?;
-        let at = path.clone();
-        let names: Vec<String> = self
-            .call(
-                &self.list_dir,
-                move |py| (at,).into_pyobject(py),
-                |result| result.try_iter()?.map(|n| n?.extract::<String>()).collect(),
-            )
-            .await?;
+        let listed = self.listings().get(&handle.0).cloned();
+        let names = match listed {
+            Some(names) => names,
+            None => Arc::new(self.list(path.clone()).await?),
+        };
         let mut entries = Vec::new();
-        for (index, name) in names.into_iter().enumerate().skip(offset as usize) {
-            if name.is_empty() || name.contains('/') || name == "." || name == ".." {
+        for (index, name) in names.iter().enumerate().skip(offset as usize) {
+            if entries.len() == PAGE {
+                break;
+            }
+            if name.is_empty() || name.contains(['/', '\0']) || name == "." || name == ".." {
                 continue;
             }
-            let child = join(&path, &name);
+            let child = join(&path, name);
             let known = self.inodes().existing(&child);
             let kind = match self.attr(child.clone(), InodeId(0)).await {
                 Ok(attr) => attr.kind,

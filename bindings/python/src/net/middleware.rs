@@ -101,9 +101,12 @@ impl Answer {
     #[new]
     #[pyo3(signature = (status, text = String::new()))]
     fn new(status: u16, text: String) -> PyResult<Self> {
-        StatusCode::from_u16(status).map_err(|_| {
-            InvalidConfig::new_err(format!("{status} is not an HTTP status (100 to 999)"))
-        })?;
+        // 1xx are not final answers: a request answered so could not end.
+        if !(200..=999).contains(&status) || StatusCode::from_u16(status).is_err() {
+            return Err(InvalidConfig::new_err(format!(
+                "{status} is not an HTTP status an answer can have (200 to 999)"
+            )));
+        }
         Ok(Answer { status, text })
     }
 

@@ -8,20 +8,26 @@ use pyo3::types::{PyBool, PyTuple};
 
 use super::flow::{Decision, Flow, Verdict};
 use super::middleware::PythonMiddleware;
-use crate::callback::{report, Callable, EventLoop};
+use crate::callback::{calls_bound, report, Callable, EventLoop};
+use tokio::sync::Semaphore;
 
 /// A Python callable as the library's policy. What it raises denies the flow it was asked
 /// about, and nothing else.
 pub(crate) struct PythonPolicy {
     callable: Arc<Callable>,
     event_loop: Arc<EventLoop>,
+    /// The bound the policy and its middleware share.
+    calls: Arc<Semaphore>,
 }
 
 impl PythonPolicy {
     pub(crate) fn new(function: Py<PyAny>, event_loop: Arc<EventLoop>) -> Self {
+        let calls = calls_bound();
+        let callable = Callable::new(function, Arc::clone(&event_loop), Arc::clone(&calls));
         PythonPolicy {
-            callable: Arc::new(Callable::new(function, Arc::clone(&event_loop))),
+            callable: Arc::new(callable),
             event_loop,
+            calls,
         }
     }
 }
@@ -30,6 +36,7 @@ impl PythonPolicy {
 fn verdict(
     result: &Bound<'_, PyAny>,
     event_loop: &Arc<EventLoop>,
+    calls: &Arc<Semaphore>,
 ) -> PyResult<krunbox::net::Verdict> {
     if let Ok(granted) = result.cast::<PyBool>() {
         return Ok(if granted.is_true() {
@@ -45,7 +52,11 @@ fn verdict(
             let py = result.py();
             let mut intercept = krunbox::net::Intercept::new();
             for function in middleware {
-                let callable = Callable::new(function.clone_ref(py), Arc::clone(event_loop));
+                let callable = Callable::new(
+                    function.clone_ref(py),
+                    Arc::clone(event_loop),
+                    Arc::clone(calls),
+                );
                 intercept = intercept.middleware(PythonMiddleware(Arc::new(callable)));
             }
             krunbox::net::Verdict::intercept(intercept)
@@ -57,12 +68,13 @@ impl krunbox::net::Policy for PythonPolicy {
     fn decide(&self, flow: krunbox::net::Flow) -> krunbox::net::Decide {
         let callable = Arc::clone(&self.callable);
         let event_loop = Arc::clone(&self.event_loop);
+        let calls = Arc::clone(&self.calls);
         let asked = Flow::from(&flow);
         Box::pin(async move {
             let decided = callable
                 .call(
                     move |py| PyTuple::new(py, [Py::new(py, asked)?]),
-                    move |result| verdict(result, &event_loop),
+                    move |result| verdict(result, &event_loop, &calls),
                 )
                 .await;
             match decided {

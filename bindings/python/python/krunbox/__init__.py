@@ -192,17 +192,8 @@ async def _feed(stdin: Optional["InputStream"], data: Optional[bytes]) -> None:
         pass
 
 
-class Sandbox:
-    """A sandbox definition: the root image and resources every instance boots with.
-
-    ``image`` is a built-in image: ``"agent"`` (Debian with python3, pip, node, npm, gh, git
-    and curl) or ``"busybox"``, or a :class:`Rootfs` (an image file, a writable root).
-    ``mounts`` maps guest paths to filesystems (:class:`MemoryFs`, :class:`HostDir`, a
-    :class:`VirtualFs` of yours). ``network`` gives it a :class:`Network` (without one it has
-    no network device). Booting is cheap; boot one instance per task.
-
-    >>> sandbox = Sandbox("busybox", cpus=1, memory_mib=256)  # doctest: +SKIP
-    """
+class _Definition:
+    """What the asyncio and the sync ``Sandbox`` share: the definition, checked as it is made."""
 
     def __init__(
         self,
@@ -223,6 +214,23 @@ class Sandbox:
             network=None if network is None else network._native,
         )
 
+    def __repr__(self) -> str:
+        return repr(self._native)
+
+
+class Sandbox(_Definition):
+    """A sandbox definition: the root image and resources every instance boots with.
+
+    ``image`` is a built-in image: ``"agent"`` (Debian with python3, pip, node, npm, gh, git
+    and curl) or ``"busybox"``, or a :class:`Rootfs` (an image file, a writable root).
+    ``mounts`` maps guest paths to filesystems (:class:`MemoryFs`, :class:`HostDir`, a
+    :class:`VirtualFs` of yours). ``network`` gives it a :class:`Network` (without one it has
+    no network device). Booting is cheap; boot one instance per task.
+
+    >>> sandbox = Sandbox("busybox", cpus=1, memory_mib=256)  # doctest: +SKIP
+    """
+
+
     def boot(
         self,
         *,
@@ -234,9 +242,6 @@ class Sandbox:
         vm:`` to shut it down at the block's end. ``mounts``, ``hostname`` and ``cwd`` (where
         commands start) are this boot's own, besides the definition's."""
         return _Booting(self._native.boot(mounts=_mounts(mounts), hostname=hostname, cwd=cwd))
-
-    def __repr__(self) -> str:
-        return repr(self._native)
 
 
 class _Booting:

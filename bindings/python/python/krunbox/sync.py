@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 from . import images as _images
 from . import (
     MAX_OUTPUT,
+    _Definition,
     Command,
     Completed,
     DirEntry,
@@ -25,9 +26,7 @@ from . import (
     InvalidConfig,
     KrunboxError,
     Mounts,
-    Network,
     OutputLimitExceeded,
-    Rootfs,
     _data,
     _env_pairs,
     _krunbox,
@@ -90,27 +89,9 @@ class _Beside(threading.Thread):
         return self._value
 
 
-class Sandbox:
+class Sandbox(_Definition):
     """A sandbox definition (see :class:`krunbox.Sandbox`)."""
 
-    def __init__(
-        self,
-        image: Union[str, Rootfs] = "agent",
-        *,
-        cpus: Optional[int] = None,
-        memory_mib: Optional[int] = None,
-        hostname: Optional[str] = None,
-        mounts: Optional[Mounts] = None,
-        network: Optional[Network] = None,
-    ) -> None:
-        self._native = _krunbox.Sandbox(
-            image,
-            cpus=cpus,
-            memory_mib=memory_mib,
-            hostname=hostname,
-            mounts=_mounts(mounts),
-            network=None if network is None else network._native,
-        )
 
     def boot(
         self,
@@ -124,9 +105,6 @@ class Sandbox:
         :meth:`krunbox.Sandbox.boot`)."""
         native = self._native.boot_blocking(mounts=_mounts(mounts), hostname=hostname, cwd=cwd)
         return Instance(native)
-
-    def __repr__(self) -> str:
-        return repr(self._native)
 
 
 class Instance:

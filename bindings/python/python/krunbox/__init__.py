@@ -178,6 +178,16 @@ async def _collect(stream: "OutputStream", callback: Optional[OnOutput], name: s
     return b"".join(parts)
 
 
+def _completed(
+    cmd: Command, returncode: int, stdout: bytes, stderr: bytes, timed_out: bool, check: bool
+) -> Completed:
+    """A streamed run's :class:`Completed`, as ``run`` gives it (checked if asked)."""
+    done = Completed(_krunbox.command_args(cmd), returncode, stdout, stderr, timed_out=timed_out)
+    if check:
+        done.check_returncode()
+    return done
+
+
 async def _feed(stdin: Optional["InputStream"], data: Optional[bytes]) -> None:
     """Writes ``data`` to ``stdin`` and closes it; a process that ended without reading it all
     is no error (as ``subprocess`` has it)."""
@@ -315,12 +325,7 @@ class Instance:
         except BaseException:
             proc.kill()
             raise
-        done = Completed(
-            _krunbox.command_args(cmd), returncode, stdout, stderr, timed_out=proc.timed_out
-        )
-        if check:
-            done.check_returncode()
-        return done
+        return _completed(cmd, returncode, stdout, stderr, proc.timed_out, check)
 
     async def spawn(
         self,

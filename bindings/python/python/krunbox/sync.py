@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 from . import images as _images
 from . import (
     MAX_OUTPUT,
+    _completed,
     _Definition,
     Command,
     Completed,
@@ -142,12 +143,7 @@ class Instance:
         except BaseException:
             proc.kill()
             raise
-        done = Completed(
-            _krunbox.command_args(cmd), returncode, stdout, stderr, timed_out=proc.timed_out
-        )
-        if check:
-            done.check_returncode()
-        return done
+        return _completed(cmd, returncode, stdout, stderr, proc.timed_out, check)
 
     @staticmethod
     def _feed(proc: "Process", data: Optional[Union[bytes, str]]) -> None:

@@ -294,6 +294,49 @@ impl Error {
             _ => None,
         }
     }
+
+    /// The variant's name, a stable string for callers in other languages and for logs: the
+    /// bindings give it as their errors' `code` (`"InvalidConfig"`, `"BootTimeout"`, ...). A
+    /// name never changes meaning; new variants bring new names.
+    ///
+    /// ```
+    /// let err = krunbox::Error::InvalidConfig("cpus must be at least 1".into());
+    /// assert_eq!(err.code(), "InvalidConfig");
+    /// ```
+    pub fn code(&self) -> &'static str {
+        match self {
+            Error::MissingArtifact { .. } => "MissingArtifact",
+            Error::ImageDigestMismatch { .. } => "ImageDigestMismatch",
+            Error::ImageBuild(_) => "ImageBuild",
+            Error::WritableLayer(_) => "WritableLayer",
+            Error::RootInUse { .. } => "RootInUse",
+            Error::RootBaseMismatch { .. } => "RootBaseMismatch",
+            Error::RootLayer { .. } => "RootLayer",
+            Error::BlockStore { .. } => "BlockStore",
+            Error::ImageArchive { .. } => "ImageArchive",
+            Error::Registry { .. } => "Registry",
+            Error::BuildStep { .. } => "BuildStep",
+            Error::InvalidConfig(_) => "InvalidConfig",
+            Error::VmmSpawn { .. } => "VmmSpawn",
+            Error::VmExited { .. } => "VmExited",
+            Error::BootTimeout { .. } => "BootTimeout",
+            Error::IsolationBreached { .. } => "IsolationBreached",
+            Error::IsolationUnavailable { .. } => "IsolationUnavailable",
+            Error::NetworkSetup(_) => "NetworkSetup",
+            Error::GuestSetup { .. } => "GuestSetup",
+            Error::Protocol(_) => "Protocol",
+            Error::Exec { .. } => "Exec",
+            Error::Fs { .. } => "Fs",
+            Error::InstanceGone { .. } => "InstanceGone",
+            Error::GuestUnresponsive { .. } => "GuestUnresponsive",
+            Error::GuestHung { .. } => "GuestHung",
+            Error::RequestTimeout { .. } => "RequestTimeout",
+            Error::OutputLimitExceeded { .. } => "OutputLimitExceeded",
+            Error::TooMany { .. } => "TooMany",
+            Error::Cancelled => "Cancelled",
+            Error::Io { .. } => "Io",
+        }
+    }
 }
 
 fn display_paths(paths: &[PathBuf]) -> String {

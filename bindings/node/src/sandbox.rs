@@ -1,0 +1,80 @@
+//! `NativeSandbox`: a definition (root, resources, mounts, network), booted into instances
+//! as often as wanted.
+
+use napi_derive::napi;
+
+use crate::errors::OrNapi;
+use crate::fs::{Mounts, NativeMounts};
+use crate::instance::NativeInstance;
+use crate::net::NativeNetwork;
+use crate::rootfs::NativeRootfs;
+
+/// A definition's resources and name.
+#[napi(object)]
+pub struct SandboxOptions {
+    pub cpus: Option<u8>,
+    pub memory_mib: Option<u32>,
+    pub hostname: Option<String>,
+}
+
+/// One boot's own options.
+#[napi(object)]
+pub struct BootSpec {
+    pub hostname: Option<String>,
+    /// The working directory of commands that do not say theirs.
+    pub cwd: Option<String>,
+}
+
+/// A sandbox definition: what each instance boots from. Cheap to boot many times.
+#[napi]
+pub struct NativeSandbox {
+    inner: krunbox::Sandbox,
+}
+
+#[napi]
+impl NativeSandbox {
+    #[napi(constructor)]
+    pub fn new(
+        rootfs: &NativeRootfs,
+        options: SandboxOptions,
+        mounts: Option<&NativeMounts>,
+        network: Option<&NativeNetwork>,
+    ) -> napi::Result<Self> {
+        let mut builder = krunbox::Sandbox::builder().rootfs(rootfs.inner.clone());
+        if let Some(cpus) = options.cpus {
+            builder = builder.cpus(cpus);
+        }
+        if let Some(mib) = options.memory_mib {
+            builder = builder.memory_mib(mib);
+        }
+        if let Some(hostname) = options.hostname {
+            builder = builder.hostname(hostname);
+        }
+        builder = builder.with_mounts(mounts);
+        if let Some(network) = network {
+            builder = builder.network(network.inner.clone());
+        }
+        Ok(NativeSandbox {
+            inner: builder.build().or_napi()?,
+        })
+    }
+
+    /// Boots an instance with this boot's own mounts, hostname and working directory.
+    #[napi]
+    pub async fn boot(
+        &self,
+        spec: BootSpec,
+        mounts: Option<&NativeMounts>,
+    ) -> napi::Result<NativeInstance> {
+        let mut options = krunbox::BootOptions::new().with_mounts(mounts);
+        if let Some(hostname) = spec.hostname {
+            options = options.hostname(hostname);
+        }
+        if let Some(cwd) = spec.cwd {
+            options = options.current_dir(cwd);
+        }
+        let sandbox = self.inner.clone();
+        let instance = sandbox.boot_with(options).await.or_napi()?;
+        Ok(NativeInstance::new(instance))
+    }
+}

@@ -1,0 +1,211 @@
+// `defineSandbox`: a definition booted as often as wanted; `Instance`: a running microVM,
+// with its commands and files.
+
+import { ChildProcess, Terminal, type Exit, type TerminalSize } from "./process.js";
+import { AbortError, InstanceGoneError, typed, typedSync } from "./errors.js";
+import { nativeMounts, type Mount } from "./fs.js";
+import { native } from "./native.js";
+import type { Network } from "./network.js";
+import { rootfs as roots, Rootfs } from "./rootfs.js";
+import type { CommandOptions, FileStat, DirEntry, NativeInstance } from "../native/index.js";
+
+export type { FileStat, DirEntry };
+
+/** What `defineSandbox` takes. */
+export interface SandboxOptions {
+  /** The root filesystem: a `Rootfs`, or a built-in image's name ("agent", "busybox"). */
+  readonly rootfs: Rootfs | "agent" | "busybox";
+  readonly resources?: { readonly cpus?: number; readonly memoryMiB?: number };
+  readonly hostname?: string;
+  /** Mounts every boot has (guest path → mount). */
+  readonly mounts?: Record<string, Mount>;
+  /** Default-deny without one. */
+  readonly network?: Network;
+}
+
+/** What one boot adds to its definition. */
+export interface BootOptions {
+  /** This boot's own mounts (guest path → mount), after the definition's. */
+  readonly mounts?: Record<string, Mount>;
+  /** The working directory of commands that do not give theirs. */
+  readonly cwd?: string;
+  readonly hostname?: string;
+}
+
+/** How a command runs. */
+export interface ExecOptions {
+  readonly cwd?: string;
+  readonly env?: Record<string, string>;
+  /** Its process group is killed after this many milliseconds; it then exits with 124. */
+  readonly timeoutMs?: number;
+  /** Aborting kills its process group and rejects with an `AbortError`; the sandbox stays usable. */
+  readonly signal?: AbortSignal;
+}
+
+/** How a finished command ended, and what it wrote. */
+export interface ExecResult extends Exit {
+  /** stdout as UTF-8 text (invalid bytes replaced). */
+  readonly stdout: string;
+  readonly stderr: string;
+  readonly stdoutBytes: Uint8Array;
+  readonly stderrBytes: Uint8Array;
+}
+
+/** A sandbox definition: what each instance boots from. Cheap to boot many times. */
+export class Sandbox {
+  readonly #native: InstanceType<typeof native.NativeSandbox>;
+
+  /** @internal */
+  constructor(made: InstanceType<typeof native.NativeSandbox>) {
+    this.#native = made;
+  }
+
+  /** Boots an instance: a microVM of its own, with this boot's mounts and working directory. */
+  async boot(options: BootOptions = {}): Promise<Instance> {
+    const mounts = nativeMounts(options.mounts);
+    const spec = { cwd: options.cwd, hostname: options.hostname };
+    return new Instance(await typed(() => this.#native.boot(spec, mounts)));
+  }
+}
+
+/** Defines a sandbox; nothing boots until `boot()`. */
+export function defineSandbox(options: SandboxOptions): Sandbox {
+  const root = typeof options.rootfs === "string" ? roots.builtIn(options.rootfs) : options.rootfs;
+  const spec = {
+    cpus: options.resources?.cpus,
+    memoryMib: options.resources?.memoryMiB,
+    hostname: options.hostname,
+  };
+  const mounts = nativeMounts(options.mounts);
+  return typedSync(() => new Sandbox(new native.NativeSandbox(root.native, spec, mounts, options.network?.native)));
+}
+
+function commandOptions(options: ExecOptions & { stdin?: boolean; size?: TerminalSize }): CommandOptions {
+  return {
+    cwd: options.cwd,
+    env: options.env,
+    timeoutMs: options.timeoutMs,
+    stdin: options.stdin,
+    rows: options.size?.rows,
+    cols: options.size?.cols,
+  };
+}
+
+function bytes(data: string | Uint8Array): Buffer {
+  return typeof data === "string" ? Buffer.from(data) : Buffer.from(data.buffer, data.byteOffset, data.byteLength);
+}
+
+/**
+ * A running sandbox: a microVM. `await using` shuts it down at the end of its scope (or call
+ * `shutdown()`).
+ */
+export class Instance implements AsyncDisposable {
+  readonly #native: NativeInstance;
+
+  /** @internal */
+  constructor(made: NativeInstance) {
+    this.#native = made;
+  }
+
+  /** Runs `command` with `args` to its end and returns what it wrote. */
+  async exec(command: string, args: readonly string[] = [], options: ExecOptions = {}): Promise<ExecResult> {
+    const { signal } = options;
+    if (signal?.aborted) throw new AbortError(undefined, signal.reason);
+    const cancel = new native.NativeCancel();
+    const abort = () => cancel.cancel();
+    signal?.addEventListener("abort", abort, { once: true });
+    try {
+      const output = await typed(() => this.#native.exec([command, ...args], commandOptions(options), cancel));
+      return {
+        exitCode: output.exitCode,
+        signal: output.signal ?? undefined,
+        timedOut: output.timedOut,
+        stdout: output.stdout.toString("utf8"),
+        stderr: output.stderr.toString("utf8"),
+        stdoutBytes: output.stdout,
+        stderrBytes: output.stderr,
+      };
+    } catch (error) {
+      if (error instanceof AbortError && signal?.aborted) throw new AbortError(error.message, signal.reason);
+      throw error;
+    } finally {
+      signal?.removeEventListener("abort", abort);
+    }
+  }
+
+  /** Starts `command` with `args`, its stdin, stdout and stderr streamed (returns at once). */
+  spawn(command: string, args: readonly string[] = [], options: Omit<ExecOptions, "signal"> = {}): ChildProcess {
+    const started = typed(() => this.#native.spawn([command, ...args], commandOptions({ ...options, stdin: true })));
+    return new ChildProcess(started);
+  }
+
+  /** Starts `command` with `args` on a terminal of `size` (default 24 x 80) (returns at once). */
+  pty(
+    command: string,
+    args: readonly string[] = [],
+    options: Omit<ExecOptions, "signal"> & { size?: TerminalSize } = {},
+  ): Terminal {
+    const size = options.size ?? { rows: 24, cols: 80 };
+    const started = typed(() => this.#native.spawn([command, ...args], commandOptions({ ...options, stdin: true, size })));
+    return new Terminal(started);
+  }
+
+  /** The guest file at `path`, whole. */
+  readFile(path: string): Promise<Uint8Array> {
+    return typed(() => this.#native.readFile(path));
+  }
+
+  /** The guest file at `path` as UTF-8 text. */
+  async readTextFile(path: string): Promise<string> {
+    return Buffer.from(await this.readFile(path)).toString("utf8");
+  }
+
+  /** Writes `data` to the guest file `path`, replacing it; with `mode`, making its directories if `parents`. */
+  writeFile(path: string, data: string | Uint8Array, options: { mode?: number; parents?: boolean } = {}): Promise<void> {
+    return typed(() => this.#native.writeFile(path, bytes(data), options.mode, options.parents));
+  }
+
+  /** What is at `path` (symlinks followed). */
+  stat(path: string): Promise<FileStat> {
+    return typed(() => this.#native.stat(path));
+  }
+
+  /** The entries of the guest directory `path`. */
+  listDir(path: string): Promise<DirEntry[]> {
+    return typed(() => this.#native.listDir(path));
+  }
+
+  /** Removes the file or empty directory `path`; with `recursive`, everything under it. */
+  remove(path: string, options: { recursive?: boolean } = {}): Promise<void> {
+    return typed(() => this.#native.remove(path, options.recursive));
+  }
+
+  /** Renames `from` to `to`, replacing what is there. */
+  rename(from: string, to: string): Promise<void> {
+    return typed(() => this.#native.rename(from, to));
+  }
+
+  /** Makes the directory `path`, with its parents if asked. */
+  makeDir(path: string, options: { parents?: boolean } = {}): Promise<void> {
+    return typed(() => this.#native.makeDir(path, options.parents));
+  }
+
+  /** Stops the microVM. Calls after it fail with `InstanceGoneError`. */
+  shutdown(): Promise<void> {
+    return typed(() => this.#native.shutdown());
+  }
+
+  /** `shutdown()`, for `await using`; an instance already gone is fine. */
+  async [Symbol.asyncDispose](): Promise<void> {
+    try {
+      await this.shutdown();
+    } catch (error) {
+      if (!(error instanceof InstanceGoneError)) throw error;
+    }
+  }
+
+  /** @internal For the bench comparing this API with Rust's on one instance. */
+  get nativeInstance(): NativeInstance {
+    return this.#native;
+  }
+}

@@ -32,6 +32,7 @@
 //! # Ok(()) }
 //! ```
 
+mod by_path;
 pub(crate) mod fuse;
 pub(crate) mod handover;
 mod host_dir;
@@ -46,6 +47,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use async_trait::async_trait;
+pub use by_path::{ByPath, PathFs, PathStat, MAX_INODES, MAX_LISTED};
 pub use host_dir::{HostDir, Mask};
 pub use memory::MemoryFs;
 pub use types::*;

@@ -1,7 +1,6 @@
 //! Filesystems mounted into the guest: the library's `MemoryFs` and `HostDir`, and
 //! filesystems written in Python (`krunbox.VirtualFs`).
 
-mod inodes;
 mod python_fs;
 
 use std::path::PathBuf;
@@ -170,7 +169,7 @@ impl HostDir {
 pub(crate) enum MountFs {
     Memory(krunbox::fs::MemoryFs),
     Host(krunbox::fs::HostDir),
-    Python(Box<python_fs::PythonFs>),
+    Python(Box<krunbox::fs::ByPath<python_fs::PythonFs>>),
 }
 
 /// A mount: the guest path, its filesystem, its options.
@@ -259,7 +258,9 @@ pub(crate) fn mounts(
             } else {
                 options
             };
-            let fs = MountFs::Python(Box::new(python_fs::PythonFs::new(&fs, event_loop)));
+            let fs = MountFs::Python(Box::new(krunbox::fs::ByPath::new(
+                python_fs::PythonFs::new(&fs, event_loop),
+            )));
             Ok(Mount(guest_path, fs, options))
         })
         .collect()

@@ -1,18 +1,13 @@
 //! A filesystem written in Python (`krunbox.VirtualFs`, path-based) as the library's
-//! `VirtualFs` (inode-based): the inode table maps between them, each operation calls the
-//! object's method for it off tokio's workers. An `OSError` the method raises is its errno
-//! to the guest; anything else is `EIO`, logged.
+//! `PathFs` (served to the guest by `krunbox::fs::ByPath`, which keeps the inode table and
+//! the open directories' listings): each operation calls the object's method for it off
+//! tokio's workers. An `OSError` the method raises is its errno to the guest; anything else
+//! is `EIO`, logged.
 
-use std::collections::HashMap;
-use std::ffi::OsStr;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use krunbox::fs::{
-    Attr, Caller, DirEntry, Entry, FileHandle, FileKind, FsError, FsResult, InodeId, OpenFlags,
-    RenameFlags, SetAttr,
-};
+use krunbox::fs::{FileKind, FsError, FsResult, PathFs, PathStat, MAX_LISTED};
 use pyo3::exceptions::{
     PyFileExistsError, PyFileNotFoundError, PyIsADirectoryError, PyNotADirectoryError,
     PyNotImplementedError, PyOSError, PyPermissionError,
@@ -20,18 +15,8 @@ use pyo3::exceptions::{
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
-use super::inodes::{join, listed_ino, Inodes};
 use super::Stat;
 use crate::callback::{calls_bound, report, with_gil, Callable, EventLoop};
-
-/// The most names one `list_dir` may return (as the library's own `read_dir` bounds them).
-const MAX_LISTED: usize = 65_536;
-/// The most directories the guest may hold open at once on one mount (each keeps its
-/// listing until it is closed).
-const MAX_OPEN_DIRS: usize = 1024;
-/// The most entries one `readdir` answers (each is a `stat` call): the kernel asks again from
-/// where it stopped.
-const PAGE: usize = 128;
 
 /// The object's methods, each `None` when it has none (the operation is then `ENOSYS`, or for
 /// a read-only filesystem `EROFS`).
@@ -47,11 +32,6 @@ pub(crate) struct PythonFs {
     rename: Option<Arc<Callable>>,
     truncate: Option<Arc<Callable>>,
     read_link: Option<Arc<Callable>>,
-    inodes: Mutex<Inodes>,
-    /// Each open directory's listing, taken when it was opened: a reader that removes entries
-    /// as it goes (`rm -r`) still sees every name once, in one order.
-    listings: Mutex<HashMap<u64, Arc<Vec<String>>>>,
-    next_handle: AtomicU64,
 }
 
 impl PythonFs {
@@ -80,51 +60,7 @@ impl PythonFs {
             rename: method("rename"),
             truncate: method("truncate"),
             read_link: method("read_link"),
-            inodes: Mutex::new(Inodes::new()),
-            listings: Mutex::new(HashMap::new()),
-            next_handle: AtomicU64::new(1),
         }
-    }
-
-    fn listings(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<Vec<String>>>> {
-        self.listings.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// The names in the directory `path`, as `list_dir` gives them (bounded).
-    async fn list(&self, path: String) -> FsResult<Vec<String>> {
-        let names: Vec<String> = self
-            .call(
-                &self.list_dir,
-                move |py| (path,).into_pyobject(py),
-                |result| {
-                    let mut names = Vec::new();
-                    for name in result.try_iter()? {
-                        if names.len() == MAX_LISTED {
-                            return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                                "list_dir returned more than {MAX_LISTED} names"
-                            )));
-                        }
-                        names.push(name?.extract::<String>()?);
-                    }
-                    Ok(names)
-                },
-            )
-            .await?;
-        Ok(names)
-    }
-
-    fn inodes(&self) -> std::sync::MutexGuard<'_, Inodes> {
-        self.inodes.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// The path of `ino`: `ENOENT` once it was removed (or for an inode it never handed out).
-    fn path(&self, ino: InodeId) -> FsResult<String> {
-        self.inodes().path(ino).ok_or(FsError::NOT_FOUND)
-    }
-
-    fn child(&self, parent: InodeId, name: &OsStr) -> FsResult<String> {
-        let name = name.to_str().ok_or(FsError::INVALID)?;
-        Ok(join(&self.path(parent)?, name))
     }
 
     /// Calls `method` (a method of the object's, if it has it) with `args`, `convert`ing its
@@ -147,28 +83,6 @@ impl PythonFs {
             Ok(value) => Ok(value),
             Err(error) => Err(errno_of(error).await),
         }
-    }
-
-    /// What `stat(path)` says, as the attributes of `ino`.
-    async fn attr(&self, path: String, ino: InodeId) -> FsResult<Attr> {
-        let stat = self
-            .call(
-                &self.stat,
-                move |py| (path,).into_pyobject(py),
-                |result| Ok(result.cast::<Stat>()?.get().clone()),
-            )
-            .await?;
-        Ok(stat.attr(ino))
-    }
-
-    /// Looks `path` up: its attributes under an inode the kernel now holds one more of.
-    async fn entry(&self, path: String) -> FsResult<Entry> {
-        let attr = self.attr(path.clone(), InodeId(0)).await?;
-        let ino = self.inodes().remember(&path);
-        Ok(Entry {
-            attr: Attr { ino, ..attr },
-            generation: 0,
-        })
     }
 }
 
@@ -230,157 +144,45 @@ fn none(_: &Bound<'_, PyAny>) -> PyResult<()> {
 }
 
 #[krunbox::fs::async_trait]
-impl krunbox::fs::VirtualFs for PythonFs {
-    async fn lookup(&self, parent: InodeId, name: &OsStr) -> FsResult<Entry> {
-        let path = self.child(parent, name)?;
-        self.entry(path).await
-    }
-
-    async fn forget(&self, ino: InodeId, count: u64) {
-        self.inodes().forget(ino, count);
-    }
-
-    async fn getattr(&self, ino: InodeId) -> FsResult<Attr> {
-        let path = self.path(ino)?;
-        self.attr(path, ino).await
-    }
-
-    async fn setattr(&self, ino: InodeId, change: SetAttr, _caller: Caller) -> FsResult<Attr> {
-        let path = self.path(ino)?;
-        if let Some(size) = change.size {
-            let at = path.clone();
-            self.call(&self.truncate, move |py| (at, size).into_pyobject(py), none)
-                .await?;
-        }
-        // Modes, owners and times are the object's to report, not the guest's to set.
-        self.attr(path, ino).await
-    }
-
-    async fn readlink(&self, ino: InodeId) -> FsResult<Vec<u8>> {
-        let path = self.path(ino)?;
+impl PathFs for PythonFs {
+    async fn stat(&self, path: &str) -> FsResult<PathStat> {
+        let path = path.to_owned();
         self.call(
-            &self.read_link,
+            &self.stat,
             move |py| (path,).into_pyobject(py),
-            |result| Ok(result.extract::<String>()?.into_bytes()),
+            |result| Ok(result.cast::<Stat>()?.get().path_stat()),
         )
         .await
     }
 
-    async fn mkdir(
-        &self,
-        parent: InodeId,
-        name: &OsStr,
-        mode: u32,
-        _caller: Caller,
-    ) -> FsResult<Entry> {
-        let path = self.child(parent, name)?;
-        let at = path.clone();
+    async fn list_dir(&self, path: &str) -> FsResult<Vec<String>> {
+        let path = path.to_owned();
         self.call(
-            &self.make_dir,
-            move |py| (at, mode & 0o7777).into_pyobject(py),
-            none,
+            &self.list_dir,
+            move |py| (path,).into_pyobject(py),
+            |result| {
+                let mut names = Vec::new();
+                for name in result.try_iter()? {
+                    if names.len() == MAX_LISTED {
+                        return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                            "list_dir returned more than {MAX_LISTED} names"
+                        )));
+                    }
+                    names.push(name?.extract::<String>()?);
+                }
+                Ok(names)
+            },
         )
-        .await?;
-        self.entry(path).await
+        .await
     }
 
-    async fn create(
-        &self,
-        parent: InodeId,
-        name: &OsStr,
-        mode: u32,
-        _flags: OpenFlags,
-        _caller: Caller,
-    ) -> FsResult<(Entry, FileHandle)> {
-        let path = self.child(parent, name)?;
-        let at = path.clone();
-        self.call(
-            &self.create,
-            move |py| (at, mode & 0o7777).into_pyobject(py),
-            none,
-        )
-        .await?;
-        Ok((self.entry(path).await?, FileHandle(0)))
-    }
-
-    async fn unlink(&self, parent: InodeId, name: &OsStr) -> FsResult<()> {
-        let path = self.child(parent, name)?;
-        let at = path.clone();
-        self.call(&self.remove, move |py| (at,).into_pyobject(py), none)
-            .await?;
-        self.inodes().removed(&path);
-        Ok(())
-    }
-
-    async fn rmdir(&self, parent: InodeId, name: &OsStr) -> FsResult<()> {
-        let path = self.child(parent, name)?;
-        let at = path.clone();
-        self.call(&self.remove_dir, move |py| (at,).into_pyobject(py), none)
-            .await?;
-        self.inodes().removed(&path);
-        Ok(())
-    }
-
-    async fn rename(
-        &self,
-        parent: InodeId,
-        name: &OsStr,
-        new_parent: InodeId,
-        new_name: &OsStr,
-        flags: RenameFlags,
-    ) -> FsResult<()> {
-        if flags.exchange {
-            return Err(FsError::INVALID);
-        }
-        let (from, to) = (self.child(parent, name)?, self.child(new_parent, new_name)?);
-        // No replacing (`mv` asks so first): refused if the destination is there. Not atomic
-        // against the host changing the tree meanwhile; the guest's kernel holds the
-        // directories' locks against its own processes.
-        if flags.no_replace {
-            match self.attr(to.clone(), InodeId(0)).await {
-                Ok(_) => return Err(FsError::EXISTS),
-                Err(e) if e == FsError::NOT_FOUND => {}
-                Err(e) => return Err(e),
-            }
-        }
-        let (source, destination) = (from.clone(), to.clone());
-        self.call(
-            &self.rename,
-            move |py| (source, destination).into_pyobject(py),
-            none,
-        )
-        .await?;
-        self.inodes().rename(&from, &to);
-        Ok(())
-    }
-
-    async fn open(&self, ino: InodeId, flags: OpenFlags) -> FsResult<FileHandle> {
-        let path = self.path(ino)?;
-        if flags.truncate() {
-            self.call(
-                &self.truncate,
-                move |py| (path, 0u64).into_pyobject(py),
-                none,
-            )
-            .await?;
-        }
-        Ok(FileHandle(0))
-    }
-
-    async fn read(
-        &self,
-        ino: InodeId,
-        _handle: FileHandle,
-        offset: u64,
-        size: u32,
-    ) -> FsResult<Vec<u8>> {
-        let path = self.path(ino)?;
+    async fn read(&self, path: &str, offset: u64, size: u32) -> FsResult<Vec<u8>> {
+        let path = path.to_owned();
         self.call(
             &self.read,
             move |py| (path, offset, size).into_pyobject(py),
             move |result| {
                 let mut data = super::bytes_of(result)?;
-                // More than was asked for is cut: the guest asked for `size`.
                 data.truncate(size as usize);
                 Ok(data)
             },
@@ -388,14 +190,8 @@ impl krunbox::fs::VirtualFs for PythonFs {
         .await
     }
 
-    async fn write(
-        &self,
-        ino: InodeId,
-        _handle: FileHandle,
-        offset: u64,
-        data: &[u8],
-    ) -> FsResult<u32> {
-        let path = self.path(ino)?;
+    async fn write(&self, path: &str, offset: u64, data: &[u8]) -> FsResult<u32> {
+        let path = path.to_owned();
         let len = data.len() as u32;
         let data = data.to_vec();
         self.call(
@@ -411,70 +207,64 @@ impl krunbox::fs::VirtualFs for PythonFs {
         .await
     }
 
-    async fn flush(&self, _ino: InodeId, _handle: FileHandle) -> FsResult<()> {
-        Ok(())
+    async fn create(&self, path: &str, mode: u32) -> FsResult<()> {
+        let path = path.to_owned();
+        self.call(&self.create, move |py| (path, mode).into_pyobject(py), none)
+            .await
     }
 
-    async fn fsync(&self, _ino: InodeId, _handle: FileHandle, _data_only: bool) -> FsResult<()> {
-        Ok(())
+    async fn make_dir(&self, path: &str, mode: u32) -> FsResult<()> {
+        let path = path.to_owned();
+        self.call(
+            &self.make_dir,
+            move |py| (path, mode).into_pyobject(py),
+            none,
+        )
+        .await
     }
 
-    async fn opendir(&self, ino: InodeId) -> FsResult<FileHandle> {
-        let names = self.list(self.path(ino)?).await?;
-        let mut listings = self.listings();
-        if listings.len() >= MAX_OPEN_DIRS {
-            return Err(FsError::from_errno(libc::EMFILE));
-        }
-        let handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
-        listings.insert(handle, Arc::new(names));
-        Ok(FileHandle(handle))
+    async fn remove(&self, path: &str) -> FsResult<()> {
+        let path = path.to_owned();
+        self.call(&self.remove, move |py| (path,).into_pyobject(py), none)
+            .await
     }
 
-    async fn releasedir(&self, _ino: InodeId, handle: FileHandle) -> FsResult<()> {
-        self.listings().remove(&handle.0);
-        Ok(())
+    async fn remove_dir(&self, path: &str) -> FsResult<()> {
+        let path = path.to_owned();
+        self.call(&self.remove_dir, move |py| (path,).into_pyobject(py), none)
+            .await
     }
 
-    async fn readdir(
-        &self,
-        ino: InodeId,
-        handle: FileHandle,
-        offset: u64,
-    ) -> FsResult<Vec<DirEntry>> {
-        let path = self.path(ino)?;
-        let listed = self.listings().get(&handle.0).cloned();
-        let names = match listed {
-            Some(names) => names,
-            None => Arc::new(self.list(path.clone()).await?),
-        };
-        let mut entries = Vec::new();
-        for (index, name) in names.iter().enumerate().skip(offset as usize) {
-            if entries.len() == PAGE {
-                break;
-            }
-            if name.is_empty() || name.contains(['/', '\0']) || name == "." || name == ".." {
-                continue;
-            }
-            let child = join(&path, name);
-            let known = self.inodes().existing(&child);
-            let kind = match self.attr(child.clone(), InodeId(0)).await {
-                Ok(attr) => attr.kind,
-                Err(_) => continue, // gone since it was listed
-            };
-            entries.push(DirEntry {
-                ino: known.unwrap_or_else(|| listed_ino(&child)),
-                offset: index as u64 + 1,
-                kind,
-                name: name.into(),
-            });
-        }
-        Ok(entries)
+    async fn rename(&self, from: &str, to: &str) -> FsResult<()> {
+        let (from, to) = (from.to_owned(), to.to_owned());
+        self.call(&self.rename, move |py| (from, to).into_pyobject(py), none)
+            .await
+    }
+
+    async fn truncate(&self, path: &str, size: u64) -> FsResult<()> {
+        let path = path.to_owned();
+        self.call(
+            &self.truncate,
+            move |py| (path, size).into_pyobject(py),
+            none,
+        )
+        .await
+    }
+
+    async fn read_link(&self, path: &str) -> FsResult<String> {
+        let path = path.to_owned();
+        self.call(
+            &self.read_link,
+            move |py| (path,).into_pyobject(py),
+            |result| result.extract::<String>(),
+        )
+        .await
     }
 }
 
 impl Stat {
-    /// As the library's attributes of `ino`.
-    fn attr(&self, ino: InodeId) -> Attr {
+    /// As the library's `PathStat`.
+    fn path_stat(&self) -> PathStat {
         let kind = match self.kind {
             "dir" => FileKind::Directory,
             "symlink" => FileKind::Symlink,
@@ -485,19 +275,13 @@ impl Stat {
         } else {
             SystemTime::UNIX_EPOCH
         };
-        Attr {
-            ino,
+        PathStat {
             kind,
-            perm: self.mode & 0o7777,
-            nlink: if kind == FileKind::Directory { 2 } else { 1 },
+            size: self.size,
+            mode: self.mode & 0o7777,
             uid: self.uid,
             gid: self.gid,
-            size: self.size,
-            blocks: self.size.div_ceil(512),
-            atime: mtime,
             mtime,
-            ctime: mtime,
-            rdev: 0,
         }
     }
 }

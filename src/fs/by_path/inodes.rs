@@ -1,11 +1,11 @@
-//! The inode table of a filesystem written in Python: the guest's kernel speaks inode numbers,
-//! the Python object paths. Each inode the kernel holds maps to the path it was found at, with
+//! The inode table of a [`PathFs`](super::PathFs): the guest's kernel speaks inode numbers,
+//! the filesystem paths. Each inode the kernel holds maps to the path it was found at, with
 //! the count of lookups the kernel has not yet given back (`forget`); renames move the paths
-//! of an inode and everything under it. Sans-IO: no Python in here.
+//! of an inode and everything under it. Sans-IO.
 
 use std::collections::HashMap;
 
-use krunbox::fs::InodeId;
+use crate::fs::InodeId;
 
 struct Node {
     /// Where it is; `None` once it was removed or replaced (the kernel may still hold it: an
@@ -16,11 +16,13 @@ struct Node {
 
 /// Inode numbers and the paths they stand for. The root is inode 1, `/`, never forgotten.
 /// The table holds only what the guest's kernel holds (each entry a lookup it has not
-/// forgotten), which the kernel's own inode cache bounds.
+/// forgotten), at most `max` of them: a guest cannot grow it past that by looking up more
+/// (the kernel forgets inodes under memory pressure, and a lookup past the bound fails).
 pub(crate) struct Inodes {
     by_ino: HashMap<u64, Node>,
     by_path: HashMap<String, u64>,
     next: u64,
+    max: usize,
 }
 
 /// The path of `name` in the directory `parent`.
@@ -42,7 +44,7 @@ pub(crate) fn listed_ino(path: &str) -> InodeId {
 }
 
 impl Inodes {
-    pub(crate) fn new() -> Self {
+    pub(crate) fn new(max: usize) -> Self {
         let root = Node {
             path: Some("/".into()),
             lookups: 1,
@@ -51,6 +53,7 @@ impl Inodes {
             by_ino: HashMap::from([(InodeId::ROOT.0, root)]),
             by_path: HashMap::from([("/".to_owned(), InodeId::ROOT.0)]),
             next: 2,
+            max,
         }
     }
 
@@ -64,13 +67,16 @@ impl Inodes {
         self.by_path.get(path).map(|&ino| InodeId(ino))
     }
 
-    /// The inode for `path`, counting one more lookup of it.
-    pub(crate) fn remember(&mut self, path: &str) -> InodeId {
+    /// The inode for `path`, counting one more lookup of it; `None` when the table is full.
+    pub(crate) fn remember(&mut self, path: &str) -> Option<InodeId> {
         if let Some(&ino) = self.by_path.get(path) {
             if let Some(node) = self.by_ino.get_mut(&ino) {
                 node.lookups += 1;
             }
-            return InodeId(ino);
+            return Some(InodeId(ino));
+        }
+        if self.by_ino.len() >= self.max {
+            return None;
         }
         let ino = self.next;
         self.next += 1;
@@ -80,7 +86,7 @@ impl Inodes {
         };
         self.by_ino.insert(ino, node);
         self.by_path.insert(path.to_owned(), ino);
-        InodeId(ino)
+        Some(InodeId(ino))
     }
 
     /// The kernel gives back `count` lookups of `ino`; at none left it is dropped.
@@ -131,5 +137,63 @@ impl Inodes {
                 node.path = Some(new);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lookups_are_counted_and_forgotten_and_the_table_is_bounded() {
+        let mut inodes = Inodes::new(3);
+        let a = inodes.remember("/a").unwrap();
+        assert_eq!(inodes.remember("/a"), Some(a));
+        let b = inodes.remember("/b").unwrap();
+        assert_eq!(
+            inodes.remember("/c"),
+            None,
+            "root, /a and /b fill a table of 3"
+        );
+        inodes.forget(a, 1);
+        assert_eq!(
+            inodes.path(a).as_deref(),
+            Some("/a"),
+            "one lookup is still held"
+        );
+        inodes.forget(a, 1);
+        assert_eq!(inodes.path(a), None);
+        assert!(
+            inodes.remember("/c").is_some(),
+            "a forgotten inode makes room"
+        );
+        inodes.forget(InodeId::ROOT, 10);
+        assert_eq!(inodes.path(InodeId::ROOT).as_deref(), Some("/"));
+        assert_ne!(b, a);
+    }
+
+    #[test]
+    fn renames_move_a_subtree_and_removal_leaves_open_inodes_pathless() {
+        let mut inodes = Inodes::new(16);
+        let dir = inodes.remember("/d").unwrap();
+        let file = inodes.remember("/d/f").unwrap();
+        let other = inodes.remember("/dx").unwrap();
+        let target = inodes.remember("/e").unwrap();
+        inodes.rename("/d", "/e");
+        assert_eq!(inodes.path(dir).as_deref(), Some("/e"));
+        assert_eq!(inodes.path(file).as_deref(), Some("/e/f"));
+        assert_eq!(
+            inodes.path(other).as_deref(),
+            Some("/dx"),
+            "a sibling sharing a prefix stays"
+        );
+        assert_eq!(inodes.path(target), None, "what was at /e is replaced");
+        inodes.removed("/e/f");
+        assert_eq!(inodes.path(file), None);
+        assert_ne!(
+            inodes.remember("/e/f"),
+            Some(file),
+            "a file made there later is new"
+        );
     }
 }

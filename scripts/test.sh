@@ -75,6 +75,12 @@ for line in sys.stdin:
 mapfile -t python_tests < <("$here/python.sh" tests)
 ((${#python_tests[@]})) || die "no Python tests were collected"
 
+# The Node package: its addon, types and TypeScript built from this clone (node.sh), and its
+# node --test files, each run below like a VM test, in its own process and microVMs.
+"$here/node.sh" build
+mapfile -t node_tests < <("$here/node.sh" tests)
+((${#node_tests[@]})) || die "no Node tests were found"
+
 # Where VMs boot: natively, or in the nested L1 that `nested.sh serve` keeps alive (a fresh one
 # replaces one that dies) with `nested.sh exec` as the target runner of every test process.
 # Two L1s of one vCPU each, one test at a time in each: measured, L1s with two vCPUs faulted in
@@ -160,7 +166,7 @@ run_job() {
     echo "$status $retried" >"$dir/$name.status"
 }
 
-# The bench smokes and the Python tests, in one queue with as many jobs at once as there are
+# The bench smokes and the Python and Node tests, in one queue with as many jobs at once as there are
 # L1s (or one natively): the runner gives each its own. A job is "KEY|DIR|PROGRAM ARG...", its
 # words without spaces; KEY names its result, DIR is where it runs.
 queue=()
@@ -171,6 +177,10 @@ done
 queue+=("bench python|bindings/python|$target/python/venv/bin/python benches/bench_exec.py")
 for id in "${python_tests[@]}"; do
     queue+=("python $id|bindings/python|$target/python/venv/bin/python -m pytest -q -p no:cacheprovider $id")
+done
+queue+=("bench node|bindings/node|node build/bindings/node/benches/bench_exec.js")
+for file in "${node_tests[@]}"; do
+    queue+=("node $file|bindings/node|node --test $file")
 done
 job_dir=$(mktemp -d /tmp/krunbox-jobs.XXXXXX)
 parallel=$(( ${#pools[@]} > 1 ? ${#pools[@]} : 1 ))

@@ -1,11 +1,15 @@
-//! Filesystems mounted into the guest: the library's `MemoryFs` and `HostDir`, and the list
-//! of mounts a definition or a boot takes.
+//! Filesystems mounted into the guest: the library's `MemoryFs` and `HostDir`, one written in
+//! JavaScript (path-based, served by the library's `ByPath`), and the list of mounts a
+//! definition or a boot takes.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use napi::bindgen_prelude::Buffer;
+use krunbox::fs::{FileKind, FsError, FsResult, PathFs, PathStat, MAX_LISTED};
+use napi::bindgen_prelude::{Buffer, Function, Promise};
 use napi_derive::napi;
 
+use crate::callback::{calls_bound, Callback};
 use crate::errors::invalid;
 
 /// A host-implemented filesystem to mount.
@@ -18,6 +22,9 @@ pub struct NativeFs {
 enum Kind {
     Memory(krunbox::fs::MemoryFs),
     Host(krunbox::fs::HostDir),
+    /// Each mount of it gets an inode table of its own (one per guest kernel), all sharing
+    /// its callback and the bound of calls into it.
+    JavaScript(JsFs),
 }
 
 fn fs_error(error: krunbox::fs::FsError, path: &str) -> napi::Error {
@@ -56,10 +63,23 @@ impl NativeFs {
         })
     }
 
+    /// A filesystem written in JavaScript: `call` does each operation on a path.
+    #[napi(factory)]
+    pub fn javascript(call: Function<'_, FsCall, Promise<FsReply>>) -> napi::Result<Self> {
+        let fs = JsFs {
+            call: Arc::new(Callback::new(&call, calls_bound())?),
+        };
+        Ok(NativeFs {
+            kind: Kind::JavaScript(fs),
+        })
+    }
+
     fn memory_fs(&self) -> napi::Result<&krunbox::fs::MemoryFs> {
         match &self.kind {
             Kind::Memory(fs) => Ok(fs),
-            Kind::Host(_) => Err(invalid("a host directory is read and written on the host")),
+            _ => Err(invalid(
+                "only a memory filesystem is read and written through it",
+            )),
         }
     }
 
@@ -148,6 +168,7 @@ pub(crate) trait Mounts: Sized {
             match fs {
                 Kind::Memory(fs) => to.mount_with(path, fs, options),
                 Kind::Host(fs) => to.mount_with(path, fs, options),
+                Kind::JavaScript(fs) => to.mount_with(path, krunbox::fs::ByPath::new(fs), options),
             }
         })
     }
@@ -172,5 +193,213 @@ impl Mounts for krunbox::BootOptions {
         options: krunbox::fs::MountOptions,
     ) -> Self {
         krunbox::BootOptions::mount_with(self, path, fs, options)
+    }
+}
+
+/// One call into a JavaScript filesystem.
+#[napi(object)]
+pub struct FsCall {
+    /// "stat", "listDir", "read", "write", "create", "makeDir", "remove", "removeDir",
+    /// "rename", "truncate" or "readLink".
+    pub op: String,
+    pub path: String,
+    /// "rename": where to.
+    pub to: Option<String>,
+    /// "read", "write": where in the file.
+    pub offset: Option<f64>,
+    /// "read": how many bytes at most; "truncate": the new size.
+    pub size: Option<f64>,
+    /// "write": the bytes.
+    pub data: Option<Buffer>,
+    /// "create", "makeDir": permission bits.
+    pub mode: Option<u32>,
+}
+
+/// What a path is, as a JavaScript filesystem says.
+#[napi(object)]
+pub struct FsStat {
+    /// "file", "dir" or "symlink".
+    pub kind: String,
+    pub size: Option<f64>,
+    pub mode: Option<u32>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    /// Last modification, in milliseconds since the epoch.
+    pub mtime_ms: Option<f64>,
+}
+
+/// A JavaScript filesystem's answer: an errno, or what the operation gives.
+#[napi(object)]
+pub struct FsReply {
+    /// The error the guest gets (ENOENT, EACCES, ...), as its number.
+    pub errno: Option<i32>,
+    pub stat: Option<FsStat>,
+    pub names: Option<Vec<String>>,
+    pub data: Option<Buffer>,
+    /// "write": how many bytes it wrote (all of them when not given).
+    pub written: Option<f64>,
+    /// "readLink": the target.
+    pub target: Option<String>,
+}
+
+/// A filesystem written in JavaScript as the library's `PathFs`. An errno in its answer goes
+/// to the guest as it is; a throw or rejection (reported in TypeScript) is `EIO`.
+#[derive(Clone)]
+struct JsFs {
+    call: Arc<Callback<FsCall, FsReply>>,
+}
+
+fn op(op: &str, path: &str) -> FsCall {
+    FsCall {
+        op: op.into(),
+        path: path.into(),
+        to: None,
+        offset: None,
+        size: None,
+        data: None,
+        mode: None,
+    }
+}
+
+impl JsFs {
+    async fn ask(&self, call: FsCall) -> FsResult<FsReply> {
+        let reply = self.call.call(call).await.map_err(|_| FsError::IO)?;
+        match reply.errno {
+            Some(errno) if (1..4096).contains(&errno) => Err(FsError::from_errno(errno)),
+            Some(_) => Err(FsError::IO),
+            None => Ok(reply),
+        }
+    }
+}
+
+fn path_stat(stat: FsStat) -> FsResult<PathStat> {
+    let kind = match stat.kind.as_str() {
+        "dir" => FileKind::Directory,
+        "symlink" => FileKind::Symlink,
+        "file" => FileKind::File,
+        _ => return Err(FsError::IO),
+    };
+    let mut made = PathStat::new(kind, 0);
+    if let Some(size) = stat.size {
+        made.size = count(size)?;
+    }
+    if let Some(mode) = stat.mode {
+        made.mode = mode & 0o7777;
+    }
+    made.uid = stat.uid.unwrap_or(0);
+    made.gid = stat.gid.unwrap_or(0);
+    if let Some(ms) = stat.mtime_ms.filter(|ms| ms.is_finite() && *ms >= 0.0) {
+        made.mtime = UNIX_EPOCH + Duration::from_secs_f64(ms.min(1e14) / 1000.0);
+    } else {
+        made.mtime = SystemTime::UNIX_EPOCH;
+    }
+    Ok(made)
+}
+
+/// A byte count or offset from JavaScript: a whole number of at least 0.
+fn count(value: f64) -> FsResult<u64> {
+    if value.is_finite() && value >= 0.0 && value.fract() == 0.0 && value <= u64::MAX as f64 {
+        Ok(value as u64)
+    } else {
+        Err(FsError::IO)
+    }
+}
+
+#[krunbox::fs::async_trait]
+impl PathFs for JsFs {
+    async fn stat(&self, path: &str) -> FsResult<PathStat> {
+        path_stat(self.ask(op("stat", path)).await?.stat.ok_or(FsError::IO)?)
+    }
+
+    async fn list_dir(&self, path: &str) -> FsResult<Vec<String>> {
+        let names = self
+            .ask(op("listDir", path))
+            .await?
+            .names
+            .unwrap_or_default();
+        if names.len() > MAX_LISTED {
+            return Err(FsError::IO);
+        }
+        Ok(names)
+    }
+
+    async fn read(&self, path: &str, offset: u64, size: u32) -> FsResult<Vec<u8>> {
+        let call = FsCall {
+            offset: Some(offset as f64),
+            size: Some(f64::from(size)),
+            ..op("read", path)
+        };
+        let mut data = self
+            .ask(call)
+            .await?
+            .data
+            .map(|d| d.to_vec())
+            .unwrap_or_default();
+        data.truncate(size as usize);
+        Ok(data)
+    }
+
+    async fn write(&self, path: &str, offset: u64, data: &[u8]) -> FsResult<u32> {
+        let call = FsCall {
+            offset: Some(offset as f64),
+            data: Some(data.to_vec().into()),
+            ..op("write", path)
+        };
+        let all = data.len() as u32;
+        match self.ask(call).await?.written {
+            None => Ok(all),
+            Some(n) => Ok(count(n)?.min(u64::from(all)) as u32),
+        }
+    }
+
+    async fn create(&self, path: &str, mode: u32) -> FsResult<()> {
+        self.ask(FsCall {
+            mode: Some(mode),
+            ..op("create", path)
+        })
+        .await
+        .map(drop)
+    }
+
+    async fn make_dir(&self, path: &str, mode: u32) -> FsResult<()> {
+        self.ask(FsCall {
+            mode: Some(mode),
+            ..op("makeDir", path)
+        })
+        .await
+        .map(drop)
+    }
+
+    async fn remove(&self, path: &str) -> FsResult<()> {
+        self.ask(op("remove", path)).await.map(drop)
+    }
+
+    async fn remove_dir(&self, path: &str) -> FsResult<()> {
+        self.ask(op("removeDir", path)).await.map(drop)
+    }
+
+    async fn rename(&self, from: &str, to: &str) -> FsResult<()> {
+        self.ask(FsCall {
+            to: Some(to.into()),
+            ..op("rename", from)
+        })
+        .await
+        .map(drop)
+    }
+
+    async fn truncate(&self, path: &str, size: u64) -> FsResult<()> {
+        self.ask(FsCall {
+            size: Some(size as f64),
+            ..op("truncate", path)
+        })
+        .await
+        .map(drop)
+    }
+
+    async fn read_link(&self, path: &str) -> FsResult<String> {
+        self.ask(op("readLink", path))
+            .await?
+            .target
+            .ok_or(FsError::IO)
     }
 }

@@ -1,7 +1,11 @@
 // Filesystems mounted into the guest: host-implemented, never a host path handed over.
 
+import { constants } from "node:os";
+
+import { report } from "./callback.js";
 import { InvalidConfigError, typedSync } from "./errors.js";
 import { native } from "./native.js";
+import type { FsCall, FsReply, FsStat } from "../native/index.js";
 
 type NativeFs = InstanceType<typeof native.NativeFs>;
 
@@ -48,6 +52,134 @@ export class HostDir {
   }
 }
 
+/** What a path is, as a `VirtualFs` says. */
+export interface VirtualFsStat {
+  readonly kind: "file" | "dir" | "symlink";
+  /** Bytes (default 0). */
+  readonly size?: number;
+  /** Permission bits (default 0o644, 0o755 for a directory). */
+  readonly mode?: number;
+  readonly uid?: number;
+  readonly gid?: number;
+  /** Last modification, in milliseconds since the epoch. */
+  readonly mtimeMs?: number;
+}
+
+/**
+ * A filesystem written in TypeScript, addressed by absolute paths ("/", "/notes/a.txt"), to
+ * mount with `fs.virtual(...)`. `stat`, `listDir` and `read` are required; a method it does
+ * not have is ENOSYS to the guest (mount it read-only to have writes refused with EROFS).
+ *
+ * To give the guest an error, throw one whose `code` is an errno name ("ENOENT", "EACCES",
+ * "ENOTEMPTY", ...), as node:fs's own errors have: a `VirtualFs` over node:fs passes them on
+ * as they are. Anything else thrown is EIO to the guest, and reported as a process warning.
+ * Each method may return a value or a Promise; a slow one holds only its own guest call.
+ */
+export interface VirtualFs {
+  stat(path: string): VirtualFsStat | Promise<VirtualFsStat>;
+  /** The names in the directory (without "." and ".."). */
+  listDir(path: string): Iterable<string> | Promise<Iterable<string>>;
+  /** Up to `size` bytes from `offset` (fewer at the end). */
+  read(path: string, offset: number, size: number): Uint8Array | Promise<Uint8Array>;
+  /** Returns how many bytes it wrote (all of them when it returns nothing). */
+  write?(path: string, offset: number, data: Uint8Array): number | void | Promise<number | void>;
+  create?(path: string, mode: number): void | Promise<void>;
+  makeDir?(path: string, mode: number): void | Promise<void>;
+  remove?(path: string): void | Promise<void>;
+  removeDir?(path: string): void | Promise<void>;
+  /** Moves `from` and everything under it to `to`, replacing what is there. */
+  rename?(from: string, to: string): void | Promise<void>;
+  truncate?(path: string, size: number): void | Promise<void>;
+  readLink?(path: string): string | Promise<string>;
+}
+
+const errnos = constants.errno as Record<string, number>;
+
+/** The errno a thrown error names in its `code`, if it names one. */
+function errnoOf(error: unknown): number | undefined {
+  const code = (error as { code?: unknown } | null)?.code;
+  return typeof code === "string" ? errnos[code] : undefined;
+}
+
+/** `filesystem` as the native side calls it: one function for every operation. */
+function fsCalls(filesystem: VirtualFs): (call: FsCall) => Promise<FsReply> {
+  const bytes = (data: Uint8Array) => Buffer.from(data.buffer, data.byteOffset, data.byteLength);
+  const run = async (call: FsCall): Promise<FsReply> => {
+    const path = call.path;
+    switch (call.op) {
+      case "stat": {
+        const stat: VirtualFsStat = await filesystem.stat(path);
+        return { stat: { ...stat } as FsStat };
+      }
+      case "listDir":
+        return { names: [...(await filesystem.listDir(path))] };
+      case "read":
+        return { data: bytes(await filesystem.read(path, call.offset ?? 0, call.size ?? 0)) };
+      case "write": {
+        if (!filesystem.write) break;
+        const wrote = await filesystem.write(path, call.offset ?? 0, call.data ?? Buffer.alloc(0));
+        return { written: typeof wrote === "number" ? wrote : undefined };
+      }
+      case "create":
+        if (!filesystem.create) break;
+        await filesystem.create(path, call.mode ?? 0o644);
+        return {};
+      case "makeDir":
+        if (!filesystem.makeDir) break;
+        await filesystem.makeDir(path, call.mode ?? 0o755);
+        return {};
+      case "remove":
+        if (!filesystem.remove) break;
+        await filesystem.remove(path);
+        return {};
+      case "removeDir":
+        if (!filesystem.removeDir) break;
+        await filesystem.removeDir(path);
+        return {};
+      case "rename":
+        if (!filesystem.rename) break;
+        await filesystem.rename(path, call.to ?? "");
+        return {};
+      case "truncate":
+        if (!filesystem.truncate) break;
+        await filesystem.truncate(path, call.size ?? 0);
+        return {};
+      case "readLink":
+        if (!filesystem.readLink) break;
+        return { target: await filesystem.readLink(path) };
+    }
+    return { errno: errnos.ENOSYS };
+  };
+  return async (call: FsCall) => {
+    try {
+      return await run(call);
+    } catch (error) {
+      const errno = errnoOf(error);
+      // An errno is the filesystem's answer, not a failure: passed on, not reported.
+      if (errno !== undefined) return { errno };
+      report(`the VirtualFs's ${call.op}(${JSON.stringify(call.path)})`, error, "the guest's call fails with EIO");
+      throw error instanceof Error ? error : new Error(String(error));
+    }
+  };
+}
+
+// One native filesystem per object, so that its calls share one bound however often it is mounted.
+const nativeFilesystems = new WeakMap<VirtualFs, NativeFs>();
+
+function nativeFs(filesystem: VirtualFs): NativeFs {
+  let made = nativeFilesystems.get(filesystem);
+  if (!made) {
+    for (const method of ["stat", "listDir", "read"] as const) {
+      if (typeof filesystem[method] !== "function") {
+        throw new InvalidConfigError(`a VirtualFs needs a ${method}() method`, "InvalidConfig");
+      }
+    }
+    made = native.NativeFs.javascript(fsCalls(filesystem));
+    nativeFilesystems.set(filesystem, made);
+  }
+  return made;
+}
+
 /** A filesystem as a mount: given in `mounts` of `defineSandbox` or `boot`. */
 export interface Mount {
   /** @internal */
@@ -68,16 +200,14 @@ export const fs = {
     return typedSync(() => new HostDir(native.NativeFs.hostDir(path, options.readOnly ?? false)));
   },
 
-  /** `filesystem` as a mount, read-only if asked. */
-  virtual(filesystem: MemoryFs | HostDir, options: { readOnly?: boolean } = {}): Mount {
-    if (!(filesystem instanceof MemoryFs) && !(filesystem instanceof HostDir)) {
-      throw new InvalidConfigError(
-        "fs.virtual() takes a MemoryFs (fs.memory()) or a HostDir (fs.hostDir()); a filesystem " +
-          "written in JavaScript is not supported yet",
-        "InvalidConfig",
-      );
-    }
-    return { fs: filesystem.native, readOnly: options.readOnly ?? false };
+  /**
+   * `filesystem` as a mount, read-only if asked: a `MemoryFs`, a `HostDir`, or any object
+   * with the `VirtualFs` methods.
+   */
+  virtual(filesystem: MemoryFs | HostDir | VirtualFs, options: { readOnly?: boolean } = {}): Mount {
+    const made =
+      filesystem instanceof MemoryFs || filesystem instanceof HostDir ? filesystem.native : nativeFs(filesystem);
+    return { fs: made, readOnly: options.readOnly ?? false };
   },
 };
 

@@ -21,7 +21,7 @@ export type { SandboxOptions, BootOptions, ExecOptions, ExecResult, FileStat, Di
 export { ChildProcess, Terminal } from "./process.js";
 export type { Exit, TerminalSize } from "./process.js";
 export { fs, MemoryFs, HostDir } from "./fs.js";
-export type { Mount } from "./fs.js";
+export type { Mount, VirtualFs, VirtualFsStat } from "./fs.js";
 export { rootfs, Rootfs, NativeBlockStore } from "./rootfs.js";
 export type { BlockStore, BlockStoreContext, BlockRange, BlockChunk } from "./rootfs.js";
 export { network, Network, Connection, Endpoint } from "./network.js";

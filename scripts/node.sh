@@ -27,8 +27,11 @@ package=bindings/node
 case ${1:-} in
 build)
     log "the Node package: npm ci, the addon built from this clone, its types, tsc"
-    # The machines have Node.js 20 and npm; elsewhere Debian's (18.19 on bookworm) will do.
+    # The machines have Node.js 20 and npm (the napi CLI needs 20.17 or later).
     command -v node >/dev/null && command -v npm >/dev/null || need_apt nodejs npm
+    node -e 'const [a, b] = process.versions.node.split(".").map(Number);
+        process.exit(a > 20 || (a === 20 && b >= 17) ? 0 : 1)' ||
+        die "the Node package needs Node.js 20.17 or later; this is $(node --version)"
     (cd "$package" && npm ci --no-audit --no-fund --loglevel=error >&2)
     typedefs=$target/node/typedefs
     rm -rf "$typedefs" "$package/native" "$package/dist" "$package/build" "$package/artifacts"
@@ -54,6 +57,7 @@ build)
     ;;
 tests)
     cd "$package"
+    shopt -s nullglob
     for test in build/bindings/node/tests/*.test.js; do
         printf '%s\n' "$test"
     done

@@ -12,7 +12,10 @@
 //! - its thread-safe function is weak: a sandbox definition holding a policy does not keep
 //!   Node's process alive by itself;
 //! - at most [`CALLS_AT_ONCE`] calls into one object wait or run at once, so that a guest
-//!   opening flows cannot grow the loop's queue without bound.
+//!   opening flows cannot grow the loop's queue without bound;
+//! - a call that has not settled after [`CALL_DEADLINE`] fails (its flow denied, its request
+//!   answered 500, its file or store call EIO) and gives its turn back: a hung callback
+//!   holds its own unit, and a turn, for a minute at most.
 
 use std::sync::Arc;
 
@@ -24,6 +27,9 @@ use tokio::sync::Semaphore;
 /// How many calls into one JavaScript object (a network's policy and its middleware) may
 /// wait or run at once; more wait for a turn.
 pub(crate) const CALLS_AT_ONCE: usize = 64;
+
+/// How long a callback may take before its call fails.
+pub(crate) const CALL_DEADLINE: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// A thread-safe, weak JavaScript function taking `A` and returning a Promise of `R`.
 type Tsfn<A, R> = ThreadsafeFunction<A, Promise<R>, A, Status, false, true>;
@@ -52,16 +58,22 @@ where
         Ok(Callback { function, calls })
     }
 
-    /// Calls it with `argument` and waits for its Promise; `Err` says why it gave nothing
-    /// (it threw or rejected, or Node is shutting down).
+    /// Calls it with `argument` and waits for its Promise, at most [`CALL_DEADLINE`]; `Err`
+    /// says why it gave nothing (it threw, rejected or took too long, or Node is shutting
+    /// down).
     pub(crate) async fn call(&self, argument: A) -> Result<R, String> {
-        let _turn = self.calls.acquire().await.map_err(|e| e.to_string())?;
-        let promise = self
-            .function
-            .call_async_catch(argument)
+        let called = async {
+            let _turn = self.calls.acquire().await.map_err(|e| e.to_string())?;
+            let promise = self
+                .function
+                .call_async_catch(argument)
+                .await
+                .map_err(|e| e.reason.clone())?;
+            promise.await.map_err(|e| e.reason.clone())
+        };
+        tokio::time::timeout(CALL_DEADLINE, called)
             .await
-            .map_err(|e| e.reason.clone())?;
-        promise.await.map_err(|e| e.reason.clone())
+            .unwrap_or_else(|_| Err(format!("it did not settle within {CALL_DEADLINE:?}")))
     }
 }
 

@@ -22,17 +22,19 @@ pub struct NativeFs {
 enum Kind {
     Memory(krunbox::fs::MemoryFs),
     Host(krunbox::fs::HostDir),
-    /// Each mount of it gets an inode table of its own (one per guest kernel), all sharing
-    /// its callback and the bound of calls into it.
+    /// Each mount made of it (a boot's, or a definition's, which its boots share) gets an
+    /// inode table of its own, all sharing its callback and the bound of calls into it.
     JavaScript(JsFs),
 }
 
+/// A host-side filesystem's error (a `MemoryFs` read here, a `HostDir` opened): the host's I/O,
+/// not the guest's.
 fn fs_error(error: krunbox::fs::FsError, path: &str) -> napi::Error {
     let errno = error.errno();
     napi::Error::new(
         napi::Status::GenericFailure,
         format!(
-            "[krunbox:Fs] {path}: {}",
+            "[krunbox:Io] {path}: {}",
             std::io::Error::from_raw_os_error(errno)
         ),
     )
@@ -296,12 +298,25 @@ fn path_stat(stat: FsStat) -> FsResult<PathStat> {
     Ok(made)
 }
 
-/// A byte count or offset from JavaScript: a whole number of at least 0.
+/// The largest offset or size a JavaScript number holds exactly (2^53).
+const EXACT: u64 = 1 << 53;
+
+/// A byte count or offset from JavaScript: a whole number from 0 to 2^53.
 fn count(value: f64) -> FsResult<u64> {
-    if value.is_finite() && value >= 0.0 && value.fract() == 0.0 && value <= u64::MAX as f64 {
+    if value.is_finite() && value >= 0.0 && value.fract() == 0.0 && value <= EXACT as f64 {
         Ok(value as u64)
     } else {
         Err(FsError::IO)
+    }
+}
+
+/// An offset or size from the guest as a JavaScript number: `EFBIG` past 2^53, which a number
+/// cannot hold exactly.
+fn number(value: u64) -> FsResult<f64> {
+    if value <= EXACT {
+        Ok(value as f64)
+    } else {
+        Err(FsError::TOO_BIG)
     }
 }
 
@@ -325,7 +340,7 @@ impl PathFs for JsFs {
 
     async fn read(&self, path: &str, offset: u64, size: u32) -> FsResult<Vec<u8>> {
         let call = FsCall {
-            offset: Some(offset as f64),
+            offset: Some(number(offset)?),
             size: Some(f64::from(size)),
             ..op("read", path)
         };
@@ -341,7 +356,7 @@ impl PathFs for JsFs {
 
     async fn write(&self, path: &str, offset: u64, data: &[u8]) -> FsResult<u32> {
         let call = FsCall {
-            offset: Some(offset as f64),
+            offset: Some(number(offset)?),
             data: Some(data.to_vec().into()),
             ..op("write", path)
         };
@@ -389,7 +404,7 @@ impl PathFs for JsFs {
 
     async fn truncate(&self, path: &str, size: u64) -> FsResult<()> {
         self.ask(FsCall {
-            size: Some(size as f64),
+            size: Some(number(size)?),
             ..op("truncate", path)
         })
         .await

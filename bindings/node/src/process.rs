@@ -69,7 +69,10 @@ async fn read_some<R: AsyncRead + Unpin>(
             source,
         })
         .or_napi()?;
+    // Exactly what was read: the buffer handed to JavaScript keeps its whole allocation,
+    // which V8 does not count.
     buf.truncate(n);
+    buf.shrink_to_fit();
     Ok(buf.into())
 }
 

@@ -91,3 +91,20 @@ test("a TypeScript policy and async middleware hold the credential on the host",
     await origin.close();
   }
 });
+
+test("a DNS query accepted as it is is answered by the host's resolver", async () => {
+  // `localhost` is in the host's hosts file: getaddrinfo answers it without any traffic.
+  const sandbox = defineSandbox({
+    rootfs: "busybox",
+    resources: { cpus: 1, memoryMiB: 256 },
+    network: network.policy((conn) => {
+      if (conn.hostname === "localhost") conn.matchDns()?.accept();
+    }),
+  });
+  await using lane = await sandbox.boot();
+  const asked = await lane.exec("nslookup", ["localhost"], { timeoutMs: 30_000 });
+  assert.equal(asked.exitCode, 0, asked.stdout + asked.stderr);
+  assert.match(asked.stdout, /Address:?\s+127\.0\.0\.1/);
+  const refused = await lane.exec("nslookup", ["elsewhere.test"], { timeoutMs: 30_000 });
+  assert.notEqual(refused.exitCode, 0);
+});

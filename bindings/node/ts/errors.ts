@@ -20,6 +20,11 @@ export class InvalidConfigError extends KrunboxError {}
 export class MissingArtifactError extends KrunboxError {}
 /** This host cannot confine the VMM helper as asked. */
 export class IsolationUnavailableError extends KrunboxError {}
+/**
+ * The helper's jail did not hold: a canary reached what it must not (a host file, host
+ * loopback, a denied system call), and the VM was not started.
+ */
+export class IsolationBreachedError extends KrunboxError {}
 /** A root image's bytes are not the ones its digest names. */
 export class ImageDigestMismatchError extends KrunboxError {}
 /** The VM did not come up (its VMM exited, it timed out, or its setup failed). */
@@ -63,7 +68,7 @@ const byCode: Record<string, ErrorClass> = {
   InvalidConfig: InvalidConfigError,
   MissingArtifact: MissingArtifactError,
   IsolationUnavailable: IsolationUnavailableError,
-  IsolationBreached: IsolationUnavailableError,
+  IsolationBreached: IsolationBreachedError,
   ImageDigestMismatch: ImageDigestMismatchError,
   ImageBuild: ImageError,
   ImageArchive: ImageError,

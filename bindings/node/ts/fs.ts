@@ -157,7 +157,8 @@ function fsCalls(filesystem: VirtualFs): (call: FsCall) => Promise<FsReply> {
       const errno = errnoOf(error);
       // An errno is the filesystem's answer, not a failure: passed on, not reported.
       if (errno !== undefined) return { errno };
-      report(`the VirtualFs's ${call.op}(${JSON.stringify(call.path)})`, error, "the guest's call fails with EIO");
+      const what = `the VirtualFs's ${call.op}(${JSON.stringify(call.path)})`;
+      report(what, error, "the guest's call fails with EIO", "the VirtualFs");
       throw error instanceof Error ? error : new Error(String(error));
     }
   };

@@ -40,6 +40,7 @@ export {
   InvalidConfigError,
   MissingArtifactError,
   IsolationUnavailableError,
+  IsolationBreachedError,
   ImageDigestMismatchError,
   BootFailedError,
   ExecFailedError,

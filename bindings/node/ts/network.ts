@@ -7,7 +7,7 @@ import { BlockList, isIP } from "node:net";
 import { guarded } from "./callback.js";
 import { InvalidConfigError, typedSync } from "./errors.js";
 import { native } from "./native.js";
-import type { FlowInfo, HttpRequestInfo, HttpRequestResult, VerdictSpec } from "../native/index.js";
+import type { FlowInfo, HttpRequestInfo, HttpRequestResult, ReleaseInfo, VerdictSpec } from "../native/index.js";
 
 /** An address range: each test of `Endpoint` is one of these lists. */
 function ranges(v4: string[], v6: string[]): BlockList {
@@ -132,8 +132,11 @@ export interface HttpMatch {
 
 /** A new flow from the guest, as the policy is asked about it. */
 export class Connection {
-  /** "tcp", "udp" or "dns" (queries over UDP and TCP alike). */
-  readonly protocol: "tcp" | "udp" | "dns";
+  /**
+   * "tcp", "udp" or "dns" (queries over UDP and TCP alike); "other" for a kind this package
+   * does not know yet, which is denied whatever the policy says.
+   */
+  readonly protocol: "tcp" | "udp" | "dns" | "other";
   /** The name the guest resolved for the destination (for "dns", the name asked). */
   readonly hostname: string | undefined;
   readonly src: Endpoint;
@@ -153,10 +156,14 @@ export class Connection {
     this.#register = register;
   }
 
-  #decide(verdict: VerdictSpec): true {
+  #undecided(): void {
     if (this.#verdict) {
       throw new InvalidConfigError(`${this} was already decided (${this.#verdict.kind})`, "InvalidConfig");
     }
+  }
+
+  #decide(verdict: VerdictSpec): true {
+    this.#undecided();
     this.#verdict = verdict;
     return true;
   }
@@ -220,13 +227,16 @@ export class Connection {
     if (!matches) return undefined;
     return {
       ...candidate,
-      accept: (...middleware: Middleware[]) =>
-        this.#decide({ kind: "intercept", middleware: middleware.map((m) => this.#register(m)) }),
+      accept: (...middleware: Middleware[]) => {
+        this.#undecided();
+        return this.#decide({ kind: "intercept", middleware: middleware.map((m) => this.#register(m)) });
+      },
     };
   }
 
-  /** @internal The decision, deny when none was made. */
+  /** @internal The decision: deny when none was made, and for a kind of flow not known here. */
   verdict(): VerdictSpec {
+    if (this.protocol === "other") return { kind: "deny" };
     return this.#verdict ?? { kind: "deny" };
   }
 
@@ -291,35 +301,88 @@ function request(info: HttpRequestInfo): Request {
   };
 }
 
-async function answer(request: Request, response: void | Response): Promise<HttpRequestResult> {
-  const headers = [...request.headers];
+/** What the middleware made of `request`: its headers if it changed them, and its answer. */
+async function answer(request: Request, before: string, response: void | Response): Promise<HttpRequestResult> {
+  const after = [...request.headers];
+  const headers = JSON.stringify(after) === before ? undefined : after;
   if (!(response instanceof Response)) return { headers };
   return { headers, status: response.status, body: await response.text() };
 }
 
+/**
+ * The middleware a network's policy registered, by id, until the native side releases it:
+ * one by one when the flow that took it ends, or all of a policy call's when its verdict was
+ * never taken (the policy threw, or its flow went away while it ran).
+ */
+class Registry {
+  readonly #middleware = new Map<number, Middleware>();
+  readonly #byCall = new Map<number, number[]>();
+  /** Calls still running in the policy, and those of them the native side gave up on. */
+  readonly #running = new Set<number>();
+  readonly #abandoned = new Set<number>();
+  #next = 0;
+
+  register(call: number, middleware: Middleware): number {
+    this.#next = (this.#next + 1) >>> 0;
+    this.#middleware.set(this.#next, middleware);
+    const ids = this.#byCall.get(call) ?? [];
+    ids.push(this.#next);
+    this.#byCall.set(call, ids);
+    return this.#next;
+  }
+
+  get(id: number): Middleware | undefined {
+    return this.#middleware.get(id);
+  }
+
+  started(call: number): void {
+    this.#running.add(call);
+  }
+
+  /** The policy's part of `call` is done: what it registered is released if the native side gave up meanwhile. */
+  finished(call: number): void {
+    this.#running.delete(call);
+    if (this.#abandoned.delete(call)) this.#forgetCall(call, false);
+  }
+
+  release(info: ReleaseInfo): void {
+    if (info.middleware != null) this.#middleware.delete(info.middleware);
+    if (info.call == null) return;
+    if (!info.taken && this.#running.has(info.call)) {
+      this.#abandoned.add(info.call);
+      return;
+    }
+    this.#forgetCall(info.call, info.taken ?? false);
+  }
+
+  #forgetCall(call: number, taken: boolean): void {
+    const ids = this.#byCall.get(call) ?? [];
+    this.#byCall.delete(call);
+    if (!taken) for (const id of ids) this.#middleware.delete(id);
+  }
+}
+
 /** A network whose every flow `policy` decides. */
 function policy(decide: Policy, options: NetworkOptions = {}): Network {
-  const registered = new Map<number, Middleware>();
-  let next = 0;
-  const register = (middleware: Middleware) => {
-    next = (next + 1) >>> 0;
-    registered.set(next, middleware);
-    return next;
-  };
+  const registry = new Registry();
   const asked = guarded("the network policy", "the flow is denied", async (flow: FlowInfo) => {
-    const conn = new Connection(flow, register);
-    await decide(conn);
-    return conn.verdict();
+    registry.started(flow.call);
+    try {
+      const conn = new Connection(flow, (middleware) => registry.register(flow.call, middleware));
+      await decide(conn);
+      return conn.verdict();
+    } finally {
+      registry.finished(flow.call);
+    }
   });
   const run = guarded("HTTP middleware", "the request is answered 500", async (info: HttpRequestInfo) => {
-    const middleware = registered.get(info.middleware);
+    const middleware = registry.get(info.middleware);
     if (!middleware) throw new Error(`middleware ${info.middleware} is not registered`);
     const req = request(info);
-    return answer(req, await middleware(req));
+    const before = JSON.stringify([...req.headers]);
+    return answer(req, before, await middleware(req));
   });
-  const release = (id: number) => {
-    registered.delete(id);
-  };
+  const release = (info: ReleaseInfo) => registry.release(info);
   return typedSync(() => new Network(new native.NativeNetwork(nativeOptions(options), asked, run, release)));
 }
 

@@ -29,14 +29,25 @@ function observed<T>(promise: Promise<T>): Promise<T> {
   return promise;
 }
 
-/** A stream of what `read` gives, ending at its first empty chunk. */
+/**
+ * A stream of what `read` gives, ending at its first empty chunk. Cancelled (a `break` out of
+ * `for await`), it goes on reading and discarding, so that the process never blocks on a full
+ * pipe nobody reads and its `exit` still comes.
+ */
 function readable(started: Promise<NativeProcess>, read: (p: NativeProcess) => Promise<Buffer>): ReadableStream<Uint8Array> {
+  const drain = async () => {
+    const process = await started;
+    while ((await read(process)).length > 0);
+  };
   return new ReadableStream<Uint8Array>(
     {
       async pull(controller) {
         const chunk = await typed(async () => read(await started));
         if (chunk.length === 0) controller.close();
         else controller.enqueue(new Uint8Array(chunk.buffer, chunk.byteOffset, chunk.length));
+      },
+      cancel() {
+        drain().catch(() => {});
       },
     },
     { highWaterMark: 0 },

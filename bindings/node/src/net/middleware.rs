@@ -29,8 +29,9 @@ pub struct HttpRequestInfo {
 /// What the middleware made of it: the headers to send, or an answer instead.
 #[napi(object)]
 pub struct HttpRequestResult {
-    /// [name, value] pairs replacing the request's headers.
-    pub headers: Vec<Vec<String>>,
+    /// [name, value] pairs replacing the request's headers; none when the middleware left
+    /// them as they were (they then go on untouched, values that are not text included).
+    pub headers: Option<Vec<Vec<String>>>,
     /// An HTTP status (200 to 999) to answer the guest with instead of going upstream.
     pub status: Option<u32>,
     /// The answer's text.
@@ -40,15 +41,34 @@ pub struct HttpRequestResult {
 /// Runs registered middleware, and releases registrations when their flows are done.
 pub(crate) struct Hub {
     run: Callback<HttpRequestInfo, HttpRequestResult>,
-    release: Notify<u32>,
+    release: Notify<ReleaseInfo>,
+}
+
+/// What the TypeScript side may forget: one middleware (`middleware`), or what a policy call
+/// registered (`call`; `taken` when the native side took its verdict, whose middleware it
+/// releases one by one).
+#[napi(object)]
+pub struct ReleaseInfo {
+    pub middleware: Option<u32>,
+    pub call: Option<u32>,
+    pub taken: Option<bool>,
 }
 
 impl Hub {
     pub(crate) fn new(
         run: Callback<HttpRequestInfo, HttpRequestResult>,
-        release: Notify<u32>,
+        release: Notify<ReleaseInfo>,
     ) -> Self {
         Hub { run, release }
+    }
+
+    /// Policy call `call` is over.
+    pub(crate) fn settle(&self, call: u32, taken: bool) {
+        self.release.send(ReleaseInfo {
+            middleware: None,
+            call: Some(call),
+            taken: Some(taken),
+        });
     }
 
     /// The library's middleware for registration `id`, which it releases when dropped.
@@ -68,7 +88,11 @@ pub(crate) struct JsMiddleware {
 
 impl Drop for JsMiddleware {
     fn drop(&mut self) {
-        self.hub.release.send(self.id);
+        self.hub.release.send(ReleaseInfo {
+            middleware: Some(self.id),
+            call: None,
+            taken: None,
+        });
     }
 }
 
@@ -98,8 +122,10 @@ fn header_map(pairs: Vec<Vec<String>>) -> Result<HeaderMap, String> {
     Ok(headers)
 }
 
-fn answer(result: HttpRequestResult) -> Result<(HeaderMap, Option<krunbox::net::Answer>), String> {
-    let headers = header_map(result.headers)?;
+fn answer(
+    result: HttpRequestResult,
+) -> Result<(Option<HeaderMap>, Option<krunbox::net::Answer>), String> {
+    let headers = result.headers.map(header_map).transpose()?;
     let Some(status) = result.status else {
         return Ok((headers, None));
     };
@@ -126,7 +152,9 @@ impl krunbox::net::Middleware for JsMiddleware {
         };
         match self.hub.run.call(request).await.and_then(answer) {
             Ok((headers, answer)) => {
-                *head.headers_mut() = headers;
+                if let Some(headers) = headers {
+                    *head.headers_mut() = headers;
+                }
                 answer
             }
             Err(error) => {

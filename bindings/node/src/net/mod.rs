@@ -14,7 +14,7 @@ use std::sync::Arc;
 use napi::bindgen_prelude::{Function, Promise};
 use napi_derive::napi;
 
-pub use middleware::{HttpRequestInfo, HttpRequestResult};
+pub use middleware::{HttpRequestInfo, HttpRequestResult, ReleaseInfo};
 pub use policy::{FlowInfo, VerdictSpec};
 
 use crate::callback::{calls_bound, Callback, Notify};
@@ -71,7 +71,7 @@ impl NativeNetwork {
         options: NetworkOptions,
         policy: Option<Function<'_, FlowInfo, Promise<VerdictSpec>>>,
         middleware: Option<Function<'_, HttpRequestInfo, Promise<HttpRequestResult>>>,
-        release: Option<Function<'_, u32, ()>>,
+        release: Option<Function<'_, ReleaseInfo, ()>>,
     ) -> napi::Result<Self> {
         let mut network =
             match (&options.rules, policy) {

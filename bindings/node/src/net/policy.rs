@@ -2,6 +2,7 @@
 //! `FlowInfo` and resolves to a `VerdictSpec`.
 
 use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use napi_derive::napi;
@@ -12,7 +13,11 @@ use crate::callback::Callback;
 /// A new connection or query from the guest, as the policy gets it.
 #[napi(object)]
 pub struct FlowInfo {
-    /// "tcp", "udp" or "dns".
+    /// This policy call's number: the middleware it registers is kept under it until the
+    /// native side takes the verdict, or is told it never will (`settle`).
+    pub call: u32,
+    /// "tcp", "udp" or "dns" ("other" for a kind this package does not know, which only a
+    /// denial fits).
     pub protocol: String,
     /// The name the guest resolved for the destination (for "dns", the name asked), if any:
     /// from the gateway's own DNS answers, never from the guest's bytes.
@@ -25,13 +30,15 @@ pub struct FlowInfo {
     pub upstream: Vec<String>,
 }
 
-impl From<&krunbox::net::Flow> for FlowInfo {
-    fn from(flow: &krunbox::net::Flow) -> Self {
+impl FlowInfo {
+    fn new(call: u32, flow: &krunbox::net::Flow) -> Self {
         FlowInfo {
+            call,
             protocol: match flow.protocol() {
                 krunbox::net::Protocol::Dns => "dns",
                 krunbox::net::Protocol::Udp => "udp",
-                _ => "tcp",
+                krunbox::net::Protocol::Tcp => "tcp",
+                _ => "other",
             }
             .into(),
             hostname: flow.hostname().map(str::to_owned),
@@ -73,9 +80,13 @@ fn server(text: &str) -> Result<SocketAddr, String> {
 }
 
 impl VerdictSpec {
-    /// The library's verdict. Middleware ids are taken first, so that each is released
-    /// even when the verdict is refused.
-    fn verdict(self, hub: Option<&Arc<Hub>>) -> Result<krunbox::net::Verdict, String> {
+    /// The library's verdict on a flow of `protocol`. Middleware ids are taken first, so that
+    /// each is released even when the verdict is refused.
+    fn verdict(
+        self,
+        protocol: krunbox::net::Protocol,
+        hub: Option<&Arc<Hub>>,
+    ) -> Result<krunbox::net::Verdict, String> {
         use krunbox::net::{Intercept, Resolver, Verdict};
         let middleware: Vec<JsMiddleware> = match (self.middleware, hub) {
             (Some(ids), Some(hub)) => ids.into_iter().map(|id| hub.middleware(id)).collect(),
@@ -86,6 +97,10 @@ impl VerdictSpec {
         };
         Ok(match self.kind.as_str() {
             "deny" => Verdict::deny(),
+            // A query granted as it is: answered by the host's own resolver.
+            "accept" if protocol == krunbox::net::Protocol::Dns => {
+                Verdict::resolve(Resolver::system())
+            }
             "accept" => Verdict::accept(),
             "connectTo" => {
                 let to = self.to.ok_or("connectTo needs `to`")?;
@@ -130,6 +145,7 @@ impl VerdictSpec {
 pub(crate) struct JsPolicy {
     callback: Arc<Callback<FlowInfo, VerdictSpec>>,
     hub: Option<Arc<Hub>>,
+    next_call: AtomicU32,
 }
 
 impl JsPolicy {
@@ -137,6 +153,24 @@ impl JsPolicy {
         JsPolicy {
             callback: Arc::new(callback),
             hub,
+            next_call: AtomicU32::new(0),
+        }
+    }
+}
+
+/// Tells the TypeScript side, whatever becomes of a policy call (a verdict taken, a failure,
+/// its flow dropped while it ran), that it is over: middleware it registered and the native
+/// side did not take is released then.
+struct Settle {
+    call: u32,
+    hub: Option<Arc<Hub>>,
+    taken: bool,
+}
+
+impl Drop for Settle {
+    fn drop(&mut self) {
+        if let Some(hub) = &self.hub {
+            hub.settle(self.call, self.taken);
         }
     }
 }
@@ -144,13 +178,23 @@ impl JsPolicy {
 impl krunbox::net::Policy for JsPolicy {
     fn decide(&self, flow: krunbox::net::Flow) -> krunbox::net::Decide {
         let callback = Arc::clone(&self.callback);
-        let hub = self.hub.clone();
-        let asked = FlowInfo::from(&flow);
+        let call = self.next_call.fetch_add(1, Ordering::Relaxed);
+        let mut settle = Settle {
+            call,
+            hub: self.hub.clone(),
+            taken: false,
+        };
+        let asked = FlowInfo::new(call, &flow);
+        let protocol = flow.protocol();
         Box::pin(async move {
             let decided = match callback.call(asked).await {
-                Ok(spec) => spec.verdict(hub.as_ref()),
+                Ok(spec) => {
+                    settle.taken = true;
+                    spec.verdict(protocol, settle.hub.as_ref())
+                }
                 Err(error) => Err(error),
             };
+            drop(settle);
             decided.unwrap_or_else(|error| {
                 tracing::warn!(%error, "the network policy failed; the flow is denied");
                 krunbox::net::Verdict::deny()

@@ -56,6 +56,9 @@ pub(crate) struct Verdict {
 
 pub(crate) enum Decision {
     Ready(krunbox::net::Verdict),
+    /// Granted as it is: a connection to where the guest sent it, a query answered by the
+    /// host's resolver (the library's `accept` fits connections, `resolve` queries).
+    Accept,
     /// Granted through the interception with this middleware (Python callables, run in order).
     Intercept(Vec<Py<PyAny>>),
 }
@@ -77,7 +80,9 @@ impl Verdict {
     /// host's resolver.
     #[staticmethod]
     fn accept() -> Self {
-        Verdict::ready(krunbox::net::Verdict::accept())
+        Verdict {
+            decision: Decision::Accept,
+        }
     }
 
     /// Grants a TCP or UDP flow, connecting it to `host` (an IP address) and `port` instead.
@@ -122,6 +127,7 @@ impl Verdict {
     fn __repr__(&self) -> String {
         match &self.decision {
             Decision::Ready(verdict) => format!("{verdict:?}"),
+            Decision::Accept => "Verdict.accept()".into(),
             Decision::Intercept(middleware) => {
                 format!("Verdict.intercept({} middleware)", middleware.len())
             }

@@ -32,15 +32,26 @@ impl PythonPolicy {
     }
 }
 
-/// The verdict a policy's result stands for: a `Verdict`, or a bool (accept or deny).
+/// A grant of a flow as it is: for a DNS query, an answer from the host's own resolver.
+fn accept(dns: bool) -> krunbox::net::Verdict {
+    if dns {
+        krunbox::net::Verdict::resolve(krunbox::net::Resolver::system())
+    } else {
+        krunbox::net::Verdict::accept()
+    }
+}
+
+/// The verdict a policy's result stands for: a `Verdict`, or a bool (accept or deny), on a
+/// flow that is a DNS query or not (`dns`).
 fn verdict(
     result: &Bound<'_, PyAny>,
+    dns: bool,
     event_loop: &Arc<EventLoop>,
     calls: &Arc<Semaphore>,
 ) -> PyResult<krunbox::net::Verdict> {
     if let Ok(granted) = result.cast::<PyBool>() {
         return Ok(if granted.is_true() {
-            krunbox::net::Verdict::accept()
+            accept(dns)
         } else {
             krunbox::net::Verdict::deny()
         });
@@ -48,6 +59,7 @@ fn verdict(
     let verdict = result.cast::<Verdict>()?.get();
     Ok(match &verdict.decision {
         Decision::Ready(verdict) => verdict.clone(),
+        Decision::Accept => accept(dns),
         Decision::Intercept(middleware) => {
             let py = result.py();
             let mut intercept = krunbox::net::Intercept::new();
@@ -70,11 +82,12 @@ impl krunbox::net::Policy for PythonPolicy {
         let event_loop = Arc::clone(&self.event_loop);
         let calls = Arc::clone(&self.calls);
         let asked = Flow::from(&flow);
+        let dns = flow.protocol() == krunbox::net::Protocol::Dns;
         Box::pin(async move {
             let decided = callable
                 .call(
                     move |py| PyTuple::new(py, [Py::new(py, asked)?]),
-                    move |result| verdict(result, &event_loop, &calls),
+                    move |result| verdict(result, dns, &event_loop, &calls),
                 )
                 .await;
             match decided {

@@ -16,6 +16,7 @@ mod files;
 mod fs;
 mod instance;
 mod net;
+mod observe;
 mod process;
 mod rootfs;
 mod sandbox;

@@ -1,6 +1,6 @@
 // Commands to their end in a real microVM: output and exit codes, a timeout (124), an abort
 // that kills the process group and leaves the sandbox usable, the guest's files, typed
-// errors, and `await using` shutting the instance down.
+// errors, the isolation and metrics reports, and `await using` shutting the instance down.
 
 import assert from "node:assert/strict";
 import { test } from "node:test";
@@ -39,6 +39,13 @@ test("exec, its timeout and abort, files and typed errors, and await using", asy
   {
     await using lane = await sandbox.boot({ cwd: "/tmp" });
     kept = lane;
+
+    const isolation = lane.isolation();
+    assert.ok(isolation.canaries.length > 0 && isolation.canaries.every((c) => c.blocked), JSON.stringify(isolation));
+    assert.ok(isolation.layers.some((layer) => layer.enforced));
+    const metrics = lane.metrics();
+    assert.ok(metrics.memoryBytes > 0 && metrics.network === null, JSON.stringify(metrics));
+    assert.equal(lane.publishedAddress(8000), undefined);
 
     const ran = await lane.exec("sh", ["-c", 'echo out; echo "$X" >&2; pwd; exit 3'], { env: { X: "from env" } });
     assert.deepEqual([ran.exitCode, ran.stdout, ran.stderr, ran.timedOut], [3, "out\n/tmp\n", "from env\n", false]);

@@ -6,6 +6,7 @@ import { AbortError, InstanceGoneError, typed, typedSync } from "./errors.js";
 import { nativeMounts, type Mount } from "./fs.js";
 import { native } from "./native.js";
 import type { Network } from "./network.js";
+import { camelCase, type IsolationReport, type Metrics } from "./observe.js";
 import { rootfs as roots, Rootfs } from "./rootfs.js";
 import type { CommandOptions, FileStat, DirEntry, NativeInstance } from "../native/index.js";
 
@@ -188,6 +189,21 @@ export class Instance implements AsyncDisposable {
   /** Makes the directory `path`, with its parents if asked. */
   makeDir(path: string, options: { parents?: boolean } = {}): Promise<void> {
     return typed(() => this.#native.makeDir(path, options.parents));
+  }
+
+  /** How the instance's VMM helper is confined: each layer in force or not, each canary blocked. */
+  isolation(): IsolationReport {
+    return camelCase(typedSync(() => this.#native.isolation())) as IsolationReport;
+  }
+
+  /** What the instance uses now: CPU time, memory, disk and network bytes, host descriptors. */
+  metrics(): Metrics {
+    return camelCase(typedSync(() => this.#native.metrics())) as Metrics;
+  }
+
+  /** The host's "address:port" where the published guest port `guestPort` is reachable. */
+  publishedAddress(guestPort: number): string | undefined {
+    return typedSync(() => this.#native.publishedAddress(guestPort)) ?? undefined;
   }
 
   /** Stops the microVM. Calls after it fail with `InstanceGoneError`. */

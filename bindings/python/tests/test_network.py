@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import secrets
 import time
 import urllib.request
@@ -142,3 +143,21 @@ async def test_a_python_policy_and_async_middleware_hold_the_credential_on_the_h
     raised = [r.getMessage() for r in caplog.records if r.name == "krunbox"]
     assert any("network policy" in m and "policy bug" in m for m in raised), raised
     assert any("middleware" in m and "middleware bug" in m for m in raised), raised
+
+
+async def test_a_dns_query_accepted_as_it_is_is_answered_by_the_host_resolver() -> None:
+    """``Verdict.accept()`` on a query: the host's resolver answers it (``localhost`` is in the
+    host's hosts file, so no traffic leaves); an ungranted name is refused."""
+
+    def policy(flow: krunbox.Flow) -> krunbox.Verdict:
+        if flow.protocol == "dns" and flow.hostname == "localhost":
+            return krunbox.Verdict.accept()
+        return krunbox.Verdict.deny()
+
+    sandbox = krunbox.Sandbox("busybox", memory_mib=256, network=krunbox.Network(policy=policy))
+    async with sandbox.boot() as vm:
+        asked = await vm.run(["nslookup", "localhost"], timeout=30)
+        assert asked.returncode == 0, asked.stdout_text + asked.stderr_text
+        assert re.search(rb"Name:\s+localhost\s+Address:?\s+\d+\.\d+\.\d+\.\d+", asked.stdout)
+        refused = await vm.run(["nslookup", "elsewhere.test"], timeout=30)
+        assert refused.returncode != 0

@@ -192,8 +192,14 @@ for i in "${!queue[@]}"; do
     (cd "$dir" && run_job "job-$i" "$job_dir" "${argv[@]}") &
     running+=($!)
     if ((${#running[@]} >= parallel)); then
-        wait "${running[0]}" || true
-        running=("${running[@]:1}")
+        # The next job starts as soon as any running one ends (not the oldest: an L1 would
+        # sit idle behind a long job).
+        finished=
+        wait -n -p finished "${running[@]}" || true
+        [[ -n $finished ]] || { wait "${running[0]}" || true; finished=${running[0]}; }
+        still=()
+        for pid in "${running[@]}"; do [[ $pid == "$finished" ]] || still+=("$pid"); done
+        running=("${still[@]}")
     fi
 done
 for pid in "${running[@]}"; do wait "$pid" || true; done

@@ -67,38 +67,48 @@ function writable(started: Promise<NativeProcess>): WritableStream<Uint8Array> {
   });
 }
 
-/** A process started by `Instance.spawn`. Its methods wait for it to have started. */
-export class ChildProcess {
+/** What a spawned process and a terminal share: its start, its end, and killing it. */
+abstract class Started {
   /** Resolves once the guest runs it; rejects if it could not start (e.g. `ExecFailedError`). */
   readonly ready: Promise<void>;
+  /** Resolves when it ends; output not read yet stays readable. */
+  readonly exit: Promise<Exit>;
+  /** @internal Its methods wait for it to have started. */
+  protected readonly started: Promise<NativeProcess>;
+
+  /** @internal */
+  constructor(started: Promise<NativeProcess>) {
+    this.started = observed(typed(() => started));
+    this.ready = observed(this.started.then(() => undefined));
+    this.exit = observed(typed(async () => exit(await (await this.started).wait())));
+  }
+
+  /** Kills its process group (SIGKILL). */
+  async kill(): Promise<void> {
+    (await this.started).kill();
+  }
+}
+
+/** A process started by `Instance.spawn`. Its methods wait for it to have started. */
+export class ChildProcess extends Started {
   /** Its process id in the guest. */
   readonly pid: Promise<number>;
   readonly stdin: WritableStream<Uint8Array>;
   readonly stdout: ReadableStream<Uint8Array>;
   readonly stderr: ReadableStream<Uint8Array>;
-  /** Resolves when it ends; output not read yet stays readable. */
-  readonly exit: Promise<Exit>;
-  readonly #started: Promise<NativeProcess>;
 
   /** @internal */
   constructor(started: Promise<NativeProcess>) {
-    this.#started = observed(typed(() => started));
-    this.ready = observed(this.#started.then(() => undefined));
-    this.pid = observed(this.#started.then((p) => p.pid));
-    this.stdin = writable(this.#started);
-    this.stdout = readable(this.#started, (p) => p.readStdout(CHUNK));
-    this.stderr = readable(this.#started, (p) => p.readStderr(CHUNK));
-    this.exit = observed(typed(async () => exit(await (await this.#started).wait())));
-  }
-
-  /** Kills its process group (SIGKILL). */
-  async kill(): Promise<void> {
-    (await this.#started).kill();
+    super(started);
+    this.pid = observed(this.started.then((p) => p.pid));
+    this.stdin = writable(this.started);
+    this.stdout = readable(this.started, (p) => p.readStdout(CHUNK));
+    this.stderr = readable(this.started, (p) => p.readStderr(CHUNK));
   }
 
   /** Sends `signal` (a number: 15 is SIGTERM) to its process group. */
   async signal(signal: number): Promise<void> {
-    const started = await this.#started;
+    const started = await this.started;
     typedSync(() => started.signal(signal));
   }
 }
@@ -110,32 +120,22 @@ export interface TerminalSize {
 }
 
 /** A process started by `Instance.pty` on a terminal of its own. */
-export class Terminal {
-  readonly ready: Promise<void>;
+export class Terminal extends Started {
   /** What is typed at the terminal. */
   readonly input: WritableStream<Uint8Array>;
   /** What the terminal shows. */
   readonly output: ReadableStream<Uint8Array>;
-  readonly exit: Promise<Exit>;
-  readonly #started: Promise<NativeProcess>;
 
   /** @internal */
   constructor(started: Promise<NativeProcess>) {
-    this.#started = observed(typed(() => started));
-    this.ready = observed(this.#started.then(() => undefined));
-    this.input = writable(this.#started);
-    this.output = readable(this.#started, (p) => p.readStdout(CHUNK));
-    this.exit = observed(typed(async () => exit(await (await this.#started).wait())));
+    super(started);
+    this.input = writable(this.started);
+    this.output = readable(this.started, (p) => p.readStdout(CHUNK));
   }
 
   /** Changes the terminal's size; its foreground process group gets SIGWINCH. */
   async resize(size: TerminalSize): Promise<void> {
-    const started = await this.#started;
+    const started = await this.started;
     typedSync(() => started.resize(size.rows, size.cols));
-  }
-
-  /** Kills its process group (SIGKILL). */
-  async kill(): Promise<void> {
-    (await this.#started).kill();
   }
 }

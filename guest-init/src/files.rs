@@ -68,6 +68,7 @@ pub fn run(op: FsOp) -> Result<FsOk, FsError> {
             parents,
         } => create_dir(path_of(&path), mode, parents),
         FsOp::Rename { from, to } => rename(path_of(&from), path_of(&to)),
+        FsOp::Search(spec) => crate::search::search(spec),
     }
 }
 
@@ -117,7 +118,7 @@ pub fn truncate_text(mut text: String, max: usize) -> String {
     text
 }
 
-fn invalid(what: &str, path: &Path, detail: &str) -> FsError {
+pub(crate) fn invalid(what: &str, path: &Path, detail: &str) -> FsError {
     FsError {
         kind: FsErrorKind::InvalidInput,
         errno: libc::EINVAL,
@@ -151,7 +152,7 @@ fn describe(t: fs::FileType) -> &'static str {
 /// `O_CLOEXEC`. Then `fstat` on the descriptor (not the path, which could be swapped) decides:
 /// FIFOs, devices (`/dev/zero` never ends) and sockets are [`FsErrorKind::NotAFile`], a
 /// directory [`FsErrorKind::IsADirectory`].
-fn open_regular(path: &Path, options: &mut OpenOptions) -> Result<File, FsError> {
+pub(crate) fn open_regular(path: &Path, options: &mut OpenOptions) -> Result<File, FsError> {
     let file = options
         .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
         .open(path)
@@ -256,7 +257,7 @@ fn sync(path: &Path) -> Result<FsOk, FsError> {
     Ok(FsOk::Done)
 }
 
-fn file_type(t: fs::FileType) -> FileType {
+pub(crate) fn file_type(t: fs::FileType) -> FileType {
     if t.is_symlink() {
         FileType::Symlink
     } else if t.is_dir() {

@@ -20,6 +20,7 @@ pub mod identity;
 pub mod mounts;
 pub mod net;
 pub mod outbox;
+pub mod search;
 pub mod supervisor;
 pub mod sys;
 pub mod trust;

@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use serde_bytes::ByteBuf;
 
 use crate::limits::MAX_TEXT;
+use crate::search::{SearchFound, SearchSpec};
 use crate::ProtocolError;
 
 /// The largest data chunk of one read or write.
@@ -104,6 +105,9 @@ pub enum FsOp {
         /// Its new path.
         to: ByteBuf,
     },
+    /// Walk a tree, listing files or searching their contents. Replies [`FsOk::Found`].
+    /// Since protocol 14.
+    Search(SearchSpec),
 }
 
 /// The answer to one [`FsRequest`].
@@ -131,6 +135,8 @@ pub enum FsOk {
         /// Whether this is the last page.
         complete: bool,
     },
+    /// A search's hits.
+    Found(SearchFound),
 }
 
 /// Kinds of file.
@@ -254,6 +260,7 @@ impl FsRequest {
                 path_ok("rename from", from)?;
                 path_ok("rename to", to)
             }
+            FsOp::Search(spec) => spec.validate(),
             FsOp::ReadDir { path, after } => {
                 path_ok("read_dir path", path)?;
                 match after {
@@ -294,6 +301,7 @@ impl FsReply {
                 }
                 Ok(())
             }
+            Ok(FsOk::Found(found)) => found.validate(),
             Ok(FsOk::Done) | Ok(FsOk::Metadata(_)) => Ok(()),
             Err(err) => {
                 if err.message.len() > MAX_TEXT {

@@ -15,6 +15,7 @@
 mod dir;
 mod read;
 mod request;
+mod search;
 mod write;
 
 use std::ffi::OsString;
@@ -27,6 +28,7 @@ use crate::instance::Instance;
 use crate::protocol::fs::{FileMeta, FileType, FsErrorKind, FsOk, FsOp};
 
 pub use read::GuestFileReader;
+pub use search::{Search, SearchCut, SearchHit, SearchResults};
 pub use write::{GuestFileWriter, WriteOptions};
 
 use request::Target;

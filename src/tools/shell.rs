@@ -1,0 +1,368 @@
+//! `bash` and `process`: shell commands in the foreground (bounded output, a timeout) or in
+//! the background (an id, a bounded log, stdin, kill).
+
+use std::collections::{BTreeMap, VecDeque};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+
+use super::call::{Bash, Process, ProcessAction};
+use super::spec::ToolResult;
+use super::text::{count, HeadTail};
+use crate::{ChildControl, ChildStdin, ExitStatus, Instance};
+
+/// A foreground command's timeout unless the call sets one.
+pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
+/// The longest timeout a call may set.
+pub(crate) const MAX_TIMEOUT: Duration = Duration::from_secs(600);
+/// Background processes running at once.
+const MAX_RUNNING: usize = 16;
+/// Background processes remembered (running or ended); the oldest ended ones are forgotten.
+const MAX_REMEMBERED: usize = 64;
+/// Output a background process keeps for polls: its last bytes.
+const LOG_KEEP: usize = 64 * 1024;
+/// How long a write to a background process's stdin may wait for it to read.
+const STDIN_WAIT: Duration = Duration::from_secs(10);
+/// How long `kill` waits for the process to be reported gone.
+const KILL_WAIT: Duration = Duration::from_secs(10);
+
+/// Runs `bash` in the foreground: output of both streams, interleaved as a terminal shows
+/// them, kept head and tail within `cap` bytes.
+pub(crate) async fn foreground(vm: &Instance, args: &Bash, cwd: &Path, cap: usize) -> ToolResult {
+    let timeout = timeout_of(args);
+    let mut child = match shell(vm, &args.command, cwd).timeout(timeout).spawn().await {
+        Ok(child) => child,
+        Err(err) => return ToolResult::error(format!("could not start the command: {err}")),
+    };
+    let output = Arc::new(Mutex::new(HeadTail::new(cap)));
+    let stdout = child.stdout.take();
+    let stderr = child.stderr.take();
+    tokio::join!(pump(stdout, output.clone()), pump(stderr, output.clone()));
+    let status = child.wait().await;
+    let text = output.lock().unwrap_or_else(|p| p.into_inner()).render();
+    match status {
+        Ok(status) if status.timed_out() => ToolResult::error(format!(
+            "timed out after {}s and was killed (raise timeout_secs, up to {}, or run it with \
+             background: true)\n{text}",
+            timeout.as_secs(),
+            MAX_TIMEOUT.as_secs()
+        )),
+        Ok(status) => {
+            let result = format!("{}\n{text}", describe(status));
+            if status.success() {
+                ToolResult::ok(result)
+            } else {
+                ToolResult::error(result)
+            }
+        }
+        Err(err) => ToolResult::error(format!("the command was lost: {err}\n{text}")),
+    }
+}
+
+fn timeout_of(args: &Bash) -> Duration {
+    args.timeout_secs
+        .map(|s| Duration::from_secs(s.into()).clamp(Duration::from_secs(1), MAX_TIMEOUT))
+        .unwrap_or(DEFAULT_TIMEOUT)
+}
+
+fn shell(vm: &Instance, command: &str, cwd: &Path) -> crate::Command {
+    let mut shell = vm.command("sh");
+    shell.args(["-lc", command]).current_dir(cwd);
+    shell
+}
+
+fn describe(status: ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exit code {code}"),
+        (None, Some(signal)) => format!("killed by signal {signal}"),
+        _ => status.to_string(),
+    }
+}
+
+async fn pump(stream: Option<impl AsyncRead + Unpin>, into: Arc<Mutex<HeadTail>>) {
+    let Some(mut stream) = stream else { return };
+    let mut buf = vec![0u8; 16 * 1024];
+    while let Ok(n) = stream.read(&mut buf).await {
+        if n == 0 {
+            break;
+        }
+        into.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(&buf[..n]);
+    }
+}
+
+async fn pump_log(stream: Option<impl AsyncRead + Unpin>, log: Arc<Mutex<Log>>) {
+    let Some(mut stream) = stream else { return };
+    let mut buf = vec![0u8; 16 * 1024];
+    while let Ok(n) = stream.read(&mut buf).await {
+        if n == 0 {
+            break;
+        }
+        log.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(&buf[..n]);
+    }
+}
+
+/// The background processes of one toolbox. Dropping it kills those still running (their
+/// `Child` handles go with their tasks).
+#[derive(Default)]
+pub(crate) struct Jobs {
+    next_id: u32,
+    table: BTreeMap<u32, Job>,
+}
+
+struct Job {
+    command: String,
+    pid: u32,
+    control: ChildControl,
+    stdin: Arc<tokio::sync::Mutex<Option<ChildStdin>>>,
+    log: Arc<Mutex<Log>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+/// The last [`LOG_KEEP`] bytes of a background process's output, and how far polls have read.
+#[derive(Default)]
+struct Log {
+    kept: VecDeque<u8>,
+    total: u64,
+    shown: u64,
+    end: Option<String>,
+}
+
+impl Log {
+    fn push(&mut self, bytes: &[u8]) {
+        self.total += bytes.len() as u64;
+        self.kept.extend(bytes);
+        let excess = self.kept.len().saturating_sub(LOG_KEEP);
+        self.kept.drain(..excess);
+    }
+
+    /// What was printed since the last poll, at most `cap` bytes (its end), with notes.
+    fn unread(&mut self, cap: usize) -> String {
+        let first_kept = self.total - self.kept.len() as u64;
+        let mut notes = String::new();
+        if self.shown < first_kept {
+            notes += &format!(
+                "[{} bytes printed since the last poll were not kept: only the last {} are]\n",
+                count(first_kept - self.shown),
+                count(LOG_KEEP as u64)
+            );
+            self.shown = first_kept;
+        }
+        let start = (self.shown - first_kept) as usize;
+        let mut unread: Vec<u8> = self.kept.iter().skip(start).copied().collect();
+        if unread.len() > cap {
+            notes += &format!(
+                "[{} bytes cut: showing the last {}]\n",
+                count((unread.len() - cap) as u64),
+                count(cap as u64)
+            );
+            unread.drain(..unread.len() - cap);
+        }
+        self.shown = self.total;
+        format!("{notes}{}", String::from_utf8_lossy(&unread))
+    }
+
+    fn status(&self) -> String {
+        self.end.clone().unwrap_or_else(|| "running".into())
+    }
+}
+
+impl Drop for Jobs {
+    fn drop(&mut self) {
+        for job in self.table.values() {
+            job.task.abort();
+        }
+    }
+}
+
+impl Jobs {
+    /// Starts `bash` in the background and remembers it.
+    pub(crate) async fn start(
+        jobs: &Mutex<Jobs>,
+        vm: &Instance,
+        args: &Bash,
+        cwd: &Path,
+    ) -> ToolResult {
+        let running = {
+            let jobs = jobs.lock().unwrap_or_else(|p| p.into_inner());
+            jobs.table
+                .values()
+                .filter(|job| !job.task.is_finished())
+                .count()
+        };
+        if running >= MAX_RUNNING {
+            return ToolResult::error(format!(
+                "{MAX_RUNNING} background processes are running already: kill one with the \
+                 process tool first"
+            ));
+        }
+        let mut command = shell(vm, &args.command, cwd);
+        command.stdin(crate::Stdio::piped());
+        let mut child = match command.spawn().await {
+            Ok(child) => child,
+            Err(err) => return ToolResult::error(format!("could not start the command: {err}")),
+        };
+        let log = Arc::new(Mutex::new(Log::default()));
+        let stdin = Arc::new(tokio::sync::Mutex::new(child.stdin.take()));
+        let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
+        let pid = child.id();
+        let control = child.control();
+        let task_log = log.clone();
+        let task = tokio::spawn(async move {
+            tokio::join!(
+                pump_log(stdout, task_log.clone()),
+                pump_log(stderr, task_log.clone())
+            );
+            let end = match child.wait().await {
+                Ok(status) => describe(status),
+                Err(err) => format!("lost: {err}"),
+            };
+            task_log.lock().unwrap_or_else(|p| p.into_inner()).end = Some(end);
+        });
+        let mut jobs = jobs.lock().unwrap_or_else(|p| p.into_inner());
+        jobs.next_id += 1;
+        let id = jobs.next_id;
+        jobs.table.insert(
+            id,
+            Job {
+                command: args.command.clone(),
+                pid,
+                control,
+                stdin,
+                log,
+                task,
+            },
+        );
+        jobs.forget_oldest_ended();
+        ToolResult::ok(format!(
+            "started background process {id} (pid {pid}); follow it with the process tool: \
+             {{\"action\": \"poll\", \"id\": {id}}}"
+        ))
+    }
+
+    fn forget_oldest_ended(&mut self) {
+        while self.table.len() > MAX_REMEMBERED {
+            let oldest_ended = self
+                .table
+                .iter()
+                .find(|(_, job)| job.task.is_finished())
+                .map(|(id, _)| *id);
+            match oldest_ended {
+                Some(id) => self.table.remove(&id),
+                None => break,
+            };
+        }
+    }
+
+    /// Runs the `process` tool.
+    pub(crate) async fn act(jobs: &Mutex<Jobs>, args: &Process, cap: usize) -> ToolResult {
+        if args.action == ProcessAction::List {
+            return ToolResult::ok(jobs.lock().unwrap_or_else(|p| p.into_inner()).list());
+        }
+        let Some(id) = args.id else {
+            return ToolResult::error("`id` is required: the id bash returned");
+        };
+        let found = {
+            let jobs = jobs.lock().unwrap_or_else(|p| p.into_inner());
+            jobs.table.get(&id).map(|job| {
+                (
+                    job.log.clone(),
+                    job.stdin.clone(),
+                    job.control.clone(),
+                    job.pid,
+                )
+            })
+        };
+        let Some((log, stdin, control, pid)) = found else {
+            return ToolResult::error(format!(
+                "there is no background process {id}; the list action shows them"
+            ));
+        };
+        match args.action {
+            ProcessAction::Poll => {
+                let mut log = log.lock().unwrap_or_else(|p| p.into_inner());
+                let output = log.unread(cap);
+                ToolResult::ok(format!(
+                    "process {id} (pid {pid}): {}\n{output}",
+                    log.status()
+                ))
+            }
+            ProcessAction::Write => write_stdin(id, &stdin, args).await,
+            ProcessAction::Kill => {
+                let _ = control.signal(libc::SIGKILL);
+                let deadline = tokio::time::Instant::now() + KILL_WAIT;
+                loop {
+                    let status = log.lock().unwrap_or_else(|p| p.into_inner()).end.clone();
+                    if let Some(status) = status {
+                        return ToolResult::ok(format!("process {id} ended: {status}"));
+                    }
+                    if tokio::time::Instant::now() >= deadline {
+                        return ToolResult::error(format!(
+                            "process {id} was sent SIGKILL but has not ended yet"
+                        ));
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+            ProcessAction::List => unreachable!("handled above"),
+        }
+    }
+
+    fn list(&self) -> String {
+        if self.table.is_empty() {
+            return "no background processes".into();
+        }
+        let mut out = String::new();
+        for (id, job) in &self.table {
+            let status = job.log.lock().unwrap_or_else(|p| p.into_inner()).status();
+            let mut command = job.command.clone();
+            super::text::truncate_at_char(&mut command, 200);
+            out += &format!("{id}\tpid {}\t{status}\t{command}\n", job.pid);
+        }
+        out
+    }
+}
+
+async fn write_stdin(
+    id: u32,
+    stdin: &tokio::sync::Mutex<Option<ChildStdin>>,
+    args: &Process,
+) -> ToolResult {
+    let mut stdin = stdin.lock().await;
+    let Some(pipe) = stdin.as_mut() else {
+        return ToolResult::error(format!("process {id}'s stdin is closed"));
+    };
+    let input = args.input.as_deref().unwrap_or("");
+    if input.is_empty() && !args.close_stdin {
+        return ToolResult::error("`input` is required (or set close_stdin)");
+    }
+    let wrote = tokio::time::timeout(STDIN_WAIT, pipe.write_all(input.as_bytes())).await;
+    match wrote {
+        Ok(Ok(())) => {}
+        Ok(Err(err)) => return ToolResult::error(format!("writing to process {id}: {err}")),
+        Err(_) => {
+            return ToolResult::error(format!(
+                "process {id} did not read its input within {}s",
+                STDIN_WAIT.as_secs()
+            ))
+        }
+    }
+    if args.close_stdin {
+        let _ = pipe.shutdown().await;
+        *stdin = None;
+    }
+    ToolResult::ok(format!(
+        "wrote {} bytes to process {id}{}",
+        input.len(),
+        if args.close_stdin {
+            " and closed its stdin"
+        } else {
+            ""
+        }
+    ))
+}

@@ -3,6 +3,7 @@
 //! One module per concern: `run` (`krunbox run`), `image` (`krunbox image ...`), `network` (the
 //! network flags both take), `stats` (`run --stats`), `terminal` (the host terminal for `-t`).
 
+mod definition;
 mod image;
 mod network;
 mod run;

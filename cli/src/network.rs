@@ -232,7 +232,9 @@ mod tests {
 
     #[test]
     fn no_network_flag_means_no_network() {
-        assert!(network_rules(&args(&[]).unwrap().net).unwrap().is_none());
+        assert!(network_rules(&args(&[]).unwrap().sandbox.net)
+            .unwrap()
+            .is_none());
     }
 
     #[test]
@@ -257,6 +259,7 @@ mod tests {
         ])
         .unwrap();
         let domains: Vec<String> = args
+            .sandbox
             .net
             .allow_domain
             .iter()
@@ -270,7 +273,13 @@ mod tests {
                 "allow domain ports.test port 8000-8100",
             ]
         );
-        let tcp: Vec<String> = args.net.allow_tcp.iter().map(|r| r.to_string()).collect();
+        let tcp: Vec<String> = args
+            .sandbox
+            .net
+            .allow_tcp
+            .iter()
+            .map(|r| r.to_string())
+            .collect();
         assert_eq!(
             tcp,
             [
@@ -279,7 +288,7 @@ mod tests {
                 "allow address 192.0.2.7/32 port 22",
             ]
         );
-        assert_eq!(network_rules(&args.net).unwrap().unwrap().len(), 7);
+        assert_eq!(network_rules(&args.sandbox.net).unwrap().unwrap().len(), 7);
     }
 
     #[test]
@@ -302,7 +311,7 @@ mod tests {
             "a.test=127.0.0.1",
         ])
         .unwrap();
-        let rules = network_rules(&args.net).unwrap().unwrap();
+        let rules = network_rules(&args.sandbox.net).unwrap().unwrap();
         let order: Vec<String> = rules.rules().iter().map(|r| r.to_string()).collect();
         assert_eq!(
             order,
@@ -328,16 +337,16 @@ mod tests {
             "8001:18001",
         ])
         .unwrap();
-        assert_eq!(parsed.net.inject_header.len(), 1);
-        let injection = &parsed.net.inject_header[0];
+        assert_eq!(parsed.sandbox.net.inject_header.len(), 1);
+        let injection = &parsed.sandbox.net.inject_header[0];
         assert_eq!(injection.header, "authorization");
         assert_eq!(injection.value, "Bearer from-the-host");
         assert!(injection.value.is_sensitive());
         assert!(injection.domain.matches("api.example.com"));
-        assert_eq!(parsed.net.publish, [(8000, 0), (8001, 18001)]);
+        assert_eq!(parsed.sandbox.net.publish, [(8000, 0), (8001, 18001)]);
         // Either flag alone gives a network (deny-all rules otherwise).
-        assert!(network(&parsed.net).unwrap().is_some());
-        assert!(network(&args(&[]).unwrap().net).unwrap().is_none());
+        assert!(network(&parsed.sandbox.net).unwrap().is_some());
+        assert!(network(&args(&[]).unwrap().sandbox.net).unwrap().is_none());
         let cases: [(&[&str], &str); 6] = [
             (&["--inject-header", "api.test"], "DOMAIN:HEADER=ENVVAR"),
             (
@@ -420,7 +429,7 @@ mod tests {
         )
         .unwrap();
         let args = args(&["--rules", file.to_str().unwrap()]).unwrap();
-        let rules = network_rules(&args.net).unwrap().unwrap();
+        let rules = network_rules(&args.sandbox.net).unwrap().unwrap();
         let order: Vec<String> = rules.rules().iter().map(|r| r.to_string()).collect();
         assert_eq!(
             order,
@@ -429,6 +438,6 @@ mod tests {
                 "allow domain api.test port 443 methods GET",
             ]
         );
-        assert!(network(&args.net).unwrap().is_some());
+        assert!(network(&args.sandbox.net).unwrap().is_some());
     }
 }

@@ -166,6 +166,10 @@ run_job() {
     echo "$status $retried" >"$dir/$name.status"
 }
 
+# The MCP server's tests (Python's and Node's official clients) and the tools bench run this
+# build's CLI.
+export KRUNBOX_CLI=$target/debug/krunbox
+
 # The bench smokes and the Python and Node tests, in one queue with as many jobs at once as there are
 # L1s (or one natively): the runner gives each its own. A job is "KEY|DIR|PROGRAM ARG...", its
 # words without spaces; KEY names its result, DIR is where it runs.

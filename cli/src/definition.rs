@@ -65,7 +65,7 @@ pub(crate) struct DefinitionArgs {
     /// Mount an empty in-memory filesystem at GUEST_PATH (gone when the command ends).
     /// Repeatable.
     #[arg(long, value_name = "GUEST_PATH")]
-    memfs: Vec<String>,
+    pub(crate) memfs: Vec<String>,
 }
 
 /// The sandbox the flags define (an image named by reference is pulled first).

@@ -5,6 +5,7 @@
 
 mod definition;
 mod image;
+mod mcp;
 mod network;
 mod run;
 mod stats;
@@ -67,6 +68,20 @@ enum Cmd {
         #[arg(long, value_name = "DIR")]
         data_dir: Option<std::path::PathBuf>,
     },
+    /// Serve MCP (stdio, or streamable HTTP with --http): each session gets a sandbox of its
+    /// own, defined by these flags (or --config), with the agent tools (bash, process, read,
+    /// write, edit, ls, glob, grep) under permission rules; the sandbox stops when the session
+    /// ends.
+    ///
+    /// Example: krunbox mcp --mount ./project:/workspace --rule 'ask bash(curl:*)'
+    Mcp(Box<mcp::McpArgs>),
+    /// Print the agent tools' definitions (what `krunbox mcp` serves) as a JSON array, in the
+    /// shape a model API takes: mcp (`tools/list`), openai (function tools) or anthropic.
+    Tools {
+        /// mcp, openai or anthropic.
+        #[arg(long, default_value = "mcp")]
+        format: mcp::ToolFormat,
+    },
     /// Report what this host can do: KVM (by a real probe), run-time files, images.
     Doctor {
         /// Exit 0 only if microVMs boot natively on this host (3 otherwise).
@@ -88,7 +103,14 @@ fn main() -> ExitCode {
         .without_time()
         .with_target(false)
         .init();
-    let cli = Cli::parse();
+    let argv = match mcp::expand_config(std::env::args_os().collect()) {
+        Ok(argv) => argv,
+        Err(e) => {
+            eprintln!("krunbox: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let cli = Cli::parse_from(argv);
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
@@ -105,6 +127,17 @@ fn main() -> ExitCode {
                     ExitCode::from(KRUNBOX_FAILED)
                 }
             },
+            Cmd::Mcp(args) => match mcp::mcp(*args).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("krunbox: {e}");
+                    ExitCode::from(KRUNBOX_FAILED)
+                }
+            },
+            Cmd::Tools { format } => {
+                println!("{}", mcp::tool_definitions(format));
+                ExitCode::SUCCESS
+            }
             Cmd::Image { action } => match image(action).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
@@ -160,8 +193,20 @@ mod testing {
             .copied();
         match Cli::try_parse_from(argv)?.command {
             Cmd::Run(args) => Ok(*args),
-            Cmd::Doctor { .. } | Cmd::Image { .. } | Cmd::Setup { .. } => unreachable!(),
+            Cmd::Doctor { .. }
+            | Cmd::Image { .. }
+            | Cmd::Setup { .. }
+            | Cmd::Mcp(_)
+            | Cmd::Tools { .. } => unreachable!(),
         }
+    }
+
+    /// clap checks a command line's shape (unique names, …) only when it is parsed: every
+    /// subcommand's, here.
+    #[test]
+    fn every_subcommand_is_well_formed() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
     }
 
     pub(crate) fn refused(flags: &[&str]) -> String {

@@ -93,10 +93,28 @@ fn define<T: schemars::JsonSchema>(
     object.remove("title");
     // The struct's doc comment: the tool's description says it better, for the model.
     object.remove("description");
+    let mut schema = Value::Object(object);
+    unwrap_descriptions(&mut schema);
     ToolDefinition {
         name,
         description,
-        input_schema: Value::Object(object),
+        input_schema: schema,
+    }
+}
+
+/// Doc comments keep their line breaks in schemars' descriptions: one line each, for models.
+fn unwrap_descriptions(schema: &mut Value) {
+    match schema {
+        Value::Object(object) => {
+            for (key, value) in object.iter_mut() {
+                match value {
+                    Value::String(text) if key == "description" => *text = text.replace('\n', " "),
+                    other => unwrap_descriptions(other),
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(unwrap_descriptions),
+        _ => {}
     }
 }
 

@@ -1,0 +1,213 @@
+//! One MCP session: its own sandbox, booted when the session starts and stopped when it ends,
+//! and the tools over it (`krunbox::tools`), served through rmcp's `ServerHandler`.
+
+use std::borrow::Cow;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_util::future::{BoxFuture, FutureExt, Shared};
+use krunbox::tools::{Approval, ApprovalRequest, Approver, Permissions, Toolbox};
+use krunbox::{Instance, Sandbox};
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, Implementation,
+    ListToolsResult, PaginatedRequestParams, ProtocolVersion, ServerCapabilities, ServerConfig,
+    Tool,
+};
+use rmcp::service::{RequestContext, RoleServer};
+use rmcp::{ErrorData as McpError, Peer, ServerHandler};
+use serde::Deserialize;
+
+/// What every session is made from: the sandbox definition and the tools' settings.
+pub(crate) struct Definition {
+    pub(crate) sandbox: Sandbox,
+    pub(crate) workspace: String,
+    pub(crate) permissions: Permissions,
+}
+
+/// How long a session's VM is given to shut down cleanly before it is killed.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+type Booted = Result<(Instance, Toolbox), String>;
+
+/// A session's handler (rmcp clones it; the clones share one sandbox).
+#[derive(Clone)]
+pub(crate) struct Session {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    booted: Shared<BoxFuture<'static, Booted>>,
+    /// The client, for `ask` rules (elicitation): set on its first call.
+    peer: Arc<Mutex<Option<Peer<RoleServer>>>>,
+}
+
+impl Session {
+    /// Starts booting at once: the VM is ready, or nearly, when the first call comes.
+    pub(crate) fn start(definition: &Arc<Definition>) -> Session {
+        let peer: Arc<Mutex<Option<Peer<RoleServer>>>> = Arc::default();
+        let approver = Elicit { peer: peer.clone() };
+        let definition = definition.clone();
+        let boot = async move {
+            let vm = definition.sandbox.boot().await.map_err(|e| e.to_string())?;
+            tracing::info!(instance = vm.id(), "MCP session's sandbox booted");
+            let tools = Toolbox::builder(&vm)
+                .workspace(definition.workspace.as_str())
+                .permissions(definition.permissions.clone())
+                .approver(approver)
+                .build();
+            Ok((vm, tools))
+        };
+        // Spawned, so the boot runs whether or not a call awaits it yet.
+        let task = tokio::spawn(boot);
+        let booted = async move {
+            task.await
+                .unwrap_or_else(|e| Err(format!("the boot task failed: {e}")))
+        }
+        .boxed()
+        .shared();
+        Session {
+            inner: Arc::new(Inner { booted, peer }),
+        }
+    }
+}
+
+impl Session {
+    /// Stops the sandbox now (its handler's drop would kill it; this lets it shut down).
+    pub(crate) async fn stop(&self) {
+        if let Ok((vm, _)) = self.inner.booted.clone().await {
+            if tokio::time::timeout(SHUTDOWN_GRACE, vm.shutdown())
+                .await
+                .is_err()
+            {
+                tracing::warn!(instance = vm.id(), "the sandbox did not shut down in time");
+            }
+        }
+    }
+}
+
+impl Drop for Inner {
+    /// The session ended (the client closed stdin, sent DELETE, or went away): the VM stops
+    /// with it.
+    fn drop(&mut self) {
+        let booted = self.booted.clone();
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        runtime.spawn(async move {
+            if let Ok((vm, tools)) = booted.await {
+                drop(tools);
+                match tokio::time::timeout(SHUTDOWN_GRACE, vm.shutdown()).await {
+                    Ok(Ok(())) => {
+                        tracing::info!(instance = vm.id(), "MCP session ended: sandbox stopped")
+                    }
+                    _ => tracing::warn!(instance = vm.id(), "MCP session ended: sandbox killed"),
+                }
+            }
+        });
+    }
+}
+
+impl ServerHandler for Session {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+            .with_server_info(Implementation::new("krunbox", env!("CARGO_PKG_VERSION")))
+            .with_instructions(
+                "Tools over a Linux microVM of this session's own: run commands with bash, \
+                 change files with write and edit, find them with ls, glob and grep. The \
+                 sandbox stops when the session ends.",
+            )
+    }
+
+    /// Sessions own a VM each, and 2026-07-28 has no sessions: the versions up to
+    /// 2025-11-25 (a newer client falls back to the initialize handshake).
+    fn supported_protocol_versions(&self) -> Cow<'static, [ProtocolVersion]> {
+        Cow::Borrowed(ProtocolVersion::known_up_to(&ProtocolVersion::V_2025_11_25))
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, McpError> {
+        let tools = match self.inner.booted.clone().await {
+            Ok((_, tools)) => tools.definitions(),
+            // The model learns of the failed boot from its first call.
+            Err(_) => krunbox::tools::definitions(),
+        };
+        Ok(ListToolsResult::with_all_items(
+            tools.iter().map(to_mcp).collect(),
+        ))
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, McpError> {
+        *self.inner.peer.lock().unwrap_or_else(|p| p.into_inner()) = Some(context.peer.clone());
+        let tools = match self.inner.booted.clone().await {
+            Ok((_, tools)) => tools,
+            Err(err) => {
+                return Ok(CallToolResult::error(vec![ContentBlock::text(format!(
+                    "the sandbox failed to boot: {err}"
+                ))])
+                .into())
+            }
+        };
+        let arguments = request
+            .arguments
+            .map(serde_json::Value::Object)
+            .unwrap_or(serde_json::Value::Null);
+        let result = tools.call(&request.name, arguments).await;
+        let content = vec![ContentBlock::text(result.text)];
+        Ok(if result.is_error {
+            CallToolResult::error(content)
+        } else {
+            CallToolResult::success(content)
+        }
+        .into())
+    }
+}
+
+fn to_mcp(tool: &krunbox::tools::ToolDefinition) -> Tool {
+    let schema = match &tool.input_schema {
+        serde_json::Value::Object(object) => object.clone(),
+        _ => Default::default(),
+    };
+    Tool::new(tool.name, tool.description, Arc::new(schema))
+}
+
+/// `ask` rules answered by the MCP client's user, through elicitation.
+struct Elicit {
+    peer: Arc<Mutex<Option<Peer<RoleServer>>>>,
+}
+
+/// What the client's user is asked to fill in.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+struct Consent {
+    /// Run this call?
+    approve: bool,
+}
+
+rmcp::elicit_safe!(Consent);
+
+#[krunbox::tools::async_trait]
+impl Approver for Elicit {
+    async fn approve(&self, request: ApprovalRequest) -> Approval {
+        {
+            let peer = self.peer.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let Some(peer) = peer else {
+                return Approval::Refuse(Some("no MCP client to ask".into()));
+            };
+            let message = format!(
+                "The model wants to call {} with {}. Allow it? (rule `{}`)",
+                request.tool, request.arguments, request.rule
+            );
+            match peer.elicit::<Consent>(message).await {
+                Ok(Some(Consent { approve: true })) => Approval::Approve,
+                Ok(_) => Approval::Refuse(Some("the user did not approve".into())),
+                Err(err) => Approval::Refuse(Some(format!("the client could not ask: {err}"))),
+            }
+        }
+    }
+}

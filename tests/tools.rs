@@ -76,6 +76,7 @@ fn every_tool_works_on_guest_files_and_a_mount_and_permissions_hold() {
         shell(&tools).await;
         background(&tools).await;
         permissions(&vm).await;
+        rules_reach_searches_and_stdin(&vm).await;
 
         let unknown = fails(&tools, "rm", json!({})).await;
         assert!(unknown.contains("the tools are bash, process"), "{unknown}");
@@ -412,4 +413,42 @@ async fn permissions(vm: &Instance) {
             ("read", Decision::Allowed, "mode read-only".into()),
         ]
     );
+}
+
+/// A path rule that keeps files from `read` keeps them from searches too, and what `process`
+/// writes to a background shell is held to the `bash` rules.
+async fn rules_reach_searches_and_stdin(vm: &Instance) {
+    let permissions: Permissions = serde_json::from_value(json!({
+        "mode": "full-access",
+        "rules": [{"deny": "read(/workspace/src/**)"}, {"deny": "bash(rm:*)"}]
+    }))
+    .unwrap();
+    let tools = Toolbox::builder(vm)
+        .workspace("/workspace")
+        .permissions(permissions)
+        .build();
+    let found = ok(&tools, "grep", json!({"pattern": "fn ", "output": "files"})).await;
+    assert_eq!(found, "no matches for \"fn \" under /workspace (5 files searched, 1 binary files skipped)\n[2 results withheld by permission rules]\n");
+    let listed = ok(&tools, "glob", json!({"pattern": "/workspace/**/*.rs"})).await;
+    assert!(
+        listed.starts_with("no files under /workspace match"),
+        "{listed}"
+    );
+    assert!(listed.contains("[2 results withheld"), "{listed}");
+
+    let shell = ok(&tools, "bash", json!({"command": "sh", "background": true})).await;
+    let id: u32 = shell["started background process ".len()..]
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let refused = fails(
+        &tools,
+        "process",
+        json!({"action": "write", "id": id, "input": "rm -rf /workspace\n"}),
+    )
+    .await;
+    assert!(refused.contains("`deny bash(rm:*)` forbids"), "{refused}");
+    ok(&tools, "process", json!({"action": "kill", "id": id})).await;
 }

@@ -105,7 +105,12 @@ fn walker(root: &Path, spec: &SearchSpec) -> WalkBuilder {
         .max_depth(spec.max_depth.map(|d| d as usize))
         .max_filesize(spec.pattern.as_ref().map(|_| MAX_SEARCHED_FILE))
         .sort_by_file_name(|a, b| a.cmp(b))
-        .filter_entry(|entry| entry.file_name() != ".git");
+        // `.git` is git's, not the project's; the kernel's own trees (a walk from `/`) hold
+        // no files to search and endless ones to read.
+        .filter_entry(|entry| {
+            entry.file_name() != ".git"
+                && !matches!(entry.path().to_str(), Some("/proc" | "/sys" | "/dev"))
+        });
     walk
 }
 

@@ -170,10 +170,16 @@ impl SearchFound {
                     ),
                 ));
             }
-            if hit.path.starts_with(b"/") {
+            // Relative, each component a name: `/x`, `a//b`, `.` and `..` would make the path
+            // the host shows point somewhere other than under the searched root.
+            if hit
+                .path
+                .split(|b| *b == b'/')
+                .any(|part| part.is_empty() || part == b"." || part == b"..")
+            {
                 return Err(out_of_bounds(
                     "search hit path",
-                    "absolute; must be relative to the root".into(),
+                    "must be relative to the root, each component a name".into(),
                 ));
             }
             if hit.text.len() > MAX_HIT_TEXT {
@@ -263,6 +269,13 @@ mod tests {
             .is_ok());
         assert!(found(vec![hit(b"a", MAX_HIT_TEXT + 1)]).validate().is_err());
         assert!(found(vec![hit(b"/etc/passwd", 1)]).validate().is_err());
+        for forged in [&b"../etc/shadow"[..], b"a/../../b", b"a//b", b"./a", b"a/"] {
+            assert!(
+                found(vec![hit(forged, 1)]).validate().is_err(),
+                "{forged:?}"
+            );
+        }
+        assert!(found(vec![hit(b"a/.b/..c", 1)]).validate().is_ok());
         assert!(found(vec![hit(b"", 1)]).validate().is_err());
         assert!(found(vec![hit(b"a", 0); MAX_SEARCH_HITS + 1])
             .validate()

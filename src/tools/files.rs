@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use tokio::io::{AsyncBufRead, AsyncBufReadExt, BufReader};
+use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncReadExt, BufReader};
 
 use super::call::{Edit, Read, Write};
 use super::spec::ToolResult;
@@ -15,8 +15,11 @@ const DEFAULT_LINES: u64 = 2000;
 const MAX_LINE: usize = 2000;
 /// Bytes at the start of a file that decide whether it is binary (a NUL byte), as git does.
 const BINARY_SNIFF: usize = 8000;
-/// The largest file `edit` rewrites (it holds the file in memory).
+/// The largest file `edit` rewrites (it holds the file in memory), before and after.
 const MAX_EDITED: u64 = 16 * 1024 * 1024;
+/// Bytes `read` scans past the size the file had when it was opened: a file that keeps
+/// growing (a log, or a guest that serves an endless file) is read only this far.
+const GROWTH_READ: u64 = 1024 * 1024;
 
 /// Runs `read`: numbered lines from `offset`, at most `limit` of them and `cap` bytes.
 pub(crate) async fn read(vm: &Instance, path: &Path, args: &Read, cap: usize) -> ToolResult {
@@ -34,7 +37,7 @@ pub(crate) async fn read(vm: &Instance, path: &Path, args: &Read, cap: usize) ->
         Ok(file) => file,
         Err(err) => return ToolResult::error(err.to_string()),
     };
-    let mut reader = BufReader::with_capacity(64 * 1024, file);
+    let mut reader = BufReader::with_capacity(64 * 1024, file.take(meta.len + GROWTH_READ));
     match reader.fill_buf().await {
         Ok([]) => return ToolResult::ok(format!("{} is empty", path.display())),
         Ok(start) if start[..start.len().min(BINARY_SNIFF)].contains(&0) => {
@@ -271,6 +274,13 @@ pub(crate) fn apply(mut text: String, args: &Edit) -> Result<(String, usize), St
             return Err(format!("edit {n}: old_string and new_string are the same"));
         }
         let found = text.matches(edit.old_string.as_str()).count();
+        let grown = (found as u64).saturating_mul(edit.new_string.len() as u64);
+        if (text.len() as u64).saturating_add(grown) > MAX_EDITED {
+            return Err(format!(
+                "edit {n}: the file would grow past {} bytes",
+                count(MAX_EDITED)
+            ));
+        }
         match (found, edit.replace_all) {
             (0, _) => {
                 return Err(format!(

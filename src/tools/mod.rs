@@ -154,18 +154,13 @@ impl Toolbox {
 
     /// The tools' definitions, to hand to a model (see [`ToolDefinition::to_mcp`],
     /// [`to_openai`](ToolDefinition::to_openai), [`to_anthropic`](ToolDefinition::to_anthropic)).
-    /// Tools a bare `deny` rule (`{"deny": "bash"}`) refuses outright are left out.
+    /// A tool no call of which can run (the first rule naming it is a bare `deny`, such as
+    /// `{"deny": "bash"}`) is left out.
     pub fn definitions(&self) -> Vec<ToolDefinition> {
-        let refused = |name: &str| {
-            self.inner
-                .permissions
-                .rules
-                .iter()
-                .any(|rule| matches!(rule, Rule::Deny(p) if p.to_string() == name))
-        };
+        let permissions = &self.inner.permissions;
         definitions()
             .into_iter()
-            .filter(|tool| !refused(tool.name))
+            .filter(|tool| !permissions.refuses_outright(tool.name))
             .collect()
     }
 
@@ -207,14 +202,24 @@ impl Toolbox {
             Ok(path) => path,
             Err(why) => return ToolResult::error(format!("{}: {why}", call.name())),
         };
-        let (subject, subject_text) = match (&call, &path) {
-            (ToolCall::Bash(bash), _) => (Subject::Command(&bash.command), bash.command.clone()),
-            (_, Some(path)) => (Subject::Path(path), path.display().to_string()),
-            (_, None) => (Subject::Nothing, String::new()),
+        // Input written to a background process is commands too (a shell reads it): the bash
+        // rules decide it, or `process` would run what they refuse.
+        let (ruled_as, subject, subject_text) = match (&call, &path) {
+            (ToolCall::Bash(bash), _) => (
+                "bash",
+                Subject::Command(&bash.command),
+                bash.command.clone(),
+            ),
+            (ToolCall::Process(process), _) if process.action == ProcessAction::Write => {
+                let input = process.input.as_deref().unwrap_or("");
+                ("bash", Subject::Command(input), input.to_owned())
+            }
+            (_, Some(path)) => (call.name(), Subject::Path(path), path.display().to_string()),
+            (_, None) => (call.name(), Subject::Nothing, String::new()),
         };
         let verdict = inner
             .permissions
-            .decide(call.name(), &subject, &inner.workspace);
+            .decide(ruled_as, &subject, &inner.workspace);
         let settled = inner
             .gate
             .settle(call.name(), || call.arguments(), &subject_text, verdict)
@@ -224,7 +229,13 @@ impl Toolbox {
         }
         let (vm, cap) = (&inner.vm, inner.output_cap);
         let path = path.as_deref().unwrap_or(&inner.workspace);
-        match &call {
+        let hidden = |tool: &'static str| {
+            move |found: &Path| {
+                inner.permissions.rule_denies(tool, found)
+                    || inner.permissions.rule_denies("read", found)
+            }
+        };
+        let result = match &call {
             ToolCall::Bash(args) if args.background => {
                 Jobs::start(&inner.jobs, vm, args, path).await
             }
@@ -233,13 +244,16 @@ impl Toolbox {
             ToolCall::Read(args) => files::read(vm, path, args, cap).await,
             ToolCall::Write(args) => files::write(vm, path, args).await,
             ToolCall::Edit(args) => files::edit(vm, path, args).await,
-            ToolCall::Ls(args) => search::ls(vm, path, args, cap).await,
-            ToolCall::Glob(args) => search::glob(vm, path, args, cap).await,
-            ToolCall::Grep(args) => search::grep(vm, path, args, cap).await,
-        }
+            ToolCall::Ls(args) => search::ls(vm, path, args, cap, &hidden("ls")).await,
+            ToolCall::Glob(args) => search::glob(vm, path, args, cap, &hidden("glob")).await,
+            ToolCall::Grep(args) => search::grep(vm, path, args, cap, &hidden("grep")).await,
+        };
+        within_cap(result, cap)
     }
 
     /// The absolute guest path a call acts on (for `bash`, its working directory).
+    ///
+    /// (A method of the toolbox: relative paths start at its workspace.)
     fn subject_path(&self, call: &ToolCall) -> Result<Option<PathBuf>, String> {
         let given = match call {
             ToolCall::Bash(args) => args.cwd.as_deref(),
@@ -256,6 +270,25 @@ impl Toolbox {
             None => Ok(Some(self.inner.workspace.clone())),
         }
     }
+}
+
+/// Slack over the cap for the notes a tool adds to what it cut (and lossy UTF-8's growth).
+const NOTE_ROOM: usize = 1000;
+
+/// The backstop of every result: at most `cap` bytes and its notes. Tools cut their output
+/// themselves, saying how to get the rest; this catches what grows past that (invalid UTF-8
+/// shown as replacement characters takes three bytes for one).
+fn within_cap(mut result: ToolResult, cap: usize) -> ToolResult {
+    if result.text.len() > cap + NOTE_ROOM {
+        let total = result.text.len();
+        text::truncate_at_char(&mut result.text, cap);
+        result.text += &format!(
+            "\n[cut at {} of {} bytes]\n",
+            text::count(cap as u64),
+            text::count(total as u64)
+        );
+    }
+    result
 }
 
 impl std::fmt::Debug for Toolbox {

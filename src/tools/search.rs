@@ -15,20 +15,41 @@ const MAX_GREP_LINES: u32 = 500;
 /// Deepest `ls`.
 const MAX_LS_DEPTH: u32 = 5;
 
-pub(crate) async fn ls(vm: &Instance, dir: &Path, args: &Ls, cap: usize) -> ToolResult {
+/// Drops the hits under `dir` that a permission rule keeps from the model; says how many.
+fn withhold(
+    found: &mut SearchResults,
+    dir: &Path,
+    hidden: &(dyn Fn(&Path) -> bool + Sync),
+) -> String {
+    let before = found.hits.len();
+    found.hits.retain(|hit| !hidden(&dir.join(&hit.path)));
+    match before - found.hits.len() {
+        0 => String::new(),
+        n => format!("[{n} results withheld by permission rules]\n"),
+    }
+}
+
+pub(crate) async fn ls(
+    vm: &Instance,
+    dir: &Path,
+    args: &Ls,
+    cap: usize,
+    hidden: &(dyn Fn(&Path) -> bool + Sync),
+) -> ToolResult {
     let depth = args.depth.unwrap_or(1).clamp(1, MAX_LS_DEPTH);
     let search = Search::files()
         .directories(true)
         .max_depth(depth)
         .hidden(args.hidden)
         .max_hits(MAX_LISTED);
-    let found = match vm.search(dir, &search).await {
+    let mut found = match vm.search(dir, &search).await {
         Ok(found) => found,
         Err(err) => return ToolResult::error(err.to_string()),
     };
+    let withheld = withhold(&mut found, dir, hidden);
     if found.hits.is_empty() && found.cut.is_none() {
         return ToolResult::ok(format!(
-            "{} is empty (or all its entries are ignored)",
+            "{} is empty (or all its entries are ignored)\n{withheld}",
             dir.display()
         ));
     }
@@ -41,24 +62,41 @@ pub(crate) async fn ls(vm: &Instance, dir: &Path, args: &Ls, cap: usize) -> Tool
             FileType::Other => format!("{path} (not a regular file)"),
         }
     });
-    ToolResult::ok(bounded(
-        lines,
-        cap,
-        &found,
-        "entries",
-        "list a subdirectory or a smaller depth",
-    ))
+    let narrow = "list a subdirectory or a smaller depth";
+    ToolResult::ok(bounded(lines, cap, &found, "entries", narrow) + &withheld)
 }
 
-pub(crate) async fn glob(vm: &Instance, dir: &Path, args: &Glob, cap: usize) -> ToolResult {
-    let search = Search::files().glob(&args.pattern).max_hits(MAX_LISTED);
-    let found = match vm.search(dir, &search).await {
+pub(crate) async fn glob(
+    vm: &Instance,
+    dir: &Path,
+    args: &Glob,
+    cap: usize,
+    hidden: &(dyn Fn(&Path) -> bool + Sync),
+) -> ToolResult {
+    // An absolute pattern under the directory searched is the same pattern relative to it.
+    let pattern = match args.pattern.strip_prefix('/') {
+        None => args.pattern.as_str(),
+        Some(_) => match Path::new(&args.pattern).strip_prefix(dir) {
+            Ok(relative) => relative.to_str().unwrap_or(&args.pattern),
+            Err(_) => {
+                return ToolResult::error(format!(
+                    "the pattern {:?} is absolute and not under {}: give a pattern relative to \
+                     `path` (and set `path` to the directory to search)",
+                    args.pattern,
+                    dir.display()
+                ))
+            }
+        },
+    };
+    let search = Search::files().glob(pattern).max_hits(MAX_LISTED);
+    let mut found = match vm.search(dir, &search).await {
         Ok(found) => found,
         Err(err) => return ToolResult::error(err.to_string()),
     };
+    let withheld = withhold(&mut found, dir, hidden);
     if found.hits.is_empty() && found.cut.is_none() {
         return ToolResult::ok(format!(
-            "no files under {} match {:?}",
+            "no files under {} match {:?}\n{withheld}",
             dir.display(),
             args.pattern
         ));
@@ -67,16 +105,17 @@ pub(crate) async fn glob(vm: &Instance, dir: &Path, args: &Glob, cap: usize) -> 
         .hits
         .iter()
         .map(|hit| dir.join(&hit.path).display().to_string());
-    ToolResult::ok(bounded(
-        lines,
-        cap,
-        &found,
-        "files",
-        "use a narrower pattern or path",
-    ))
+    let narrow = "use a narrower pattern or path";
+    ToolResult::ok(bounded(lines, cap, &found, "files", narrow) + &withheld)
 }
 
-pub(crate) async fn grep(vm: &Instance, dir: &Path, args: &Grep, cap: usize) -> ToolResult {
+pub(crate) async fn grep(
+    vm: &Instance,
+    dir: &Path,
+    args: &Grep,
+    cap: usize,
+    hidden: &(dyn Fn(&Path) -> bool + Sync),
+) -> ToolResult {
     let mut search = Search::lines(&args.pattern)
         .case_insensitive(args.case_insensitive)
         .context(args.context.unwrap_or(0))
@@ -85,13 +124,14 @@ pub(crate) async fn grep(vm: &Instance, dir: &Path, args: &Grep, cap: usize) -> 
     if let Some(glob) = &args.glob {
         search = search.glob(glob);
     }
-    let found = match vm.search(dir, &search).await {
+    let mut found = match vm.search(dir, &search).await {
         Ok(found) => found,
         Err(err) => return ToolResult::error(err.to_string()),
     };
+    let withheld = withhold(&mut found, dir, hidden);
     if found.hits.is_empty() && found.cut.is_none() {
         return ToolResult::ok(format!(
-            "no matches for {:?} under {} ({} files searched{})",
+            "no matches for {:?} under {} ({} files searched{})\n{withheld}",
             args.pattern,
             dir.display(),
             found.files_seen,
@@ -117,7 +157,7 @@ pub(crate) async fn grep(vm: &Instance, dir: &Path, args: &Grep, cap: usize) -> 
     if found.binary_skipped > 0 {
         text += &format!("[{}]\n", binary_note(&found).trim_start_matches(", "));
     }
-    ToolResult::ok(text)
+    ToolResult::ok(text + &withheld)
 }
 
 fn binary_note(found: &SearchResults) -> String {

@@ -27,6 +27,10 @@ const LOG_KEEP: usize = 64 * 1024;
 const STDIN_WAIT: Duration = Duration::from_secs(10);
 /// How long `kill` waits for the process to be reported gone.
 const KILL_WAIT: Duration = Duration::from_secs(10);
+/// How long past its timeout a foreground command may take to be reported ended (its output
+/// closed, its status sent) before the host gives up on it and kills it: guest-init kills it at
+/// the timeout, so only a guest that stopped answering takes longer.
+const END_GRACE: Duration = Duration::from_secs(30);
 
 /// Runs `bash` in the foreground: output of both streams, interleaved as a terminal shows
 /// them, kept head and tail within `cap` bytes.
@@ -39,9 +43,20 @@ pub(crate) async fn foreground(vm: &Instance, args: &Bash, cwd: &Path, cap: usiz
     let output = Arc::new(Mutex::new(HeadTail::new(cap)));
     let stdout = child.stdout.take();
     let stderr = child.stderr.take();
-    tokio::join!(pump(stdout, output.clone()), pump(stderr, output.clone()));
-    let status = child.wait().await;
+    let ended = async {
+        tokio::join!(pump(stdout, output.clone()), pump(stderr, output.clone()));
+        child.wait().await
+    };
+    let status = tokio::time::timeout(timeout + END_GRACE, ended).await;
     let text = output.lock().unwrap_or_else(|p| p.into_inner()).render();
+    let Ok(status) = status else {
+        // `child` is dropped on return: its process group is killed.
+        return ToolResult::error(format!(
+            "the sandbox did not report the command's end within {}s of its timeout; it was \
+             killed\n{text}",
+            END_GRACE.as_secs()
+        ));
+    };
     match status {
         Ok(status) if status.timed_out() => ToolResult::error(format!(
             "timed out after {}s and was killed (raise timeout_secs, up to {}, or run it with \
@@ -109,10 +124,21 @@ async fn pump_log(stream: Option<impl AsyncRead + Unpin>, log: Arc<Mutex<Log>>) 
 
 /// The background processes of one toolbox. Dropping it kills those still running (their
 /// `Child` handles go with their tasks).
-#[derive(Default)]
 pub(crate) struct Jobs {
     next_id: u32,
     table: BTreeMap<u32, Job>,
+    /// One permit a running process: taken before it starts, given back when its task ends.
+    running: Arc<tokio::sync::Semaphore>,
+}
+
+impl Default for Jobs {
+    fn default() -> Jobs {
+        Jobs {
+            next_id: 0,
+            table: BTreeMap::new(),
+            running: Arc::new(tokio::sync::Semaphore::new(MAX_RUNNING)),
+        }
+    }
 }
 
 struct Job {
@@ -188,19 +214,17 @@ impl Jobs {
         args: &Bash,
         cwd: &Path,
     ) -> ToolResult {
-        let running = {
-            let jobs = jobs.lock().unwrap_or_else(|p| p.into_inner());
-            jobs.table
-                .values()
-                .filter(|job| !job.task.is_finished())
-                .count()
-        };
-        if running >= MAX_RUNNING {
+        let running = jobs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .running
+            .clone();
+        let Ok(permit) = running.try_acquire_owned() else {
             return ToolResult::error(format!(
                 "{MAX_RUNNING} background processes are running already: kill one with the \
                  process tool first"
             ));
-        }
+        };
         let mut command = shell(vm, &args.command, cwd);
         command.stdin(crate::Stdio::piped());
         let mut child = match command.spawn().await {
@@ -214,6 +238,7 @@ impl Jobs {
         let control = child.control();
         let task_log = log.clone();
         let task = tokio::spawn(async move {
+            let _permit = permit;
             tokio::join!(
                 pump_log(stdout, task_log.clone()),
                 pump_log(stderr, task_log.clone())

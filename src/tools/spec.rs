@@ -130,6 +130,19 @@ pub struct ToolResult {
 }
 
 impl ToolResult {
+    /// A result, as a binding or a test makes one.
+    ///
+    /// ```
+    /// let result = krunbox::tools::ToolResult::new("exit code 1\n", true);
+    /// assert_eq!(result.to_mcp()["isError"], true);
+    /// ```
+    pub fn new(text: impl Into<String>, is_error: bool) -> ToolResult {
+        ToolResult {
+            text: text.into(),
+            is_error,
+        }
+    }
+
     pub(crate) fn ok(text: impl Into<String>) -> ToolResult {
         ToolResult {
             text: text.into(),

@@ -143,6 +143,27 @@ impl Permissions {
         self
     }
 
+    /// Whether no call of `tool` can ever run: the first rule that names it (or `*`) is a bare
+    /// `deny` of it. Such a tool is not offered to the model.
+    pub(crate) fn refuses_outright(&self, tool: &str) -> bool {
+        let first = self.rules.iter().find(|rule| {
+            let (_, pattern) = rule.parts();
+            pattern.tool.is_none_or(|t| TOOL_NAMES[t] == tool)
+        });
+        matches!(first, Some(Rule::Deny(p)) if matches!(p.target, Target::Any))
+    }
+
+    /// Whether a rule (not the mode) denies `tool` on `path`: a search does not show what
+    /// such a rule keeps from `read` or from the search itself.
+    pub(crate) fn rule_denies(&self, tool: &str, path: &Path) -> bool {
+        let subject = Subject::Path(path);
+        let first = self.rules.iter().find_map(|rule| {
+            let (action, pattern) = rule.parts();
+            pattern.matches(tool, &subject, action).then_some(action)
+        });
+        first == Some(Action::Deny)
+    }
+
     pub(crate) fn decide(&self, tool: &str, subject: &Subject<'_>, workspace: &Path) -> Verdict {
         for rule in &self.rules {
             let (action, pattern) = rule.parts();
@@ -443,6 +464,25 @@ mod tests {
             decide(&p, "edit", Subject::Path(Path::new("/workspace/.gitx"))).0,
             Action::Allow
         );
+    }
+
+    #[test]
+    fn only_a_tool_no_call_of_which_can_run_is_withheld() {
+        let p = rules(
+            &[
+                "allow bash(git:*)",
+                "deny bash",
+                "deny edit",
+                "deny read(/secret/**)",
+            ],
+            Mode::FullAccess,
+        );
+        assert!(!p.refuses_outright("bash"));
+        assert!(p.refuses_outright("edit"));
+        assert!(!p.refuses_outright("read"));
+        assert!(rules(&["deny *", "allow read"], Mode::FullAccess).refuses_outright("read"));
+        assert!(p.rule_denies("read", Path::new("/secret/key")));
+        assert!(!p.rule_denies("read", Path::new("/public/key")));
     }
 
     #[test]

@@ -36,13 +36,13 @@ pub(crate) struct DefinitionArgs {
     /// Make the root writable and keep its changes in the qcow2 file PATH between runs (made
     /// on first use, bound to the image it was made over; one run at a time).
     #[arg(long, value_name = "PATH", conflicts_with = "store")]
-    persist: Option<PathBuf>,
+    pub(crate) persist: Option<PathBuf>,
     /// Make the root writable and keep its changes, block by block, in a block store in the
     /// directory DIR between runs (made on first use, bound to the image it was made over; one
     /// run at a time). What the command syncs is in DIR when its sync returns; everything is
     /// when the run ends.
     #[arg(long, value_name = "DIR")]
-    store: Option<PathBuf>,
+    pub(crate) store: Option<PathBuf>,
     /// With --store: the most changes held in host memory before they go to the store.
     #[arg(long, value_name = "SIZE", value_parser = parse_size, default_value = "64M", requires = "store")]
     max_dirty: u64,

@@ -74,6 +74,8 @@ enum Cmd {
     /// ends.
     ///
     /// Example: krunbox mcp --mount ./project:/workspace --rule 'ask bash(curl:*)'
+    // A flag the config file sets may be set again on the command line: the last one counts.
+    #[command(args_override_self = true)]
     Mcp(Box<mcp::McpArgs>),
     /// Print the agent tools' definitions (what `krunbox mcp` serves) as a JSON array, in the
     /// shape a model API takes: mcp (`tools/list`), openai (function tools) or anthropic.

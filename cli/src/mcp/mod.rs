@@ -42,6 +42,10 @@ pub(crate) struct McpArgs {
     /// (elicitation). Repeatable.
     #[arg(long, value_name = "RULE")]
     rule: Vec<Rule>,
+    /// The most sessions with a sandbox at once (each a VM); one more is refused until one
+    /// ends.
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    max_sessions: usize,
     #[command(flatten)]
     pub(crate) sandbox: DefinitionArgs,
 }
@@ -72,6 +76,10 @@ pub(crate) fn tool_definitions(format: ToolFormat) -> serde_json::Value {
     )
 }
 
+/// How long an HTTP session may see no request before rmcp closes it (and its VM stops): past
+/// the longest command (10 minutes) and an approval's wait (5).
+const SESSION_IDLE: std::time::Duration = std::time::Duration::from_secs(3600);
+
 /// Serves MCP until stdin closes (stdio) or SIGINT/SIGTERM (HTTP).
 pub(crate) async fn mcp(args: McpArgs) -> Result<(), Box<dyn std::error::Error>> {
     let workspace = args
@@ -80,6 +88,13 @@ pub(crate) async fn mcp(args: McpArgs) -> Result<(), Box<dyn std::error::Error>>
         .or_else(|| args.sandbox.mount.first().map(|m| m.guest_path.clone()))
         .or_else(|| args.sandbox.memfs.first().cloned())
         .unwrap_or_else(|| "/".into());
+    if args.http.is_some() && (args.sandbox.persist.is_some() || args.sandbox.store.is_some()) {
+        return Err(
+            "--persist and --store keep one root for one VM at a time; with --http every \
+                    session boots its own: use --ephemeral, or serve stdio"
+                .into(),
+        );
+    }
     let definition = Arc::new(Definition {
         sandbox: sandbox(&args.sandbox).await?,
         workspace,
@@ -87,6 +102,8 @@ pub(crate) async fn mcp(args: McpArgs) -> Result<(), Box<dyn std::error::Error>>
             mode: args.mode,
             rules: args.rule.clone(),
         },
+        sessions: Arc::new(tokio::sync::Semaphore::new(args.max_sessions.max(1))),
+        max_sessions: args.max_sessions.max(1),
     });
     match args.http {
         None => stdio(definition).await,
@@ -95,12 +112,19 @@ pub(crate) async fn mcp(args: McpArgs) -> Result<(), Box<dyn std::error::Error>>
 }
 
 async fn stdio(definition: Arc<Definition>) -> Result<(), Box<dyn std::error::Error>> {
-    let session = Session::start(&definition);
+    let session = Session::new(&definition);
+    session.boot_soon();
     let running = session
         .clone()
         .serve((tokio::io::stdin(), tokio::io::stdout()))
         .await?;
-    let quit = running.waiting().await;
+    // The session ends when the client closes our stdin, or sends SIGTERM (as the SDKs do
+    // when it does not exit by itself): either way its sandbox is stopped first.
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let quit = tokio::select! {
+        quit = running.waiting() => quit.map(|_| ()).map_err(|e| e.to_string()),
+        _ = terminate.recv() => Ok(()),
+    };
     session.stop().await;
     quit?;
     Ok(())
@@ -117,23 +141,40 @@ async fn http(
         )
         .into());
     }
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let bound = listener.local_addr()?;
     let mut config = StreamableHttpServerConfig::default();
     config.legacy_session_mode = true;
+    // Any loopback address the server was bound to, not only the defaults' names.
+    config.allowed_hosts.push(bound.ip().to_string());
+    config.allowed_hosts.push(bound.to_string());
     let stop = config.cancellation_token.clone();
+    let mut sessions = LocalSessionManager::default();
+    // A session (and its VM) ends when its client ends it; rmcp's idle limit is only for
+    // clients that vanished, and must outlast a long command and a user thinking.
+    sessions.session_config.keep_alive = Some(SESSION_IDLE);
     let service = StreamableHttpService::new(
-        move || Ok(Session::start(&definition)),
-        LocalSessionManager::default().into(),
+        move || Ok(Session::new(&definition)),
+        sessions.into(),
         config,
     );
     let service = hyper_util::service::TowerToHyperService::new(service);
-    let listener = tokio::net::TcpListener::bind(addr).await?;
-    eprintln!("krunbox: MCP on http://{}/mcp", listener.local_addr()?);
+    eprintln!("krunbox: MCP on http://{bound}/mcp");
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     loop {
-        let (stream, _) = tokio::select! {
-            accepted = listener.accept() => accepted?,
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
             _ = tokio::signal::ctrl_c() => break,
             _ = terminate.recv() => break,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(err) => {
+                // Out of descriptors, an aborted connection: the sessions go on.
+                tracing::warn!("accepting an MCP connection: {err}");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                continue;
+            }
         };
         let service = service.clone();
         tokio::spawn(async move {
@@ -152,9 +193,11 @@ async fn http(
 
 /// `krunbox mcp --config FILE ...` with the file's flags put before the command line's.
 pub(crate) fn expand_config(argv: Vec<OsString>) -> Result<Vec<OsString>, String> {
-    let Some(mcp) = argv.iter().position(|a| a == "mcp") else {
+    // Only `krunbox mcp ...`: `mcp` elsewhere (a command's argument) is not this subcommand.
+    let mcp = 1;
+    if argv.get(mcp).is_none_or(|a| a != "mcp") {
         return Ok(argv);
-    };
+    }
     let config = argv[mcp + 1..].windows(2).find_map(|pair| match pair {
         [flag, file] if flag == "--config" => Some(PathBuf::from(file)),
         _ => None,
@@ -188,26 +231,23 @@ fn config_flags(text: &str) -> Result<Vec<String>, String> {
             return Err("a config file cannot name another".into());
         }
         let flag = format!("--{key}");
+        // `--key=value`: a value starting with `-` stays a value.
         let one = |value: &serde_json::Value| -> Result<String, String> {
             match value {
-                serde_json::Value::String(s) => Ok(s.clone()),
-                serde_json::Value::Number(n) => Ok(n.to_string()),
+                serde_json::Value::String(s) => Ok(format!("{flag}={s}")),
+                serde_json::Value::Number(n) => Ok(format!("{flag}={n}")),
                 other => Err(format!("{key}: {other} is not a string or a number")),
             }
         };
         match &value {
-            serde_json::Value::Bool(true) => flags.push(flag),
+            serde_json::Value::Bool(true) => flags.push(flag.clone()),
             serde_json::Value::Bool(false) => {}
             serde_json::Value::Array(items) => {
                 for item in items {
-                    flags.push(flag.clone());
                     flags.push(one(item)?);
                 }
             }
-            other => {
-                flags.push(flag);
-                flags.push(one(other)?);
-            }
+            other => flags.push(one(other)?),
         }
     }
     Ok(flags)
@@ -216,6 +256,34 @@ fn config_flags(text: &str) -> Result<Vec<String>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_the_mcp_subcommand_reads_a_config_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("mcp.json");
+        std::fs::write(&file, r#"{"memory": 300}"#).unwrap();
+        let argv = |args: &[&str]| -> Vec<OsString> { args.iter().map(OsString::from).collect() };
+        let file = file.to_str().unwrap();
+        let run = argv(&["krunbox", "run", "--", "mcp", "--config", file]);
+        assert_eq!(expand_config(run.clone()).unwrap(), run);
+        let expanded = expand_config(argv(&[
+            "krunbox", "mcp", "--config", file, "--memory", "400",
+        ]));
+        assert_eq!(
+            expanded.unwrap(),
+            argv(&[
+                "krunbox",
+                "mcp",
+                "--memory=300",
+                "--config",
+                file,
+                "--memory",
+                "400"
+            ])
+        );
+        let missing = expand_config(argv(&["krunbox", "mcp", "--config", "/no/such.json"]));
+        assert!(missing.unwrap_err().contains("/no/such.json"));
+    }
 
     #[test]
     fn a_config_file_is_flags_before_the_command_line() {
@@ -227,17 +295,12 @@ mod tests {
         assert_eq!(
             flags,
             [
-                "--image",
-                "busybox",
-                "--memory",
-                "256",
-                "--mount",
-                "/a:/w",
-                "--mount",
-                "/b:/x:ro",
+                "--image=busybox",
+                "--memory=256",
+                "--mount=/a:/w",
+                "--mount=/b:/x:ro",
                 "--plain-http",
-                "--rule",
-                "ask bash(curl:*)"
+                "--rule=ask bash(curl:*)"
             ]
         );
         assert!(config_flags(r#"{"mount": [{"x": 1}]}"#)

@@ -5,7 +5,6 @@ use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures_util::future::{BoxFuture, FutureExt, Shared};
 use krunbox::tools::{Approval, ApprovalRequest, Approver, Permissions, Toolbox};
 use krunbox::{Instance, Sandbox};
 use rmcp::model::{
@@ -13,7 +12,7 @@ use rmcp::model::{
     ListToolsResult, PaginatedRequestParams, ProtocolVersion, ServerCapabilities, ServerConfig,
     Tool,
 };
-use rmcp::service::{RequestContext, RoleServer};
+use rmcp::service::{NotificationContext, RequestContext, RoleServer};
 use rmcp::{ErrorData as McpError, Peer, ServerHandler};
 use serde::Deserialize;
 
@@ -22,12 +21,22 @@ pub(crate) struct Definition {
     pub(crate) sandbox: Sandbox,
     pub(crate) workspace: String,
     pub(crate) permissions: Permissions,
+    /// One permit a live session's sandbox.
+    pub(crate) sessions: Arc<tokio::sync::Semaphore>,
+    pub(crate) max_sessions: usize,
 }
 
 /// How long a session's VM is given to shut down cleanly before it is killed.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
-type Booted = Result<(Instance, Toolbox), String>;
+/// A session's sandbox once booted: the VM, its tools, and its place among the live sessions.
+struct Sandboxed {
+    vm: Instance,
+    tools: Toolbox,
+    _place: tokio::sync::OwnedSemaphorePermit,
+}
+
+type Booted = Result<Sandboxed, String>;
 
 /// A session's handler (rmcp clones it; the clones share one sandbox).
 #[derive(Clone)]
@@ -36,74 +45,100 @@ pub(crate) struct Session {
 }
 
 struct Inner {
-    booted: Shared<BoxFuture<'static, Booted>>,
+    definition: Arc<Definition>,
+    /// Booted on the session's first need (or as soon as it is known to be a session: its
+    /// `initialized`), never for a handler rmcp makes and throws away (a discovery probe).
+    booted: tokio::sync::OnceCell<Booted>,
     /// The client, for `ask` rules (elicitation): set on its first call.
     peer: Arc<Mutex<Option<Peer<RoleServer>>>>,
 }
 
 impl Session {
-    /// Starts booting at once: the VM is ready, or nearly, when the first call comes.
-    pub(crate) fn start(definition: &Arc<Definition>) -> Session {
-        let peer: Arc<Mutex<Option<Peer<RoleServer>>>> = Arc::default();
-        let approver = Elicit { peer: peer.clone() };
-        let definition = definition.clone();
-        let boot = async move {
-            let vm = definition.sandbox.boot().await.map_err(|e| e.to_string())?;
-            tracing::info!(instance = vm.id(), "MCP session's sandbox booted");
-            let tools = Toolbox::builder(&vm)
-                .workspace(definition.workspace.as_str())
-                .permissions(definition.permissions.clone())
-                .approver(approver)
-                .build();
-            Ok((vm, tools))
-        };
-        // Spawned, so the boot runs whether or not a call awaits it yet.
-        let task = tokio::spawn(boot);
-        let booted = async move {
-            task.await
-                .unwrap_or_else(|e| Err(format!("the boot task failed: {e}")))
-        }
-        .boxed()
-        .shared();
+    /// A session that boots its sandbox when first needed.
+    pub(crate) fn new(definition: &Arc<Definition>) -> Session {
         Session {
-            inner: Arc::new(Inner { booted, peer }),
+            inner: Arc::new(Inner {
+                definition: definition.clone(),
+                booted: tokio::sync::OnceCell::new(),
+                peer: Arc::default(),
+            }),
+        }
+    }
+
+    /// Starts the boot in the background: the VM is ready, or nearly, when the first call
+    /// comes.
+    pub(crate) fn boot_soon(&self) {
+        let session = self.clone();
+        tokio::spawn(async move {
+            session.booted().await;
+        });
+    }
+
+    async fn booted(&self) -> &Booted {
+        self.inner.booted.get_or_init(|| self.boot()).await
+    }
+
+    async fn boot(&self) -> Booted {
+        let definition = &self.inner.definition;
+        let place = definition
+            .sessions
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| {
+                format!(
+                "this server already runs {} sessions' sandboxes (--max-sessions): end one first",
+                definition.max_sessions
+            )
+            })?;
+        let vm = definition.sandbox.boot().await.map_err(|e| e.to_string())?;
+        tracing::info!(instance = vm.id(), "MCP session's sandbox booted");
+        let tools = Toolbox::builder(&vm)
+            .workspace(definition.workspace.as_str())
+            .permissions(definition.permissions.clone())
+            .approver(Elicit {
+                peer: self.inner.peer.clone(),
+            })
+            .build();
+        Ok(Sandboxed {
+            vm,
+            tools,
+            _place: place,
+        })
+    }
+
+    /// Stops the sandbox now (its handler's drop would too; this waits for it).
+    pub(crate) async fn stop(&self) {
+        if let Some(Ok(sandboxed)) = self.inner.booted.get() {
+            shut_down(&sandboxed.vm).await;
         }
     }
 }
 
-impl Session {
-    /// Stops the sandbox now (its handler's drop would kill it; this lets it shut down).
-    pub(crate) async fn stop(&self) {
-        if let Ok((vm, _)) = self.inner.booted.clone().await {
-            if tokio::time::timeout(SHUTDOWN_GRACE, vm.shutdown())
-                .await
-                .is_err()
-            {
-                tracing::warn!(instance = vm.id(), "the sandbox did not shut down in time");
-            }
-        }
+async fn shut_down(vm: &Instance) {
+    tracing::info!(
+        instance = vm.id(),
+        "MCP session ended: stopping its sandbox"
+    );
+    match tokio::time::timeout(SHUTDOWN_GRACE, vm.shutdown()).await {
+        Ok(Ok(())) => tracing::info!(instance = vm.id(), "MCP session ended: sandbox stopped"),
+        _ => tracing::warn!(instance = vm.id(), "MCP session ended: sandbox killed"),
     }
 }
 
 impl Drop for Inner {
     /// The session ended (the client closed stdin, sent DELETE, or went away): the VM stops
-    /// with it.
+    /// with it (killed, if no runtime is left to shut it down in).
     fn drop(&mut self) {
-        let booted = self.booted.clone();
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        let Some(Ok(sandboxed)) = self.booted.take() else {
             return;
         };
-        runtime.spawn(async move {
-            if let Ok((vm, tools)) = booted.await {
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let Sandboxed { vm, tools, _place } = sandboxed;
                 drop(tools);
-                match tokio::time::timeout(SHUTDOWN_GRACE, vm.shutdown()).await {
-                    Ok(Ok(())) => {
-                        tracing::info!(instance = vm.id(), "MCP session ended: sandbox stopped")
-                    }
-                    _ => tracing::warn!(instance = vm.id(), "MCP session ended: sandbox killed"),
-                }
-            }
-        });
+                shut_down(&vm).await;
+            });
+        }
     }
 }
 
@@ -118,6 +153,10 @@ impl ServerHandler for Session {
             )
     }
 
+    async fn on_initialized(&self, _context: NotificationContext<RoleServer>) {
+        self.boot_soon();
+    }
+
     /// Sessions own a VM each, and 2026-07-28 has no sessions: the versions up to
     /// 2025-11-25 (a newer client falls back to the initialize handshake).
     fn supported_protocol_versions(&self) -> Cow<'static, [ProtocolVersion]> {
@@ -129,8 +168,8 @@ impl ServerHandler for Session {
         _request: Option<PaginatedRequestParams>,
         _context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, McpError> {
-        let tools = match self.inner.booted.clone().await {
-            Ok((_, tools)) => tools.definitions(),
+        let tools = match self.booted().await {
+            Ok(sandboxed) => sandboxed.tools.definitions(),
             // The model learns of the failed boot from its first call.
             Err(_) => krunbox::tools::definitions(),
         };
@@ -145,8 +184,8 @@ impl ServerHandler for Session {
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, McpError> {
         *self.inner.peer.lock().unwrap_or_else(|p| p.into_inner()) = Some(context.peer.clone());
-        let tools = match self.inner.booted.clone().await {
-            Ok((_, tools)) => tools,
+        let tools = match self.booted().await {
+            Ok(sandboxed) => &sandboxed.tools,
             Err(err) => {
                 return Ok(CallToolResult::error(vec![ContentBlock::text(format!(
                     "the sandbox failed to boot: {err}"

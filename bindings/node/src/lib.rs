@@ -20,6 +20,7 @@ mod observe;
 mod process;
 mod rootfs;
 mod sandbox;
+mod tools;
 
 use napi_derive::napi;
 

@@ -14,8 +14,43 @@ import {
   KrunboxError,
   TIMEOUT_EXIT_CODE,
   defineSandbox,
+  toolDefinitions,
   type Instance,
 } from "krunbox";
+
+/** The crate's agent tools through TypeScript: an async approver, result shapes, the audit. */
+async function agentTools(lane: Instance): Promise<void> {
+  const asked: string[] = [];
+  const tools = lane.tools({
+    workspace: "/tmp/agent",
+    permissions: { mode: "workspace-write", rules: [{ ask: "bash(wget:*)" }] },
+    approver: async (request) => {
+      asked.push(request.rule);
+      return "not today";
+    },
+  });
+  const audit = tools.auditEvents();
+  assert.deepEqual(tools.definitions("openai").map((t) => (t.function as { name: string }).name).slice(0, 2), ["bash", "process"]);
+  assert.equal((toolDefinitions("anthropic")[2] as { name: string }).name, "read");
+  const wrote = await tools.call("write", { path: "a.txt", content: "one\ntwo\n" });
+  assert.ok(!wrote.isError, wrote.text);
+  const edited = await tools.call("edit", { path: "a.txt", edits: [{ old_string: "two", new_string: "three" }] });
+  assert.ok(!edited.isError, edited.text);
+  assert.equal((await tools.call("read", { path: "/tmp/agent/a.txt" })).text, "     1\tone\n     2\tthree\n");
+  const refused = await tools.call("bash", { command: "wget http://127.0.0.1:9/" });
+  assert.ok(refused.isError);
+  assert.match(refused.text, /was refused: not today$/);
+  assert.deepEqual(asked, ["ask bash(wget:*)"]);
+  assert.deepEqual(refused.toOpenAI("call_1"), { role: "tool", tool_call_id: "call_1", content: refused.text });
+  const bad = await tools.call("grep", {});
+  assert.ok(bad.isError && /missing field `pattern`/.test(bad.text), bad.text);
+  const decisions: string[] = [];
+  for await (const event of audit) {
+    decisions.push(`${event.tool} ${event.decision}`);
+    if (decisions.length === 4) break;
+  }
+  assert.deepEqual(decisions, ["write allowed", "edit allowed", "read allowed", "bash refused"]);
+}
 
 /** Waits for the guest file `path` to exist (at most 30 s). */
 async function waitForFile(lane: Instance, path: string): Promise<string> {
@@ -81,6 +116,7 @@ test("exec, its timeout and abort, files and typed errors, and await using", asy
       e instanceof ExecFailedError && e instanceof KrunboxError && e.code === "Exec");
     await assert.rejects(lane.exec("true", [], { timeoutMs: -1 }), (e: unknown) =>
       e instanceof InvalidConfigError && /timeoutMs=-1/.test(e.message));
+    await agentTools(lane);
   }
   // Leaving the block shut the instance down.
   await assert.rejects(kept.exec("true"), (e: unknown) => e instanceof InstanceGoneError && e.code === "InstanceGone");

@@ -19,6 +19,8 @@ export { defineSandbox, Sandbox, Instance } from "./sandbox.js";
 import type { Instance } from "./sandbox.js";
 export type { SandboxOptions, BootOptions, ExecOptions, ExecResult, FileStat, DirEntry } from "./sandbox.js";
 export { ChildProcess, Terminal } from "./process.js";
+export { Toolbox, ToolResult, toolDefinitions } from "./tools.js";
+export type { ToolFormat, ToolboxOptions, Permissions, Rule, Approver, ApprovalRequest, AuditEvent } from "./tools.js";
 export type { IsolationReport, IsolationLayer, CanaryReport, Metrics, NetworkMetrics } from "./observe.js";
 export type { Exit, TerminalSize } from "./process.js";
 export { fs, MemoryFs, HostDir } from "./fs.js";

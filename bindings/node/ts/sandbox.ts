@@ -8,6 +8,7 @@ import { native } from "./native.js";
 import type { Network } from "./network.js";
 import { camelCase, type IsolationReport, type Metrics } from "./observe.js";
 import { rootfs as roots, Rootfs } from "./rootfs.js";
+import { Toolbox, type ToolboxOptions } from "./tools.js";
 import type { CommandOptions, FileStat, DirEntry, NativeInstance } from "../native/index.js";
 
 export type { FileStat, DirEntry };
@@ -106,6 +107,11 @@ export class Instance implements AsyncDisposable {
   /** @internal */
   constructor(made: NativeInstance) {
     this.#native = made;
+  }
+
+  /** The agent tools over this instance (docs/tools.md), with their permissions. */
+  tools(options: ToolboxOptions = {}): Toolbox {
+    return new Toolbox(this.#native, options);
   }
 
   /** Runs `command` with `args` to its end and returns what it wrote. */

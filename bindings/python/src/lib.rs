@@ -20,6 +20,7 @@ mod process;
 mod rootfs;
 mod runtime;
 mod sandbox;
+mod tools;
 
 use pyo3::prelude::*;
 
@@ -50,6 +51,10 @@ fn _krunbox(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<rootfs::Rootfs>()?;
     module.add_class::<rootfs::DirectoryStore>()?;
     module.add_class::<rootfs::MemoryStore>()?;
+    module.add_class::<tools::Toolbox>()?;
+    module.add_class::<tools::ToolResult>()?;
+    module.add_class::<tools::AuditEvents>()?;
+    module.add_function(wrap_pyfunction!(tools::tool_definitions, module)?)?;
     module.add_function(wrap_pyfunction!(doctor::doctor, module)?)?;
     module.add_function(wrap_pyfunction!(_search_artifacts_first, module)?)?;
     module.add_function(wrap_pyfunction!(bench::rust_run_seconds, module)?)?;

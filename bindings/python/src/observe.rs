@@ -15,7 +15,10 @@ use crate::net::Flow;
 use crate::runtime::{awaitable, block_on};
 
 /// `value` as Python objects, through JSON (what the library's report types serialize to).
-fn to_python<'py>(py: Python<'py>, value: &impl serde::Serialize) -> PyResult<Bound<'py, PyAny>> {
+pub(crate) fn to_python<'py>(
+    py: Python<'py>,
+    value: &impl serde::Serialize,
+) -> PyResult<Bound<'py, PyAny>> {
     let text = serde_json::to_string(value).map_err(|e| {
         pyo3::exceptions::PyRuntimeError::new_err(format!("cannot serialize a report: {e}"))
     })?;

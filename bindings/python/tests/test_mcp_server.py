@@ -78,50 +78,55 @@ async def test_an_mcp_client_uses_the_tools_and_the_session_end_stops_the_vm(tmp
             "--rule", "ask bash(wget:*)",
         ],
         # The SDK passes a minimal environment: krunbox's own settings (its cache) go along.
-        env={k: v for k, v in os.environ.items() if k.startswith(("KRUNBOX_", "RUST_"))},
+        env={k: v for k, v in os.environ.items() if k.startswith("KRUNBOX_")} | {"RUST_LOG": "krunbox=info"},
     )
-    async with stdio_client(server) as (read, write):
-        async with ClientSession(read, write, elicitation_callback=elicitation) as session:
-            await session.initialize()
-            listed = await session.list_tools()
-            tools = {tool.name: tool for tool in listed.tools}
-            assert sorted(tools) == sorted(["bash", "process", "read", "write", "edit", "ls", "glob", "grep"])
-            for tool in tools.values():
-                jsonschema.Draft202012Validator.check_schema(tool.input_schema)
+    log = tmp_path / "server.log"
+    with log.open("w") as errlog:
+        async with stdio_client(server, errlog=errlog) as (read, write):
+            async with ClientSession(read, write, elicitation_callback=elicitation) as session:
+                await session.initialize()
+                listed = await session.list_tools()
+                tools = {tool.name: tool for tool in listed.tools}
+                assert sorted(tools) == sorted(["bash", "process", "read", "write", "edit", "ls", "glob", "grep"])
+                for tool in tools.values():
+                    jsonschema.Draft202012Validator.check_schema(tool.input_schema)
 
-            ran = await session.call_tool("bash", {"command": "uname -s && echo $((6 * 7)) > /workspace/answer"})
-            assert not ran.is_error, text(ran)
-            assert text(ran) == "exit code 0\nLinux\n"
-            assert (tmp_path / "answer").read_text() == "42\n"
+                ran = await session.call_tool("bash", {"command": "uname -s && echo $((6 * 7)) > /workspace/answer"})
+                assert not ran.is_error, text(ran)
+                assert text(ran) == "exit code 0\nLinux\n"
+                assert (tmp_path / "answer").read_text() == "42\n"
 
-            edited = await session.call_tool(
-                "edit",
-                {"path": "app.py", "edits": [{"old_string": "'hello'", "new_string": "'hello, sandbox'"}]},
-            )
-            assert not edited.is_error, text(edited)
-            shown = await session.call_tool("read", {"path": "/workspace/app.py"})
-            assert text(shown) == "     1\tdef greet():\n     2\t    return 'hello, sandbox'\n"
-            assert (tmp_path / "app.py").read_text() == "def greet():\n    return 'hello, sandbox'\n"
+                edited = await session.call_tool(
+                    "edit",
+                    {"path": "app.py", "edits": [{"old_string": "'hello'", "new_string": "'hello, sandbox'"}]},
+                )
+                assert not edited.is_error, text(edited)
+                shown = await session.call_tool("read", {"path": "/workspace/app.py"})
+                assert text(shown) == "     1\tdef greet():\n     2\t    return 'hello, sandbox'\n"
+                assert (tmp_path / "app.py").read_text() == "def greet():\n    return 'hello, sandbox'\n"
 
-            found = await session.call_tool("grep", {"pattern": "sandbox", "glob": "*.py"})
-            assert text(found) == "/workspace/app.py:2:    return 'hello, sandbox'\n"
+                found = await session.call_tool("grep", {"pattern": "sandbox", "glob": "*.py"})
+                assert text(found) == "/workspace/app.py:2:    return 'hello, sandbox'\n"
 
-            refused = await session.call_tool("bash", {"command": "wget -q -O- http://127.0.0.1:9/"})
-            assert refused.is_error
-            assert "was refused" in text(refused), text(refused)
-            assert len(asked) == 1 and "wget" in asked[0], asked
+                refused = await session.call_tool("bash", {"command": "wget -q -O- http://127.0.0.1:9/"})
+                assert refused.is_error
+                assert "was refused" in text(refused), text(refused)
+                assert len(asked) == 1 and "wget" in asked[0], asked
 
-            denied = await session.call_tool("bash", {"command": "rm -rf /workspace/app.py"})
-            assert denied.is_error and "permission denied" in text(denied), text(denied)
-            assert (tmp_path / "app.py").exists()
+                denied = await session.call_tool("bash", {"command": "rm -rf /workspace/app.py"})
+                assert denied.is_error and "permission denied" in text(denied), text(denied)
+                assert (tmp_path / "app.py").exists()
 
-            bad = await session.call_tool("read", {"file": "app.py"})
-            assert bad.is_error and "unknown field `file`" in text(bad), text(bad)
+                bad = await session.call_tool("read", {"file": "app.py"})
+                assert bad.is_error and "unknown field `file`" in text(bad), text(bad)
 
-            helpers = helpers_below(os.getpid())
-            assert len(helpers) == 1, helpers
+                helpers = helpers_below(os.getpid())
+                assert len(helpers) == 1, helpers
 
-    # The client closed the server's stdin: the session ended, and its VM with it.
+    # The client closed the server's stdin: the session ended, the server stopped its VM (the
+    # SDK would kill the server after 2 s, and the VM with it: the log says the server did it)
+    # and the helper is gone.
+    assert "MCP session ended: stopping its sandbox" in log.read_text(), log.read_text()
     deadline = time.monotonic() + 60
     while helpers & set(map(int, filter(str.isdigit, os.listdir("/proc")))):
         assert time.monotonic() < deadline, f"the helper outlived the session: {helpers}"

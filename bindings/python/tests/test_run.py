@@ -10,6 +10,7 @@ import pytest
 
 import krunbox
 import krunbox.sync
+from krunbox.tools import Toolbox
 
 
 def test_a_bad_definition_is_refused_before_anything_boots() -> None:
@@ -72,6 +73,8 @@ async def test_run_files_errors_and_cancellation_on_one_instance() -> None:
         with pytest.raises(krunbox.ExecFailed, match="no-such-program"):
             await vm.run(["no-such-program"])
 
+        await _the_agent_tools(vm)
+
         # A cancelled task kills its command's process group in the guest.
         task = asyncio.create_task(vm.run("echo started > /tmp/started; exec sleep 300"))
         while b"started" not in await _read_or_empty(vm, "/tmp/started"):
@@ -83,6 +86,47 @@ async def test_run_files_errors_and_cancellation_on_one_instance() -> None:
         assert left == b"", left
     with pytest.raises(krunbox.InstanceGone):
         await vm.run("true")
+
+
+async def _the_agent_tools(vm: krunbox.Instance) -> None:
+    """The crate's agent tools through Python: a coroutine approver, results' shapes, audit."""
+    asked: list[str] = []
+
+    async def approver(request: dict[str, object]) -> bool | str:
+        asked.append(str(request["rule"]))
+        await asyncio.sleep(0)
+        return "not on a weekday"
+
+    tools = Toolbox(
+        vm,
+        workspace="/tmp/agent",
+        permissions={"mode": "workspace-write", "rules": [{"ask": "bash(wget:*)"}]},
+        approver=approver,
+    )
+    audit = tools.audit_events()
+    assert [t["name"] for t in tools.definitions("anthropic")][:3] == ["bash", "process", "read"]
+    assert krunbox.tools.definitions("openai")[0]["function"]["name"] == "bash"
+    wrote = await tools.call("write", {"path": "a.py", "content": "x = 1\nx = 1\n"})
+    assert not wrote.is_error, wrote.text
+    twice = await tools.call("edit", {"path": "a.py", "edits": [{"old_string": "x = 1", "new_string": "x = 2"}]})
+    assert twice.is_error and "occurs 2 times" in twice.text, twice.text
+    found = await tools.call("grep", {"pattern": "x = 1", "output": "files"})
+    assert found.text == "/tmp/agent/a.py\n", found.text
+    ran = await tools.call("bash", {"command": "ls"})
+    assert (ran.text, ran.is_error) == ("exit code 0\na.py\n", False)
+    refused = await tools.call("bash", {"command": "wget http://127.0.0.1:9/"})
+    assert refused.is_error and refused.text.endswith("was refused: not on a weekday"), refused.text
+    assert asked == ["ask bash(wget:*)"]
+    assert refused.to_anthropic("toolu_1") == {
+        "type": "tool_result", "tool_use_id": "toolu_1", "content": refused.text, "is_error": True,
+    }
+    outside = await tools.call("write", {"path": "/etc/motd", "content": "x"})
+    assert "`mode workspace-write` forbids" in outside.text, outside.text
+    decisions = [(e["tool"], e["decision"]) for e in [await audit.__anext__() for _ in range(6)]]
+    assert decisions == [
+        ("write", "allowed"), ("edit", "allowed"), ("grep", "allowed"), ("bash", "allowed"),
+        ("bash", "refused"), ("write", "denied"),
+    ], decisions
 
 
 async def _read_or_empty(vm: krunbox.Instance, path: str) -> bytes:
@@ -121,5 +165,12 @@ def test_the_sync_api_runs_and_shuts_down() -> None:
             assert sum(len(chunk) for chunk in reader) == 100_001
         vm.remove("/tmp/streamed")
         assert "streamed" not in [e.name for e in vm.list_dir("/tmp")]
+        # The agent tools, blocking, with a plain approver.
+        tools = krunbox.sync.Toolbox(
+            vm, permissions={"rules": [{"ask": "bash"}]}, approver=lambda request: True
+        )
+        assert tools.call("bash", {"command": "hostname"}).text == "exit code 0\nlane-7\n"
+        bad = tools.call("read", {"path": 7})
+        assert bad.is_error and "invalid arguments for read" in bad.text, bad.text
     with pytest.raises(krunbox.InstanceGone):
         vm.run("true")

@@ -72,9 +72,12 @@ from .fs import HostDir, MemoryFs, Stat, VirtualFs
 from .images import Image, Images
 from .net import Answer, Flow, Network, Request, Secret, Verdict
 from .rootfs import BlockStore, DirectoryStore, MemoryStore, Rootfs
+from .tools import Toolbox, ToolResult
 
 __all__ = [
     "Sandbox",
+    "Toolbox",
+    "ToolResult",
     "Command",
     "Mounts",
     "Filesystem",

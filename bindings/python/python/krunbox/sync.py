@@ -9,11 +9,13 @@ while the VM works, so other threads go on)::
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 from . import images as _images
+from . import tools as _tools
 from . import (
     MAX_OUTPUT,
     _completed,
@@ -37,6 +39,7 @@ from . import (
 __all__ = [
     "Sandbox",
     "Instance",
+    "Toolbox",
     "Process",
     "FileReader",
     "FileWriter",
@@ -407,3 +410,28 @@ class Process:
     def resize(self, rows: int, cols: int) -> None:
         """Resizes its pty."""
         self._native.resize(rows, cols)
+
+
+class Toolbox:
+    """:class:`krunbox.tools.Toolbox` over an instance of this module: :meth:`call` waits here."""
+
+    def __init__(
+        self,
+        instance: Instance,
+        *,
+        workspace: str = "/",
+        permissions: Optional[Mapping[str, Any]] = None,
+        approver: Optional[_tools.Approver] = None,
+        output_cap: Optional[int] = None,
+    ) -> None:
+        self._native = _tools._native_toolbox(instance, workspace, permissions, approver, output_cap)
+
+    def definitions(self, format: str = "mcp") -> List[Dict[str, Any]]:
+        """The tools' definitions in ``format``: "mcp", "openai" or "anthropic"."""
+        result: List[Dict[str, Any]] = self._native.definitions(format)
+        return result
+
+    def call(self, name: str, arguments: Optional[Mapping[str, Any]] = None) -> _tools.ToolResult:
+        """Runs a model's call; bad arguments, refused permissions and failed commands are
+        results with ``is_error``."""
+        return self._native.call_blocking(name, json.dumps(arguments or {}))

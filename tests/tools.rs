@@ -450,5 +450,19 @@ async fn rules_reach_searches_and_stdin(vm: &Instance) {
     )
     .await;
     assert!(refused.contains("`deny bash(rm:*)` forbids"), "{refused}");
+    // Written in pieces, the line is decided whole.
+    ok(
+        &tools,
+        "process",
+        json!({"action": "write", "id": id, "input": "r"}),
+    )
+    .await;
+    let pieces = fails(
+        &tools,
+        "process",
+        json!({"action": "write", "id": id, "input": "m -rf /workspace\n"}),
+    )
+    .await;
+    assert!(pieces.contains("`deny bash(rm:*)` forbids"), "{pieces}");
     ok(&tools, "process", json!({"action": "kill", "id": id})).await;
 }

@@ -20,6 +20,11 @@ const MAX_EDITED: u64 = 16 * 1024 * 1024;
 /// Bytes `read` scans past the size the file had when it was opened: a file that keeps
 /// growing (a log, or a guest that serves an endless file) is read only this far.
 const GROWTH_READ: u64 = 1024 * 1024;
+/// Bytes `read` scans at most, whatever size the guest reports (a sparse file of an exabyte
+/// has no newline to find): lines past it are not reached.
+const MAX_SCANNED: u64 = 64 * 1024 * 1024;
+/// How long `read` may take in all (each chunk has the request timeout; this bounds the sum).
+const READ_DEADLINE: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Runs `read`: numbered lines from `offset`, at most `limit` of them and `cap` bytes.
 pub(crate) async fn read(vm: &Instance, path: &Path, args: &Read, cap: usize) -> ToolResult {
@@ -37,7 +42,8 @@ pub(crate) async fn read(vm: &Instance, path: &Path, args: &Read, cap: usize) ->
         Ok(file) => file,
         Err(err) => return ToolResult::error(err.to_string()),
     };
-    let mut reader = BufReader::with_capacity(64 * 1024, file.take(meta.len + GROWTH_READ));
+    let scanned = meta.len.saturating_add(GROWTH_READ).min(MAX_SCANNED);
+    let mut reader = BufReader::with_capacity(64 * 1024, file.take(scanned));
     match reader.fill_buf().await {
         Ok([]) => return ToolResult::ok(format!("{} is empty", path.display())),
         Ok(start) if start[..start.len().min(BINARY_SNIFF)].contains(&0) => {
@@ -53,9 +59,20 @@ pub(crate) async fn read(vm: &Instance, path: &Path, args: &Read, cap: usize) ->
     }
     let first = args.offset.unwrap_or(1).max(1);
     let limit = args.limit.unwrap_or(DEFAULT_LINES).max(1);
-    match numbered_lines(&mut reader, first, limit, cap).await {
-        Ok(shown) => ToolResult::ok(shown.render(path, first)),
-        Err(err) => ToolResult::error(format!("reading {}: {err}", path.display())),
+    let read = tokio::time::timeout(
+        READ_DEADLINE,
+        numbered_lines(&mut reader, first, limit, cap),
+    );
+    match read.await {
+        Ok(Ok(shown)) => ToolResult::ok(shown.render(path, first)),
+        Ok(Err(err)) => ToolResult::error(format!("reading {}: {err}", path.display())),
+        Err(_) => ToolResult::error(format!(
+            "reading {} took more than {}s (at most {} bytes of it are read): read a smaller \
+             range, or use bash (`sed -n`, `tail`)",
+            path.display(),
+            READ_DEADLINE.as_secs(),
+            count(MAX_SCANNED)
+        )),
     }
 }
 
@@ -273,15 +290,19 @@ pub(crate) fn apply(mut text: String, args: &Edit) -> Result<(String, usize), St
         if edit.old_string == edit.new_string {
             return Err(format!("edit {n}: old_string and new_string are the same"));
         }
-        let found = text.matches(edit.old_string.as_str()).count();
-        let grown = (found as u64).saturating_mul(edit.new_string.len() as u64);
-        if (text.len() as u64).saturating_add(grown) > MAX_EDITED {
+        let found = text.matches(edit.old_string.as_str()).count() as u64;
+        let removed = found.saturating_mul(edit.old_string.len() as u64);
+        let added = found.saturating_mul(edit.new_string.len() as u64);
+        let after = (text.len() as u64)
+            .saturating_sub(removed)
+            .saturating_add(added);
+        if after > MAX_EDITED {
             return Err(format!(
                 "edit {n}: the file would grow past {} bytes",
                 count(MAX_EDITED)
             ));
         }
-        match (found, edit.replace_all) {
+        match (found as usize, edit.replace_all) {
             (0, _) => {
                 return Err(format!(
                     "edit {n}: old_string was not found (it must match exactly, whitespace and \
@@ -295,7 +316,7 @@ pub(crate) fn apply(mut text: String, args: &Edit) -> Result<(String, usize), St
             }
             (1, _) | (_, true) => {
                 text = text.replace(edit.old_string.as_str(), &edit.new_string);
-                replacements += found;
+                replacements += found as usize;
             }
             (many, false) => {
                 return Err(format!(

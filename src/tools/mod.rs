@@ -205,17 +205,26 @@ impl Toolbox {
         // Input written to a background process is commands too (a shell reads it): the bash
         // rules decide it, or `process` would run what they refuse.
         let (ruled_as, subject, subject_text) = match (&call, &path) {
-            (ToolCall::Bash(bash), _) => (
-                "bash",
-                Subject::Command(&bash.command),
-                bash.command.clone(),
-            ),
+            (ToolCall::Bash(bash), _) => ("bash", None, bash.command.clone()),
             (ToolCall::Process(process), _) if process.action == ProcessAction::Write => {
                 let input = process.input.as_deref().unwrap_or("");
-                ("bash", Subject::Command(input), input.to_owned())
+                let line = match process.id {
+                    Some(id) => Jobs::line_with(&inner.jobs, id, input),
+                    None => input.to_owned(),
+                };
+                ("bash", None, line)
             }
-            (_, Some(path)) => (call.name(), Subject::Path(path), path.display().to_string()),
-            (_, None) => (call.name(), Subject::Nothing, String::new()),
+            (_, Some(path)) => (
+                call.name(),
+                Some(path.as_path()),
+                path.display().to_string(),
+            ),
+            (_, None) => (call.name(), None, String::new()),
+        };
+        let subject = match (ruled_as, subject) {
+            ("bash", _) => Subject::Command(&subject_text),
+            (_, Some(path)) => Subject::Path(path),
+            (_, None) => Subject::Nothing,
         };
         let verdict = inner
             .permissions

@@ -143,6 +143,9 @@ impl Default for Jobs {
 
 struct Job {
     command: String,
+    /// What was written to its stdin since the last newline: the start of a line the next
+    /// write may finish, which permission rules must see whole.
+    unfinished_line: Arc<Mutex<String>>,
     pid: u32,
     control: ChildControl,
     stdin: Arc<tokio::sync::Mutex<Option<ChildStdin>>>,
@@ -256,6 +259,7 @@ impl Jobs {
             id,
             Job {
                 command: args.command.clone(),
+                unfinished_line: Arc::default(),
                 pid,
                 control,
                 stdin,
@@ -284,6 +288,23 @@ impl Jobs {
         }
     }
 
+    /// The line a background process's stdin has begun and not ended, with `input` after it:
+    /// what the permission rules decide a `write` on (so `cu` then `rl x` is seen as `curl x`).
+    pub(crate) fn line_with(jobs: &Mutex<Jobs>, id: u32, input: &str) -> String {
+        let jobs = jobs.lock().unwrap_or_else(|p| p.into_inner());
+        let begun = jobs
+            .table
+            .get(&id)
+            .map(|job| {
+                job.unfinished_line
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clone()
+            })
+            .unwrap_or_default();
+        begun + input
+    }
+
     /// Runs the `process` tool.
     pub(crate) async fn act(jobs: &Mutex<Jobs>, args: &Process, cap: usize) -> ToolResult {
         if args.action == ProcessAction::List {
@@ -297,13 +318,13 @@ impl Jobs {
             jobs.table.get(&id).map(|job| {
                 (
                     job.log.clone(),
-                    job.stdin.clone(),
+                    (job.stdin.clone(), job.unfinished_line.clone()),
                     job.control.clone(),
                     job.pid,
                 )
             })
         };
-        let Some((log, stdin, control, pid)) = found else {
+        let Some((log, (stdin, unfinished_line), control, pid)) = found else {
             return ToolResult::error(format!(
                 "there is no background process {id}; the list action shows them"
             ));
@@ -317,7 +338,7 @@ impl Jobs {
                     log.status()
                 ))
             }
-            ProcessAction::Write => write_stdin(id, &stdin, args).await,
+            ProcessAction::Write => write_stdin(id, &stdin, &unfinished_line, args).await,
             ProcessAction::Kill => {
                 let _ = control.signal(libc::SIGKILL);
                 let deadline = tokio::time::Instant::now() + KILL_WAIT;
@@ -353,9 +374,14 @@ impl Jobs {
     }
 }
 
+/// The longest line written to a background process in pieces: past it, a write must end the
+/// line (the rules decide on the whole line, which must stay bounded).
+const MAX_UNFINISHED_LINE: usize = 64 * 1024;
+
 async fn write_stdin(
     id: u32,
     stdin: &tokio::sync::Mutex<Option<ChildStdin>>,
+    unfinished_line: &Mutex<String>,
     args: &Process,
 ) -> ToolResult {
     let mut stdin = stdin.lock().await;
@@ -365,6 +391,21 @@ async fn write_stdin(
     let input = args.input.as_deref().unwrap_or("");
     if input.is_empty() && !args.close_stdin {
         return ToolResult::error("`input` is required (or set close_stdin)");
+    }
+    let line = {
+        let begun = unfinished_line.lock().unwrap_or_else(|p| p.into_inner());
+        let joined = format!("{begun}{input}");
+        match joined.rfind('\n') {
+            Some(end) => joined[end + 1..].to_owned(),
+            None => joined,
+        }
+    };
+    if line.len() > MAX_UNFINISHED_LINE {
+        return ToolResult::error(format!(
+            "a line written to process {id} in pieces may be at most {} bytes: end it with a \
+             newline",
+            count(MAX_UNFINISHED_LINE as u64)
+        ));
     }
     let wrote = tokio::time::timeout(STDIN_WAIT, pipe.write_all(input.as_bytes())).await;
     match wrote {
@@ -377,6 +418,7 @@ async fn write_stdin(
             ))
         }
     }
+    *unfinished_line.lock().unwrap_or_else(|p| p.into_inner()) = line;
     if args.close_stdin {
         let _ = pipe.shutdown().await;
         *stdin = None;

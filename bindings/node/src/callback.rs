@@ -38,6 +38,7 @@ type Tsfn<A, R> = ThreadsafeFunction<A, Promise<R>, A, Status, false, true>;
 pub(crate) struct Callback<A: 'static + JsValuesTupleIntoVec, R: 'static + FromNapiValue> {
     function: Tsfn<A, R>,
     calls: Arc<Semaphore>,
+    deadline: std::time::Duration,
 }
 
 impl<A, R> Callback<A, R>
@@ -55,7 +56,18 @@ where
             .weak::<true>()
             .callee_handled::<false>()
             .build()?;
-        Ok(Callback { function, calls })
+        Ok(Callback {
+            function,
+            calls,
+            deadline: CALL_DEADLINE,
+        })
+    }
+
+    /// The same, with a deadline of its own instead of [`CALL_DEADLINE`] (an approver waits
+    /// for a person).
+    pub(crate) fn with_deadline(mut self, deadline: std::time::Duration) -> Self {
+        self.deadline = deadline;
+        self
     }
 
     /// Calls it with `argument` and waits for its Promise, at most [`CALL_DEADLINE`]; `Err`
@@ -71,9 +83,10 @@ where
                 .map_err(|e| e.reason.clone())?;
             promise.await.map_err(|e| e.reason.clone())
         };
-        tokio::time::timeout(CALL_DEADLINE, called)
+        let deadline = self.deadline;
+        tokio::time::timeout(deadline, called)
             .await
-            .unwrap_or_else(|_| Err(format!("it did not settle within {CALL_DEADLINE:?}")))
+            .unwrap_or_else(|_| Err(format!("it did not settle within {deadline:?}")))
     }
 }
 

@@ -98,9 +98,10 @@ impl NativeToolbox {
             builder = builder.output_cap(cap as usize);
         }
         if let Some(function) = approver {
-            builder = builder.approver(JsApprover {
-                callback: Callback::new(&function, calls_bound())?,
-            });
+            // A person may be asked: the toolbox's own approval deadline, not a callback's minute.
+            let callback = Callback::new(&function, calls_bound())?
+                .with_deadline(krunbox::tools::DEFAULT_APPROVAL_DEADLINE);
+            builder = builder.approver(JsApprover { callback });
         }
         Ok(NativeToolbox {
             inner: builder.build(),

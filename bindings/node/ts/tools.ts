@@ -21,7 +21,7 @@ export interface ApprovalRequest {
 
 /**
  * Answers `ask` rules: `true` runs the call; `false` or a reason (shown to the model) refuses
- * it. One that throws, rejects or takes longer than a minute refuses.
+ * it. One that throws, rejects or takes longer than 5 minutes refuses.
  */
 export type Approver = (request: ApprovalRequest) => boolean | string | PromiseLike<boolean | string>;
 

@@ -82,7 +82,7 @@ impl Toolbox {
     /// `permissions` is the JSON of `krunbox::tools::Permissions` (`{"mode": ..., "rules":
     /// [...]}`); `approver` is called for `ask` rules.
     #[new]
-    #[pyo3(signature = (instance, *, workspace = "/", permissions = None, approver = None, output_cap = None))]
+    #[pyo3(signature = (instance, *, workspace = "/", permissions = None, approver = None, output_cap = None, blocking = false))]
     fn new(
         py: Python<'_>,
         instance: &Instance,
@@ -90,6 +90,7 @@ impl Toolbox {
         permissions: Option<&str>,
         approver: Option<Py<PyAny>>,
         output_cap: Option<usize>,
+        blocking: bool,
     ) -> PyResult<Self> {
         let permissions: Permissions = match permissions {
             Some(json) => serde_json::from_str(json)
@@ -103,9 +104,12 @@ impl Toolbox {
             builder = builder.output_cap(cap);
         }
         if let Some(function) = approver {
-            // Coroutines run on the loop that made the toolbox (none under the sync API).
+            // Coroutines run on the loop that made the toolbox; under the sync API (whose calls
+            // block the thread a loop would run on) by `asyncio.run`.
             let event_loop = Arc::new(EventLoop::default());
-            event_loop.set(pyo3_async_runtimes::tokio::get_current_locals(py).ok());
+            if !blocking {
+                event_loop.set(pyo3_async_runtimes::tokio::get_current_locals(py).ok());
+            }
             let callable = Callable::new(function, event_loop, calls_bound());
             builder = builder.approver(PythonApprover {
                 callable: Arc::new(callable),

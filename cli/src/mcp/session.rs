@@ -36,8 +36,6 @@ struct Sandboxed {
     _place: tokio::sync::OwnedSemaphorePermit,
 }
 
-type Booted = Result<Sandboxed, String>;
-
 /// A session's handler (rmcp clones it; the clones share one sandbox).
 #[derive(Clone)]
 pub(crate) struct Session {
@@ -47,8 +45,9 @@ pub(crate) struct Session {
 struct Inner {
     definition: Arc<Definition>,
     /// Booted on the session's first need (or as soon as it is known to be a session: its
-    /// `initialized`), never for a handler rmcp makes and throws away (a discovery probe).
-    booted: tokio::sync::OnceCell<Booted>,
+    /// `initialized`), never for a handler rmcp makes and throws away (a discovery probe). A
+    /// failed boot is not kept: the next call tries again (another session may have ended).
+    booted: tokio::sync::OnceCell<Sandboxed>,
     /// The client, for `ask` rules (elicitation): set on its first call.
     peer: Arc<Mutex<Option<Peer<RoleServer>>>>,
 }
@@ -70,15 +69,17 @@ impl Session {
     pub(crate) fn boot_soon(&self) {
         let session = self.clone();
         tokio::spawn(async move {
-            session.booted().await;
+            if let Err(err) = session.booted().await {
+                tracing::warn!("an MCP session's sandbox did not boot: {err}");
+            }
         });
     }
 
-    async fn booted(&self) -> &Booted {
-        self.inner.booted.get_or_init(|| self.boot()).await
+    async fn booted(&self) -> Result<&Sandboxed, String> {
+        self.inner.booted.get_or_try_init(|| self.boot()).await
     }
 
-    async fn boot(&self) -> Booted {
+    async fn boot(&self) -> Result<Sandboxed, String> {
         let definition = &self.inner.definition;
         let place = definition
             .sessions
@@ -108,7 +109,7 @@ impl Session {
 
     /// Stops the sandbox now (its handler's drop would too; this waits for it).
     pub(crate) async fn stop(&self) {
-        if let Some(Ok(sandboxed)) = self.inner.booted.get() {
+        if let Some(sandboxed) = self.inner.booted.get() {
             shut_down(&sandboxed.vm).await;
         }
     }
@@ -129,7 +130,7 @@ impl Drop for Inner {
     /// The session ended (the client closed stdin, sent DELETE, or went away): the VM stops
     /// with it (killed, if no runtime is left to shut it down in).
     fn drop(&mut self) {
-        let Some(Ok(sandboxed)) = self.booted.take() else {
+        let Some(sandboxed) = self.booted.take() else {
             return;
         };
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
@@ -168,14 +169,14 @@ impl ServerHandler for Session {
         _request: Option<PaginatedRequestParams>,
         _context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, McpError> {
-        let tools = match self.booted().await {
-            Ok(sandboxed) => sandboxed.tools.definitions(),
-            // The model learns of the failed boot from its first call.
-            Err(_) => krunbox::tools::definitions(),
-        };
-        Ok(ListToolsResult::with_all_items(
-            tools.iter().map(to_mcp).collect(),
-        ))
+        // What the permissions offer: no VM needed to say it.
+        let permissions = &self.inner.definition.permissions;
+        let tools: Vec<Tool> = krunbox::tools::definitions()
+            .iter()
+            .filter(|tool| permissions.offers(tool.name))
+            .map(to_mcp)
+            .collect();
+        Ok(ListToolsResult::with_all_items(tools))
     }
 
     async fn call_tool(

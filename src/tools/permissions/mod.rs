@@ -153,15 +153,22 @@ impl Permissions {
         matches!(first, Some(Rule::Deny(p)) if matches!(p.target, Target::Any))
     }
 
-    /// Whether a rule (not the mode) denies `tool` on `path`: a search does not show what
-    /// such a rule keeps from `read` or from the search itself.
+    /// Whether a path rule (not a bare rule, not the mode) denies `tool` on `path`: a search
+    /// does not show what such a rule keeps from `read` or from the search itself.
     pub(crate) fn rule_denies(&self, tool: &str, path: &Path) -> bool {
         let subject = Subject::Path(path);
         let first = self.rules.iter().find_map(|rule| {
             let (action, pattern) = rule.parts();
-            pattern.matches(tool, &subject, action).then_some(action)
+            let by_path = matches!(pattern.target, Target::Path { .. });
+            (by_path && pattern.matches(tool, &subject, action)).then_some(action)
         });
         first == Some(Action::Deny)
+    }
+
+    /// Whether a tool is offered at all (see [`Toolbox::definitions`](super::Toolbox)): not
+    /// when the first rule naming it (or `*`) is a bare `deny`.
+    pub fn offers(&self, tool: &str) -> bool {
+        !self.refuses_outright(tool)
     }
 
     pub(crate) fn decide(&self, tool: &str, subject: &Subject<'_>, workspace: &Path) -> Verdict {
@@ -482,6 +489,7 @@ mod tests {
         assert!(!p.refuses_outright("read"));
         assert!(rules(&["deny *", "allow read"], Mode::FullAccess).refuses_outright("read"));
         assert!(p.rule_denies("read", Path::new("/secret/key")));
+        assert!(!rules(&["deny read"], Mode::FullAccess).rule_denies("read", Path::new("/a")));
         assert!(!p.rule_denies("read", Path::new("/public/key")));
     }
 

@@ -424,7 +424,9 @@ class Toolbox:
         approver: Optional[_tools.Approver] = None,
         output_cap: Optional[int] = None,
     ) -> None:
-        self._native = _tools._native_toolbox(instance, workspace, permissions, approver, output_cap)
+        self._native = _tools._native_toolbox(
+            instance, workspace, permissions, approver, output_cap, blocking=True
+        )
 
     def definitions(self, format: str = "mcp") -> List[Dict[str, Any]]:
         """The tools' definitions in ``format``: "mcp", "openai" or "anthropic"."""

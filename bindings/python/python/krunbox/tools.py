@@ -26,6 +26,8 @@ mode; ``ask`` calls your approver::
 The approver gets ``{"tool", "arguments", "rule"}`` and returns ``True`` (run it), ``False`` or a
 reason (a string: refused, and the model reads why), or a coroutine of one. One that raises
 refuses (logged on the ``krunbox`` logger), and so does one that takes more than 5 minutes.
+Coroutine approvers run on the event loop that made the toolbox (under :mod:`krunbox.sync`, by
+``asyncio.run``).
 :class:`krunbox.sync.Toolbox` is the same without ``await``. docs/tools.md has every tool.
 """
 
@@ -50,6 +52,7 @@ def _native_toolbox(
     permissions: Optional[Mapping[str, Any]],
     approver: Optional[Approver],
     output_cap: Optional[int],
+    blocking: bool = False,
 ) -> _krunbox.Toolbox:
     return _krunbox.Toolbox(
         instance._native,
@@ -57,6 +60,7 @@ def _native_toolbox(
         permissions=None if permissions is None else json.dumps(permissions),
         approver=approver,
         output_cap=output_cap,
+        blocking=blocking,
     )
 
 

@@ -44,7 +44,8 @@ pub(crate) async fn foreground(vm: &Instance, args: &Bash, cwd: &Path, cap: usiz
     let stdout = child.stdout.take();
     let stderr = child.stderr.take();
     let ended = async {
-        tokio::join!(pump(stdout, output.clone()), pump(stderr, output.clone()));
+        let keep = |bytes: &[u8]| output.lock().unwrap_or_else(|p| p.into_inner()).push(bytes);
+        tokio::join!(pump(stdout, keep), pump(stderr, keep));
         child.wait().await
     };
     let status = tokio::time::timeout(timeout + END_GRACE, ended).await;
@@ -96,29 +97,16 @@ fn describe(status: ExitStatus) -> String {
     }
 }
 
-async fn pump(stream: Option<impl AsyncRead + Unpin>, into: Arc<Mutex<HeadTail>>) {
+/// Reads `stream` to its end, giving each chunk to `keep` (a foreground command's head and
+/// tail, a background process's log): one reader for both.
+async fn pump(stream: Option<impl AsyncRead + Unpin>, mut keep: impl FnMut(&[u8])) {
     let Some(mut stream) = stream else { return };
     let mut buf = vec![0u8; 16 * 1024];
     while let Ok(n) = stream.read(&mut buf).await {
         if n == 0 {
             break;
         }
-        into.lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(&buf[..n]);
-    }
-}
-
-async fn pump_log(stream: Option<impl AsyncRead + Unpin>, log: Arc<Mutex<Log>>) {
-    let Some(mut stream) = stream else { return };
-    let mut buf = vec![0u8; 16 * 1024];
-    while let Ok(n) = stream.read(&mut buf).await {
-        if n == 0 {
-            break;
-        }
-        log.lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(&buf[..n]);
+        keep(&buf[..n]);
     }
 }
 
@@ -242,10 +230,13 @@ impl Jobs {
         let task_log = log.clone();
         let task = tokio::spawn(async move {
             let _permit = permit;
-            tokio::join!(
-                pump_log(stdout, task_log.clone()),
-                pump_log(stderr, task_log.clone())
-            );
+            let keep = |bytes: &[u8]| {
+                task_log
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(bytes)
+            };
+            tokio::join!(pump(stdout, keep), pump(stderr, keep));
             let end = match child.wait().await {
                 Ok(status) => describe(status),
                 Err(err) => format!("lost: {err}"),

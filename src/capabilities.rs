@@ -298,7 +298,12 @@ fn image_states(cache: &Path) -> Vec<(BuiltinImage, ImageState)> {
                 },
                 Ok(Some(manifest)) => {
                     let path = krunbox_rootfs::image_path(cache, image);
-                    match crate::rootfs::verify(&path, &manifest.format, &manifest.sha256) {
+                    match crate::rootfs::verify(
+                        &path,
+                        &manifest.format,
+                        &manifest.sha256,
+                        Some(&crate::rootfs::seal::seals_dir(cache)),
+                    ) {
                         Ok(v) => ImageState::Ready { sha256: v.sha256 },
                         Err(e) => ImageState::Broken {
                             reason: e.to_string(),

@@ -428,7 +428,7 @@ fn three_instances_of_one_definition_run_at_once() {
 }
 
 #[test]
-fn an_image_with_one_flipped_byte_is_refused_before_boot() {
+fn an_image_with_one_flipped_byte_is_refused_before_boot_also_after_it_was_sealed() {
     common::run(async {
         let cache = krunbox::cache_dir();
         let manifest = krunbox_rootfs::load(&cache, BuiltinImage::Busybox)
@@ -446,8 +446,7 @@ fn an_image_with_one_flipped_byte_is_refused_before_boot() {
             .rootfs(Rootfs::image(&copy, "erofs", &manifest.sha256))
             .build()
             .unwrap();
-        let started = Instant::now();
-        match sandbox.boot().await {
+        let refused = |result: krunbox::Result<krunbox::Instance>| match result {
             Err(Error::ImageDigestMismatch {
                 expected, actual, ..
             }) => {
@@ -455,16 +454,32 @@ fn an_image_with_one_flipped_byte_is_refused_before_boot() {
                 assert_ne!(actual, manifest.sha256);
             }
             other => panic!("expected ImageDigestMismatch, got {other:?}"),
-        }
+        };
+        let started = Instant::now();
+        refused(sandbox.boot().await);
         // Refused before any VM started: far quicker than a boot.
         assert!(started.elapsed() < Duration::from_secs(5));
 
-        // The unmodified bytes under the same expected digest do boot.
+        // The unmodified bytes under the same expected digest do boot; once the file's change
+        // time has settled, the boot seals the digest to the file's state.
         bytes[middle] ^= 0x01;
         std::fs::write(&copy, &bytes).unwrap();
+        tokio::time::sleep(Duration::from_millis(3100)).await;
         let vm = sandbox.boot().await.expect("the restored image boots");
         assert!(vm.command("true").status().await.unwrap().success());
         vm.shutdown().await.unwrap();
+
+        // Tampered in place after the seal, its modification time put back: still refused, by
+        // this process (which remembers the seal) and before the guest runs.
+        let modified = std::fs::metadata(&copy).unwrap().modified().unwrap();
+        let file = std::fs::OpenOptions::new().write(true).open(&copy).unwrap();
+        std::os::unix::fs::FileExt::write_all_at(&file, &[bytes[middle] ^ 0x01], middle as u64)
+            .unwrap();
+        file.set_modified(modified).unwrap();
+        drop(file);
+        let started = Instant::now();
+        refused(sandbox.boot().await);
+        assert!(started.elapsed() < Duration::from_secs(5));
     });
 }
 

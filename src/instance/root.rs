@@ -26,6 +26,9 @@ pub(super) struct RootPart {
     persistent: Option<rootfs::PersistentLayer>,
     /// The image, verified against its digest, held open: the helper gets this very file.
     pub image: rootfs::VerifiedImage,
+    /// How long making the current attempt's layer took (an ephemeral root's runs mke2fs):
+    /// host work of the boot's, as preparing the parts is.
+    pub layer_work: std::time::Duration,
 }
 
 impl RootPart {
@@ -38,7 +41,8 @@ impl RootPart {
         let image = tokio::task::spawn_blocking(move || {
             let mut progress = |line: &str| tracing::info!(target: "krunbox::image", "{line}");
             let (path, fstype, sha256) = rootfs::resolve(&rootfs_def, &cache_dir, &mut progress)?;
-            rootfs::verify(&path, &fstype, &sha256)
+            let seals = rootfs::seal::seals_dir(&cache_dir);
+            rootfs::verify(&path, &fstype, &sha256, Some(&seals))
         })
         .await
         .map_err(|e| Error::io("verifying the root image")(std::io::Error::other(e)))??;
@@ -66,6 +70,7 @@ impl RootPart {
             cow,
             persistent,
             image,
+            layer_work: std::time::Duration::ZERO,
         })
     }
 
@@ -114,6 +119,7 @@ impl RootPart {
     /// retried boot starts from the image again (formatting it runs mke2fs, off the async
     /// threads); a persistent one is opened (and locked) once and handed to each attempt.
     pub async fn next_layer(&mut self, config: &SandboxConfig) -> Result<()> {
+        let making = std::time::Instant::now();
         self.guard.layer = match (config.rootfs.layer_quota(), &self.cow) {
             (Some(quota), _) => Some(rootfs::Layer::Memory(
                 tokio::task::spawn_blocking(move || rootfs::MemoryLayer::create(quota))
@@ -123,6 +129,7 @@ impl RootPart {
             (None, Some(cow)) => Some(rootfs::Layer::Cow(cow.clone())),
             (None, None) => self.persistent.take().map(rootfs::Layer::Persistent),
         };
+        self.layer_work = making.elapsed();
         Ok(())
     }
 

@@ -2,10 +2,11 @@
 //! writable layer a writable root keeps its changes on (`layer.rs`, `persistent.rs`, `cow.rs`
 //! over a [`BlockStore`] of `store/`).
 //!
-//! Every root image is identified by its SHA-256. Before each boot the image file is opened,
-//! hashed, and compared with the expected digest; the *same open file descriptor* is then handed
+//! Every root image is identified by its SHA-256. Before each boot the image file is opened and
+//! its digest compared with the expected one; the *same open file descriptor* is then handed
 //! to the VMM, so a path swapped after the check cannot substitute another file. A mismatch
-//! refuses the boot ([`Error::ImageDigestMismatch`]).
+//! refuses the boot ([`Error::ImageDigestMismatch`]). The digest is computed once per state of
+//! the file and sealed to it (`seal.rs`), so a boot's work does not grow with the image.
 
 use std::fs::File;
 use std::io::Read;
@@ -24,6 +25,7 @@ pub(crate) mod fuzz;
 mod image_config;
 pub(crate) mod layer;
 pub(crate) mod persistent;
+pub(crate) mod seal;
 pub(crate) mod served;
 pub(crate) mod store;
 
@@ -509,69 +511,17 @@ pub(crate) fn dir_of(path: &Path) -> &Path {
         .unwrap_or(Path::new("."))
 }
 
-/// The most images whose digests [`digest_of`] remembers.
-const MAX_REMEMBERED_DIGESTS: usize = 64;
-
-/// What identifies one state of an inode: its device and number, size, and modification and
-/// change times (seconds, nanoseconds). Any write, truncation or attribute change moves the
-/// ctime, which no caller can set back.
-type InodeStamp = (u64, u64, u64, (i64, i64), (i64, i64));
-
-/// Digests this process computed, by the stamp of the inode they were computed for.
-static DIGESTS: std::sync::Mutex<Vec<(InodeStamp, String)>> = std::sync::Mutex::new(Vec::new());
-
-/// The SHA-256 of the open `file`: hashed, unless this process hashed the same inode in the
-/// same state before (a boot of the agent image hashed 450 MiB each time, seconds under the
-/// nested emulation the tests run in). Only a state whose ctime lies two seconds back is
-/// remembered: a filesystem's timestamps may be as coarse as the kernel's tick, so a write
-/// in the same tick as the hash could leave the ctime it had (git does the same with its
-/// index). Returns the digest, and whether it was hashed now.
-fn digest_of(file: &mut File) -> std::io::Result<(String, bool)> {
-    use std::os::unix::fs::MetadataExt;
-    // Read before the stamp: a hash can take seconds, and "settled" is about the stamp.
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |since| since.as_secs() as i64);
-    let stamp_of = |file: &File| -> std::io::Result<InodeStamp> {
-        let meta = file.metadata()?;
-        Ok((
-            meta.dev(),
-            meta.ino(),
-            meta.size(),
-            (meta.mtime(), meta.mtime_nsec()),
-            (meta.ctime(), meta.ctime_nsec()),
-        ))
-    };
-    let stamp = stamp_of(file)?;
-    let digests = || {
-        DIGESTS
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    };
-    if let Some((_, digest)) = digests().iter().find(|(known, _)| *known == stamp) {
-        return Ok((digest.clone(), false));
-    }
-    let digest = sha256_hex(&mut *file)?;
-    // Remembered only if nothing changed the inode while it was hashed, and its ctime was
-    // settled before the hash began.
-    let settled = (stamp.4).0 < now - 2;
-    if settled && stamp_of(file)? == stamp {
-        let mut known = digests();
-        known.retain(|(other, _)| (other.0, other.1) != (stamp.0, stamp.1));
-        if known.len() >= MAX_REMEMBERED_DIGESTS {
-            known.remove(0);
-        }
-        known.push((stamp, digest.clone()));
-    }
-    Ok((digest, true))
-}
-
-/// Opens `path`, hashes the open file (unless this process hashed the same unchanged inode
-/// before: [`digest_of`]), and fails closed on a mismatch.
-pub(crate) fn verify(path: &Path, fstype: &str, expected: &str) -> Result<VerifiedImage> {
+/// Opens `path`, hashes the open file (unless this process or a seal in `seals` knows the
+/// digest of the same unchanged inode: [`seal::digest_of`]), and fails closed on a mismatch.
+pub(crate) fn verify(
+    path: &Path,
+    fstype: &str,
+    expected: &str,
+    seals: Option<&Path>,
+) -> Result<VerifiedImage> {
     let mut file =
         File::open(path).map_err(Error::io(format!("opening root image {}", path.display())))?;
-    let (actual, _) = digest_of(&mut file)
+    let (actual, _) = seal::digest_of(&mut file, seals)
         .map_err(Error::io(format!("reading root image {}", path.display())))?;
     if !actual.eq_ignore_ascii_case(expected) {
         return Err(Error::ImageDigestMismatch {
@@ -616,11 +566,11 @@ mod tests {
             .write_all(b"abc")
             .unwrap();
         let good = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad";
-        let verified = verify(&path, "erofs", good).unwrap();
+        let verified = verify(&path, "erofs", good, None).unwrap();
         assert_eq!(verified.sha256, good);
 
         std::fs::write(&path, b"abd").unwrap();
-        match verify(&path, "erofs", good) {
+        match verify(&path, "erofs", good, None) {
             Err(Error::ImageDigestMismatch {
                 expected, actual, ..
             }) => {
@@ -630,30 +580,8 @@ mod tests {
             other => panic!("expected a digest mismatch, got {other:?}"),
         }
         assert!(matches!(
-            verify(&dir.path().join("missing"), "erofs", good),
+            verify(&dir.path().join("missing"), "erofs", good, None),
             Err(Error::Io { .. })
         ));
-    }
-
-    #[test]
-    fn a_digest_is_remembered_only_for_the_same_settled_inode() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("img");
-        std::fs::write(&path, b"abc").unwrap();
-        let digest = |path: &Path| digest_of(&mut File::open(path).unwrap()).unwrap();
-        // Just written: hashed each time (a write in the same tick could keep the ctime).
-        assert!(digest(&path).1);
-        assert!(digest(&path).1);
-        std::thread::sleep(std::time::Duration::from_millis(3100));
-        let (first, hashed) = digest(&path);
-        assert!(hashed);
-        assert_eq!(digest(&path), (first.clone(), false), "remembered");
-        // The same bytes written again change the ctime: hashed again.
-        std::fs::write(&path, b"abc").unwrap();
-        assert_eq!(digest(&path), (first.clone(), true));
-        std::fs::write(&path, b"abd").unwrap();
-        let (changed, hashed) = digest(&path);
-        assert!(hashed);
-        assert_ne!(changed, first);
     }
 }

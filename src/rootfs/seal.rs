@@ -1,0 +1,276 @@
+//! An image's digest, computed once per state of its file and then relied on: the work a boot
+//! does to prove its image is O(1), whatever the image's size.
+//!
+//! Hashing the 228 MB agent image takes 0.15 s with SHA extensions and over a second without
+//! (several whole boots on real hardware), so a digest is computed once and sealed to the
+//! state of the inode it was computed for: its device and number, size, and modification and
+//! change times. The kernel moves an inode's ctime on every write, truncation, mapping write
+//! or attribute change, and no caller without the power to set the system clock can set it
+//! back; a file whose stamp is unchanged has the bytes it was hashed with.
+//!
+//! Seals live in this process (the fast path) and in `seals/` of the library's cache, one
+//! small file per inode, so a fresh process boots without hashing either. A seal is as
+//! trustworthy as the cache directory it is kept in, which also holds the built-in images'
+//! recorded digests and the helper's artifacts (docs/security.md). Anything unexpected in a
+//! seal file (a stamp that differs, bytes that do not parse, a file over its bound) means
+//! "not sealed": the image is hashed again, never trusted.
+//!
+//! fs-verity would let the kernel check every page as the guest reads it, but few filesystems
+//! in use have it on; the stamp works on all of them.
+
+use std::fs::File;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+/// The most images whose digests this process remembers.
+const MAX_REMEMBERED_DIGESTS: usize = 64;
+
+/// A seal file's size bound: a line of a few numbers and a digest.
+const MAX_SEAL_BYTES: u64 = 512;
+
+/// The first word of a seal file: its format.
+const SEAL_FORMAT: &str = "krunbox-seal-1";
+
+/// One state of an inode: device and number, size, and modification and change times
+/// (seconds, nanoseconds).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct InodeStamp {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+impl InodeStamp {
+    pub(crate) fn of(file: &File) -> std::io::Result<InodeStamp> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = file.metadata()?;
+        Ok(InodeStamp {
+            dev: meta.dev(),
+            ino: meta.ino(),
+            size: meta.size(),
+            mtime: (meta.mtime(), meta.mtime_nsec()),
+            ctime: (meta.ctime(), meta.ctime_nsec()),
+        })
+    }
+
+    /// The seal file's line for this stamp and `digest`.
+    fn line(&self, digest: &str) -> String {
+        format!(
+            "{SEAL_FORMAT} {} {} {} {}.{} {}.{} {digest}\n",
+            self.dev, self.ino, self.size, self.mtime.0, self.mtime.1, self.ctime.0, self.ctime.1
+        )
+    }
+
+    /// The digest a seal file's `text` records for exactly this stamp, if it does.
+    fn sealed_digest(&self, text: &str) -> Option<String> {
+        let fields: Vec<&str> = text.strip_suffix('\n')?.split(' ').collect();
+        let [format, dev, ino, size, mtime, ctime, digest] = fields[..] else {
+            return None;
+        };
+        let time = |word: &str| -> Option<(i64, i64)> {
+            let (seconds, nanos) = word.split_once('.')?;
+            Some((seconds.parse().ok()?, nanos.parse().ok()?))
+        };
+        let recorded = InodeStamp {
+            dev: dev.parse().ok()?,
+            ino: ino.parse().ok()?,
+            size: size.parse().ok()?,
+            mtime: time(mtime)?,
+            ctime: time(ctime)?,
+        };
+        let well_formed = format == SEAL_FORMAT
+            && digest.len() == 64
+            && digest
+                .bytes()
+                .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+        (well_formed && recorded == *self).then(|| digest.to_string())
+    }
+
+    /// Whether this state's ctime lies far enough back to be sealed: a filesystem's timestamps
+    /// may be as coarse as the kernel's tick, so a write in the same tick as the hash could
+    /// leave the ctime it had (git does the same with its index).
+    fn settled_before(&self, seconds_since_epoch: i64) -> bool {
+        self.ctime.0 < seconds_since_epoch - 2
+    }
+}
+
+/// Digests this process computed, by the stamp of the inode they were computed for.
+static DIGESTS: std::sync::Mutex<Vec<(InodeStamp, String)>> = std::sync::Mutex::new(Vec::new());
+
+fn remembered() -> std::sync::MutexGuard<'static, Vec<(InodeStamp, String)>> {
+    DIGESTS
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn remember(stamp: InodeStamp, digest: &str) {
+    let mut known = remembered();
+    known.retain(|(other, _)| (other.dev, other.ino) != (stamp.dev, stamp.ino));
+    if known.len() >= MAX_REMEMBERED_DIGESTS {
+        known.remove(0);
+    }
+    known.push((stamp, digest.to_string()));
+}
+
+/// Where seals are kept: `seals/` in the library's cache directory.
+pub(crate) fn seals_dir(cache_dir: &Path) -> PathBuf {
+    cache_dir.join("seals")
+}
+
+fn seal_path(seals: &Path, stamp: &InodeStamp) -> PathBuf {
+    seals.join(format!("{}-{}", stamp.dev, stamp.ino))
+}
+
+/// The digest `seals` holds for `stamp`, if any (anything unexpected reads as none).
+fn read_seal(seals: &Path, stamp: &InodeStamp) -> Option<String> {
+    let file = File::open(seal_path(seals, stamp)).ok()?;
+    let mut text = String::new();
+    file.take(MAX_SEAL_BYTES).read_to_string(&mut text).ok()?;
+    stamp.sealed_digest(&text)
+}
+
+/// Records `digest` for `stamp` in `seals`, replacing the inode's earlier seal at once (a
+/// reader sees the old file or the new, never half of one). Best effort: a boot that cannot
+/// seal just hashes again next time.
+fn write_seal(seals: &Path, stamp: &InodeStamp, digest: &str) {
+    let written = (|| -> std::io::Result<()> {
+        std::fs::create_dir_all(seals)?;
+        let mut temp = tempfile::NamedTempFile::new_in(seals)?;
+        std::io::Write::write_all(&mut temp, stamp.line(digest).as_bytes())?;
+        temp.persist(seal_path(seals, stamp))?;
+        Ok(())
+    })();
+    if let Err(e) = written {
+        tracing::debug!(seals = %seals.display(), "could not record an image's seal: {e}");
+    }
+}
+
+/// How [`digest_of`] came by a digest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Provenance {
+    /// Hashed now.
+    Hashed,
+    /// Remembered by this process for this very state of the file.
+    Remembered,
+    /// Read from a seal in the cache for this very state of the file.
+    Sealed,
+}
+
+/// The SHA-256 of the open `file`: hashed, unless this process or a seal in `seals` knows the
+/// digest of the same inode in the same state. A state is sealed only if nothing changed the
+/// inode while it was hashed and its ctime had settled before the hash began.
+pub(crate) fn digest_of(
+    file: &mut File,
+    seals: Option<&Path>,
+) -> std::io::Result<(String, Provenance)> {
+    // Read before the stamp: a hash can take seconds, and "settled" is about the stamp.
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_secs() as i64);
+    let stamp = InodeStamp::of(file)?;
+    if let Some((_, digest)) = remembered().iter().find(|(known, _)| *known == stamp) {
+        return Ok((digest.clone(), Provenance::Remembered));
+    }
+    if let Some(digest) = seals.and_then(|seals| read_seal(seals, &stamp)) {
+        remember(stamp, &digest);
+        return Ok((digest, Provenance::Sealed));
+    }
+    let digest = super::sha256_hex(&mut *file)?;
+    if stamp.settled_before(now) && InodeStamp::of(file)? == stamp {
+        remember(stamp, &digest);
+        if let Some(seals) = seals {
+            write_seal(seals, &stamp, &digest);
+        }
+    }
+    Ok((digest, Provenance::Hashed))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn forget_all() {
+        remembered().clear();
+    }
+
+    /// A ctime cannot be set back, so a test waits for its file's to settle.
+    fn settle() {
+        std::thread::sleep(std::time::Duration::from_millis(3100));
+    }
+
+    #[test]
+    fn a_digest_is_sealed_only_for_the_same_settled_inode_and_read_back_by_a_fresh_process() {
+        let dir = tempfile::tempdir().unwrap();
+        let seals = dir.path().join("seals");
+        let path = dir.path().join("img");
+        std::fs::write(&path, b"abc").unwrap();
+        let digest = |path: &Path| digest_of(&mut File::open(path).unwrap(), Some(&seals)).unwrap();
+        // Just written: hashed each time (a write in the same tick could keep the ctime).
+        assert_eq!(digest(&path).1, Provenance::Hashed);
+        assert_eq!(digest(&path).1, Provenance::Hashed);
+        settle();
+        let (first, how) = digest(&path);
+        assert_eq!(how, Provenance::Hashed);
+        assert_eq!(digest(&path), (first.clone(), Provenance::Remembered));
+        // A fresh process has only the seal on disk.
+        forget_all();
+        assert_eq!(digest(&path), (first.clone(), Provenance::Sealed));
+        // The same bytes written again change the ctime: hashed again, not sealed.
+        std::fs::write(&path, b"abc").unwrap();
+        forget_all();
+        assert_eq!(digest(&path), (first.clone(), Provenance::Hashed));
+        // Tampered, with its modification time put back: the ctime still gives it away.
+        settle();
+        assert_eq!(digest(&path).1, Provenance::Hashed, "sealed again");
+        let mtime = std::fs::metadata(&path).unwrap().modified().unwrap();
+        std::fs::write(&path, b"abd").unwrap();
+        File::options()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_modified(mtime)
+            .unwrap();
+        forget_all();
+        let (changed, how) = digest(&path);
+        assert_eq!(how, Provenance::Hashed);
+        assert_ne!(changed, first);
+    }
+
+    #[test]
+    fn a_seal_file_that_is_damaged_or_for_another_state_is_not_trusted() {
+        let stamp = InodeStamp {
+            dev: 2049,
+            ino: 77,
+            size: 3,
+            mtime: (1_700_000_000, 5),
+            ctime: (1_700_000_001, 999_999_999),
+        };
+        let digest = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad";
+        let line = stamp.line(digest);
+        assert_eq!(stamp.sealed_digest(&line).as_deref(), Some(digest));
+        let other = InodeStamp {
+            ctime: (1_700_000_002, 0),
+            ..stamp
+        };
+        assert_eq!(
+            other.sealed_digest(&line),
+            None,
+            "another state of the inode"
+        );
+        for damaged in [
+            String::new(),
+            line.trim_end().to_string(),
+            line.replace(SEAL_FORMAT, "krunbox-seal-0"),
+            line.replace(digest, &digest.to_uppercase()),
+            line.replace(digest, &digest[1..]),
+            line.replace(" 77 ", " 77x "),
+            line.replace(" 3 ", " -3 "),
+            format!("{line}{line}"),
+            line.replace(' ', "  "),
+        ] {
+            assert_eq!(stamp.sealed_digest(&damaged), None, "{damaged:?}");
+        }
+    }
+}

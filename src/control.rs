@@ -272,6 +272,22 @@ struct State {
     fs: HashMap<u32, (oneshot::Sender<FsReply>, OwnedSemaphorePermit)>,
     /// Set once the channel is unusable; new processes fail with this reason.
     gone: Option<Gone>,
+    /// Set while the VM is paused: new processes and file requests fail with
+    /// [`Error::Paused`], and the liveness check waits.
+    paused: bool,
+}
+
+impl State {
+    /// Whether new work may start: not once the channel is gone, nor while the VM is paused.
+    fn usable(&self) -> Result<()> {
+        if let Some(reason) = &self.gone {
+            return Err(reason.error());
+        }
+        if self.paused {
+            return Err(Error::Paused);
+        }
+        Ok(())
+    }
 }
 
 /// A live control channel.
@@ -540,6 +556,18 @@ impl Control {
         self.hung.notify_one();
     }
 
+    /// Marks the VM paused (or running again). While paused, new processes and file requests
+    /// fail with [`Error::Paused`] and the liveness check sends no pings and blames no
+    /// silence; from resuming on, it starts a new round.
+    pub fn set_paused(&self, paused: bool) {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).paused = paused;
+    }
+
+    /// Whether the VM is marked paused.
+    pub fn is_paused(&self) -> bool {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).paused
+    }
+
     /// Why the channel is unusable, if it is.
     pub fn gone(&self) -> Option<Gone> {
         self.state
@@ -552,9 +580,7 @@ impl Control {
     /// Registers process `id` (before its Exec is sent, so no message can outrun the slot).
     pub fn register(&self, id: u32) -> Result<ProcessChannels> {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(reason) = &state.gone {
-            return Err(reason.error());
-        }
+        state.usable()?;
         // A slot lives until the guest reports the process ended: a guest that never does
         // cannot make the host track processes without bound.
         if state.procs.len() >= self.limits.max_processes {
@@ -620,9 +646,7 @@ impl Control {
     /// [`Error::TooMany`] when [`Limits::max_pending_file_requests`] requests already wait.
     pub fn register_fs(&self, id: u32) -> Result<oneshot::Receiver<FsReply>> {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(reason) = &state.gone {
-            return Err(reason.error());
-        }
+        state.usable()?;
         let slot = self
             .fs_slots
             .clone()
@@ -676,6 +700,11 @@ async fn watch_liveness(control: Weak<Control>, liveness: Liveness) {
         // than blame the guest.
         let starved = now.duration_since(last_wake) > liveness.interval * 2;
         last_wake = now;
+        if control.is_paused() {
+            // A paused VM answers nothing: no ping, no blame, and a new round on resuming.
+            silent = None;
+            continue;
+        }
         let reads = control.reads.load(Ordering::Relaxed);
         match silent {
             // Heard from (or we cannot tell): a new round with a new ping.
@@ -948,6 +977,42 @@ mod tests {
             .expect("declared hung once silent")
             .unwrap();
         assert!(quiet.elapsed() <= TIMEOUT + Liveness::new(TIMEOUT).interval);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_paused_guest_is_neither_pinged_nor_called_hung_and_new_work_is_refused() {
+        let s = setup();
+        let mut process = s.control.register(1).unwrap();
+        tokio::time::sleep(TIMEOUT).await;
+        s.answer.store(false, Ordering::SeqCst);
+        s.control.set_paused(true);
+        let pinged = s.pings.load(Ordering::SeqCst);
+        // Ten timeouts of silence while paused: no ping sent, nothing declared.
+        tokio::time::sleep(TIMEOUT * 10).await;
+        assert!(s.control.gone().is_none());
+        assert!(
+            s.pings.load(Ordering::SeqCst) <= pinged + 1,
+            "pings while paused"
+        );
+        assert!(matches!(s.control.register(2).err(), Some(Error::Paused)));
+        assert!(matches!(
+            s.control.register_fs(3).err(),
+            Some(Error::Paused)
+        ));
+        assert!(
+            process.end.try_recv().is_err(),
+            "a running process stays pending"
+        );
+        // Resumed: checked again from a new round, so a guest still silent is declared hung
+        // within the bound.
+        s.control.set_paused(false);
+        let resumed = Instant::now();
+        tokio::time::timeout(TIMEOUT * 3, process.end)
+            .await
+            .expect("declared hung once silent after the resume")
+            .unwrap();
+        assert!(resumed.elapsed() <= TIMEOUT + Liveness::new(TIMEOUT).interval);
+        assert!(resumed.elapsed() >= TIMEOUT - Liveness::new(TIMEOUT).interval);
     }
 
     #[tokio::test(start_paused = true)]

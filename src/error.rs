@@ -255,6 +255,10 @@ pub enum Error {
         /// The [`Limits`](crate::Limits) setting that raises it.
         knob: &'static str,
     },
+    /// The instance is paused ([`Instance::pause`](crate::Instance::pause)): new commands and
+    /// file operations are refused until it is resumed. Nothing was sent to the guest.
+    #[error("the sandbox instance is paused: resume it (Instance::resume) before starting commands or file operations")]
+    Paused,
     /// The command was cancelled through its [`CancellationToken`](tokio_util::sync::CancellationToken);
     /// its process group was killed.
     #[error("the command was cancelled; its process group was killed")]
@@ -333,6 +337,7 @@ impl Error {
             Error::RequestTimeout { .. } => "RequestTimeout",
             Error::OutputLimitExceeded { .. } => "OutputLimitExceeded",
             Error::TooMany { .. } => "TooMany",
+            Error::Paused => "Paused",
             Error::Cancelled => "Cancelled",
             Error::Io { .. } => "Io",
         }

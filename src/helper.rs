@@ -196,6 +196,30 @@ impl VmmProcess {
         tokio::time::timeout(deadline, fd.readable()).await.is_ok()
     }
 
+    /// Sends `signal` to the process through its pidfd (never to another process that reused
+    /// its pid); where it could not be watched, by pid.
+    pub(crate) fn signal(&self, pid: u32, signal: libc::c_int) -> std::io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let sent = match &self.0 {
+            // SAFETY: pidfd_send_signal with a pidfd of ours, no siginfo and no flags.
+            Some(fd) => unsafe {
+                libc::syscall(
+                    libc::SYS_pidfd_send_signal,
+                    fd.as_raw_fd(),
+                    signal,
+                    std::ptr::null::<libc::siginfo_t>(),
+                    0,
+                )
+            },
+            // SAFETY: kill with a pid and a signal number.
+            None => unsafe { libc::kill(pid as libc::pid_t, signal) }.into(),
+        };
+        if sent < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
     /// Whether the process is known to have exited now (a zombie counts); false where it
     /// cannot be watched.
     pub(crate) fn has_exited(&self) -> bool {

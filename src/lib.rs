@@ -63,6 +63,7 @@ mod logs;
 mod metrics;
 pub mod net;
 mod output_queue;
+mod pool;
 mod process;
 pub mod rootfs;
 mod sandbox;
@@ -94,6 +95,7 @@ pub use limits::{
 pub use logs::DEFAULT_CONSOLE_LOG_MAX;
 pub use metrics::{Metrics, MetricsSource, NetworkMetrics};
 pub use net::Network;
+pub use pool::{Pool, MAX_POOL_SIZE};
 pub use process::{
     Child, ChildControl, ChildStderr, ChildStdin, ChildStdout, Command, ExitStatus, Output, Stdio,
     DEFAULT_MAX_OUTPUT, TIMEOUT_EXIT_CODE,

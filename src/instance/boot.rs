@@ -61,10 +61,13 @@ async fn boot_in_span(
     id: String,
     span: tracing::Span,
 ) -> Result<Instance> {
+    let preparing = std::time::Instant::now();
     let mut parts = Parts::prepare(&config, &id).await?;
     let vmm_config = parts.vmm_config(&config);
     let setup = parts.guest_setup(&config);
+    let prepared = preparing.elapsed();
     let mut ready = parts.start_helper(&config, &vmm_config, &setup).await?;
+    let host_work = prepared + parts.root.layer_work;
     let admitted = match parts.admit(&config, &mut ready) {
         Ok(admitted) => admitted,
         Err(why) => {
@@ -74,7 +77,16 @@ async fn boot_in_span(
         }
     };
     tracing::debug!(kernel = %ready.hello.kernel_release, guest_init = %ready.hello.guest_init, "guest ready");
-    Ok(parts.into_instance(&config, *ready, admitted, id, span))
+    Ok(parts.into_instance(
+        &config,
+        *ready,
+        admitted,
+        Identity {
+            id,
+            span,
+            host_work,
+        },
+    ))
 }
 
 /// The parts of a sandbox a boot wires together, once each is prepared. (Fields drop in
@@ -319,9 +331,13 @@ impl Parts {
         config: &SandboxConfig,
         ready: attempt::Ready,
         admitted: Admitted,
-        id: String,
-        span: tracing::Span,
+        identity: Identity,
     ) -> Instance {
+        let Identity {
+            id,
+            span,
+            host_work,
+        } = identity;
         let Admitted {
             vmm_pid,
             isolation,
@@ -381,6 +397,7 @@ impl Parts {
                 _filesystems: self.mounts,
                 budget: self.budget,
                 id,
+                host_work,
                 span: std::panic::AssertUnwindSafe(span),
                 cgroup: self.cgroup,
                 _served_disks: self.disks,
@@ -390,6 +407,14 @@ impl Parts {
             }),
         }
     }
+}
+
+/// Who a new instance is: its id, its span, and what its boot cost the host.
+struct Identity {
+    id: String,
+    span: tracing::Span,
+    /// The host's own work before the helper started (see [`Instance::host_boot_work`]).
+    host_work: std::time::Duration,
 }
 
 /// A helper taken into service.

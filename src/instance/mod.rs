@@ -6,6 +6,7 @@ mod admit;
 mod attempt;
 mod boot;
 mod dir;
+mod pause;
 mod root;
 mod supervisor;
 
@@ -97,6 +98,8 @@ struct Inner {
     budget: Arc<crate::budget::Budget>,
     /// The instance's id (`kb-` and 12 hex digits), in its span and its cgroup's name.
     id: String,
+    /// The host's own work before the helper started.
+    host_work: Duration,
     /// The `instance` span everything of this instance is traced in (only cloned and entered,
     /// never left half-changed by a panic).
     span: std::panic::AssertUnwindSafe<tracing::Span>,
@@ -329,6 +332,21 @@ impl Instance {
         &self.inner.id
     }
 
+    /// The host's own work in this instance's boot before its VMM helper started: finding and
+    /// verifying the image, the writable root's layer (an ephemeral root's is formatted for
+    /// each boot) or store, the instance's directory, the jail's and the cgroup's preparation. An image is hashed once per state of its file and
+    /// sealed (docs/architecture.md, "Boot, step by step"), so this does not grow with the
+    /// image's size; the first boot of a new or changed image includes its hash.
+    ///
+    /// ```no_run
+    /// # async fn demo(vm: &krunbox::Instance) {
+    /// println!("host work before the VM started: {:?}", vm.host_boot_work());
+    /// # }
+    /// ```
+    pub fn host_boot_work(&self) -> Duration {
+        self.inner.host_work
+    }
+
     /// The instance's `tracing` span: parent of the spans of its processes, files and flows;
     /// callers can enter it, or make their own spans its children.
     ///
@@ -429,6 +447,10 @@ impl Instance {
     /// # Ok(()) }
     /// ```
     pub async fn shutdown(&self) -> Result<()> {
+        // A paused guest cannot power off: started again, so it can.
+        if self.is_paused() {
+            let _ = self.resume().await;
+        }
         self.inner.shutdown_requested.store(true, Ordering::SeqCst);
         let _ = self.inner.control.send(&HostMessage::Shutdown);
         let mut exited = self.inner.exited.clone();

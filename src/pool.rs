@@ -1,0 +1,228 @@
+//! A warm pool: instances of one definition booted ahead of need, each handed out once.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+use crate::error::{Error, Result};
+use crate::instance::Instance;
+use crate::rootfs::Rootfs;
+use crate::sandbox::Sandbox;
+
+/// The largest [`Pool`] size: each ready instance is a running VM holding its memory.
+pub const MAX_POOL_SIZE: usize = 64;
+
+/// The first wait after a failed boot in the background; it doubles up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_millis(500);
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+/// Instances of one [`Sandbox`] booted ahead of need: [`take`](Self::take) hands out one
+/// that is running and has never run anything, and the pool boots its replacement in the
+/// background.
+///
+/// The pool keeps `size` instances ready, booting one at a time on a task of its own (so the
+/// host never boots more than one of the pool's VMs at once). `take` with none ready boots one
+/// itself, so a pool never makes a caller wait longer than a boot would. An instance is
+/// handed out at most once, and the pool never runs a command in one: whatever the previous
+/// caller did happened in another VM.
+///
+/// Pooled instances are booted from the definition as it is: per-boot options
+/// ([`BootOptions`](crate::BootOptions): mounts, hostname, working directory) cannot be
+/// applied to a VM that is already running, so a pool has none (a definition with the mounts
+/// in it, or [`Sandbox::boot_with`], gives them; a command's
+/// [`current_dir`](crate::Command::current_dir) sets where it runs). A root that one VM at a
+/// time may use (persistent, copy-on-write over a store) cannot be pooled.
+///
+/// Dropping the pool stops its task and kills the instances still in it;
+/// [`shutdown`](Self::shutdown) stops them cleanly. Instances already handed out are the
+/// caller's.
+///
+/// ```no_run
+/// # async fn demo() -> krunbox::Result<()> {
+/// use krunbox::{BuiltinImage, Pool, Rootfs, Sandbox};
+///
+/// let sandbox = Sandbox::builder().rootfs(Rootfs::builtin(BuiltinImage::Agent)).build()?;
+/// let pool = Pool::new(&sandbox, 2)?;
+/// for task in ["echo one", "echo two", "echo three"] {
+///     let vm = pool.take().await?; // a running VM that never ran anything
+///     let out = vm.command("sh").args(["-c", task]).output().await?;
+///     println!("{}", out.stdout_text().trim());
+///     vm.shutdown().await?;
+/// }
+/// pool.shutdown().await;
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct Pool {
+    shared: Arc<Shared>,
+    filler: tokio::task::JoinHandle<()>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    sandbox: Sandbox,
+    size: usize,
+    ready: Mutex<VecDeque<Instance>>,
+    /// Wakes the filler: an instance was taken.
+    taken: Notify,
+    /// Why the last boot in the background failed, if it did.
+    last_failure: Mutex<Option<String>>,
+}
+
+impl Shared {
+    fn ready(&self) -> std::sync::MutexGuard<'_, VecDeque<Instance>> {
+        self.ready.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Pool {
+    /// A pool keeping `size` instances of `sandbox` ready (1 to [`MAX_POOL_SIZE`]); it starts
+    /// booting them at once, in the background. Must be called within a tokio runtime.
+    ///
+    /// Fails with [`Error::InvalidConfig`] for a size out of range, or a root one VM at a time
+    /// may use (a persistent root, a copy-on-write root over a store).
+    ///
+    /// ```no_run
+    /// # async fn demo(sandbox: krunbox::Sandbox) -> krunbox::Result<()> {
+    /// let pool = krunbox::Pool::new(&sandbox, 4)?;
+    /// # Ok(()) }
+    /// ```
+    pub fn new(sandbox: &Sandbox, size: usize) -> Result<Pool> {
+        if !(1..=MAX_POOL_SIZE).contains(&size) {
+            return Err(Error::InvalidConfig(format!(
+                "a pool's size must be 1 to {MAX_POOL_SIZE}, got {size}"
+            )));
+        }
+        if matches!(
+            sandbox.rootfs(),
+            Rootfs::Persistent { .. } | Rootfs::Cow { .. }
+        ) {
+            return Err(Error::InvalidConfig(
+                "a pool cannot hold instances of a persistent or copy-on-write root: one VM at a time may use it; pool an image or an ephemeral root".into(),
+            ));
+        }
+        let shared = Arc::new(Shared {
+            sandbox: sandbox.clone(),
+            size,
+            ready: Mutex::new(VecDeque::with_capacity(size)),
+            taken: Notify::new(),
+            last_failure: Mutex::new(None),
+        });
+        let filler = tokio::spawn(fill(shared.clone()));
+        Ok(Pool { shared, filler })
+    }
+
+    /// A running instance that has never run anything, from the pool if one is ready (its
+    /// replacement then boots in the background), else booted now.
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: &krunbox::Pool) -> krunbox::Result<()> {
+    /// let vm = pool.take().await?;
+    /// vm.command("true").status().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn take(&self) -> Result<Instance> {
+        loop {
+            let next = self.shared.ready().pop_front();
+            match next {
+                // One that stopped while it waited (killed from outside, its guest hung) is
+                // dropped, not handed out.
+                Some(instance) if instance.is_running() && !instance.is_paused() => {
+                    self.shared.taken.notify_one();
+                    return Ok(instance);
+                }
+                Some(_) => self.shared.taken.notify_one(),
+                None => {
+                    self.shared.taken.notify_one();
+                    return self.shared.sandbox.boot().await;
+                }
+            }
+        }
+    }
+
+    /// How many instances are ready now.
+    ///
+    /// ```no_run
+    /// # fn demo(pool: &krunbox::Pool) {
+    /// println!("{} of the pool's VMs are ready", pool.ready());
+    /// # }
+    /// ```
+    pub fn ready(&self) -> usize {
+        self.shared.ready().len()
+    }
+
+    /// Why the last boot in the background failed, if the last one did (it is retried after a
+    /// wait that doubles, up to 30 s; `take` boots in the caller's task meanwhile, with the
+    /// error to the caller).
+    ///
+    /// ```no_run
+    /// # fn demo(pool: &krunbox::Pool) {
+    /// if let Some(why) = pool.last_failure() {
+    ///     eprintln!("the pool cannot boot: {why}");
+    /// }
+    /// # }
+    /// ```
+    pub fn last_failure(&self) -> Option<String> {
+        self.shared
+            .last_failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Stops the background task and shuts down the instances still in the pool (each as
+    /// [`Instance::shutdown`] does, at once).
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: krunbox::Pool) {
+    /// pool.shutdown().await;
+    /// # }
+    /// ```
+    pub async fn shutdown(self) {
+        self.filler.abort();
+        let idle: Vec<Instance> = self.shared.ready().drain(..).collect();
+        futures_util::future::join_all(idle.iter().map(|vm| vm.shutdown())).await;
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        // The filler holds the shared state too: stopped, it lets the idle instances go.
+        self.filler.abort();
+        self.shared.ready().clear();
+    }
+}
+
+/// The pool's task: keeps `size` instances ready, one boot at a time.
+async fn fill(shared: Arc<Shared>) {
+    let mut backoff = FIRST_BACKOFF;
+    loop {
+        if shared.ready().len() >= shared.size {
+            shared.taken.notified().await;
+            continue;
+        }
+        match shared.sandbox.boot().await {
+            Ok(instance) => {
+                backoff = FIRST_BACKOFF;
+                *shared
+                    .last_failure
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner()) = None;
+                shared.ready().push_back(instance);
+            }
+            Err(e) => {
+                tracing::warn!(
+                    "the pool could not boot an instance (retrying in {backoff:?}): {e}"
+                );
+                *shared
+                    .last_failure
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+            }
+        }
+    }
+}

@@ -1,0 +1,144 @@
+//! A sandbox's life past boot and shutdown, against real microVMs: pausing one (no CPU used,
+//! measured from the host) and resuming it, and a warm pool handing out instances that never
+//! ran anything.
+
+mod common;
+
+use std::time::Duration;
+
+use krunbox::{BuiltinImage, Error, Instance, Pool, Rootfs, Sandbox};
+
+/// The CPU time (user + system, in clock ticks) process `pid` has used, all its threads.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command name (which is in parentheses): state is the 1st, utime the
+    // 12th, stime the 13th.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .unwrap()
+        .1
+        .split_whitespace()
+        .collect();
+    fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+}
+
+/// What `sh -c script` prints in `vm`, trimmed; fails the test if it fails.
+async fn sh(vm: &Instance, script: &str) -> String {
+    let out = vm
+        .command("sh")
+        .args(["-c", script])
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{script}: {out:?}");
+    out.stdout_text().trim().to_string()
+}
+
+#[test]
+fn a_paused_instance_uses_no_cpu_outlives_the_liveness_check_and_answers_after_resume() {
+    common::run(async {
+        // A liveness timeout well inside the pause: were the check not suspended, the paused
+        // guest would be declared hung and killed.
+        let sandbox = Sandbox::builder()
+            .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
+            .memory_mib(256)
+            .liveness_timeout(Duration::from_secs(3))
+            .build()
+            .unwrap();
+        let vm = sandbox.boot().await.unwrap();
+        let pid = vm.vmm_pid().unwrap();
+        // A guest that would use a whole vCPU if it ran: a pause that did not stop it shows.
+        let mut spinner = vm
+            .command("sh")
+            .args(["-c", "while :; do :; done"])
+            .spawn()
+            .await
+            .unwrap();
+        let before = cpu_ticks(pid);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(cpu_ticks(pid) > before, "the spinning guest uses CPU");
+
+        vm.pause().await.unwrap();
+        assert!(vm.is_paused());
+        vm.pause().await.unwrap(); // pausing twice is harmless
+        let paused_at = cpu_ticks(pid);
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        assert_eq!(cpu_ticks(pid), paused_at, "a paused VM used CPU");
+        assert!(matches!(
+            vm.command("true").status().await,
+            Err(Error::Paused)
+        ));
+        assert!(matches!(
+            vm.read_file("/etc/hostname").await,
+            Err(Error::Paused)
+        ));
+        assert!(vm.is_running(), "paused, not declared hung");
+
+        vm.resume().await.unwrap();
+        assert!(!vm.is_paused());
+        assert_eq!(sh(&vm, "echo back").await, "back");
+        // The process running when it paused runs on; it ends as any other does.
+        spinner.kill().await.unwrap();
+        let status = spinner.wait().await.unwrap();
+        assert!(!status.success());
+        // Shutting down a paused instance resumes it to power off cleanly.
+        vm.pause().await.unwrap();
+        vm.shutdown().await.unwrap();
+        assert!(!vm.is_running());
+    });
+}
+
+#[test]
+fn a_pool_hands_out_running_instances_that_never_saw_another_users_command() {
+    common::run(async {
+        let sandbox = Sandbox::builder()
+            .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
+            .memory_mib(256)
+            .build()
+            .unwrap();
+        assert!(matches!(
+            Pool::new(&sandbox, 0),
+            Err(Error::InvalidConfig(_))
+        ));
+        let pool = Pool::new(&sandbox, 1).unwrap();
+        // Filled in the background.
+        let filled = async {
+            while pool.ready() < 1 {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(120), filled)
+            .await
+            .unwrap_or_else(|_| panic!("the pool never filled: {:?}", pool.last_failure()));
+
+        let first = pool.take().await.unwrap();
+        let first_boot = sh(&first, "cat /proc/sys/kernel/random/boot_id").await;
+        sh(
+            &first,
+            "echo secret > /tmp/left-behind; echo secret > /root/history",
+        )
+        .await;
+        // Whatever is ready next, refilled or booted now, is another VM that ran nothing.
+        let second = pool.take().await.unwrap();
+        assert_ne!(first.id(), second.id());
+        let second_boot = sh(&second, "cat /proc/sys/kernel/random/boot_id").await;
+        assert_ne!(first_boot, second_boot, "another kernel");
+        assert_eq!(
+            sh(
+                &second,
+                "test -e /tmp/left-behind || test -e /root/history || echo clean"
+            )
+            .await,
+            "clean",
+            "no file of the first user's"
+        );
+        assert_eq!(
+            sh(&second, "ps -o comm= | grep -c -x sh").await,
+            "1",
+            "no shell but this one"
+        );
+        first.shutdown().await.unwrap();
+        second.shutdown().await.unwrap();
+        pool.shutdown().await;
+    });
+}

@@ -189,4 +189,28 @@ impl NativeInstance {
     pub async fn shutdown(&self) -> napi::Result<()> {
         self.inner.shutdown().await.or_napi()
     }
+
+    /// Stops the VM's vCPUs and devices until `resume`.
+    #[napi]
+    pub async fn pause(&self) -> napi::Result<()> {
+        self.inner.pause().await.or_napi()
+    }
+
+    /// Resumes a paused VM where it stopped.
+    #[napi]
+    pub async fn resume(&self) -> napi::Result<()> {
+        self.inner.resume().await.or_napi()
+    }
+
+    /// Whether the VM is paused.
+    #[napi]
+    pub fn is_paused(&self) -> bool {
+        self.inner.is_paused()
+    }
+
+    /// The host's own work in this boot before the VM started, in milliseconds.
+    #[napi]
+    pub fn host_boot_work_ms(&self) -> f64 {
+        self.inner.host_boot_work().as_secs_f64() * 1000.0
+    }
 }

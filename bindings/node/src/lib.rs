@@ -17,6 +17,7 @@ mod fs;
 mod instance;
 mod net;
 mod observe;
+mod pool;
 mod process;
 mod rootfs;
 mod sandbox;

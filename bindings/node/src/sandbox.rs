@@ -59,6 +59,14 @@ impl NativeSandbox {
         })
     }
 
+    /// A warm pool keeping `size` instances of this definition ready (booting in the
+    /// background on the addon's runtime).
+    #[napi]
+    pub async fn pool(&self, size: u32) -> napi::Result<crate::pool::NativePool> {
+        let pool = krunbox::Pool::new(&self.inner, size as usize).or_napi()?;
+        Ok(crate::pool::NativePool::new(pool))
+    }
+
     /// Boots an instance with this boot's own mounts, hostname and working directory.
     #[napi]
     pub async fn boot(

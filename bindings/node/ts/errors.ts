@@ -37,6 +37,8 @@ export class RequestTimeoutError extends KrunboxError {}
 export class GuestHungError extends KrunboxError {}
 /** An instance's cap (running processes, waiting requests) is reached. */
 export class TooManyError extends KrunboxError {}
+/** The instance is paused: resume it before starting commands or file operations. */
+export class PausedError extends KrunboxError {}
 /** The instance was shut down or its VM ended. */
 export class InstanceGoneError extends KrunboxError {}
 /** A command wrote more output than `exec` collects. */
@@ -89,6 +91,7 @@ const byCode: Record<string, ErrorClass> = {
   GuestHung: GuestHungError,
   GuestUnresponsive: GuestHungError,
   TooMany: TooManyError,
+  Paused: PausedError,
   InstanceGone: InstanceGoneError,
   OutputLimitExceeded: OutputLimitExceededError,
   Fs: GuestFsError,

@@ -15,7 +15,7 @@
  * @packageDocumentation
  */
 
-export { defineSandbox, Sandbox, Instance } from "./sandbox.js";
+export { defineSandbox, Sandbox, Instance, Pool } from "./sandbox.js";
 import type { Instance } from "./sandbox.js";
 export type { SandboxOptions, BootOptions, ExecOptions, ExecResult, FileStat, DirEntry } from "./sandbox.js";
 export { ChildProcess, Terminal } from "./process.js";
@@ -50,6 +50,7 @@ export {
   RequestTimeoutError,
   GuestHungError,
   TooManyError,
+  PausedError,
   InstanceGoneError,
   OutputLimitExceededError,
   GuestFsError,

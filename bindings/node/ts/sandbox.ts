@@ -9,7 +9,7 @@ import type { Network } from "./network.js";
 import { camelCase, type IsolationReport, type Metrics } from "./observe.js";
 import { rootfs as roots, Rootfs } from "./rootfs.js";
 import { Toolbox, type ToolboxOptions } from "./tools.js";
-import type { CommandOptions, FileStat, DirEntry, NativeInstance } from "../native/index.js";
+import type { CommandOptions, FileStat, DirEntry, NativeInstance, NativePool } from "../native/index.js";
 
 export type { FileStat, DirEntry };
 
@@ -67,6 +67,56 @@ export class Sandbox {
     const mounts = nativeMounts(options.mounts);
     const spec = { cwd: options.cwd, hostname: options.hostname };
     return new Instance(await typed(() => this.#native.boot(spec, mounts)));
+  }
+
+  /**
+   * A warm pool keeping `size` (1 to 64) instances of this definition booted ahead of need,
+   * one at a time in the background. `take()` hands out a running instance that never ran
+   * anything (booting one itself when none is ready). Pooled instances have no per-boot
+   * mounts, hostname or cwd; a persistent or copy-on-write root cannot be pooled.
+   *
+   * ```ts
+   * await using pool = await sandbox.pool(2);
+   * await using vm = await pool.take();
+   * ```
+   */
+  async pool(size: number): Promise<Pool> {
+    return new Pool(await typed(() => this.#native.pool(size)));
+  }
+}
+
+/** Instances of one sandbox booted ahead of need; `await using` shuts it down. */
+export class Pool implements AsyncDisposable {
+  readonly #native: NativePool;
+
+  /** @internal */
+  constructor(made: NativePool) {
+    this.#native = made;
+  }
+
+  /** A running instance that never ran anything. */
+  async take(): Promise<Instance> {
+    return new Instance(await typed(() => this.#native.take()));
+  }
+
+  /** How many instances are ready now. */
+  get ready(): number {
+    return typedSync(() => this.#native.ready());
+  }
+
+  /** Why the last boot in the background failed, if the last one did. */
+  get lastFailure(): string | undefined {
+    return typedSync(() => this.#native.lastFailure()) ?? undefined;
+  }
+
+  /** Stops the pool and shuts down the instances still in it. */
+  shutdown(): Promise<void> {
+    return typed(() => this.#native.shutdown());
+  }
+
+  /** `shutdown()`, for `await using`. */
+  async [Symbol.asyncDispose](): Promise<void> {
+    await this.shutdown();
   }
 }
 
@@ -210,6 +260,30 @@ export class Instance implements AsyncDisposable {
   /** The host's "address:port" where the published guest port `guestPort` is reachable. */
   publishedAddress(guestPort: number): string | undefined {
     return typedSync(() => this.#native.publishedAddress(guestPort)) ?? undefined;
+  }
+
+  /**
+   * Stops the microVM's vCPUs and devices: it uses no CPU until `resume()`. Processes already
+   * running go on after the resume; new commands and file operations throw `PausedError`
+   * meanwhile.
+   */
+  pause(): Promise<void> {
+    return typed(() => this.#native.pause());
+  }
+
+  /** Resumes a paused microVM where it stopped. */
+  resume(): Promise<void> {
+    return typed(() => this.#native.resume());
+  }
+
+  /** Whether the microVM is paused. */
+  get paused(): boolean {
+    return this.#native.isPaused();
+  }
+
+  /** Milliseconds of the host's own work in this boot before the VM started. */
+  get hostBootWorkMs(): number {
+    return this.#native.hostBootWorkMs();
   }
 
   /** Stops the microVM. Calls after it fail with `InstanceGoneError`. */

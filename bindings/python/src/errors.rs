@@ -92,6 +92,12 @@ create_exception!(
 create_exception!(krunbox, Cancelled, KrunboxError, "The call was cancelled.");
 create_exception!(
     krunbox,
+    Paused,
+    KrunboxError,
+    "The instance is paused: resume it before starting commands or file operations."
+);
+create_exception!(
+    krunbox,
     GuestFsError,
     KrunboxError,
     "A file operation in the guest failed."
@@ -125,6 +131,7 @@ pub(crate) fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add("InstanceGone", py.get_type::<InstanceGone>())?;
     module.add("OutputLimitExceeded", py.get_type::<OutputLimitExceeded>())?;
     module.add("Cancelled", py.get_type::<Cancelled>())?;
+    module.add("Paused", py.get_type::<Paused>())?;
     module.add("GuestFsError", py.get_type::<GuestFsError>())?;
     module.add("StoreError", py.get_type::<StoreError>())?;
     module.add("RootInUse", py.get_type::<RootInUse>())?;
@@ -154,6 +161,7 @@ pub(crate) fn to_py(error: krunbox::Error) -> PyErr {
         E::InstanceGone { .. } => InstanceGone::new_err(message),
         E::OutputLimitExceeded { .. } => OutputLimitExceeded::new_err(message),
         E::Cancelled => Cancelled::new_err(message),
+        E::Paused => Paused::new_err(message),
         E::Fs { .. } => GuestFsError::new_err(message),
         E::BlockStore { .. } => StoreError::new_err(message),
         E::RootInUse { .. } => RootInUse::new_err(message),

@@ -366,6 +366,40 @@ impl Instance {
         let instance = self.inner.clone();
         block_on(py, async move { instance.shutdown().await })
     }
+
+    /// Stops the VM's vCPUs and devices until `resume` (awaitable).
+    fn pause<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let instance = self.inner.clone();
+        awaitable(py, async move { instance.pause().await })
+    }
+
+    /// `pause`, waiting here with the GIL released.
+    fn pause_blocking(&self, py: Python<'_>) -> PyResult<()> {
+        let instance = self.inner.clone();
+        block_on(py, async move { instance.pause().await })
+    }
+
+    /// Resumes a paused VM (awaitable).
+    fn resume<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let instance = self.inner.clone();
+        awaitable(py, async move { instance.resume().await })
+    }
+
+    /// `resume`, waiting here with the GIL released.
+    fn resume_blocking(&self, py: Python<'_>) -> PyResult<()> {
+        let instance = self.inner.clone();
+        block_on(py, async move { instance.resume().await })
+    }
+
+    /// Whether the VM is paused.
+    fn is_paused(&self) -> bool {
+        self.inner.is_paused()
+    }
+
+    /// The host's own work in this boot before the VM started, in seconds.
+    fn host_boot_work(&self) -> f64 {
+        self.inner.host_boot_work().as_secs_f64()
+    }
 }
 
 /// A finished run on its way back to Python: made a `Completed` (and checked) with the GIL.

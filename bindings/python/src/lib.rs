@@ -16,6 +16,7 @@ mod images;
 mod instance;
 mod net;
 mod observe;
+mod pool;
 mod process;
 mod rootfs;
 mod runtime;
@@ -37,6 +38,7 @@ fn _krunbox(module: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(module)?;
     module.add_class::<sandbox::Sandbox>()?;
     module.add_class::<instance::Instance>()?;
+    module.add_class::<pool::Pool>()?;
     module.add_class::<instance::Completed>()?;
     module.add_class::<process::Process>()?;
     module.add_class::<files::FileInfo>()?;

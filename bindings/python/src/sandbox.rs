@@ -107,6 +107,14 @@ impl Sandbox {
         })
     }
 
+    /// A warm pool of `size` instances of this definition, booting in the background.
+    /// Callbacks' coroutines run on the running loop, if any (else by `asyncio.run`).
+    fn pool(&self, py: Python<'_>, size: usize) -> PyResult<crate::pool::Pool> {
+        self.event_loop
+            .set(pyo3_async_runtimes::tokio::get_current_locals(py).ok());
+        crate::pool::Pool::new(&self.inner, size)
+    }
+
     fn __repr__(&self) -> String {
         format!("Sandbox(rootfs={:?})", self.inner.rootfs())
     }

@@ -98,3 +98,23 @@ def test_a_killed_python_process_leaves_no_helper_vmm_or_instance_directory(
     del vm  # the instance's directory goes with the last reference to it
     assert list(runtime.iterdir()) == []
     runtime.rmdir()
+
+
+async def test_a_pool_hands_out_a_fresh_instance_that_pauses_and_resumes() -> None:
+    sandbox = krunbox.Sandbox("busybox", memory_mib=256)
+    with pytest.raises(krunbox.InvalidConfig):
+        sandbox.pool(0)
+    async with sandbox.pool(1) as pool:
+        vm = await pool.take()
+        try:
+            assert vm.host_boot_work > 0
+            await vm.pause()
+            assert vm.paused
+            with pytest.raises(krunbox.Paused):
+                await vm.run(["true"])
+            await vm.resume()
+            assert not vm.paused
+            done = await vm.run("echo back; test -e /tmp/used || echo fresh", check=True)
+            assert done.stdout == b"back\nfresh\n"
+        finally:
+            await vm.shutdown()

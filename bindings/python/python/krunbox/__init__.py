@@ -62,6 +62,7 @@ from ._krunbox import (
     KrunboxError,
     MissingArtifact,
     OutputLimitExceeded,
+    Paused,
     RequestTimeout,
     RootInUse,
     StoreError,
@@ -98,6 +99,7 @@ __all__ = [
     "Request",
     "Answer",
     "Instance",
+    "Pool",
     "Process",
     "OutputStream",
     "InputStream",
@@ -123,6 +125,7 @@ __all__ = [
     "IsolationUnavailable",
     "MissingArtifact",
     "OutputLimitExceeded",
+    "Paused",
     "RequestTimeout",
     "RootInUse",
     "StoreError",
@@ -255,6 +258,18 @@ class Sandbox(_Definition):
         vm:`` to shut it down at the block's end. ``mounts``, ``hostname`` and ``cwd`` (where
         commands start) are this boot's own, besides the definition's."""
         return _Booting(self._native.boot(mounts=_mounts(mounts), hostname=hostname, cwd=cwd))
+
+    def pool(self, size: int) -> "Pool":
+        """A warm pool keeping ``size`` instances of this definition booted ahead of need::
+
+            async with sandbox.pool(2) as pool:
+                vm = await pool.take()  # running, and never ran anything
+
+        The pool boots in the background, one instance at a time; ``take`` boots one itself
+        when none is ready. Pooled instances have no per-boot ``mounts``, ``hostname`` or
+        ``cwd``. Raises :class:`InvalidConfig` for a size outside 1..64 or a persistent or
+        copy-on-write root (one VM at a time may use it)."""
+        return Pool(self._native.pool(size))
 
 
 class _Booting:
@@ -453,7 +468,62 @@ class Instance:
         """Stops the VM; later calls fail with :class:`InstanceGone`."""
         await self._native.shutdown()
 
+    async def pause(self) -> None:
+        """Stops the VM's vCPUs and devices: it uses no CPU until :meth:`resume`. Processes
+        already running go on after the resume; new commands and file operations raise
+        :class:`Paused` meanwhile. Pausing a paused instance does nothing."""
+        await self._native.pause()
+
+    async def resume(self) -> None:
+        """Resumes a paused VM where it stopped."""
+        await self._native.resume()
+
+    @property
+    def paused(self) -> bool:
+        """Whether the VM is paused."""
+        return self._native.is_paused()
+
+    @property
+    def host_boot_work(self) -> float:
+        """Seconds of the host's own work in this boot before the VM started (image check,
+        layer, directory, jail): small and independent of the image's size once the image
+        is sealed after its first check."""
+        return self._native.host_boot_work()
+
     async def __aenter__(self) -> "Instance":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+
+class Pool:
+    """Instances of one :class:`Sandbox` booted ahead of need (see :meth:`Sandbox.pool`).
+    ``async with`` shuts the pool and the instances still in it down at the block's end."""
+
+    def __init__(self, native: _krunbox.Pool) -> None:
+        self._native = native
+
+    async def take(self) -> Instance:
+        """A running instance that never ran anything: one from the pool (its replacement
+        boots in the background), or one booted now if none is ready."""
+        return Instance(await self._native.take())
+
+    @property
+    def ready(self) -> int:
+        """How many instances are ready now."""
+        return self._native.ready()
+
+    @property
+    def last_failure(self) -> Optional[str]:
+        """Why the last boot in the background failed, if the last one did."""
+        return self._native.last_failure()
+
+    async def shutdown(self) -> None:
+        """Stops the pool and shuts down the instances still in it."""
+        await self._native.shutdown()
+
+    async def __aenter__(self) -> "Pool":
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -38,6 +38,7 @@ from . import (
 
 __all__ = [
     "Sandbox",
+    "Pool",
     "Instance",
     "Toolbox",
     "Process",
@@ -109,6 +110,42 @@ class Sandbox(_Definition):
         :meth:`krunbox.Sandbox.boot`)."""
         native = self._native.boot_blocking(mounts=_mounts(mounts), hostname=hostname, cwd=cwd)
         return Instance(native)
+
+    def pool(self, size: int) -> "Pool":
+        """A warm pool of ``size`` instances (see :meth:`krunbox.Sandbox.pool`); ``with
+        sandbox.pool(2) as pool:`` shuts it down at the block's end."""
+        return Pool(self._native.pool(size))
+
+
+class Pool:
+    """Instances booted ahead of need (see :class:`krunbox.Pool`)."""
+
+    def __init__(self, native: _krunbox.Pool) -> None:
+        self._native = native
+
+    def take(self) -> "Instance":
+        """A running instance that never ran anything."""
+        return Instance(self._native.take_blocking())
+
+    @property
+    def ready(self) -> int:
+        """How many instances are ready now."""
+        return self._native.ready()
+
+    @property
+    def last_failure(self) -> Optional[str]:
+        """Why the last boot in the background failed, if the last one did."""
+        return self._native.last_failure()
+
+    def shutdown(self) -> None:
+        """Stops the pool and shuts down the instances still in it."""
+        self._native.shutdown_blocking()
+
+    def __enter__(self) -> "Pool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
 
 class Instance:
@@ -240,6 +277,25 @@ class Instance:
     def shutdown(self) -> None:
         """Stops the VM."""
         self._native.shutdown_blocking()
+
+    def pause(self) -> None:
+        """Stops the VM's vCPUs and devices until :meth:`resume` (see
+        :meth:`krunbox.Instance.pause`)."""
+        self._native.pause_blocking()
+
+    def resume(self) -> None:
+        """Resumes a paused VM where it stopped."""
+        self._native.resume_blocking()
+
+    @property
+    def paused(self) -> bool:
+        """Whether the VM is paused."""
+        return self._native.is_paused()
+
+    @property
+    def host_boot_work(self) -> float:
+        """Seconds of the host's own work in this boot before the VM started."""
+        return self._native.host_boot_work()
 
     def __enter__(self) -> "Instance":
         return self

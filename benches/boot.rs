@@ -12,6 +12,13 @@
 //! the ratio compares whole cycles (boot, `true`, stopped); krunbox's boot → first output is
 //! printed beside it.
 //!
+//! Fast starts, in the same run and as ratios to that cold boot → first output: a warm pool's
+//! hand-out → first output (goal ≤ 0.05×), beside its floor, the same command on an instance
+//! already running. And the host's own work per boot
+//! ([`Instance::host_boot_work`]) for the busybox and the agent image: with images sealed after
+//! their first hash it must not grow with the image (goal: the same within noise, ≤ 5 ms
+//! natively); the time one hash of each image takes is printed beside it, for scale.
+//!
 //! `KRUNBOX_BENCH_ITERS` sets the iterations per side (default 5).
 
 mod common;
@@ -20,7 +27,7 @@ use common::median;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use krunbox::{BuiltinImage, Error, Rootfs, Sandbox};
+use krunbox::{BuiltinImage, Error, Instance, Pool, Rootfs, Sandbox};
 
 fn true_init(guest_init: &std::path::Path) -> PathBuf {
     let path = guest_init.parent().unwrap().join("examples/true-init");
@@ -43,6 +50,48 @@ async fn krunbox_once(sandbox: &Sandbox) -> (Duration, Duration, Duration) {
     let first_output = start.elapsed();
     vm.shutdown().await.expect("shutdown");
     (first_output, start.elapsed(), jail)
+}
+
+/// One hand-out from `pool` → first command output; waits (unmeasured) until the pool is full
+/// again first, and shuts the instance down after.
+async fn pool_once(pool: &Pool) -> Duration {
+    while pool.ready() < 1 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let start = Instant::now();
+    let vm = pool.take().await.expect("take");
+    let out = vm.command("true").output().await.expect("true");
+    assert!(out.status.success());
+    let first_output = start.elapsed();
+    vm.shutdown().await.expect("shutdown");
+    first_output
+}
+
+/// The host's work in booting `image` (median of `iters` boots after one unmeasured boot that
+/// seals it), and how long one SHA-256 of the image takes.
+async fn host_work(image: BuiltinImage, iters: usize) -> (Duration, Duration) {
+    let sandbox = Sandbox::builder()
+        .rootfs(Rootfs::builtin(image))
+        .memory_mib(512)
+        .build()
+        .unwrap();
+    let boot = || async {
+        let vm: Instance = sandbox.boot().await.expect("boot");
+        let work = vm.host_boot_work();
+        vm.shutdown().await.expect("shutdown");
+        work
+    };
+    boot().await;
+    let mut work = Vec::new();
+    for _ in 0..iters {
+        work.push(boot().await);
+    }
+    let path = krunbox_rootfs::image_path(&krunbox::cache_dir(), image);
+    let start = Instant::now();
+    let mut hasher = <sha2::Sha256 as sha2::Digest>::new();
+    std::io::copy(&mut std::fs::File::open(&path).unwrap(), &mut hasher).unwrap();
+    let _ = sha2::Digest::finalize(hasher);
+    (median(work), start.elapsed())
 }
 
 /// One bare VM: boot → `/bin/true` → stopped (the helper process has exited).
@@ -118,5 +167,38 @@ fn main() {
             "boot/ratio jail / krunbox cycle  {:.3}x",
             jail.as_secs_f64() / cycle.as_secs_f64()
         );
+
+        // The floor of any fast start: the same command on an instance already running.
+        let running = ours.boot().await.expect("boot");
+        let mut warm = Vec::new();
+        for _ in 0..iters {
+            let start = Instant::now();
+            assert!(running.command("true").status().await.expect("true").success());
+            warm.push(start.elapsed());
+        }
+        running.shutdown().await.expect("shutdown");
+        let warm = median(warm);
+        println!("boot/running-instance-output     median {warm:>10.3?}  ({iters} runs)");
+
+        // A warm pool: its hand-out → first output against the cold boot → first output above.
+        let pool = Pool::new(&ours, 1).expect("pool");
+        let mut handed_out = Vec::new();
+        for _ in 0..iters {
+            handed_out.push(pool_once(&pool).await);
+        }
+        pool.shutdown().await;
+        let handed_out = median(handed_out);
+        println!("boot/pool-first-output           median {handed_out:>10.3?}  ({iters} runs)");
+        println!(
+            "boot/ratio pool / cold boot      {:.3}x  (goal <= 0.05x)",
+            handed_out.as_secs_f64() / first.as_secs_f64()
+        );
+
+        // The host's own work per boot, for a small and a large image.
+        for image in [BuiltinImage::Busybox, BuiltinImage::Agent] {
+            let (work, hash) = host_work(image, iters).await;
+            let name = format!("boot/host-work-{}", image.name());
+            println!("{name:<32} median {work:>10.3?}  ({iters} runs; one hash of the image: {hash:.3?})");
+        }
     });
 }

@@ -14,6 +14,14 @@ use crate::sandbox::Sandbox;
 /// The largest [`Pool`] size: each ready instance is a running VM holding its memory.
 pub const MAX_POOL_SIZE: usize = 64;
 
+/// How long the pool waits after a hand-out from a full pool before it boots the replacement:
+/// the caller's first commands in the instance just taken are what someone waits for, and a
+/// boot started at the same moment competes with them for the host's CPUs (on a small host or
+/// under emulation it more than doubled the first command's time: docs/testing.md). A burst
+/// of hand-outs within the delay is served by the instances ready and then by `take`'s own
+/// boots, so the delay costs no caller a wait.
+const REFILL_DELAY: Duration = Duration::from_secs(1);
+
 /// The first wait after a failed boot in the background; it doubles up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(500);
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
@@ -23,7 +31,9 @@ const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// background.
 ///
 /// The pool keeps `size` instances ready, booting one at a time on a task of its own (so the
-/// host never boots more than one of the pool's VMs at once). `take` with none ready boots one
+/// host never boots more than one of the pool's VMs at once), a second after a hand-out from
+/// a full pool (so the replacement's boot does not compete with the first commands in the
+/// instance just handed out). `take` with none ready boots one
 /// itself, so a pool never makes a caller wait longer than a boot would. An instance is
 /// handed out at most once, and the pool never runs a command in one: whatever the previous
 /// caller did happened in another VM.
@@ -201,6 +211,7 @@ async fn fill(shared: Arc<Shared>) {
     loop {
         if shared.ready().len() >= shared.size {
             shared.taken.notified().await;
+            tokio::time::sleep(REFILL_DELAY).await;
             continue;
         }
         match shared.sandbox.boot().await {

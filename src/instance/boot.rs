@@ -66,6 +66,10 @@ async fn boot_in_span(
     let vmm_config = parts.vmm_config(&config);
     let setup = parts.guest_setup(&config);
     let prepared = preparing.elapsed();
+    tracing::debug!(
+        ?prepared,
+        "the boot's parts are prepared; starting the helper"
+    );
     let mut ready = parts.start_helper(&config, &vmm_config, &setup).await?;
     let host_work = prepared + parts.root.layer_work;
     let admitted = match parts.admit(&config, &mut ready) {

@@ -23,6 +23,7 @@ use tracing::Instrument;
 use crate::error::{Error, Result};
 use crate::limits::Limits;
 use crate::output_queue::{output_queue, OutputReceiver, OutputSender};
+use crate::pause_clock::{GuestDeadline, PauseClock};
 use crate::protocol::fs::FsReply;
 use crate::protocol::{
     ExecFailed, Exited, FrameDecoder, GuestMessage, Hello, HostMessage, Ping, ProtocolError, Setup,
@@ -272,22 +273,6 @@ struct State {
     fs: HashMap<u32, (oneshot::Sender<FsReply>, OwnedSemaphorePermit)>,
     /// Set once the channel is unusable; new processes fail with this reason.
     gone: Option<Gone>,
-    /// Set while the VM is paused: new processes and file requests fail with
-    /// [`Error::Paused`], and the liveness check waits.
-    paused: bool,
-}
-
-impl State {
-    /// Whether new work may start: not once the channel is gone, nor while the VM is paused.
-    fn usable(&self) -> Result<()> {
-        if let Some(reason) = &self.gone {
-            return Err(reason.error());
-        }
-        if self.paused {
-            return Err(Error::Paused);
-        }
-        Ok(())
-    }
 }
 
 /// A live control channel.
@@ -316,6 +301,8 @@ pub(crate) struct Control {
     /// The next file request id (file requests have their own id space: the host keeps them
     /// apart from processes, and guest-init only echoes them).
     next_fs_id: AtomicU32,
+    /// Whether the VM is paused, and for how long it has been.
+    pause: Arc<PauseClock>,
 }
 
 impl Control {
@@ -347,6 +334,7 @@ impl Control {
             reader_done: AtomicBool::new(false),
             fs_slots: Arc::new(Semaphore::new(limits.max_pending_file_requests)),
             next_fs_id: AtomicU32::new(1),
+            pause: Arc::new(PauseClock::default()),
             limits,
         });
         tokio::spawn(watch_liveness(Arc::downgrade(&control), liveness).in_current_span());
@@ -556,16 +544,22 @@ impl Control {
         self.hung.notify_one();
     }
 
-    /// Marks the VM paused (or running again). While paused, new processes and file requests
-    /// fail with [`Error::Paused`] and the liveness check sends no pings and blames no
-    /// silence; from resuming on, it starts a new round.
+    /// Marks the VM paused (or running again). While paused, new processes fail with
+    /// [`Error::Paused`] (file operations check it as they start: `files/request.rs`), the
+    /// deadlines made by [`Self::deadline`] stand still, and the liveness check sends no pings
+    /// and blames no silence; from resuming on, it starts a new round.
     pub fn set_paused(&self, paused: bool) {
-        self.state.lock().unwrap_or_else(|p| p.into_inner()).paused = paused;
+        self.pause.set(paused);
     }
 
     /// Whether the VM is marked paused.
     pub fn is_paused(&self) -> bool {
-        self.state.lock().unwrap_or_else(|p| p.into_inner()).paused
+        self.pause.is_paused()
+    }
+
+    /// A deadline `after` from now in the guest's running time (pauses do not count).
+    pub fn deadline(&self, after: Duration) -> GuestDeadline {
+        GuestDeadline::after(&self.pause, after)
     }
 
     /// Why the channel is unusable, if it is.
@@ -580,7 +574,14 @@ impl Control {
     /// Registers process `id` (before its Exec is sent, so no message can outrun the slot).
     pub fn register(&self, id: u32) -> Result<ProcessChannels> {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        state.usable()?;
+        if let Some(reason) = &state.gone {
+            return Err(reason.error());
+        }
+        // No new process while paused (a file operation's next chunk is no new work: it
+        // waits for the resume, within its own deadline that the pause does not use up).
+        if self.pause.is_paused() {
+            return Err(Error::Paused);
+        }
         // A slot lives until the guest reports the process ended: a guest that never does
         // cannot make the host track processes without bound.
         if state.procs.len() >= self.limits.max_processes {
@@ -646,7 +647,9 @@ impl Control {
     /// [`Error::TooMany`] when [`Limits::max_pending_file_requests`] requests already wait.
     pub fn register_fs(&self, id: u32) -> Result<oneshot::Receiver<FsReply>> {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        state.usable()?;
+        if let Some(reason) = &state.gone {
+            return Err(reason.error());
+        }
         let slot = self
             .fs_slots
             .clone()
@@ -995,10 +998,8 @@ mod tests {
             "pings while paused"
         );
         assert!(matches!(s.control.register(2).err(), Some(Error::Paused)));
-        assert!(matches!(
-            s.control.register_fs(3).err(),
-            Some(Error::Paused)
-        ));
+        // A file operation's next chunk is no new work: it is sent, to be answered on resume.
+        assert!(s.control.register_fs(3).is_ok());
         assert!(
             process.end.try_recv().is_err(),
             "a running process stays pending"

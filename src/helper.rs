@@ -196,23 +196,26 @@ impl VmmProcess {
         tokio::time::timeout(deadline, fd.readable()).await.is_ok()
     }
 
-    /// Sends `signal` to the process through its pidfd (never to another process that reused
-    /// its pid); where it could not be watched, by pid.
-    pub(crate) fn signal(&self, pid: u32, signal: libc::c_int) -> std::io::Result<()> {
+    /// Sends `signal` to the process through its pidfd, never to another process that reused
+    /// its pid. Where it could not be watched (a kernel before 5.3) nothing is sent: the
+    /// error says so.
+    pub(crate) fn signal(&self, signal: libc::c_int) -> std::io::Result<()> {
         use std::os::fd::AsRawFd;
-        let sent = match &self.0 {
-            // SAFETY: pidfd_send_signal with a pidfd of ours, no siginfo and no flags.
-            Some(fd) => unsafe {
-                libc::syscall(
-                    libc::SYS_pidfd_send_signal,
-                    fd.as_raw_fd(),
-                    signal,
-                    std::ptr::null::<libc::siginfo_t>(),
-                    0,
-                )
-            },
-            // SAFETY: kill with a pid and a signal number.
-            None => unsafe { libc::kill(pid as libc::pid_t, signal) }.into(),
+        let Some(fd) = &self.0 else {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::Unsupported,
+                "the VMM process has no pidfd (Linux 5.3 or later has them)",
+            ));
+        };
+        // SAFETY: pidfd_send_signal with a pidfd of ours, no siginfo and no flags.
+        let sent = unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                fd.as_raw_fd(),
+                signal,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            )
         };
         if sent < 0 {
             return Err(std::io::Error::last_os_error());

@@ -63,6 +63,7 @@ mod logs;
 mod metrics;
 pub mod net;
 mod output_queue;
+mod pause_clock;
 mod pool;
 mod process;
 pub mod rootfs;

@@ -22,6 +22,10 @@ pub const MAX_POOL_SIZE: usize = 64;
 /// boots, so the delay costs no caller a wait.
 const REFILL_DELAY: Duration = Duration::from_secs(1);
 
+/// How often a full pool looks for instances that stopped while they waited (killed from
+/// outside, their guest hung), to replace them.
+const HEALTH_CHECK: Duration = Duration::from_secs(10);
+
 /// The first wait after a failed boot in the background; it doubles up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(500);
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
@@ -30,20 +34,20 @@ const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// that is running and has never run anything, and the pool boots its replacement in the
 /// background.
 ///
-/// The pool keeps `size` instances ready, booting one at a time on a task of its own (so the
-/// host never boots more than one of the pool's VMs at once), a second after a hand-out from
-/// a full pool (so the replacement's boot does not compete with the first commands in the
-/// instance just handed out). `take` with none ready boots one
-/// itself, so a pool never makes a caller wait longer than a boot would. An instance is
-/// handed out at most once, and the pool never runs a command in one: whatever the previous
-/// caller did happened in another VM.
+/// The pool's task boots one instance at a time, a second after a hand-out from a full pool
+/// (so the replacement's boot does not compete with the first commands in the instance just
+/// handed out), and replaces instances that stopped while they waited. `take` with none ready
+/// boots one itself, beside the task's, so a pool never makes a caller wait longer than a boot
+/// would. An instance is handed out at most once, and the pool never runs a command in one:
+/// whatever the previous caller did in its VM happened in another VM. (Mounts in the
+/// definition are the definition's: every instance of it, pooled or not, sees the same
+/// filesystem there.)
 ///
 /// Pooled instances are booted from the definition as it is: per-boot options
 /// ([`BootOptions`](crate::BootOptions): mounts, hostname, working directory) cannot be
-/// applied to a VM that is already running, so a pool has none (a definition with the mounts
-/// in it, or [`Sandbox::boot_with`], gives them; a command's
-/// [`current_dir`](crate::Command::current_dir) sets where it runs). A root that one VM at a
-/// time may use (persistent, copy-on-write over a store) cannot be pooled.
+/// applied to a VM that is already running, so a pool has none ([`Sandbox::boot_with`] gives
+/// them; a command's [`current_dir`](crate::Command::current_dir) sets where it runs). A root
+/// that one VM at a time may use (persistent, copy-on-write over a store) cannot be pooled.
 ///
 /// Dropping the pool stops its task and kills the instances still in it;
 /// [`shutdown`](Self::shutdown) stops them cleanly. Instances already handed out are the
@@ -79,6 +83,8 @@ struct Shared {
     taken: Notify,
     /// Why the last boot in the background failed, if it did.
     last_failure: Mutex<Option<String>>,
+    /// Set (under the `ready` lock) once the pool is shut down: nothing enters it after.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {
@@ -119,6 +125,7 @@ impl Pool {
             ready: Mutex::new(VecDeque::with_capacity(size)),
             taken: Notify::new(),
             last_failure: Mutex::new(None),
+            closed: std::sync::atomic::AtomicBool::new(false),
         });
         let filler = tokio::spawn(fill(shared.clone()));
         Ok(Pool { shared, filler })
@@ -135,6 +142,11 @@ impl Pool {
     /// ```
     pub async fn take(&self) -> Result<Instance> {
         loop {
+            if self.shared.closed.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(Error::InvalidConfig(
+                    "this pool was shut down: make a new one, or boot the sandbox".into(),
+                ));
+            }
             let next = self.shared.ready().pop_front();
             match next {
                 // One that stopped while it waited (killed from outside, its guest hung) is
@@ -191,8 +203,27 @@ impl Pool {
     /// # }
     /// ```
     pub async fn shutdown(self) {
+        self.close().await;
+    }
+
+    /// [`shutdown`](Self::shutdown) through a shared reference: for a pool others hold too
+    /// (an `Arc`, a binding's object). `take` fails after it; an instance the background task
+    /// was booting is shut down as its boot ends.
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: std::sync::Arc<krunbox::Pool>) {
+    /// pool.close().await;
+    /// # }
+    /// ```
+    pub async fn close(&self) {
         self.filler.abort();
-        let idle: Vec<Instance> = self.shared.ready().drain(..).collect();
+        let idle: Vec<Instance> = {
+            let mut ready = self.shared.ready();
+            self.shared
+                .closed
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+            ready.drain(..).collect()
+        };
         futures_util::future::join_all(idle.iter().map(|vm| vm.shutdown())).await;
     }
 }
@@ -210,8 +241,11 @@ async fn fill(shared: Arc<Shared>) {
     let mut backoff = FIRST_BACKOFF;
     loop {
         if shared.ready().len() >= shared.size {
-            shared.taken.notified().await;
-            tokio::time::sleep(REFILL_DELAY).await;
+            tokio::select! {
+                _ = shared.taken.notified() => tokio::time::sleep(REFILL_DELAY).await,
+                _ = tokio::time::sleep(HEALTH_CHECK) => {}
+            }
+            shared.ready().retain(|vm| vm.is_running());
             continue;
         }
         match shared.sandbox.boot().await {

@@ -118,7 +118,15 @@ fn a_pool_hands_out_running_instances_that_never_saw_another_users_command() {
             "echo secret > /tmp/left-behind; echo secret > /root/history",
         )
         .await;
-        // Whatever is ready next, refilled or booted now, is another VM that ran nothing.
+        // The pool refills in the background: its next instance is another VM that ran nothing.
+        let refilled = async {
+            while pool.ready() < 1 {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(120), refilled)
+            .await
+            .unwrap_or_else(|_| panic!("the pool never refilled: {:?}", pool.last_failure()));
         let second = pool.take().await.unwrap();
         assert_ne!(first.id(), second.id());
         let second_boot = sh(&second, "cat /proc/sys/kernel/random/boot_id").await;
@@ -139,6 +147,7 @@ fn a_pool_hands_out_running_instances_that_never_saw_another_users_command() {
         );
         first.shutdown().await.unwrap();
         second.shutdown().await.unwrap();
-        pool.shutdown().await;
+        pool.close().await;
+        assert!(matches!(pool.take().await, Err(Error::InvalidConfig(_))));
     });
 }

@@ -9,7 +9,6 @@ use std::task::{ready, Context, Poll};
 use serde_bytes::ByteBuf;
 use std::os::unix::ffi::OsStrExt;
 use tokio::sync::oneshot;
-use tokio::time::Sleep;
 
 use crate::control::{Control, Gone};
 use crate::error::{Error, Result};
@@ -28,7 +27,8 @@ pub(super) const IN_FLIGHT: usize = 2;
 pub(super) struct Pending {
     rx: oneshot::Receiver<FsReply>,
     control: Arc<Control>,
-    deadline: Pin<Box<Sleep>>,
+    /// In the guest's running time: a pause does not use it up.
+    deadline: Pin<Box<dyn Future<Output = ()> + Send>>,
     /// `read_file "/x"`, for the timeout's message.
     request: String,
 }
@@ -87,6 +87,11 @@ impl Target {
         op: &'static str,
         path: &Path,
     ) -> Result<Target> {
+        // A file operation starts only on a running VM; once started, its later chunks wait
+        // out a pause (their deadline does not count it).
+        if control.is_paused() {
+            return Err(Error::Paused);
+        }
         let target = Target {
             control,
             span: tracing::Span::none(),
@@ -202,7 +207,7 @@ impl Target {
         control.send(&HostMessage::Fs(request))?;
         Ok(Pending {
             rx,
-            deadline: Box::pin(tokio::time::sleep(control.limits.request_timeout)),
+            deadline: Box::pin(control.deadline(control.limits.request_timeout).elapsed()),
             control,
             request: format!("{} {:?}", self.op, self.path),
         })
@@ -243,6 +248,48 @@ mod tests {
             id,
             result: Ok(FsOk::Done),
         })
+    }
+
+    /// A pause of the VM neither starts a file operation nor uses up the deadline of one in
+    /// flight: a request sent just before a pause ten times its deadline is still answered
+    /// after the resume.
+    #[tokio::test(start_paused = true)]
+    async fn a_pause_refuses_new_file_operations_and_stops_the_deadlines_of_those_in_flight() {
+        let timeout = Duration::from_secs(60);
+        let first = Arc::new(Mutex::new(None));
+        let (control, _) =
+            scripted_guest::start(Limits::new().request_timeout(timeout), move |message| {
+                let HostMessage::Fs(request) = message else {
+                    return vec![];
+                };
+                let mut first = first.lock().unwrap();
+                match *first {
+                    // Held (as a paused guest would) until the next request.
+                    None => {
+                        *first = Some(request.id);
+                        vec![]
+                    }
+                    Some(held) => vec![done(held), done(request.id)],
+                }
+            });
+        let target = Target::with_control(control.clone(), "remove", Path::new("/x")).unwrap();
+        let pending = target.send(sync_op()).unwrap();
+        control.set_paused(true);
+        assert!(matches!(
+            Target::with_control(control.clone(), "remove", Path::new("/y")),
+            Err(Error::Paused)
+        ));
+        let waiting = tokio::spawn(pending);
+        tokio::time::sleep(timeout * 10).await;
+        assert!(!waiting.is_finished(), "the deadline ran while paused");
+        control.set_paused(false);
+        tokio::time::sleep(timeout / 2).await;
+        assert!(!waiting.is_finished(), "the deadline ran while paused");
+        // The next request makes the guest answer the held one, within what is left of its
+        // deadline.
+        target.call_done(sync_op()).await.unwrap();
+        let answer = waiting.await.unwrap().unwrap();
+        assert!(answer.is_ok(), "{answer:?}");
     }
 
     /// A guest that answers pings (so the liveness check is content) but not one file request:

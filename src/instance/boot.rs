@@ -121,8 +121,11 @@ struct Parts {
 impl Parts {
     /// Each part prepared, checking what it can before anything starts.
     async fn prepare(config: &SandboxConfig, id: &str) -> Result<Parts> {
+        let start = std::time::Instant::now();
         let root = RootPart::prepare(config).await?;
+        let root_ready = start.elapsed();
         let dir = super::dir::InstanceDir::create().await?;
+        let dir_ready = start.elapsed();
         let socket = dir.path().join(CONTROL_SOCKET);
         let listener = UnixListener::bind(&socket)
             .map_err(Error::io(format!("binding {}", socket.display())))?;
@@ -172,6 +175,7 @@ impl Parts {
             Some(network) => network.certificate_authority(&config.hostname)?,
             None => None,
         };
+        tracing::debug!(?root_ready, ?dir_ready, all = ?start.elapsed(), "parts prepared");
         Ok(Parts {
             root,
             dir,
@@ -402,6 +406,7 @@ impl Parts {
                 budget: self.budget,
                 id,
                 host_work,
+                pausing: std::panic::AssertUnwindSafe(tokio::sync::Mutex::new(())),
                 span: std::panic::AssertUnwindSafe(span),
                 cgroup: self.cgroup,
                 _served_disks: self.disks,

@@ -100,6 +100,9 @@ struct Inner {
     id: String,
     /// The host's own work before the helper started.
     host_work: Duration,
+    /// Held by a pause or a resume while it settles: one at a time. (Holds no data a panic
+    /// could leave half-changed: unwind-safe as the rest of `Inner` is.)
+    pausing: std::panic::AssertUnwindSafe<tokio::sync::Mutex<()>>,
     /// The `instance` span everything of this instance is traced in (only cloned and entered,
     /// never left half-changed by a panic).
     span: std::panic::AssertUnwindSafe<tracing::Span>,

@@ -5,18 +5,23 @@
 //! namespace, where `SIGSTOP` from an ancestor namespace still applies) and continued with
 //! `SIGCONT`; `/proc/PID/task/*/stat` says when every thread has stopped. A vCPU's `KVM_RUN`
 //! returns `EINTR`, which libkrun's vCPU loop treats as a pause in its run, and the guest finds
-//! itself where it was. Its clock (kvmclock, from the host's) jumps forward by the pause, as
-//! after a laptop's suspend. (Not the cgroup freezer: KVM attaches a kernel worker of each VM
-//! to its VMM's cgroup, and a kernel thread never freezes, so `cgroup.events` never said
-//! `frozen 1` although every thread of the VMM slept: seen under the nested test host's kernel.
-//! A stop is also plain to see: state `T`.)
+//! itself where it was. (Not the cgroup freezer: KVM attaches a kernel worker of each VM to its
+//! VMM's cgroup, and a kernel thread never freezes, so `cgroup.events` never said `frozen 1`
+//! although every thread of the VMM slept: seen under the nested test host's kernel. A stop is
+//! also plain to see: state `T`.)
+//!
+//! The guest's clocks, its monotonic clock too (kvmclock follows the host's), jump forward by
+//! the pause: a command's own timeout, which guest-init enforces, counts the pause, and one
+//! that passed meanwhile ends the command right after the resume (exit code 124).
 //!
 //! The host side stays up: the liveness check sends no pings and blames no silence while
-//! paused; new commands and file operations fail at once with [`Error::Paused`] (nothing is
-//! sent to a guest that cannot answer); processes already running stay running, their output
-//! waits in the guest; a file request in flight when the pause began fails with
-//! [`Error::RequestTimeout`] if the pause outlasts its deadline. Network connections stay open
-//! on the host; a remote peer may time out in the meantime.
+//! paused; new commands and file operations fail at once with [`Error::Paused`] (nothing new
+//! is sent to a guest that cannot answer); work already under way waits: processes stay
+//! running (their output waits in the guest), a file operation's requests and a spawn waiting
+//! for its process to start keep their deadlines in the guest's running time
+//! (`crate::pause_clock`), so the pause does not use them up, and so does the host's backstop
+//! of a command's timeout. Network connections stay open on the host; a remote peer may give
+//! up in the meantime.
 
 use std::time::{Duration, Instant};
 
@@ -46,6 +51,8 @@ impl Instance {
     /// # Ok(()) }
     /// ```
     pub async fn pause(&self) -> Result<()> {
+        // One pause or resume at a time: a second waits for the first to settle.
+        let _one_at_a_time = self.inner.pausing.lock().await;
         let control = self.control()?;
         if control.is_paused() {
             return Ok(());
@@ -72,6 +79,7 @@ impl Instance {
     /// # Ok(()) }
     /// ```
     pub async fn resume(&self) -> Result<()> {
+        let _one_at_a_time = self.inner.pausing.lock().await;
         let control = self.control()?;
         if !control.is_paused() {
             return Ok(());
@@ -104,7 +112,7 @@ impl Instance {
             reason: "the VM stopped".into(),
         })?;
         let signal = if stop { libc::SIGSTOP } else { libc::SIGCONT };
-        self.inner.vmm_process.signal(pid, signal).map_err(io)?;
+        self.inner.vmm_process.signal(signal).map_err(io)?;
         let done = || all_threads_stopped(pid).map(|stopped| stopped == stop);
         settle(what, done, || {
             format!("the VMM's threads: {}", thread_states(pid))
@@ -164,9 +172,15 @@ fn thread_states(pid: u32) -> String {
 }
 
 /// Whether every thread of process `pid` is stopped (state `T` in `/proc/PID/task/*/stat`).
+/// A thread that ended while it was looked at is not in the way.
 fn all_threads_stopped(pid: u32) -> std::io::Result<bool> {
     for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
-        let stat = std::fs::read_to_string(task?.path().join("stat"))?;
+        let stat = match std::fs::read_to_string(task?.path().join("stat")) {
+            Ok(stat) => stat,
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => continue,
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => continue,
+            Err(e) => return Err(e),
+        };
         // The state follows the command name, which is in parentheses and may hold any byte.
         let state = stat
             .rsplit_once(')')

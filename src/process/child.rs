@@ -154,8 +154,9 @@ pub(super) fn watch_cancellation(
 pub(super) struct Backstop {
     pub(super) control: Arc<Control>,
     pub(super) id: u32,
-    /// When the host stops waiting for guest-init; `None` without a timeout.
-    pub(super) deadline: Option<tokio::time::Instant>,
+    /// When the host stops waiting for guest-init, in the guest's running time (a pause
+    /// moves it); `None` without a timeout.
+    pub(super) deadline: Option<crate::pause_clock::GuestDeadline>,
     /// The host had to send the kill itself.
     pub(super) fired: bool,
 }
@@ -172,26 +173,27 @@ impl fmt::Debug for Backstop {
 impl Backstop {
     /// Runs `work` (reading the streams, or waiting for the end) under the backstop.
     pub(super) async fn run<F: std::future::Future>(&mut self, work: F) -> Result<F::Output> {
-        let Some(deadline) = self.deadline else {
+        let Some(deadline) = self.deadline.clone() else {
             return Ok(work.await);
         };
         tokio::pin!(work);
-        if let Ok(done) = tokio::time::timeout_at(deadline, &mut work).await {
-            return Ok(done);
+        tokio::select! {
+            biased;
+            done = &mut work => return Ok(done),
+            _ = deadline.clone().elapsed() => {}
         }
         if !self.fired {
             self.fired = true;
             tracing::warn!(id = self.id, "guest did not enforce a timeout; killing");
             send_kill(&self.control, self.id);
         }
-        let Some(last) = deadline.checked_add(TIMEOUT_GRACE) else {
-            return Ok(work.await);
-        };
-        tokio::time::timeout_at(last, work)
-            .await
-            .map_err(|_| Error::GuestUnresponsive {
+        tokio::select! {
+            biased;
+            done = work => Ok(done),
+            _ = deadline.later_by(TIMEOUT_GRACE).elapsed() => Err(Error::GuestUnresponsive {
                 after: TIMEOUT_GRACE * 2,
-            })
+            }),
+        }
     }
 }
 

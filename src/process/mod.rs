@@ -352,9 +352,9 @@ impl Command {
         let backstop = Backstop {
             control: control.clone(),
             id,
-            deadline: self.timeout.and_then(|t| {
-                tokio::time::Instant::now().checked_add(t.saturating_add(TIMEOUT_GRACE))
-            }),
+            deadline: self
+                .timeout
+                .map(|t| control.deadline(t.saturating_add(TIMEOUT_GRACE))),
             fired: false,
         };
         // Cancelled while it starts: dropping `start` kills what it may have started.
@@ -438,7 +438,9 @@ async fn start(
     let mut end = channels.end;
     let mut started = channels.started;
     let timeout = control.limits.request_timeout;
-    let pid = tokio::time::timeout(timeout, async {
+    // In the guest's running time: a pause while the process starts does not use it up.
+    let deadline = control.deadline(timeout).elapsed();
+    let pid = timeout_on(deadline, async {
         // guest-init sends Started before anything else about a process, and one connection
         // keeps the order; but a quick process can have both Started and its end waiting
         // here, so look at Started first.
@@ -458,7 +460,7 @@ async fn start(
         Ok(pid)
     })
     .await
-    .map_err(|_| Error::RequestTimeout {
+    .ok_or_else(|| Error::RequestTimeout {
         request: format!("spawn {program:?} (waiting for the process to start)"),
         after: timeout,
     })??;
@@ -489,6 +491,18 @@ fn early_end(
         Ok(ProcessEnd::Exited(_)) | Err(_) => Error::InstanceGone {
             reason: "the guest ended the process before reporting it started".into(),
         },
+    }
+}
+
+/// `work`'s output, or `None` if `deadline` comes first.
+async fn timeout_on<T>(
+    deadline: impl std::future::Future<Output = ()>,
+    work: impl std::future::Future<Output = T>,
+) -> Option<T> {
+    tokio::select! {
+        biased;
+        done = work => Some(done),
+        _ = deadline => None,
     }
 }
 

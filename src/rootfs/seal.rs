@@ -4,19 +4,27 @@
 //! Hashing the 228 MB agent image takes 0.15 s with SHA extensions and over a second without
 //! (several whole boots on real hardware), so a digest is computed once and sealed to the
 //! state of the inode it was computed for: its device and number, size, and modification and
-//! change times. The kernel moves an inode's ctime on every write, truncation, mapping write
-//! or attribute change, and no caller without the power to set the system clock can set it
-//! back; a file whose stamp is unchanged has the bytes it was hashed with.
+//! change times. The kernel moves an inode's ctime on every `write`, truncation or attribute
+//! change, and no caller without the power to set the system clock can set it back.
+//!
+//! Not every change shows in the ctime, though: a write through a shared mapping made before
+//! the stamp may not move it (tmpfs never notices such writes; ext4 only at writeback), nor may
+//! a device node's contents, nor may a filesystem whose times come from a server (NFS, SMB) or
+//! a FUSE daemon. So only files for which a changed ctime is the kernel's word are sealed: a
+//! regular file on a local filesystem whose times the kernel keeps (ext4, xfs, btrfs, f2fs,
+//! bcachefs, zfs, tmpfs, overlayfs), owned by this user and writable by nobody else. Whoever
+//! could then change it unseen (a mapping of this user's, the clock set by root) could as well
+//! rewrite the seals or the expected digests in this user's cache: a seal is as trustworthy as
+//! the cache directory holding it, which also holds the built-in images' recorded digests and
+//! the helper's artifacts (docs/security.md). Any other file is hashed on every boot.
 //!
 //! Seals live in this process (the fast path) and in `seals/` of the library's cache, one
-//! small file per inode, so a fresh process boots without hashing either. A seal is as
-//! trustworthy as the cache directory it is kept in, which also holds the built-in images'
-//! recorded digests and the helper's artifacts (docs/security.md). Anything unexpected in a
-//! seal file (a stamp that differs, bytes that do not parse, a file over its bound) means
-//! "not sealed": the image is hashed again, never trusted.
+//! small file per inode, so a fresh process boots without hashing either. Anything unexpected
+//! in a seal file (a stamp that differs, bytes that do not parse, a file over its bound, not a
+//! regular file) means "not sealed": the image is hashed again, never trusted.
 //!
 //! fs-verity would let the kernel check every page as the guest reads it, but few filesystems
-//! in use have it on; the stamp works on all of them.
+//! in use have it on; the stamp works on all of the above.
 
 use std::fs::File;
 use std::io::Read;
@@ -96,6 +104,44 @@ impl InodeStamp {
     }
 }
 
+/// Filesystems (`statfs` magic numbers) whose inode times the local kernel keeps: ext2/3/4,
+/// xfs, btrfs, f2fs, bcachefs, zfs, tmpfs, overlayfs.
+const LOCAL_FILESYSTEMS: [i64; 8] = [
+    0xEF53,
+    0x5846_5342,
+    0x9123_683E,
+    0xF2F5_2010,
+    0xCA45_1A4E,
+    0x2FC1_2FC1,
+    0x0102_1994,
+    0x794C_7630,
+];
+
+/// Whether a changed ctime is the kernel's word for `file`'s changes: a regular file on a
+/// local filesystem, owned by this user and writable by nobody else (see the module's
+/// documentation).
+fn sealable(file: &File) -> bool {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::MetadataExt;
+    let Ok(meta) = file.metadata() else {
+        return false;
+    };
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    if !meta.file_type().is_file() || meta.uid() != euid || meta.mode() & 0o022 != 0 {
+        return false;
+    }
+    let mut fs = std::mem::MaybeUninit::<libc::statfs>::uninit();
+    // SAFETY: fstatfs fills the struct for an open descriptor of ours, or fails.
+    if unsafe { libc::fstatfs(file.as_raw_fd(), fs.as_mut_ptr()) } != 0 {
+        return false;
+    }
+    // SAFETY: fstatfs succeeded, so the struct is filled.
+    #[allow(clippy::unnecessary_cast)] // f_type's width differs between architectures
+    let kind = unsafe { fs.assume_init() }.f_type as i64;
+    LOCAL_FILESYSTEMS.contains(&kind)
+}
+
 /// Digests this process computed, by the stamp of the inode they were computed for.
 static DIGESTS: std::sync::Mutex<Vec<(InodeStamp, String)>> = std::sync::Mutex::new(Vec::new());
 
@@ -125,7 +171,16 @@ fn seal_path(seals: &Path, stamp: &InodeStamp) -> PathBuf {
 
 /// The digest `seals` holds for `stamp`, if any (anything unexpected reads as none).
 fn read_seal(seals: &Path, stamp: &InodeStamp) -> Option<String> {
-    let file = File::open(seal_path(seals, stamp)).ok()?;
+    use std::os::unix::fs::OpenOptionsExt;
+    // Not a FIFO (it would block) nor a link: a regular file of ours, or nothing.
+    let file = File::options()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
+        .open(seal_path(seals, stamp))
+        .ok()?;
+    if !file.metadata().ok()?.file_type().is_file() {
+        return None;
+    }
     let mut text = String::new();
     file.take(MAX_SEAL_BYTES).read_to_string(&mut text).ok()?;
     stamp.sealed_digest(&text)
@@ -159,8 +214,8 @@ pub(crate) enum Provenance {
 }
 
 /// The SHA-256 of the open `file`: hashed, unless this process or a seal in `seals` knows the
-/// digest of the same inode in the same state. A state is sealed only if nothing changed the
-/// inode while it was hashed and its ctime had settled before the hash began.
+/// digest of the same inode in the same state. Only a file [`sealable`] is sealed, and only a
+/// state nothing changed while it was hashed, whose ctime had settled before the hash began.
 pub(crate) fn digest_of(
     file: &mut File,
     seals: Option<&Path>,
@@ -170,6 +225,9 @@ pub(crate) fn digest_of(
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |since| since.as_secs() as i64);
     let stamp = InodeStamp::of(file)?;
+    if !sealable(file) {
+        return Ok((super::sha256_hex(&mut *file)?, Provenance::Hashed));
+    }
     if let Some((_, digest)) = remembered().iter().find(|(known, _)| *known == stamp) {
         return Ok((digest.clone(), Provenance::Remembered));
     }
@@ -236,6 +294,39 @@ mod tests {
         let (changed, how) = digest(&path);
         assert_eq!(how, Provenance::Hashed);
         assert_ne!(changed, first);
+    }
+
+    #[test]
+    fn files_others_may_write_and_non_files_are_hashed_every_time() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let seals = dir.path().join("seals");
+        let path = dir.path().join("img");
+        std::fs::write(&path, b"abc").unwrap();
+        settle();
+        let digest = |path: &Path| digest_of(&mut File::open(path).unwrap(), Some(&seals)).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o664)).unwrap();
+        settle();
+        assert_eq!(digest(&path).1, Provenance::Hashed);
+        assert_eq!(
+            digest(&path).1,
+            Provenance::Hashed,
+            "group-writable: never sealed"
+        );
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        settle();
+        assert_eq!(digest(&path).1, Provenance::Hashed);
+        assert_eq!(
+            digest(&path).1,
+            Provenance::Remembered,
+            "sealed once only we may write"
+        );
+        // A FIFO where a seal would be is not read (it would block), nor trusted.
+        forget_all();
+        let stamp = InodeStamp::of(&File::open(&path).unwrap()).unwrap();
+        std::fs::remove_file(seal_path(&seals, &stamp)).unwrap();
+        nix::unistd::mkfifo(&seal_path(&seals, &stamp), nix::sys::stat::Mode::S_IRWXU).unwrap();
+        assert_eq!(digest(&path).1, Provenance::Hashed);
     }
 
     #[test]

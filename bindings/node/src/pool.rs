@@ -59,9 +59,9 @@ impl NativePool {
     #[napi]
     pub async fn shutdown(&self) -> napi::Result<()> {
         let pool = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
-        // A take under way holds the pool too: it then goes when that ends.
-        if let Some(pool) = pool.and_then(Arc::into_inner) {
-            pool.shutdown().await;
+        // Closed also while a take under way holds it too.
+        if let Some(pool) = pool {
+            pool.close().await;
         }
         Ok(())
     }

@@ -76,10 +76,9 @@ impl Pool {
     }
 }
 
-/// Shuts `pool` down if this was its last handle (a `take` under way holds another: the pool
-/// then goes when that ends, its idle instances killed).
+/// Shuts `pool` down, also while a `take` under way holds it too.
 async fn shut_down(pool: Option<std::sync::Arc<krunbox::Pool>>) {
-    if let Some(pool) = pool.and_then(std::sync::Arc::into_inner) {
-        pool.shutdown().await;
+    if let Some(pool) = pool {
+        pool.close().await;
     }
 }

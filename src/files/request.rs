@@ -250,12 +250,9 @@ mod tests {
         })
     }
 
-    /// A pause of the VM neither starts a file operation nor uses up the deadline of one in
-    /// flight: a request sent just before a pause ten times its deadline is still answered
-    /// after the resume.
-    #[tokio::test(start_paused = true)]
-    async fn a_pause_refuses_new_file_operations_and_stops_the_deadlines_of_those_in_flight() {
-        let timeout = Duration::from_secs(60);
+    /// A guest that leaves its first file request unanswered until the next one comes, then
+    /// answers both (the late one first).
+    fn holding_the_first_request(timeout: Duration) -> Arc<Control> {
         let first = Arc::new(Mutex::new(None));
         let (control, _) =
             scripted_guest::start(Limits::new().request_timeout(timeout), move |message| {
@@ -264,14 +261,23 @@ mod tests {
                 };
                 let mut first = first.lock().unwrap();
                 match *first {
-                    // Held (as a paused guest would) until the next request.
                     None => {
                         *first = Some(request.id);
                         vec![]
                     }
-                    Some(held) => vec![done(held), done(request.id)],
+                    Some(late) => vec![done(late), done(request.id)],
                 }
             });
+        control
+    }
+
+    /// A pause of the VM neither starts a file operation nor uses up the deadline of one in
+    /// flight: a request sent just before a pause ten times its deadline is still answered
+    /// after the resume.
+    #[tokio::test(start_paused = true)]
+    async fn a_pause_refuses_new_file_operations_and_stops_the_deadlines_of_those_in_flight() {
+        let timeout = Duration::from_secs(60);
+        let control = holding_the_first_request(timeout);
         let target = Target::with_control(control.clone(), "remove", Path::new("/x")).unwrap();
         let pending = target.send(sync_op()).unwrap();
         control.set_paused(true);
@@ -299,23 +305,7 @@ mod tests {
     async fn a_request_the_guest_never_answers_fails_at_its_deadline() {
         // Longer than the liveness timeout (30 s): this is not the liveness check.
         let timeout = Duration::from_secs(60);
-        let first = Arc::new(Mutex::new(None));
-        let (control, _) =
-            scripted_guest::start(Limits::new().request_timeout(timeout), move |message| {
-                let HostMessage::Fs(request) = message else {
-                    return vec![];
-                };
-                let mut first = first.lock().unwrap();
-                match *first {
-                    // The first request is left unanswered...
-                    None => {
-                        *first = Some(request.id);
-                        vec![]
-                    }
-                    // ...until the next one, answered after it.
-                    Some(late) => vec![done(late), done(request.id)],
-                }
-            });
+        let control = holding_the_first_request(timeout);
         let target = Target::with_control(control.clone(), "remove", Path::new("/x")).unwrap();
         let started = Instant::now();
         let err = tokio::time::timeout(timeout * 10, target.call(sync_op()))

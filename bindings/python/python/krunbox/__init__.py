@@ -497,17 +497,11 @@ class Instance:
         await self.shutdown()
 
 
-class Pool:
-    """Instances of one :class:`Sandbox` booted ahead of need (see :meth:`Sandbox.pool`).
-    ``async with`` shuts the pool and the instances still in it down at the block's end."""
+class _PoolState:
+    """What the asyncio and the sync ``Pool`` share: what the pool says of itself."""
 
     def __init__(self, native: _krunbox.Pool) -> None:
         self._native = native
-
-    async def take(self) -> Instance:
-        """A running instance that never ran anything: one from the pool (its replacement
-        boots in the background), or one booted now if none is ready."""
-        return Instance(await self._native.take())
 
     @property
     def ready(self) -> int:
@@ -518,6 +512,16 @@ class Pool:
     def last_failure(self) -> Optional[str]:
         """Why the last boot in the background failed, if the last one did."""
         return self._native.last_failure()
+
+
+class Pool(_PoolState):
+    """Instances of one :class:`Sandbox` booted ahead of need (see :meth:`Sandbox.pool`).
+    ``async with`` shuts the pool and the instances still in it down at the block's end."""
+
+    async def take(self) -> Instance:
+        """A running instance that never ran anything: one from the pool (its replacement
+        boots in the background), or one booted now if none is ready."""
+        return Instance(await self._native.take())
 
     async def shutdown(self) -> None:
         """Stops the pool and shuts down the instances still in it."""

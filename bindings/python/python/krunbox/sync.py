@@ -34,6 +34,7 @@ from . import (
     _env_pairs,
     _krunbox,
     _mounts,
+    _PoolState,
 )
 
 __all__ = [
@@ -117,25 +118,12 @@ class Sandbox(_Definition):
         return Pool(self._native.pool(size))
 
 
-class Pool:
+class Pool(_PoolState):
     """Instances booted ahead of need (see :class:`krunbox.Pool`)."""
-
-    def __init__(self, native: _krunbox.Pool) -> None:
-        self._native = native
 
     def take(self) -> "Instance":
         """A running instance that never ran anything."""
         return Instance(self._native.take_blocking())
-
-    @property
-    def ready(self) -> int:
-        """How many instances are ready now."""
-        return self._native.ready()
-
-    @property
-    def last_failure(self) -> Optional[str]:
-        """Why the last boot in the background failed, if the last one did."""
-        return self._native.last_failure()
 
     def shutdown(self) -> None:
         """Stops the pool and shuts down the instances still in it."""

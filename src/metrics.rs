@@ -48,6 +48,10 @@ pub struct Metrics {
     pub root: Option<RootUsage>,
     /// Where the VM's CPU, memory and I/O figures come from.
     pub source: MetricsSource,
+    /// The host's own work in the instance's boot before its VM started
+    /// ([`Instance::host_boot_work`](crate::Instance::host_boot_work)).
+    #[serde(serialize_with = "seconds")]
+    pub host_boot_work: Duration,
 }
 
 /// Where [`Metrics`]' process figures come from.

@@ -43,5 +43,9 @@ pub(crate) fn stats_text(metrics: &krunbox::Metrics, format: StatsFormat) -> Str
             mib(root.max_bytes)
         );
     }
+    text += &format!(
+        ", host work before the VM {:.1} ms",
+        metrics.host_boot_work.as_secs_f64() * 1000.0
+    );
     text
 }

@@ -89,6 +89,7 @@ fn run_keeps_stdout_and_stderr_apart_and_passes_env_workdir_and_hostname() {
     assert!(stats["cpu_time"].as_f64().unwrap() > 0.0, "{stats}");
     assert!(stats["memory_peak_bytes"].as_u64().unwrap() > 0, "{stats}");
     assert!(stats["source"].is_string(), "{stats}");
+    assert!(stats["host_boot_work"].as_f64().unwrap() > 0.0, "{stats}");
 }
 
 #[test]

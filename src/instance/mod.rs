@@ -399,6 +399,7 @@ impl Instance {
             host_descriptors_max: self.inner.budget.max_descriptors() as u64,
             root: self.root_usage(),
             source,
+            host_boot_work: self.inner.host_work,
         })
     }
 

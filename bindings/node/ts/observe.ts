@@ -51,6 +51,8 @@ export interface Metrics {
   readonly root: Readonly<Record<string, number>> | null;
   /** Where the numbers come from: the instance's cgroup, or its processes. */
   readonly source: "cgroup" | "process";
+  /** The host's own work in the boot before the VM started, in seconds. */
+  readonly hostBootWork: number;
 }
 
 /** `value` with every object's keys in camelCase. */

@@ -437,10 +437,11 @@ class Instance:
         return result
 
     def metrics(self) -> Dict[str, Any]:
-        """What the instance uses now: ``cpu_time`` (``secs``, ``nanos``), ``memory_bytes``,
+        """What the instance uses now: ``cpu_time`` (seconds), ``memory_bytes``,
         ``memory_peak_bytes``, ``disk_read_bytes``, ``disk_written_bytes``, ``network``
         (bytes each way, flows granted and denied, requests), host descriptors, ``root``
-        (a writable root's held bytes)."""
+        (a writable root's held bytes), ``source``, and ``host_boot_work`` (seconds of the
+        host's own work in the boot before the VM started)."""
         result: Dict[str, Any] = self._native.metrics()
         return result
 

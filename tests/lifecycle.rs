@@ -34,6 +34,18 @@ async fn sh(vm: &Instance, script: &str) -> String {
     out.stdout_text().trim().to_string()
 }
 
+/// Waits (at most 120 s) until `pool` has an instance ready; the failure says it never `what`.
+async fn one_ready(pool: &Pool, what: &str) {
+    let ready = async {
+        while pool.ready() < 1 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(120), ready)
+        .await
+        .unwrap_or_else(|_| panic!("the pool never {what}: {:?}", pool.last_failure()));
+}
+
 #[test]
 fn a_paused_instance_uses_no_cpu_outlives_the_liveness_check_and_answers_after_resume() {
     common::run(async {
@@ -102,14 +114,7 @@ fn a_pool_hands_out_running_instances_that_never_saw_another_users_command() {
         ));
         let pool = Pool::new(&sandbox, 1).unwrap();
         // Filled in the background.
-        let filled = async {
-            while pool.ready() < 1 {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(120), filled)
-            .await
-            .unwrap_or_else(|_| panic!("the pool never filled: {:?}", pool.last_failure()));
+        one_ready(&pool, "filled").await;
 
         let first = pool.take().await.unwrap();
         let first_boot = sh(&first, "cat /proc/sys/kernel/random/boot_id").await;
@@ -119,14 +124,7 @@ fn a_pool_hands_out_running_instances_that_never_saw_another_users_command() {
         )
         .await;
         // The pool refills in the background: its next instance is another VM that ran nothing.
-        let refilled = async {
-            while pool.ready() < 1 {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(120), refilled)
-            .await
-            .unwrap_or_else(|_| panic!("the pool never refilled: {:?}", pool.last_failure()));
+        one_ready(&pool, "refilled").await;
         let second = pool.take().await.unwrap();
         assert_ne!(first.id(), second.id());
         let second_boot = sh(&second, "cat /proc/sys/kernel/random/boot_id").await;

@@ -259,6 +259,15 @@ pub enum Error {
     /// file operations are refused until it is resumed. Nothing was sent to the guest.
     #[error("the sandbox instance is paused: resume it (Instance::resume) before starting commands or file operations")]
     Paused,
+    /// The VM's state could not be saved or set; the instance still runs as it did (its vCPUs
+    /// were resumed) unless `reason` says otherwise.
+    #[error("the VM's state could not be {step}: {reason}")]
+    Snapshot {
+        /// What was being done (`"saved"`, `"set"`, …).
+        step: &'static str,
+        /// Why it failed.
+        reason: String,
+    },
     /// The command was cancelled through its [`CancellationToken`](tokio_util::sync::CancellationToken);
     /// its process group was killed.
     #[error("the command was cancelled; its process group was killed")]
@@ -338,6 +347,7 @@ impl Error {
             Error::OutputLimitExceeded { .. } => "OutputLimitExceeded",
             Error::TooMany { .. } => "TooMany",
             Error::Paused => "Paused",
+            Error::Snapshot { .. } => "Snapshot",
             Error::Cancelled => "Cancelled",
             Error::Io { .. } => "Io",
         }

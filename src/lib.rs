@@ -71,6 +71,7 @@ mod sandbox;
 #[cfg(test)]
 mod scripted_guest;
 pub mod tools;
+mod vmm_commands;
 
 /// The host↔guest control protocol (shared with `guest-init`).
 pub mod protocol {

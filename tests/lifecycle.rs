@@ -149,3 +149,46 @@ fn a_pool_hands_out_running_instances_that_never_saw_another_users_command() {
         assert!(matches!(pool.take().await, Err(Error::InvalidConfig(_))));
     });
 }
+
+/// The guest's uptime in seconds (`/proc/uptime`: its boot-time clock, from kvmclock).
+async fn uptime(vm: &Instance) -> f64 {
+    let line = sh(vm, "cat /proc/uptime").await;
+    line.split_whitespace().next().unwrap().parse().unwrap()
+}
+
+/// Snapshots' first step: the helper pauses the vCPUs, saves the KVM state of the VM and each
+/// vCPU (through its serialized form), holds it, sets it back and resumes. The guest's clocks
+/// prove the state was set: kvmclock and the TSC come back as saved, so the guest's uptime
+/// does not count the hold, where vCPUs merely paused and resumed would count all of it.
+#[test]
+fn the_vms_saved_kvm_state_set_back_after_a_hold_resumes_the_guest_without_the_hold() {
+    common::run(async {
+        let sandbox = Sandbox::builder()
+            .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
+            .memory_mib(256)
+            .build()
+            .unwrap();
+        let vm = sandbox.boot().await.unwrap();
+        let hold = Duration::from_secs(6);
+        let before = uptime(&vm).await;
+        let bytes = vm.round_trip_machine_state(hold).await.unwrap();
+        let after = uptime(&vm).await;
+        assert!(
+            bytes > 4096,
+            "a vCPU's state alone has 4 KiB of xsave: {bytes}"
+        );
+        assert!(
+            after > before && after - before < hold.as_secs_f64() / 2.0,
+            "the guest's uptime went from {before} to {after} across a hold of {hold:?}"
+        );
+        assert_eq!(sh(&vm, "echo $((40 + 2))").await, "42");
+        // A paused VM's helper answers nothing: refused, not waited for.
+        vm.pause().await.unwrap();
+        assert!(matches!(
+            vm.round_trip_machine_state(Duration::ZERO).await,
+            Err(Error::Paused)
+        ));
+        vm.resume().await.unwrap();
+        vm.shutdown().await.unwrap();
+    });
+}

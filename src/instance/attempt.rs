@@ -68,6 +68,8 @@ pub(super) struct Ready {
     pub logs: InstanceLogs,
     /// The library's end of the guest's network link, for the network service.
     pub net_socket: Option<OwnedFd>,
+    /// The library's end of the helper's command socket.
+    pub commands: Arc<crate::vmm_commands::VmmCommands>,
 }
 
 /// How an attempt ended, when it did not fail.
@@ -102,6 +104,8 @@ pub(super) async fn run(
     let (report_read, report_write) =
         pipe().map_err(|e| Error::io("creating the isolation report pipe")(e.into()))?;
     let net_pair = network_link(config)?;
+    let (commands, commands_helper_end) = crate::vmm_commands::VmmCommands::pair()
+        .map_err(Error::io("creating the helper's command socket"))?;
     // The mounts' queues are served here, in the guest's memory (a fresh file each attempt).
     let (guest_memory, fs_ends) = if config.mounts.is_empty() {
         (None, Vec::new())
@@ -127,6 +131,7 @@ pub(super) async fn run(
         (lifeline_read.as_raw_fd(), Inherited::Lifeline),
         (plan.guest_init.as_raw_fd(), Inherited::GuestInit),
         (report_write.as_raw_fd(), Inherited::Report),
+        (commands_helper_end.as_raw_fd(), Inherited::Command),
     ];
     parts.root.hand_over(&mut handed);
     if let Some((_, helper_end)) = &net_pair {
@@ -153,7 +158,13 @@ pub(super) async fn run(
         plan.cgroup_procs,
     )?;
     // Only the helper holds these ends now: when it exits, each service reads EOF.
-    drop((lifeline_read, report_write, fs_ends, disk_ends));
+    drop((
+        lifeline_read,
+        report_write,
+        fs_ends,
+        disk_ends,
+        commands_helper_end,
+    ));
     let net_socket = net_pair.and_then(|(ours, _helper_end)| ours.map(OwnedFd::from));
     let report = tokio::spawn(crate::jail::host::read_report(report_read).in_current_span());
 
@@ -167,6 +178,7 @@ pub(super) async fn run(
             report,
             logs,
             net_socket,
+            commands,
         }))),
         Ok(None) => {
             stop_helper(&mut child, &logs).await;

@@ -203,6 +203,7 @@ impl Parts {
             control_socket: self.dir.path().join(CONTROL_SOCKET),
             fs_devices: config.mounts.len() as u32,
             guest_memory_file: !config.mounts.is_empty(),
+            command_socket: true,
             console: self.dir.path().join(crate::logs::CONSOLE_FIFO),
             jail: self
                 .jail
@@ -399,6 +400,7 @@ impl Parts {
                 exited,
                 kill,
                 _lifeline: ready.lifeline,
+                commands: ready.commands,
                 isolation,
                 _logs: logs,
                 network,

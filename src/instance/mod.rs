@@ -6,6 +6,7 @@ mod admit;
 mod attempt;
 mod boot;
 mod dir;
+mod machine;
 mod pause;
 mod root;
 mod supervisor;
@@ -85,6 +86,8 @@ struct Inner {
     kill: watch::Sender<bool>,
     /// Held so the helper's lifeline pipe stays open while the instance lives.
     _lifeline: OwnedFd,
+    /// The library's end of the helper's command socket.
+    commands: Arc<crate::vmm_commands::VmmCommands>,
     /// What the VMM helper's jail holds, as it reported before the VM started.
     isolation: crate::Isolation,
     /// Drains the guest console and the helper's output into bounded logs while the instance

@@ -8,6 +8,7 @@
 //! process, reached through the descriptors it was handed and unix sockets that libkrun bridges
 //! to guest vsock ports.
 
+pub(crate) mod command;
 pub(crate) mod devices;
 pub(crate) mod jail;
 pub(crate) mod queue;
@@ -376,6 +377,11 @@ fn configure(
             &tag,
             std::sync::Arc::new(std::sync::Mutex::new(device)),
         );
+    }
+    if config.command_socket {
+        // SAFETY: the library passes its command socket exactly when `command_socket` is
+        // set, and nothing else in the helper owns it.
+        command::serve(unsafe { take(Inherited::Command)? });
     }
     if config.guest_memory_file {
         // SAFETY: the library passes its memfd exactly when `guest_memory_file` is set, and

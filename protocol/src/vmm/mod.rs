@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use jail::JailConfig;
 
+pub mod command;
 pub mod jail;
 
 /// A descriptor the helper inherits, by its role; [`Inherited::fd`] is the number it has in
@@ -38,6 +39,8 @@ pub enum Inherited {
     ServedDiskFailures(usize),
     /// Mount `i`'s socket ([`VmmConfig::fs_devices`]).
     FsDevice(usize),
+    /// The helper's end of the command socket ([`command`]).
+    Command,
 }
 
 impl Inherited {
@@ -52,6 +55,7 @@ impl Inherited {
             Inherited::Network => Some(NET_FD),
             Inherited::WritableLayer => Some(WRITABLE_LAYER_FD),
             Inherited::GuestMemory => Some(GUEST_MEMORY_FD),
+            Inherited::Command => Some(COMMAND_FD),
             Inherited::ServedDisk(i) if i < MAX_SERVED_DISKS => {
                 Some(SERVED_DISK_FD_BASE + i as i32)
             }
@@ -119,6 +123,11 @@ const FS_DEVICE_FD_BASE: i32 = 16;
 /// The guest's memory: a sealed memfd of the library's (see [`VmmConfig::guest_memory_file`]).
 const GUEST_MEMORY_FD: i32 = 13;
 
+/// The helper's end of its command socket (a unix `SOCK_SEQPACKET` pair; [`command`]), passed
+/// to every helper that starts a VM: the library's way to pause the vCPUs and read or set the
+/// VM's state once the VM runs.
+const COMMAND_FD: i32 = 14;
+
 /// The helper's exit code when it refused to start the VM because its jail did not hold (a
 /// canary got through) or a required isolation layer is missing. The report says which.
 pub const ISOLATION_EXIT_CODE: i32 = 71;
@@ -156,6 +165,10 @@ pub struct VmmConfig {
     /// over to the library when the guest activates them, instead of forwarding each request.
     #[serde(default)]
     pub guest_memory_file: bool,
+    /// The helper serves the library's commands on [`COMMAND_FD`] ([`command`]) once the VM
+    /// runs.
+    #[serde(default)]
+    pub command_socket: bool,
     /// The FIFO the guest console goes to; the library drains it into a bounded log.
     pub console: PathBuf,
     /// The helper's jail.
@@ -250,6 +263,7 @@ mod tests {
             Inherited::Network,
             Inherited::WritableLayer,
             Inherited::GuestMemory,
+            Inherited::Command,
         ];
         for i in 0..MAX_SERVED_DISKS {
             roles.push(Inherited::ServedDisk(i));

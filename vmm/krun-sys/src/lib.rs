@@ -23,6 +23,7 @@
 //! ```
 
 pub mod device;
+pub mod machine;
 
 use std::ffi::{CString, NulError};
 use std::os::fd::{AsRawFd, OwnedFd};

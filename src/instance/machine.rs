@@ -1,0 +1,74 @@
+//! The VM's KVM state (registers, FPU, LAPIC, MSRs, irqchip, clock), read and set through the
+//! helper's command socket: the first step of snapshots (docs/snapshots-plan.md), which save it
+//! beside guest memory and the devices' state.
+
+use std::time::Duration;
+
+use krunbox_protocol::vmm::command::{VmmCommand, VmmReply};
+
+use super::Instance;
+use crate::error::{Error, Result};
+
+/// How long the helper may take to answer one command: each waits at most a second per vCPU
+/// (krunbox has at most 8), and the helper's event loop may be busy with a device meanwhile.
+const COMMAND_DEADLINE: Duration = Duration::from_secs(15);
+
+impl Instance {
+    /// Pauses the vCPUs, saves the KVM state of the VM and of each vCPU, waits `hold`, sets
+    /// the saved state back and resumes the vCPUs; returns the state's size in bytes. The
+    /// guest goes on where it was, its clocks too: they do not count `hold` (the saved
+    /// kvmclock and TSC are set back), which is how the VM test of snapshots' first step
+    /// (`tests/lifecycle.rs`) sees that the state was set at all. Not API: snapshots will be.
+    #[doc(hidden)]
+    pub async fn round_trip_machine_state(&self, hold: Duration) -> Result<u64> {
+        // Not beside a pause or resume: a stopped helper answers nothing.
+        let _one_at_a_time = self.inner.pausing.lock().await;
+        if self.control()?.is_paused() {
+            return Err(Error::Paused);
+        }
+        self.machine_command(VmmCommand::PauseVcpus, "saved")
+            .await?;
+        let round_trip = async {
+            let bytes = match self
+                .machine_command(VmmCommand::SaveMachineState, "saved")
+                .await?
+            {
+                VmmReply::Saved { bytes } => bytes,
+                other => return Err(unexpected("saved", &other)),
+            };
+            tokio::time::sleep(hold).await;
+            self.machine_command(VmmCommand::RestoreMachineState, "set")
+                .await?;
+            Ok(bytes)
+        }
+        .await;
+        // The vCPUs run again whatever happened above.
+        let resumed = self
+            .machine_command(VmmCommand::ResumeVcpus, "resumed")
+            .await;
+        let bytes = round_trip?;
+        resumed?;
+        Ok(bytes)
+    }
+
+    /// Sends `command` to the helper; a reply that says it failed is an error.
+    async fn machine_command(&self, command: VmmCommand, step: &'static str) -> Result<VmmReply> {
+        let reply = self
+            .inner
+            .commands
+            .send(command, COMMAND_DEADLINE)
+            .await
+            .map_err(|reason| Error::Snapshot { step, reason })?;
+        match reply {
+            VmmReply::Failed { reason } => Err(Error::Snapshot { step, reason }),
+            reply => Ok(reply),
+        }
+    }
+}
+
+fn unexpected(step: &'static str, reply: &VmmReply) -> Error {
+    Error::Snapshot {
+        step,
+        reason: format!("the helper answered {reply:?}"),
+    }
+}

@@ -1,0 +1,150 @@
+//! The library's end of a helper's command socket (krunbox-protocol's `vmm::command`): one
+//! command at a time, each answered within a deadline.
+//!
+//! A unix `SOCK_SEQPACKET` pair keeps each message whole without framing. Commands are rare
+//! (a snapshot sends a handful), so each is a blocking exchange on tokio's blocking pool rather
+//! than an async reader that would live as long as the instance.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use krunbox_protocol::vmm::command::{VmmCommand, VmmReply, MAX_COMMAND_BYTES};
+use nix::sys::socket::{self, AddressFamily, MsgFlags, SockFlag, SockType};
+
+/// The library's end of one helper's command socket.
+pub(crate) struct VmmCommands {
+    socket: Mutex<OwnedFd>,
+    /// Set when a reply did not come in time: a late one would answer the next command, so
+    /// the socket is not used again.
+    broken: AtomicBool,
+}
+
+impl VmmCommands {
+    /// A new pair: ours, and the helper's end to hand over as `Inherited::Command`.
+    pub(crate) fn pair() -> std::io::Result<(Arc<VmmCommands>, OwnedFd)> {
+        let (ours, helpers) = socket::socketpair(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )?;
+        let commands = VmmCommands {
+            socket: Mutex::new(ours),
+            broken: AtomicBool::new(false),
+        };
+        Ok((Arc::new(commands), helpers))
+    }
+
+    /// Sends `command` and waits up to `deadline` for the helper's reply. `Err` says why no
+    /// valid reply came (a reply that says the command failed is `Ok(VmmReply::Failed)`).
+    pub(crate) async fn send(
+        self: &Arc<Self>,
+        command: VmmCommand,
+        deadline: Duration,
+    ) -> Result<VmmReply, String> {
+        let this = self.clone();
+        tokio::task::spawn_blocking(move || this.exchange(command, deadline))
+            .await
+            .map_err(|e| format!("the command's thread failed: {e}"))?
+    }
+
+    fn exchange(&self, command: VmmCommand, deadline: Duration) -> Result<VmmReply, String> {
+        let socket = self.socket.lock().unwrap_or_else(|p| p.into_inner());
+        if self.broken.load(Ordering::Acquire) {
+            return Err("an earlier command went unanswered".into());
+        }
+        let timeout = nix::sys::time::TimeVal::new(
+            deadline.as_secs() as i64,
+            deadline.subsec_micros() as i64,
+        );
+        socket::setsockopt(&*socket, socket::sockopt::ReceiveTimeout, &timeout)
+            .and_then(|()| socket::setsockopt(&*socket, socket::sockopt::SendTimeout, &timeout))
+            .map_err(|e| format!("setting the command socket's deadline: {e}"))?;
+        socket::send(
+            socket.as_raw_fd(),
+            &command.encode(),
+            MsgFlags::MSG_NOSIGNAL,
+        )
+        .map_err(|e| format!("sending {command:?}: {e}"))?;
+        // One byte more than a packet may have, so that a longer one is seen, not cut.
+        let mut packet = vec![0u8; MAX_COMMAND_BYTES + 1];
+        let len = loop {
+            match socket::recv(socket.as_raw_fd(), &mut packet, MsgFlags::empty()) {
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(nix::errno::Errno::EAGAIN) => {
+                    self.broken.store(true, Ordering::Release);
+                    return Err(format!("no answer to {command:?} within {deadline:?}"));
+                }
+                Err(e) => return Err(format!("reading the answer to {command:?}: {e}")),
+                Ok(0) => return Err("the helper closed its command socket".into()),
+                Ok(len) => break len,
+            }
+        };
+        VmmReply::decode(&packet[..len]).map_err(|e| e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The helper's side played by a thread on the other end, with the protocol's codec.
+    #[tokio::test]
+    async fn a_command_gets_its_reply_and_a_silent_helper_breaks_the_channel() {
+        let (commands, helper) = VmmCommands::pair().unwrap();
+        let answering = std::thread::spawn(move || {
+            let mut packet = vec![0u8; MAX_COMMAND_BYTES];
+            let len = socket::recv(helper.as_raw_fd(), &mut packet, MsgFlags::empty()).unwrap();
+            assert_eq!(
+                VmmCommand::decode(&packet[..len]).unwrap(),
+                VmmCommand::SaveMachineState
+            );
+            let reply = VmmReply::Saved { bytes: 7 }.encode();
+            socket::send(helper.as_raw_fd(), &reply, MsgFlags::empty()).unwrap();
+            // The next command is read and never answered.
+            socket::recv(helper.as_raw_fd(), &mut packet, MsgFlags::empty()).unwrap();
+            helper
+        });
+        let reply = commands
+            .send(VmmCommand::SaveMachineState, Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert_eq!(reply, VmmReply::Saved { bytes: 7 });
+        let silent = commands
+            .send(VmmCommand::PauseVcpus, Duration::from_millis(200))
+            .await
+            .unwrap_err();
+        assert!(silent.contains("no answer"), "{silent}");
+        let _helper = answering.join().unwrap();
+        let after = commands
+            .send(VmmCommand::ResumeVcpus, Duration::from_secs(5))
+            .await
+            .unwrap_err();
+        assert!(after.contains("unanswered"), "{after}");
+    }
+
+    #[tokio::test]
+    async fn a_reply_that_is_not_one_is_an_error_not_a_panic() {
+        let (commands, helper) = VmmCommands::pair().unwrap();
+        let answering = std::thread::spawn(move || {
+            let mut packet = vec![0u8; MAX_COMMAND_BYTES];
+            socket::recv(helper.as_raw_fd(), &mut packet, MsgFlags::empty()).unwrap();
+            let junk = vec![b'{'; MAX_COMMAND_BYTES + 10];
+            socket::send(helper.as_raw_fd(), &junk, MsgFlags::empty()).unwrap();
+            helper
+        });
+        let err = commands
+            .send(VmmCommand::PauseVcpus, Duration::from_secs(5))
+            .await
+            .unwrap_err();
+        assert!(err.contains("not valid"), "{err}");
+        drop(answering.join().unwrap());
+        let closed = commands
+            .send(VmmCommand::PauseVcpus, Duration::from_secs(5))
+            .await
+            .unwrap_err();
+        assert!(!closed.is_empty());
+    }
+}

@@ -1,0 +1,85 @@
+//! The running VM's KVM state, for snapshots: pause its vCPUs, read or set the state of the VM
+//! and of each vCPU (not guest memory, not devices), resume.
+//!
+//! `krun_start_enter` never returns, and its thread then runs libkrun's event loop, so the one
+//! way in is a callback: [`on_built`] is called on that thread once the VM is built and its
+//! vCPUs run, with the VM and the loop. The caller registers a [`Subscriber`] there (krunbox's
+//! helper: a command socket to the library) and drives the VM from its events. The patch to
+//! krun-vmm behind it (`hook/embedder-devices.patch`) makes libkrun's own (Firecracker's)
+//! `save_state`/`restore_state` reachable; each vCPU reads and writes its state on its own
+//! thread while paused, as Firecracker does.
+//!
+//! ```no_run
+//! krun_sys::machine::on_built(|vm, _event_manager| {
+//!     vm.pause_vcpus().unwrap();
+//!     let state = vm.save_state().unwrap();
+//!     vm.restore_state(&state).unwrap();
+//!     vm.resume_vcpus().unwrap();
+//! });
+//! // ... then Context::start_enter() builds the VM and calls it.
+//! ```
+
+use std::sync::{Arc, Mutex};
+
+pub use krun_utils::epoll::{EpollEvent, EventSet};
+pub use polly::event_manager::{EventManager, Subscriber};
+
+/// The most bytes a saved state may have (a vCPU's is about 30 KiB as JSON; krunbox has at
+/// most 8 vCPUs): a longer one is refused before it is parsed.
+pub const MAX_STATE_BYTES: usize = 8 << 20;
+
+/// The VM libkrun built, as [`on_built`] hands it over. Every method runs on the event loop's
+/// thread and waits at most a second for each vCPU.
+#[derive(Clone)]
+pub struct RunningVm(Arc<Mutex<krun_vmm::Vmm>>);
+
+impl RunningVm {
+    fn vmm(&self) -> std::sync::MutexGuard<'_, krun_vmm::Vmm> {
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Takes every vCPU out of `KVM_RUN` and keeps it out until [`RunningVm::resume_vcpus`].
+    pub fn pause_vcpus(&self) -> Result<(), String> {
+        self.vmm().pause_vcpus()
+    }
+
+    /// Lets the paused vCPUs run again.
+    pub fn resume_vcpus(&self) -> Result<(), String> {
+        self.vmm().resume_vcpus().map_err(|e| e.to_string())
+    }
+
+    /// The KVM state of the VM (irqchip, PIT, clock) and of each paused vCPU (registers,
+    /// FPU/xsave, LAPIC, MSRs, pending events), as bytes [`RunningVm::restore_state`] takes.
+    pub fn save_state(&self) -> Result<Vec<u8>, String> {
+        let state = self.vmm().save_machine_state()?;
+        serde_json::to_vec(&state).map_err(|e| e.to_string())
+    }
+
+    /// Sets the state [`RunningVm::save_state`] returned on the paused VM. Bytes from
+    /// anywhere else are parsed as such: a wrong or oversized state is an error.
+    pub fn restore_state(&self, bytes: &[u8]) -> Result<(), String> {
+        if bytes.len() > MAX_STATE_BYTES {
+            return Err(format!(
+                "a machine state of {} bytes is past the {MAX_STATE_BYTES} accepted",
+                bytes.len()
+            ));
+        }
+        let state: krun_vmm::MachineState =
+            serde_json::from_slice(bytes).map_err(|e| format!("not a machine state: {e}"))?;
+        self.vmm().restore_machine_state(state)
+    }
+}
+
+/// Has `callback` called once the next VM this process starts is built and its vCPUs run, on
+/// the thread that then runs the event loop (where a [`Subscriber`] added to the loop runs).
+pub fn on_built(callback: impl FnOnce(RunningVm, &mut EventManager) + Send + 'static) {
+    *krun_vmm::builder::EMBEDDER_ON_BUILT
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(Box::new(
+        move |vmm: &Arc<Mutex<krun_vmm::Vmm>>, event_manager: &mut EventManager| {
+            callback(RunningVm(vmm.clone()), event_manager)
+        },
+    ));
+}

@@ -1,0 +1,119 @@
+//! The command socket (`Inherited::Command`): the library's way into the running VM.
+//!
+//! `krun_start_enter` never returns, so the helper serves commands from libkrun's own event
+//! loop: once the VM is built, a subscriber on that loop reads one command per packet and
+//! answers each before the next (krunbox-protocol's `vmm::command`). Each command is short (a
+//! second per vCPU at most), so the loop goes on serving the devices between them.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::{Arc, Mutex};
+
+use krun_sys::machine::{EpollEvent, EventManager, EventSet, RunningVm, Subscriber};
+use krunbox_protocol::vmm::command::{VmmCommand, VmmReply, MAX_COMMAND_BYTES};
+
+/// Serves the library's commands on `socket` (its end of the pair on `Inherited::Command`)
+/// once the next VM this process starts runs.
+pub(crate) fn serve(socket: OwnedFd) {
+    krun_sys::machine::on_built(move |vm, event_manager| {
+        if let Err(e) = nix::fcntl::fcntl(
+            &socket,
+            nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
+        ) {
+            eprintln!("krunbox-vmm: the command socket: {e}");
+            return;
+        }
+        let server = CommandServer {
+            socket,
+            vm,
+            saved: None,
+        };
+        if let Err(e) = event_manager.add_subscriber(Arc::new(Mutex::new(server))) {
+            eprintln!("krunbox-vmm: cannot serve the command socket: {e:?}");
+        }
+    });
+}
+
+struct CommandServer {
+    socket: OwnedFd,
+    vm: RunningVm,
+    /// The machine state [`VmmCommand::SaveMachineState`] read last.
+    saved: Option<Vec<u8>>,
+}
+
+impl CommandServer {
+    fn carry_out(&mut self, command: VmmCommand) -> VmmReply {
+        let done = |result: Result<(), String>| match result {
+            Ok(()) => VmmReply::Done,
+            Err(reason) => VmmReply::failed(reason),
+        };
+        match command {
+            VmmCommand::PauseVcpus => done(self.vm.pause_vcpus()),
+            VmmCommand::ResumeVcpus => done(self.vm.resume_vcpus()),
+            VmmCommand::SaveMachineState => match self.vm.save_state() {
+                Ok(state) => {
+                    let bytes = state.len() as u64;
+                    self.saved = Some(state);
+                    VmmReply::Saved { bytes }
+                }
+                Err(reason) => VmmReply::failed(reason),
+            },
+            VmmCommand::RestoreMachineState => match &self.saved {
+                Some(state) => done(self.vm.restore_state(state)),
+                None => VmmReply::failed("no machine state was saved"),
+            },
+        }
+    }
+
+    /// Answers every packet waiting; `false` once the library's end is closed.
+    fn answer_waiting(&mut self) -> bool {
+        // One byte more than a packet may have: a longer one is seen as such, not cut.
+        let mut packet = vec![0u8; MAX_COMMAND_BYTES + 1];
+        loop {
+            let len = match nix::sys::socket::recv(
+                self.socket.as_raw_fd(),
+                &mut packet,
+                nix::sys::socket::MsgFlags::empty(),
+            ) {
+                Ok(0) => return false,
+                Ok(len) => len,
+                Err(nix::errno::Errno::EAGAIN) => return true,
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(_) => return false,
+            };
+            let reply = match VmmCommand::decode(&packet[..len]) {
+                Ok(command) => self.carry_out(command),
+                Err(e) => VmmReply::failed(e.to_string()),
+            };
+            // The library waits for this reply before it sends anything else, so the
+            // socket's buffer has room for it.
+            if nix::sys::socket::send(
+                self.socket.as_raw_fd(),
+                &reply.encode(),
+                nix::sys::socket::MsgFlags::MSG_NOSIGNAL,
+            )
+            .is_err()
+            {
+                return false;
+            }
+        }
+    }
+}
+
+impl Subscriber for CommandServer {
+    fn process(&mut self, event: &EpollEvent, event_manager: &mut EventManager) {
+        let gone = event.event_set().contains(EventSet::HANG_UP)
+            || event.event_set().contains(EventSet::ERROR);
+        if !self.answer_waiting() || gone {
+            // The library is gone (its lifeline ends this process soon): stop listening
+            // rather than wake the loop for a closed socket forever.
+            let _ = event_manager.unregister(self.socket.as_raw_fd());
+        }
+    }
+
+    fn interest_list(&self) -> Vec<EpollEvent> {
+        vec![EpollEvent::new(
+            EventSet::IN,
+            self.socket.as_raw_fd() as u64,
+        )]
+    }
+}

@@ -695,6 +695,10 @@ impl Harness {
                 | HostMessage::Signal(_)
                 | HostMessage::Resize(_)
                 | HostMessage::Shutdown => {}
+                // Only a snapshot quiesces the channel, and this harness takes none.
+                HostMessage::Quiesce(_) | HostMessage::Resume(_) => {
+                    panic!("the host quiesced the channel with no snapshot asked for")
+                }
             }
         }
         for seq in pongs {

@@ -7,6 +7,7 @@ mod common;
 use std::time::Duration;
 
 use krunbox::{BuiltinImage, Error, Instance, Pool, Rootfs, Sandbox};
+use tokio::io::AsyncWriteExt;
 
 /// The CPU time (user + system, in clock ticks) process `pid` has used, all its threads.
 fn cpu_ticks(pid: u32) -> u64 {
@@ -156,10 +157,12 @@ async fn uptime(vm: &Instance) -> f64 {
     line.split_whitespace().next().unwrap().parse().unwrap()
 }
 
-/// Snapshots' first step: the helper pauses the vCPUs, saves the KVM state of the VM and each
-/// vCPU (through its serialized form), holds it, sets it back and resumes. The guest's clocks
-/// prove the state was set: kvmclock and the TSC come back as saved, so the guest's uptime
-/// does not count the hold, where vCPUs merely paused and resumed would count all of it.
+/// Snapshots' first steps: the control channel is quiesced (nothing in flight either way), the
+/// helper pauses the vCPUs, saves the KVM state of the VM and each vCPU (through its
+/// serialized form), holds it, sets it back and resumes, and the channel resumes. The guest's
+/// clocks prove the state was set: kvmclock and the TSC come back as saved, so the guest's
+/// uptime does not count the hold, where vCPUs merely paused and resumed would count all of
+/// it. A shell in a pty, started before, answers after: the channel carried on.
 #[test]
 fn the_vms_saved_kvm_state_set_back_after_a_hold_resumes_the_guest_without_the_hold() {
     common::run(async {
@@ -169,6 +172,12 @@ fn the_vms_saved_kvm_state_set_back_after_a_hold_resumes_the_guest_without_the_h
             .build()
             .unwrap();
         let vm = sandbox.boot().await.unwrap();
+        let mut shell = vm.command("sh").pty(24, 80).spawn().await.unwrap();
+        let mut input = shell.stdin.take().unwrap();
+        let mut screen = shell.stdout.take().unwrap();
+        input.write_all(b"X=41; echo set-$X\n").await.unwrap();
+        common::read_until(&mut screen, "set-41").await;
+
         let hold = Duration::from_secs(6);
         let before = uptime(&vm).await;
         let bytes = vm.round_trip_machine_state(hold).await.unwrap();
@@ -181,7 +190,21 @@ fn the_vms_saved_kvm_state_set_back_after_a_hold_resumes_the_guest_without_the_h
             after > before && after - before < hold.as_secs_f64() / 2.0,
             "the guest's uptime went from {before} to {after} across a hold of {hold:?}"
         );
-        assert_eq!(sh(&vm, "echo $((40 + 2))").await, "42");
+        input.write_all(b"echo got-$((X + 1))\n").await.unwrap();
+        common::read_until(&mut screen, "got-42").await;
+        // The wall clock was set from the host's as the channel resumed.
+        let guest_now: u64 = sh(&vm, "date +%s").await.parse().unwrap();
+        let host_now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        assert!(
+            guest_now.abs_diff(host_now) < 3,
+            "the guest's clock says {guest_now}, the host's {host_now}"
+        );
+        input.write_all(b"exit 3\n").await.unwrap();
+        assert_eq!(shell.wait().await.unwrap().code(), Some(3));
+
         // A paused VM's helper answers nothing: refused, not waited for.
         vm.pause().await.unwrap();
         assert!(matches!(

@@ -29,26 +29,6 @@ async fn vm() -> &'static Instance {
     .await
 }
 
-/// Reads from `reader` until the accumulated text contains `needle`; returns the text.
-async fn read_until<R: AsyncRead + Unpin>(reader: &mut R, needle: &str) -> String {
-    let mut text = String::new();
-    let mut buf = [0u8; 4096];
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !text.contains(needle) {
-        assert!(
-            Instant::now() < deadline,
-            "never saw {needle:?}; got {text:?}"
-        );
-        let n = match tokio::time::timeout(Duration::from_secs(60), reader.read(&mut buf)).await {
-            Ok(result) => result.expect("read"),
-            Err(_) => panic!("no output for 60 s while waiting for {needle:?}; got {text:?}"),
-        };
-        assert!(n > 0, "stream ended before {needle:?}; got {text:?}");
-        text.push_str(&String::from_utf8_lossy(&buf[..n]));
-    }
-    text
-}
-
 #[test]
 fn output_streams_while_the_process_runs_and_stdin_reaches_it() {
     common::run(async {
@@ -63,11 +43,11 @@ fn output_streams_while_the_process_runs_and_stdin_reaches_it() {
         assert!(child.id() > 1);
         let mut stdout = child.stdout.take().unwrap();
         // The process is blocked in `read`: this output can only arrive by streaming.
-        read_until(&mut stdout, "ready\n").await;
+        common::read_until(&mut stdout, "ready\n").await;
         let mut stdin = child.stdin.take().unwrap();
         stdin.write_all(b"42\n").await.unwrap();
         stdin.shutdown().await.unwrap();
-        read_until(&mut stdout, "got 42\n").await;
+        common::read_until(&mut stdout, "got 42\n").await;
         assert_eq!(child.wait().await.unwrap().code(), Some(4));
     });
 }
@@ -170,13 +150,13 @@ fn a_pty_is_a_real_terminal_with_resize_and_ctrl_c() {
             .write_all(b"tty; test -t 0 && echo is-a-tty-$((6 * 7)); stty size\n")
             .await
             .unwrap();
-        let text = read_until(&mut screen, "24 80").await;
+        let text = common::read_until(&mut screen, "24 80").await;
         assert!(text.contains("/dev/pts/"), "{text}");
         assert!(text.contains("is-a-tty-42"), "{text}");
 
         shell.resize(50, 132).unwrap();
         input.write_all(b"stty size\n").await.unwrap();
-        read_until(&mut screen, "50 132").await;
+        common::read_until(&mut screen, "50 132").await;
 
         // Ctrl-C reaches the foreground job as SIGINT; the shell survives, and `$?` says the
         // job died of SIGINT (128 + 2). (An interactive shell drops the rest of the line on
@@ -186,7 +166,7 @@ fn a_pty_is_a_real_terminal_with_resize_and_ctrl_c() {
         input.write_all(&[0x03]).await.unwrap();
         tokio::time::sleep(Duration::from_secs(1)).await;
         input.write_all(b"echo \"after $?\"\n").await.unwrap();
-        read_until(&mut screen, "after 130").await;
+        common::read_until(&mut screen, "after 130").await;
 
         input.write_all(b"exit 3\n").await.unwrap();
         let status = tokio::time::timeout(Duration::from_secs(60), shell.wait())
@@ -430,7 +410,7 @@ fn a_timeout_does_not_blame_the_command_for_a_slow_reader() {
             .await
             .unwrap();
         let mut stderr = child.stderr.take().unwrap();
-        let said = read_until(&mut stderr, "written").await;
+        let said = common::read_until(&mut stderr, "written").await;
         let finished = started.elapsed();
         assert!(
             finished < TIMEOUT,

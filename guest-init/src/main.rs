@@ -2,14 +2,14 @@
 
 use std::fs::File;
 use std::io::{Read, Write};
-use std::sync::mpsc::sync_channel;
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::time::Duration;
 
-use guest_init::outbox::Outbox;
+use guest_init::outbox::{Outbox, Outgoing};
 use guest_init::supervisor::{self, Reaper, Table};
 use guest_init::{files, host_fs, identity, mounts, net, sys, trust, vsock};
 use krunbox_protocol::{
-    Failure, FrameDecoder, GuestMessage, Hello, HostMessage, CONTROL_PORT, PROTOCOL_VERSION,
+    Failure, FrameDecoder, GuestMessage, Hello, HostMessage, Rejoin, CONTROL_PORT, PROTOCOL_VERSION,
 };
 
 /// Frames queued for the host before output readers block (backpressure).
@@ -43,7 +43,9 @@ fn run() -> Result<(), String> {
         .map_err(|e| format!("connecting to the host on vsock port {CONTROL_PORT}: {e}"))?;
     eprintln!("guest-init: connected to the host");
     let mut reader = conn.try_clone().map_err(|e| format!("dup: {e}"))?;
-    let outbox = start_writer(conn)?;
+    // The writer's next connection after a quiesce: `None` goes on with the same one.
+    let (resume_writer, writer_resumes) = sync_channel::<Option<File>>(1);
+    let outbox = start_writer(conn, writer_resumes)?;
 
     outbox.send(&GuestMessage::Hello(Hello {
         version: PROTOCOL_VERSION,
@@ -96,8 +98,23 @@ fn run() -> Result<(), String> {
     outbox.send(&GuestMessage::Ready);
 
     let table = Table::default();
+    // The token of the host's last quiesce, until it resumes the channel.
+    let mut quiesced: Option<u64> = None;
     loop {
-        match next_message(&mut reader, &mut decoder, &mut buf)? {
+        let message = match read_message(&mut reader, &mut decoder, &mut buf)? {
+            Some(message) => message,
+            None => match quiesced.take() {
+                // The connection broke while still: this is a copy restored from a
+                // snapshot, whose new VMM reset every vsock connection. Join the new host.
+                Some(token) => {
+                    eprintln!("guest-init: the host connection broke while quiesced; rejoining");
+                    reader = rejoin(token, &resume_writer, &mut decoder, &mut buf)?;
+                    continue;
+                }
+                None => return Err("the host closed the control connection".into()),
+            },
+        };
+        match message {
             HostMessage::Exec(exec) => supervisor::start(exec, &reaper, &table, &outbox),
             HostMessage::Signal(sig) => table.signal(sig.id, sig.signal),
             HostMessage::Stdin(data) => table.stdin(data.id, data.data.into_vec()),
@@ -108,22 +125,84 @@ fn run() -> Result<(), String> {
             HostMessage::Ping(ping) => {
                 outbox.pong(ping.seq);
             }
+            HostMessage::Quiesce(quiesce) => {
+                outbox.quiesce(&GuestMessage::Quiesced(quiesce));
+                quiesced = Some(quiesce.token);
+            }
+            HostMessage::Resume(resume) if quiesced.take().is_some() => {
+                set_wall_clock(resume.unix_time_ns);
+                // The writer goes on with the same connection.
+                let _ = resume_writer.send(None);
+            }
+            HostMessage::Resume(_) => return Err("Resume without a quiesce".into()),
             HostMessage::Shutdown => return Ok(()),
             HostMessage::Setup(_) => return Err("Setup sent twice".into()),
         }
     }
 }
 
+/// Connects to the host again after a quiesced connection broke: `Rejoin` with the quiesce's
+/// token first, then the host's `Resume`; the writer then goes on with the new connection,
+/// with what was queued meanwhile. Returns the new connection's read half.
+fn rejoin(
+    token: u64,
+    resume_writer: &SyncSender<Option<File>>,
+    decoder: &mut FrameDecoder,
+    buf: &mut [u8],
+) -> Result<File, String> {
+    let mut conn = vsock::connect_host(CONTROL_PORT, Duration::from_secs(600))
+        .map_err(|e| format!("connecting to the host again on vsock port {CONTROL_PORT}: {e}"))?;
+    let rejoin = GuestMessage::Rejoin(Rejoin {
+        version: PROTOCOL_VERSION,
+        token,
+    });
+    let bytes = rejoin.encode().map_err(|e| e.to_string())?;
+    conn.write_all(&bytes)
+        .map_err(|e| format!("rejoining the host: {e}"))?;
+    let mut reader = conn.try_clone().map_err(|e| format!("dup: {e}"))?;
+    *decoder = FrameDecoder::new();
+    match read_message(&mut reader, decoder, buf)? {
+        Some(HostMessage::Resume(resume)) => set_wall_clock(resume.unix_time_ns),
+        Some(other) => return Err(format!("expected Resume after Rejoin, got {other:?}")),
+        None => return Err("the host closed the connection it was rejoined on".into()),
+    }
+    resume_writer
+        .send(Some(conn))
+        .map_err(|_| "the writer thread is gone".to_string())?;
+    eprintln!("guest-init: rejoined the host");
+    Ok(reader)
+}
+
+/// Sets the wall clock to the host's (a snapshotted guest's clocks stood still while its state
+/// was saved). Best effort: a guest with a stale clock still works.
+fn set_wall_clock(unix_time_ns: u64) {
+    let time = libc::timespec {
+        tv_sec: (unix_time_ns / 1_000_000_000) as libc::time_t,
+        tv_nsec: (unix_time_ns % 1_000_000_000) as libc::c_long,
+    };
+    // SAFETY: clock_settime reads a valid timespec.
+    if unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &time) } != 0 {
+        eprintln!(
+            "guest-init: setting the clock: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
 /// One writer thread owns the socket's write half; everyone else queues frames to it. A pong
 /// (the answer to the host's liveness ping) jumps the queue: it is written before the next
 /// queued frame, so it never waits behind more than the frame being written.
-fn start_writer(mut conn: File) -> Result<Outbox, String> {
-    let (tx, rx) = sync_channel::<Vec<u8>>(OUTBOX_DEPTH);
+fn start_writer(mut conn: File, resumes: Receiver<Option<File>>) -> Result<Outbox, String> {
+    let (tx, rx) = sync_channel::<Outgoing>(OUTBOX_DEPTH);
     let (outbox, pong_slot) = Outbox::new(tx);
     std::thread::Builder::new()
         .name("writer".into())
         .spawn(move || {
-            for frame in rx {
+            for item in rx {
+                let (frame, last) = match item {
+                    Outgoing::Frame(frame) => (frame, false),
+                    Outgoing::Last(frame) => (frame, true),
+                };
                 // An empty frame only wakes the writer for a pong.
                 let pong = pong_slot.take();
                 for bytes in pong.iter().chain(Some(&frame).filter(|f| !f.is_empty())) {
@@ -133,31 +212,50 @@ fn start_writer(mut conn: File) -> Result<Outbox, String> {
                         sys::power_off();
                     }
                 }
+                if last {
+                    // Quiesced: nothing more until the host resumes, on this connection or
+                    // (a restored copy) a new one. A ping from before is answered by now.
+                    match resumes.recv() {
+                        Ok(None) => {}
+                        Ok(Some(new)) => conn = new,
+                        Err(_) => return,
+                    }
+                    pong_slot.take();
+                }
             }
         })
         .map_err(|e| format!("writer thread: {e}"))?;
     Ok(outbox)
 }
 
-/// Reads until one whole, valid host message is decoded. Any protocol error or EOF ends the
-/// session: a host that sends garbage is not trusted to send anything else.
+/// Reads until one whole, valid host message is decoded. Any protocol error ends the session
+/// (a host that sends garbage is not trusted to send anything else); `None` when the
+/// connection ended or broke.
+fn read_message(
+    reader: &mut File,
+    decoder: &mut FrameDecoder,
+    buf: &mut [u8],
+) -> Result<Option<HostMessage>, String> {
+    loop {
+        if let Some(frame) = decoder.next_frame().map_err(|e| e.to_string())? {
+            return HostMessage::decode(&frame)
+                .map(Some)
+                .map_err(|e| e.to_string());
+        }
+        let want = buf.len();
+        match reader.read(&mut buf[..want]) {
+            Ok(0) | Err(_) => return Ok(None),
+            Ok(n) => decoder.push(&buf[..n]).map_err(|e| e.to_string())?,
+        }
+    }
+}
+
+/// [`read_message`] where the connection must go on: its end is an error.
 fn next_message(
     reader: &mut File,
     decoder: &mut FrameDecoder,
     buf: &mut [u8],
 ) -> Result<HostMessage, String> {
-    loop {
-        if let Some(frame) = decoder.next_frame().map_err(|e| e.to_string())? {
-            return HostMessage::decode(&frame).map_err(|e| e.to_string());
-        }
-        let want = buf.len();
-        let n = reader
-            .read(&mut buf[..want])
-            .map_err(|e| format!("reading from host: {e}"))?;
-        if n == 0 {
-            decoder.finish().map_err(|e| e.to_string())?;
-            return Err("the host closed the control connection".into());
-        }
-        decoder.push(&buf[..n]).map_err(|e| e.to_string())?;
-    }
+    read_message(reader, decoder, buf)?
+        .ok_or_else(|| "the host closed the control connection".to_string())
 }

@@ -8,11 +8,20 @@ use std::sync::{Arc, Mutex};
 
 use krunbox_protocol::{GuestMessage, Pong};
 
+/// What the writer thread writes: an encoded frame (empty: only a wake-up for a pong), or the
+/// last frame before it stops writing until the host resumes the channel
+/// ([`Outbox::quiesce`]).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Outgoing {
+    Frame(Vec<u8>),
+    Last(Vec<u8>),
+}
+
 /// Sends one message to the host (through the writer thread). Returns false once the host is
 /// gone.
 #[derive(Clone)]
 pub struct Outbox {
-    tx: SyncSender<Vec<u8>>,
+    tx: SyncSender<Outgoing>,
     pong: PongSlot,
 }
 
@@ -34,7 +43,7 @@ impl PongSlot {
 impl Outbox {
     /// Wraps the writer thread's channel. The writer takes the [`PongSlot`] before every frame
     /// it receives from the channel.
-    pub fn new(tx: SyncSender<Vec<u8>>) -> (Self, PongSlot) {
+    pub fn new(tx: SyncSender<Outgoing>) -> (Self, PongSlot) {
         let pong = PongSlot::default();
         (
             Outbox {
@@ -49,7 +58,7 @@ impl Outbox {
     /// host's reading speed all the way to the process's pipe).
     pub fn send(&self, msg: &GuestMessage) -> bool {
         match msg.encode() {
-            Ok(bytes) => self.tx.send(bytes).is_ok(),
+            Ok(bytes) => self.tx.send(Outgoing::Frame(bytes)).is_ok(),
             Err(err) => {
                 eprintln!("guest-init: cannot encode {msg:?}: {err}");
                 true
@@ -64,9 +73,22 @@ impl Outbox {
     pub fn pong(&self, seq: u64) -> bool {
         *self.pong.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(seq);
         !matches!(
-            self.tx.try_send(Vec::new()),
+            self.tx.try_send(Outgoing::Frame(Vec::new())),
             Err(std::sync::mpsc::TrySendError::Disconnected(_))
         )
+    }
+
+    /// Queues `msg` (the answer to a quiesce) as the last frame the writer writes until the
+    /// host resumes the channel; frames queued after it wait (and their senders block once
+    /// the queue is full, as when the host reads slowly).
+    pub fn quiesce(&self, msg: &GuestMessage) -> bool {
+        match msg.encode() {
+            Ok(bytes) => self.tx.send(Outgoing::Last(bytes)).is_ok(),
+            Err(err) => {
+                eprintln!("guest-init: cannot encode {msg:?}: {err}");
+                false
+            }
+        }
     }
 }
 
@@ -79,7 +101,7 @@ mod tests {
 
     #[test]
     fn a_pong_never_blocks_and_jumps_a_full_queue() {
-        let (tx, rx) = sync_channel::<Vec<u8>>(2);
+        let (tx, rx) = sync_channel::<Outgoing>(2);
         let (outbox, slot) = Outbox::new(tx);
         let output = GuestMessage::Output(Output {
             id: 1,
@@ -106,7 +128,7 @@ mod tests {
         rx.recv().unwrap();
         rx.recv().unwrap();
         assert!(outbox.pong(3));
-        assert_eq!(rx.try_recv().unwrap(), Vec::<u8>::new());
+        assert_eq!(rx.try_recv().unwrap(), Outgoing::Frame(Vec::new()));
         // Once the writer is gone, the pong says so.
         drop(rx);
         assert!(!outbox.pong(4));

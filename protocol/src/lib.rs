@@ -96,7 +96,7 @@ pub fn fuzz_control_stream(data: &[u8]) {
 }
 
 /// The protocol version spoken by this build. Bumped on any incompatible change.
-pub const PROTOCOL_VERSION: u32 = 14;
+pub const PROTOCOL_VERSION: u32 = 15;
 
 /// The vsock port on the host (CID 2) that `guest-init` connects to for its control channel.
 pub const CONTROL_PORT: u32 = 1024;

@@ -32,6 +32,15 @@ pub enum HostMessage {
     /// Liveness check: the guest answers with [`GuestMessage::Pong`] carrying the same `seq`,
     /// ahead of any output it has queued.
     Ping(Ping),
+    /// Stop sending: the guest answers [`GuestMessage::Quiesced`] and sends nothing more until
+    /// [`HostMessage::Resume`]; the host sends nothing after it either. With both directions
+    /// still, the VM can be snapshotted with nothing in flight. If the connection breaks
+    /// meanwhile (a restored copy's: its new VMM resets every vsock connection), the guest
+    /// connects again, its first frame [`GuestMessage::Rejoin`].
+    Quiesce(Quiesce),
+    /// Go on: the answer to [`GuestMessage::Quiesced`] on the same connection, or to
+    /// [`GuestMessage::Rejoin`] on a new one.
+    Resume(Resume),
 }
 
 /// Guest → host messages.
@@ -57,6 +66,12 @@ pub enum GuestMessage {
     FsReply(FsReply),
     /// The answer to a [`HostMessage::Ping`].
     Pong(Pong),
+    /// The answer to [`HostMessage::Quiesce`], with its token: the guest's last frame until
+    /// [`HostMessage::Resume`].
+    Quiesced(Quiesce),
+    /// The first frame on a new connection, when the one a [`HostMessage::Quiesce`] stilled
+    /// broke (the VM was restored from a snapshot).
+    Rejoin(Rejoin),
 }
 
 /// Kind numbers. Never reuse a retired number.
@@ -71,6 +86,8 @@ mod kind {
     pub const RESIZE: u16 = 8;
     pub const FS: u16 = 9;
     pub const PING: u16 = 10;
+    pub const QUIESCE: u16 = 11;
+    pub const RESUME: u16 = 12;
 
     pub const HELLO: u16 = 101;
     pub const READY: u16 = 102;
@@ -82,6 +99,8 @@ mod kind {
     pub const STDIN_CREDIT: u16 = 108;
     pub const FS_REPLY: u16 = 109;
     pub const PONG: u16 = 110;
+    pub const QUIESCED: u16 = 111;
+    pub const REJOIN: u16 = 112;
 }
 
 /// Output bytes of one stream the guest may send before the host grants more ([`Credit`]).
@@ -330,6 +349,32 @@ pub struct SignalProcess {
 pub struct Ping {
     /// Chosen by the host; echoed in the [`Pong`].
     pub seq: u64,
+}
+
+/// The host asks the guest to stop sending ([`HostMessage::Quiesce`]); the guest's
+/// [`GuestMessage::Quiesced`] echoes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Quiesce {
+    /// Chosen by the host (at random); the guest echoes it in `Quiesced` and `Rejoin`.
+    pub token: u64,
+}
+
+/// The guest's first frame on the connection after a [`Quiesce`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rejoin {
+    /// Must equal [`crate::PROTOCOL_VERSION`].
+    pub version: u32,
+    /// The token of the [`Quiesce`] it follows.
+    pub token: u64,
+}
+
+/// The host's answer to a [`Quiesce`]'s `Quiesced` or to a [`Rejoin`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Resume {
+    /// The host's wall-clock time (nanoseconds since the Unix epoch): the guest sets its own
+    /// to it, since a snapshotted guest's clocks stand still while its state is saved, and a
+    /// restored guest's where they were when it was saved.
+    pub unix_time_ns: u64,
 }
 
 /// The guest's answer to a [`Ping`]. A `seq` the host never sent is harmless: the host only
@@ -635,6 +680,8 @@ impl HostMessage {
                 encode_body(kind::FS, m)
             }
             HostMessage::Ping(m) => encode_body(kind::PING, m),
+            HostMessage::Quiesce(m) => encode_body(kind::QUIESCE, m),
+            HostMessage::Resume(m) => encode_body(kind::RESUME, m),
         }
     }
 
@@ -676,6 +723,8 @@ impl HostMessage {
                 HostMessage::Fs(m)
             }
             kind::PING => HostMessage::Ping(decode_body("Ping", body)?),
+            kind::QUIESCE => HostMessage::Quiesce(decode_body("Quiesce", body)?),
+            kind::RESUME => HostMessage::Resume(decode_body("Resume", body)?),
             kind => {
                 return Err(ProtocolError::UnknownKind {
                     kind,
@@ -704,6 +753,8 @@ impl GuestMessage {
             GuestMessage::StdinCredit(m) => encode_body(kind::STDIN_CREDIT, m),
             GuestMessage::FsReply(m) => encode_body(kind::FS_REPLY, m),
             GuestMessage::Pong(m) => encode_body(kind::PONG, m),
+            GuestMessage::Quiesced(m) => encode_body(kind::QUIESCED, m),
+            GuestMessage::Rejoin(m) => encode_body(kind::REJOIN, m),
         }
     }
 
@@ -733,7 +784,9 @@ impl GuestMessage {
             | GuestMessage::Started(_)
             | GuestMessage::Exited(_)
             | GuestMessage::StdinCredit(_)
-            | GuestMessage::Pong(_) => Ok(()),
+            | GuestMessage::Pong(_)
+            | GuestMessage::Quiesced(_)
+            | GuestMessage::Rejoin(_) => Ok(()),
         }
     }
 
@@ -755,6 +808,8 @@ impl GuestMessage {
             kind::STDIN_CREDIT => GuestMessage::StdinCredit(decode_body("StdinCredit", body)?),
             kind::FS_REPLY => GuestMessage::FsReply(decode_body("FsReply", body)?),
             kind::PONG => GuestMessage::Pong(decode_body("Pong", body)?),
+            kind::QUIESCED => GuestMessage::Quiesced(decode_body("Quiesced", body)?),
+            kind::REJOIN => GuestMessage::Rejoin(decode_body("Rejoin", body)?),
             kind => {
                 return Err(ProtocolError::UnknownKind {
                     kind,
@@ -841,6 +896,11 @@ mod tests {
                 }),
             }),
             GuestMessage::Pong(Pong { seq: u64::MAX }),
+            GuestMessage::Quiesced(Quiesce { token: 3 }),
+            GuestMessage::Rejoin(Rejoin {
+                version: PROTOCOL_VERSION,
+                token: 3,
+            }),
         ]
     }
 
@@ -1002,6 +1062,10 @@ mod tests {
                 },
             }),
             HostMessage::Ping(Ping { seq: 7 }),
+            HostMessage::Quiesce(Quiesce { token: u64::MAX }),
+            HostMessage::Resume(Resume {
+                unix_time_ns: 1_800_000_000_000_000_000,
+            }),
         ];
         // Byte-at-a-time delivery exercises every partial state of the decoder.
         let mut decoder = FrameDecoder::new();

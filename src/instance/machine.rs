@@ -13,6 +13,24 @@ use crate::error::{Error, Result};
 /// (krunbox has at most 8), and the helper's event loop may be busy with a device meanwhile.
 const COMMAND_DEADLINE: Duration = Duration::from_secs(15);
 
+/// How long the guest may take to answer a quiesce (it answers from its control loop, which
+/// may be busy with a file operation).
+const QUIESCE_DEADLINE: Duration = Duration::from_secs(30);
+
+/// A token no one can guess for a quiesce (its `Quiesced` must echo it), from the kernel's
+/// random source.
+fn random_token() -> u64 {
+    let mut bytes = [0u8; 8];
+    // SAFETY: getrandom writes at most `bytes.len()` bytes into the buffer it is given.
+    let got = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
+    if got != bytes.len() as isize {
+        // Never short for 8 bytes once the pool is ready (it is, long after boot); a token
+        // that repeats only lets a guest echo it, which it can anyway.
+        return std::process::id() as u64;
+    }
+    u64::from_le_bytes(bytes)
+}
+
 impl Instance {
     /// Pauses the vCPUs, saves the KVM state of the VM and of each vCPU, waits `hold`, sets
     /// the saved state back and resumes the vCPUs; returns the state's size in bytes. The
@@ -23,9 +41,26 @@ impl Instance {
     pub async fn round_trip_machine_state(&self, hold: Duration) -> Result<u64> {
         // Not beside a pause or resume: a stopped helper answers nothing.
         let _one_at_a_time = self.inner.pausing.lock().await;
-        if self.control()?.is_paused() {
+        let control = self.control()?;
+        if control.is_paused() {
             return Err(Error::Paused);
         }
+        // No new work meanwhile, and nothing in flight on the control channel.
+        control.set_paused(true);
+        let result = async {
+            control.quiesce(random_token(), QUIESCE_DEADLINE).await?;
+            let saved = self.save_and_set_back(hold).await;
+            control.resume().await?;
+            saved
+        }
+        .await;
+        control.set_paused(false);
+        result
+    }
+
+    /// Pauses the vCPUs, saves their state and the VM's, waits `hold`, sets the state back and
+    /// resumes the vCPUs (whatever happened before).
+    async fn save_and_set_back(&self, hold: Duration) -> Result<u64> {
         self.machine_command(VmmCommand::PauseVcpus, "saved")
             .await?;
         let round_trip = async {
@@ -42,7 +77,6 @@ impl Instance {
             Ok(bytes)
         }
         .await;
-        // The vCPUs run again whatever happened above.
         let resumed = self
             .machine_command(VmmCommand::ResumeVcpus, "resumed")
             .await;

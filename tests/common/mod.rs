@@ -105,3 +105,29 @@ pub fn nested_emulation_evidence() -> String {
     }
     String::new()
 }
+
+/// Reads from `reader` until the accumulated text contains `needle`; returns the text.
+#[allow(dead_code)] // not every test binary reads a terminal
+pub async fn read_until<R: tokio::io::AsyncRead + Unpin>(reader: &mut R, needle: &str) -> String {
+    let mut text = String::new();
+    let mut buf = [0u8; 4096];
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !text.contains(needle) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never saw {needle:?}; got {text:?}"
+        );
+        let n = match tokio::time::timeout(
+            Duration::from_secs(60),
+            tokio::io::AsyncReadExt::read(reader, &mut buf),
+        )
+        .await
+        {
+            Ok(result) => result.expect("read"),
+            Err(_) => panic!("no output for 60 s while waiting for {needle:?}; got {text:?}"),
+        };
+        assert!(n > 0, "stream ended before {needle:?}; got {text:?}");
+        text.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    text
+}

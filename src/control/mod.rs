@@ -30,6 +30,22 @@ use crate::protocol::{
     Stream, OUTPUT_WINDOW, PROTOCOL_VERSION, STDIN_WINDOW,
 };
 
+mod quiesce;
+
+/// What the writer task writes: bytes, or the last bytes before it stops and hands back the
+/// connection's write half ([`HostMessage::Quiesce`]); what follows waits in the queue until a
+/// writer takes it again.
+enum Outgoing {
+    Bytes(Vec<u8>),
+    Last(Vec<u8>, oneshot::Sender<Writer>),
+}
+
+/// A connection's write half, between writer tasks.
+type Writer = Box<dyn AsyncWrite + Send + Unpin>;
+
+/// The queue of bytes for the guest, held by the writer task of the current connection.
+type Queue = Arc<tokio::sync::Mutex<mpsc::UnboundedReceiver<Outgoing>>>;
+
 /// Host-to-guest messages gathered into one write, at most (about) this many bytes.
 const WRITE_BATCH: usize = 256 * 1024;
 
@@ -199,6 +215,8 @@ fn message_name(m: &GuestMessage) -> &'static str {
         GuestMessage::StdinCredit(_) => "StdinCredit",
         GuestMessage::FsReply(_) => "FsReply",
         GuestMessage::Pong(_) => "Pong",
+        GuestMessage::Quiesced(_) => "Quiesced",
+        GuestMessage::Rejoin(_) => "Rejoin",
     }
 }
 
@@ -277,7 +295,19 @@ struct State {
 
 /// A live control channel.
 pub(crate) struct Control {
-    outgoing: mpsc::UnboundedSender<Vec<u8>>,
+    outgoing: mpsc::UnboundedSender<Outgoing>,
+    /// The writer tasks' queue (one connection's writer at a time holds it; a channel, never
+    /// left half-changed by a panic: unwind-safe as the rest of `Control` is).
+    queue: std::panic::AssertUnwindSafe<Queue>,
+    /// The token of the [`HostMessage::Quiesce`] sent, until the guest's `Quiesced` echoes it.
+    quiescing: Mutex<Option<u64>>,
+    /// Notified when the guest's `Quiesced` arrived.
+    quiesced: Arc<Notify>,
+    /// Set from the guest's `Quiesced` until the host resumes it: a frame from the guest
+    /// meanwhile breaks the protocol.
+    still: AtomicBool,
+    /// The stopped writer's write half, once a quiesce was sent.
+    parked: Mutex<Option<oneshot::Receiver<Writer>>>,
     state: Mutex<State>,
     /// Notified when the guest broke the protocol: the instance must stop the VM.
     pub violated: Arc<Notify>,
@@ -316,21 +346,20 @@ impl Control {
     where
         S: AsyncRead + AsyncWrite + Send + 'static,
     {
-        let (reader, mut writer) = tokio::io::split(stream);
-        let (outgoing, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
-        let reads = Arc::new(AtomicU64::new(0));
-        let mut reader = Counting {
-            inner: reader,
-            reads: reads.clone(),
-        };
+        let (outgoing, rx) = mpsc::unbounded_channel::<Outgoing>();
         let control = Arc::new(Control {
             outgoing,
+            queue: std::panic::AssertUnwindSafe(Arc::new(tokio::sync::Mutex::new(rx))),
+            quiescing: Mutex::new(None),
+            quiesced: Arc::new(Notify::new()),
+            still: AtomicBool::new(false),
+            parked: Mutex::new(None),
             state: Mutex::new(State::default()),
             violated: Arc::new(Notify::new()),
             closed: Arc::new(Notify::new()),
             violation: Mutex::new(None),
             hung: Arc::new(Notify::new()),
-            reads,
+            reads: Arc::new(AtomicU64::new(0)),
             reader_done: AtomicBool::new(false),
             fs_slots: Arc::new(Semaphore::new(limits.max_pending_file_requests)),
             next_fs_id: AtomicU32::new(1),
@@ -338,48 +367,24 @@ impl Control {
             limits,
         });
         tokio::spawn(watch_liveness(Arc::downgrade(&control), liveness).in_current_span());
-
-        tokio::spawn(
-            async move {
-                while let Some(mut batch) = rx.recv().await {
-                    // Whatever else is already queued goes in the same write: libkrun turns each
-                    // read of its socket into one vsock packet, and fewer, fuller packets cost the
-                    // guest less (see guest-init's vsock module on packet-count limits).
-                    while batch.len() < WRITE_BATCH {
-                        match rx.try_recv() {
-                            Ok(more) => batch.extend_from_slice(&more),
-                            Err(_) => break,
-                        }
-                    }
-                    if writer.write_all(&batch).await.is_err() {
-                        break;
-                    }
-                }
-            }
-            .in_current_span(),
-        );
-
-        let c = control.clone();
-        tokio::spawn(
-            async move {
-                let mut decoder = decoder;
-                let mut buf = vec![0u8; 256 * 1024];
-                loop {
-                    match read_message(&mut reader, &mut decoder, &mut buf).await {
-                        Ok(Some(message)) => {
-                            if let Err(err) = c.dispatch(message) {
-                                break c.fail_all(c.violate(err));
-                            }
-                        }
-                        Err(Error::Protocol(err)) => break c.fail_all(c.violate(err)),
-                        Ok(None) | Err(_) => break c.closed.notify_one(),
-                    }
-                }
-                c.reader_done.store(true, Ordering::SeqCst);
-            }
-            .in_current_span(),
-        );
+        control.connect(stream, decoder);
         control
+    }
+
+    /// Serves `stream` (a connection past its handshake): a writer task takes the queue, a
+    /// reader task dispatches what the guest sends.
+    fn connect<S>(self: &Arc<Self>, stream: S, decoder: FrameDecoder)
+    where
+        S: AsyncRead + AsyncWrite + Send + 'static,
+    {
+        let (reader, writer) = tokio::io::split(stream);
+        let reader = Counting {
+            inner: reader,
+            reads: self.reads.clone(),
+        };
+        self.reader_done.store(false, Ordering::SeqCst);
+        tokio::spawn(write_queue(Arc::clone(&self.queue), Box::new(writer)).in_current_span());
+        tokio::spawn(read_guest(self.clone(), reader, decoder).in_current_span());
     }
 
     fn violate(&self, err: ProtocolError) -> String {
@@ -442,7 +447,7 @@ impl Control {
                             bytes: bytes as u32,
                         };
                         if let Ok(bytes) = HostMessage::Credit(credit).encode() {
-                            let _ = self.outgoing.send(bytes);
+                            let _ = self.outgoing.send(Outgoing::Bytes(bytes));
                         }
                     }
                 }
@@ -497,7 +502,9 @@ impl Control {
             }
             other @ (GuestMessage::Hello(_)
             | GuestMessage::Ready
-            | GuestMessage::SetupFailed(_)) => {
+            | GuestMessage::SetupFailed(_)
+            | GuestMessage::Quiesced(_)
+            | GuestMessage::Rejoin(_)) => {
                 return Err(ProtocolError::Malformed {
                     message: "control",
                     reason: format!("{} after setup", message_name(&other)),
@@ -667,12 +674,77 @@ impl Control {
     /// Queues a message for the guest.
     pub fn send(&self, message: &HostMessage) -> Result<()> {
         let bytes = message.encode()?;
-        self.outgoing.send(bytes).map_err(|_| {
+        self.outgoing.send(Outgoing::Bytes(bytes)).map_err(|_| {
             self.gone()
                 .unwrap_or_else(|| Gone::Stopped("the control channel is closed".into()))
                 .error()
         })
     }
+}
+
+/// The writer task: writes what the queue holds, several messages in one write, until the
+/// connection fails or it wrote the last bytes of a quiesce (then it hands the write half back).
+async fn write_queue(queue: Queue, mut writer: Writer) {
+    // A stopped writer lets go of the queue when it ends.
+    let mut rx = queue.lock_owned().await;
+    while let Some(first) = rx.recv().await {
+        let (mut batch, mut last) = match first {
+            Outgoing::Bytes(bytes) => (bytes, None),
+            Outgoing::Last(bytes, hand_back) => (bytes, Some(hand_back)),
+        };
+        // Whatever else is already queued goes in the same write: libkrun turns each read of
+        // its socket into one vsock packet, and fewer, fuller packets cost the guest less (see
+        // guest-init's vsock module on packet-count limits).
+        while last.is_none() && batch.len() < WRITE_BATCH {
+            match rx.try_recv() {
+                Ok(Outgoing::Bytes(more)) => batch.extend_from_slice(&more),
+                Ok(Outgoing::Last(more, hand_back)) => {
+                    batch.extend_from_slice(&more);
+                    last = Some(hand_back);
+                }
+                Err(_) => break,
+            }
+        }
+        if writer.write_all(&batch).await.is_err() {
+            break;
+        }
+        if let Some(hand_back) = last {
+            let _ = hand_back.send(writer);
+            break;
+        }
+    }
+}
+
+/// The reader task of one connection: dispatches every message (the guest's `Quiesced` to
+/// whoever quiesced it).
+async fn read_guest<R: AsyncRead + Unpin>(c: Arc<Control>, mut reader: R, decoder: FrameDecoder) {
+    let mut decoder = decoder;
+    let mut buf = vec![0u8; 256 * 1024];
+    loop {
+        let violation = match read_message(&mut reader, &mut decoder, &mut buf).await {
+            Ok(Some(message)) if c.still.load(Ordering::SeqCst) => ProtocolError::Malformed {
+                message: "control",
+                reason: format!("{} while quiesced", message_name(&message)),
+            },
+            Ok(Some(GuestMessage::Quiesced(q))) if c.take_quiescing(q.token) => {
+                c.still.store(true, Ordering::SeqCst);
+                c.quiesced.notify_one();
+                continue;
+            }
+            Ok(Some(message)) => match c.dispatch(message) {
+                Ok(()) => continue,
+                Err(err) => err,
+            },
+            Err(Error::Protocol(err)) => err,
+            Ok(None) | Err(_) => {
+                c.closed.notify_one();
+                break;
+            }
+        };
+        c.fail_all(c.violate(violation));
+        break;
+    }
+    c.reader_done.store(true, Ordering::SeqCst);
 }
 
 /// The liveness task: pings the guest and declares it hung when a ping stays unanswered and
@@ -736,7 +808,7 @@ mod tests {
     use tokio::io::{DuplexStream, ReadHalf, WriteHalf};
 
     use super::*;
-    use crate::protocol::{Output, Pong};
+    use crate::protocol::{Output, Pong, Quiesce, Resume};
 
     const TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -1037,4 +1109,98 @@ mod tests {
             Ok(ProcessEnd::Gone(Gone::Stopped(_)))
         ));
     }
+
+    /// The guest's side of a bare connection: the next host message, or `None` if none comes
+    /// within a second (of tokio's paused time).
+    async fn next_from_host(
+        reader: &mut ReadHalf<DuplexStream>,
+        decoder: &mut FrameDecoder,
+    ) -> Option<HostMessage> {
+        let mut buf = vec![0u8; 4096];
+        loop {
+            if let Some(frame) = decoder.next_frame().unwrap() {
+                return Some(HostMessage::decode(&frame).unwrap());
+            }
+            let n = tokio::time::timeout(Duration::from_secs(1), reader.read(&mut buf))
+                .await
+                .ok()?
+                .unwrap();
+            decoder.push(&buf[..n]).unwrap();
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_quiesced_channel_holds_what_the_host_sends_until_it_resumes() {
+        let (host, guest) = tokio::io::duplex(1 << 20);
+        let control = Control::start(
+            host,
+            FrameDecoder::new(),
+            Liveness::new(TIMEOUT),
+            Limits::default(),
+        );
+        let (mut reader, mut writer) = tokio::io::split(guest);
+        let mut decoder = FrameDecoder::new();
+        let _process = control.register(1).unwrap();
+        control.set_paused(true);
+        let quiescing = {
+            let control = control.clone();
+            tokio::spawn(async move { control.quiesce(7, Duration::from_secs(5)).await })
+        };
+        assert_eq!(
+            next_from_host(&mut reader, &mut decoder).await,
+            Some(HostMessage::Quiesce(Quiesce { token: 7 }))
+        );
+        // Sent while quiesced: it waits on the host, so nothing is in flight.
+        control.credit(1, Stream::Stdout, 0);
+        let quiesced = GuestMessage::Quiesced(Quiesce { token: 7 }).encode().unwrap();
+        writer.write_all(&quiesced).await.unwrap();
+        quiescing.await.unwrap().unwrap();
+        assert_eq!(next_from_host(&mut reader, &mut decoder).await, None);
+
+        control.resume().await.unwrap();
+        assert!(matches!(
+            next_from_host(&mut reader, &mut decoder).await,
+            Some(HostMessage::Resume(Resume { unix_time_ns })) if unix_time_ns > 0
+        ));
+        assert!(matches!(
+            next_from_host(&mut reader, &mut decoder).await,
+            Some(HostMessage::Credit(crate::protocol::Credit { id: 1, .. }))
+        ));
+        assert!(control.violation.lock().unwrap().is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_guest_that_sends_while_quiesced_or_echoes_another_token_breaks_the_protocol() {
+        for (token, after) in [(9, true), (8, false)] {
+            let (host, guest) = tokio::io::duplex(1 << 20);
+            let control = Control::start(
+                host,
+                FrameDecoder::new(),
+                Liveness::new(TIMEOUT),
+                Limits::default(),
+            );
+            let (_reader, mut writer) = tokio::io::split(guest);
+            control.set_paused(true);
+            let quiescing = {
+                let control = control.clone();
+                tokio::spawn(async move { control.quiesce(9, Duration::from_secs(5)).await })
+            };
+            let mut frames = GuestMessage::Quiesced(Quiesce { token }).encode().unwrap();
+            if after {
+                frames.extend(GuestMessage::Pong(Pong { seq: 1 }).encode().unwrap());
+            }
+            writer.write_all(&frames).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let violation = control.violation.lock().unwrap().take();
+            assert!(
+                matches!(&violation, Some(ProtocolError::Malformed { .. })),
+                "{violation:?}"
+            );
+            // A wrong token is no answer: the quiesce fails with the channel.
+            if !after {
+                assert!(quiescing.await.unwrap().is_err());
+            }
+        }
+    }
+
 }

@@ -46,4 +46,8 @@ pub(crate) struct SandboxConfig {
     pub output_disk: Option<crate::rootfs::served::OutputDisk>,
     /// Where commands start unless they say otherwise (a boot's option).
     pub current_dir: Option<PathBuf>,
+    /// Instances can be snapshotted: their guest memory is a file the library holds.
+    pub snapshots: bool,
+    /// Where the key authenticating snapshots lives.
+    pub snapshot_key_dir: PathBuf,
 }

@@ -268,6 +268,15 @@ pub enum Error {
         /// Why it failed.
         reason: String,
     },
+    /// A snapshot's manifest or one of its parts is not what the snapshot was written with
+    /// (changed, truncated, or written with another user's key). Nothing of it was used.
+    #[error("the snapshot's {part} was changed after it was written ({why}); take a new snapshot")]
+    SnapshotTampered {
+        /// The file that differs.
+        part: String,
+        /// How it differs.
+        why: String,
+    },
     /// The command was cancelled through its [`CancellationToken`](tokio_util::sync::CancellationToken);
     /// its process group was killed.
     #[error("the command was cancelled; its process group was killed")]
@@ -348,6 +357,7 @@ impl Error {
             Error::TooMany { .. } => "TooMany",
             Error::Paused => "Paused",
             Error::Snapshot { .. } => "Snapshot",
+            Error::SnapshotTampered { .. } => "SnapshotTampered",
             Error::Cancelled => "Cancelled",
             Error::Io { .. } => "Io",
         }

@@ -70,6 +70,7 @@ pub mod rootfs;
 mod sandbox;
 #[cfg(test)]
 mod scripted_guest;
+mod snapshot;
 pub mod tools;
 mod vmm_commands;
 
@@ -108,6 +109,7 @@ pub use sandbox::{
     Kernel, KernelFormat, Sandbox, SandboxBuilder, DEFAULT_LIVENESS_TIMEOUT, MAX_CPUS,
     MAX_LIVENESS_TIMEOUT, MIN_LIVENESS_TIMEOUT, MIN_MEMORY_MIB,
 };
+pub use snapshot::Snapshot;
 pub use tokio_util::sync::CancellationToken;
 
 // The README's Rust examples compile, as doc tests of this crate.

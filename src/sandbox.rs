@@ -120,6 +120,8 @@ pub struct SandboxBuilder {
     virtiofs_passthrough: Option<(PathBuf, String)>,
     image_config: Option<crate::rootfs::ImageConfig>,
     output_disk: Option<crate::rootfs::served::OutputDisk>,
+    snapshots: bool,
+    snapshot_key_dir: Option<PathBuf>,
 }
 
 impl Default for SandboxBuilder {
@@ -149,11 +151,37 @@ impl Default for SandboxBuilder {
             virtiofs_passthrough: None,
             image_config: None,
             output_disk: None,
+            snapshots: false,
+            snapshot_key_dir: None,
         }
     }
 }
 
 impl SandboxBuilder {
+    /// Boots instances that can be snapshotted ([`Instance::snapshot`](crate::Instance::snapshot)):
+    /// their guest memory is then a file this process holds (as with mounts), which costs a
+    /// copy of the kernel into it at boot. Off by default.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> krunbox::Result<()> {
+    /// let sandbox = krunbox::Sandbox::builder().snapshots(true).build()?;
+    /// let vm = sandbox.boot().await?;
+    /// let snapshot = vm.snapshot("/var/tmp/booted").await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn snapshots(mut self, on: bool) -> Self {
+        self.snapshots = on;
+        self
+    }
+
+    /// Where the key that authenticates this sandbox's snapshots lives (made there, 0600, on
+    /// first use): only a process that reads it can write a snapshot another accepts.
+    /// Default: the [`cache_dir`](Self::cache_dir).
+    pub fn snapshot_key_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.snapshot_key_dir = Some(dir.into());
+        self
+    }
+
     /// The root filesystem.
     pub fn rootfs(mut self, rootfs: Rootfs) -> Self {
         self.rootfs = rootfs;
@@ -496,7 +524,10 @@ impl SandboxBuilder {
             .transpose()?;
         let kernel = self.kernel.map(Kernel::into_config).transpose()?;
         let artifacts = Artifacts::locate_with(&self.overrides)?;
+        let cache_dir = self.cache_dir.unwrap_or_else(crate::cache_dir);
         let mut config = SandboxConfig {
+            snapshots: self.snapshots,
+            snapshot_key_dir: self.snapshot_key_dir.unwrap_or_else(|| cache_dir.clone()),
             rootfs: self.rootfs,
             cpus: self.cpus,
             memory_mib: self.memory_mib,
@@ -504,7 +535,7 @@ impl SandboxBuilder {
             boot_timeout: self.boot_timeout,
             liveness_timeout: self.liveness_timeout,
             limits: self.limits,
-            cache_dir: self.cache_dir.unwrap_or_else(crate::cache_dir),
+            cache_dir,
             artifacts,
             kernel,
             vmm_log_level: self.vmm_log_level,

@@ -1,16 +1,19 @@
 //! The library's end of a helper's command socket (krunbox-protocol's `vmm::command`): one
-//! command at a time, each answered within a deadline.
+//! command at a time, each answered within a deadline; and the machine-state file the VM's
+//! saved state goes through.
 //!
 //! A unix `SOCK_SEQPACKET` pair keeps each message whole without framing. Commands are rare
 //! (a snapshot sends a handful), so each is a blocking exchange on tokio's blocking pool rather
 //! than an async reader that would live as long as the instance.
 
+use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use krunbox_protocol::vmm::command::{VmmCommand, VmmReply, MAX_COMMAND_BYTES};
+use krunbox_protocol::vmm::command::{VmmCommand, VmmReply, MAX_COMMAND_BYTES, MAX_STATE_BYTES};
 use nix::sys::socket::{self, AddressFamily, MsgFlags, SockFlag, SockType};
 
 /// The library's end of one helper's command socket.
@@ -19,22 +22,56 @@ pub(crate) struct VmmCommands {
     /// Set when a reply did not come in time: a late one would answer the next command, so
     /// the socket is not used again.
     broken: AtomicBool,
+    /// The machine-state file (a memfd; the helper has the same open file).
+    state_file: File,
+}
+
+/// The helper's ends: the command socket and the machine-state file.
+pub(crate) struct HelperEnds {
+    pub socket: OwnedFd,
+    pub state_file: File,
 }
 
 impl VmmCommands {
-    /// A new pair: ours, and the helper's end to hand over as `Inherited::Command`.
-    pub(crate) fn pair() -> std::io::Result<(Arc<VmmCommands>, OwnedFd)> {
+    /// A new pair: ours, and the helper's ends to hand over as `Inherited::Command` and
+    /// `Inherited::MachineState`.
+    pub(crate) fn pair() -> std::io::Result<(Arc<VmmCommands>, HelperEnds)> {
         let (ours, helpers) = socket::socketpair(
             AddressFamily::Unix,
             SockType::SeqPacket,
             None,
             SockFlag::SOCK_CLOEXEC,
         )?;
+        let state_file = File::from(nix::sys::memfd::memfd_create(
+            c"krunbox-machine-state",
+            nix::sys::memfd::MFdFlags::MFD_CLOEXEC,
+        )?);
         let commands = VmmCommands {
             socket: Mutex::new(ours),
             broken: AtomicBool::new(false),
+            state_file: state_file.try_clone()?,
         };
-        Ok((Arc::new(commands), helpers))
+        let ends = HelperEnds {
+            socket: helpers,
+            state_file,
+        };
+        Ok((Arc::new(commands), ends))
+    }
+
+    /// The state the helper saved last ([`VmmCommand::SaveMachineState`] said `bytes`), read
+    /// from the machine-state file: what a compromised helper wrote is bounded like anything
+    /// it sends.
+    pub(crate) fn saved_state(&self, bytes: u64) -> Result<Vec<u8>, String> {
+        if bytes > MAX_STATE_BYTES as u64 {
+            return Err(format!(
+                "the helper saved {bytes} bytes of state, past {MAX_STATE_BYTES}"
+            ));
+        }
+        let mut state = vec![0u8; bytes as usize];
+        self.state_file
+            .read_exact_at(&mut state, 0)
+            .map_err(|e| format!("reading the machine state: {e}"))?;
+        Ok(state)
     }
 
     /// Sends `command` and waits up to `deadline` for the helper's reply. `Err` says why no
@@ -93,7 +130,8 @@ mod tests {
     /// The helper's side played by a thread on the other end, with the protocol's codec.
     #[tokio::test]
     async fn a_command_gets_its_reply_and_a_silent_helper_breaks_the_channel() {
-        let (commands, helper) = VmmCommands::pair().unwrap();
+        let (commands, ends) = VmmCommands::pair().unwrap();
+        let helper = ends.socket;
         let answering = std::thread::spawn(move || {
             let mut packet = vec![0u8; MAX_COMMAND_BYTES];
             let len = socket::recv(helper.as_raw_fd(), &mut packet, MsgFlags::empty()).unwrap();
@@ -127,7 +165,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_reply_that_is_not_one_is_an_error_not_a_panic() {
-        let (commands, helper) = VmmCommands::pair().unwrap();
+        let (commands, ends) = VmmCommands::pair().unwrap();
+        let helper = ends.socket;
         let answering = std::thread::spawn(move || {
             let mut packet = vec![0u8; MAX_COMMAND_BYTES];
             socket::recv(helper.as_raw_fd(), &mut packet, MsgFlags::empty()).unwrap();

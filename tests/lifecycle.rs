@@ -205,6 +205,12 @@ fn the_vms_saved_kvm_state_set_back_after_a_hold_resumes_the_guest_without_the_h
         input.write_all(b"exit 3\n").await.unwrap();
         assert_eq!(shell.wait().await.unwrap().code(), Some(3));
 
+        // A sandbox built without snapshots says how to get them.
+        let refused = vm.snapshot(std::env::temp_dir().join("never")).await;
+        assert!(
+            matches!(&refused, Err(Error::InvalidConfig(why)) if why.contains("snapshots(true)")),
+            "{refused:?}"
+        );
         // A paused VM's helper answers nothing: refused, not waited for.
         vm.pause().await.unwrap();
         assert!(matches!(
@@ -212,6 +218,78 @@ fn the_vms_saved_kvm_state_set_back_after_a_hold_resumes_the_guest_without_the_h
             Err(Error::Paused)
         ));
         vm.resume().await.unwrap();
+        vm.shutdown().await.unwrap();
+    });
+}
+
+/// A snapshot of a running instance: written whole (memory as data among holes, the machine
+/// state, an authenticated manifest), checked whole when opened (a flipped byte is refused),
+/// and the instance goes on afterwards with its processes and files.
+#[test]
+fn a_snapshot_is_written_whole_refused_once_tampered_and_the_instance_goes_on() {
+    common::run(async {
+        let keys = tempfile::tempdir().unwrap();
+        let sandbox = Sandbox::builder()
+            .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
+            .memory_mib(256)
+            .snapshots(true)
+            .snapshot_key_dir(keys.path())
+            .build()
+            .unwrap();
+        let vm = sandbox.boot().await.unwrap();
+        let mut shell = vm.command("sh").pty(24, 80).spawn().await.unwrap();
+        let mut input = shell.stdin.take().unwrap();
+        let mut screen = shell.stdout.take().unwrap();
+        input
+            .write_all(b"X=41; echo kept > /tmp/f; echo set-$X\n")
+            .await
+            .unwrap();
+        common::read_until(&mut screen, "set-41").await;
+
+        let place = tempfile::tempdir().unwrap();
+        let dir = place.path().join("snap");
+        let snapshot = vm.snapshot(&dir).await.unwrap();
+        assert_eq!(snapshot.dir(), dir);
+        let memory = std::fs::metadata(dir.join("memory.img")).unwrap();
+        use std::os::unix::fs::MetadataExt;
+        assert!(
+            memory.len() >= 256 << 20 && memory.blocks() * 512 < memory.len(),
+            "guest memory is written sparse: {} bytes, {} allocated",
+            memory.len(),
+            memory.blocks() * 512
+        );
+        // Another process of this user opens it: the key is on disk.
+        let opened = krunbox::Snapshot::open(&dir, keys.path()).unwrap();
+        assert_eq!(opened.digest(), snapshot.digest());
+
+        // The instance goes on: the shell's variable, the file, new commands.
+        input.write_all(b"echo got-$((X + 1))\n").await.unwrap();
+        common::read_until(&mut screen, "got-42").await;
+        assert_eq!(sh(&vm, "cat /tmp/f").await, "kept");
+
+        // One byte of guest memory changed on disk: refused, saying which part.
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(dir.join("memory.img"))
+            .unwrap();
+        use std::os::unix::fs::FileExt;
+        let data_at = {
+            // The first data byte: a hole's byte would not be hashed.
+            let fd = std::os::fd::AsRawFd::as_raw_fd(&file);
+            // SAFETY: lseek on a descriptor this test owns.
+            unsafe { libc::lseek(fd, 0, libc::SEEK_DATA) as u64 }
+        };
+        let mut byte = [0u8; 1];
+        file.read_exact_at(&mut byte, data_at).unwrap();
+        file.write_all_at(&[byte[0] ^ 1], data_at).unwrap();
+        assert!(matches!(
+            krunbox::Snapshot::open(&dir, keys.path()),
+            Err(Error::SnapshotTampered { part, .. }) if part == "memory.img"
+        ));
+
+        input.write_all(b"exit 0\n").await.unwrap();
+        assert_eq!(shell.wait().await.unwrap().code(), Some(0));
         vm.shutdown().await.unwrap();
     });
 }

@@ -1152,7 +1152,9 @@ mod tests {
         );
         // Sent while quiesced: it waits on the host, so nothing is in flight.
         control.credit(1, Stream::Stdout, 0);
-        let quiesced = GuestMessage::Quiesced(Quiesce { token: 7 }).encode().unwrap();
+        let quiesced = GuestMessage::Quiesced(Quiesce { token: 7 })
+            .encode()
+            .unwrap();
         writer.write_all(&quiesced).await.unwrap();
         quiescing.await.unwrap().unwrap();
         assert_eq!(next_from_host(&mut reader, &mut decoder).await, None);
@@ -1202,5 +1204,4 @@ mod tests {
             }
         }
     }
-
 }

@@ -70,6 +70,8 @@ pub(super) struct Ready {
     pub net_socket: Option<OwnedFd>,
     /// The library's end of the helper's command socket.
     pub commands: Arc<crate::vmm_commands::VmmCommands>,
+    /// The guest's memory, when this process holds it.
+    pub guest_memory: Option<Arc<crate::guest_memory::GuestMemoryFile>>,
 }
 
 /// How an attempt ended, when it did not fail.
@@ -104,10 +106,10 @@ pub(super) async fn run(
     let (report_read, report_write) =
         pipe().map_err(|e| Error::io("creating the isolation report pipe")(e.into()))?;
     let net_pair = network_link(config)?;
-    let (commands, commands_helper_end) = crate::vmm_commands::VmmCommands::pair()
+    let (commands, command_ends) = crate::vmm_commands::VmmCommands::pair()
         .map_err(Error::io("creating the helper's command socket"))?;
     // The mounts' queues are served here, in the guest's memory (a fresh file each attempt).
-    let (guest_memory, fs_ends) = if config.mounts.is_empty() {
+    let (guest_memory, fs_ends) = if config.mounts.is_empty() && !config.snapshots {
         (None, Vec::new())
     } else {
         let memory = Arc::new(
@@ -131,7 +133,8 @@ pub(super) async fn run(
         (lifeline_read.as_raw_fd(), Inherited::Lifeline),
         (plan.guest_init.as_raw_fd(), Inherited::GuestInit),
         (report_write.as_raw_fd(), Inherited::Report),
-        (commands_helper_end.as_raw_fd(), Inherited::Command),
+        (command_ends.socket.as_raw_fd(), Inherited::Command),
+        (command_ends.state_file.as_raw_fd(), Inherited::MachineState),
     ];
     parts.root.hand_over(&mut handed);
     if let Some((_, helper_end)) = &net_pair {
@@ -163,7 +166,7 @@ pub(super) async fn run(
         report_write,
         fs_ends,
         disk_ends,
-        commands_helper_end,
+        command_ends,
     ));
     let net_socket = net_pair.and_then(|(ours, _helper_end)| ours.map(OwnedFd::from));
     let report = tokio::spawn(crate::jail::host::read_report(report_read).in_current_span());
@@ -179,6 +182,7 @@ pub(super) async fn run(
             logs,
             net_socket,
             commands,
+            guest_memory,
         }))),
         Ok(None) => {
             stop_helper(&mut child, &logs).await;

@@ -202,7 +202,7 @@ impl Parts {
             root_image: image.path.clone(),
             control_socket: self.dir.path().join(CONTROL_SOCKET),
             fs_devices: config.mounts.len() as u32,
-            guest_memory_file: !config.mounts.is_empty(),
+            guest_memory_file: !config.mounts.is_empty() || config.snapshots,
             command_socket: true,
             console: self.dir.path().join(crate::logs::CONSOLE_FIFO),
             jail: self
@@ -401,6 +401,7 @@ impl Parts {
                 kill,
                 _lifeline: ready.lifeline,
                 commands: ready.commands,
+                snapshots: snapshot_source(config, ready.guest_memory),
                 isolation,
                 _logs: logs,
                 network,
@@ -439,3 +440,30 @@ struct Admitted {
 
 /// The control socket's name in the instance's directory.
 const CONTROL_SOCKET: &str = "control.sock";
+
+/// What an instance of `config` keeps to take snapshots, when its sandbox allows them.
+fn snapshot_source(
+    config: &SandboxConfig,
+    memory: Option<Arc<crate::guest_memory::GuestMemoryFile>>,
+) -> Option<crate::snapshot::SnapshotSource> {
+    let memory = memory.filter(|_| config.snapshots)?;
+    // What stage 1 of docs/snapshots-plan.md leaves out: state held outside the VM's memory.
+    let unsupported = if !config.mounts.is_empty() {
+        Some("it has mounts (their servers' state is in this process)")
+    } else if config.network.is_some() || config.network_backend.is_some() {
+        Some("it has a network (its flows' state is in this process)")
+    } else if crate::RootKind::of(&config.rootfs) != crate::RootKind::Image {
+        Some("its root is writable (the layer is outside guest memory)")
+    } else if config.output_disk.is_some() || config.virtiofs_passthrough.is_some() {
+        Some("it has a disk or share served outside guest memory")
+    } else {
+        None
+    };
+    Some(crate::snapshot::SnapshotSource {
+        memory,
+        cpus: config.cpus,
+        memory_mib: config.memory_mib,
+        key_dir: config.snapshot_key_dir.clone(),
+        unsupported: unsupported.map(str::to_owned),
+    })
+}

@@ -15,11 +15,11 @@ const COMMAND_DEADLINE: Duration = Duration::from_secs(15);
 
 /// How long the guest may take to answer a quiesce (it answers from its control loop, which
 /// may be busy with a file operation).
-const QUIESCE_DEADLINE: Duration = Duration::from_secs(30);
+pub(super) const QUIESCE_DEADLINE: Duration = Duration::from_secs(30);
 
 /// A token no one can guess for a quiesce (its `Quiesced` must echo it), from the kernel's
 /// random source.
-fn random_token() -> u64 {
+pub(super) fn random_token() -> u64 {
     let mut bytes = [0u8; 8];
     // SAFETY: getrandom writes at most `bytes.len()` bytes into the buffer it is given.
     let got = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
@@ -72,7 +72,7 @@ impl Instance {
                 other => return Err(unexpected("saved", &other)),
             };
             tokio::time::sleep(hold).await;
-            self.machine_command(VmmCommand::RestoreMachineState, "set")
+            self.machine_command(VmmCommand::RestoreMachineState { bytes }, "set")
                 .await?;
             Ok(bytes)
         }
@@ -86,7 +86,11 @@ impl Instance {
     }
 
     /// Sends `command` to the helper; a reply that says it failed is an error.
-    async fn machine_command(&self, command: VmmCommand, step: &'static str) -> Result<VmmReply> {
+    pub(super) async fn machine_command(
+        &self,
+        command: VmmCommand,
+        step: &'static str,
+    ) -> Result<VmmReply> {
         let reply = self
             .inner
             .commands

@@ -9,6 +9,7 @@ mod dir;
 mod machine;
 mod pause;
 mod root;
+mod snapshot;
 mod supervisor;
 
 pub(crate) use boot::boot;
@@ -88,6 +89,8 @@ struct Inner {
     _lifeline: OwnedFd,
     /// The library's end of the helper's command socket.
     commands: Arc<crate::vmm_commands::VmmCommands>,
+    /// What snapshots need, when the sandbox allows them.
+    snapshots: Option<crate::snapshot::SnapshotSource>,
     /// What the VMM helper's jail holds, as it reported before the VM started.
     isolation: crate::Isolation,
     /// Drains the guest console and the helper's output into bounded logs while the instance

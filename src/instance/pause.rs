@@ -102,7 +102,7 @@ impl Instance {
     }
 
     /// Stops (or starts again) every thread of the VM and waits until the kernel says they are.
-    async fn stop_vm(&self, stop: bool) -> Result<()> {
+    pub(super) async fn stop_vm(&self, stop: bool) -> Result<()> {
         let what = if stop { "pausing" } else { "resuming" };
         let io = |e: std::io::Error| Error::Io {
             context: format!("{what} the VM"),

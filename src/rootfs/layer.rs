@@ -99,7 +99,7 @@ pub(super) fn formatted_memfd(bytes: u64, journal: Journal) -> Result<File> {
 
 /// The written extents (`start..end` byte ranges) of a sparse file, found with `SEEK_DATA` and
 /// `SEEK_HOLE`: what a freshly formatted layer disk holds, to copy into its real home.
-pub(super) fn data_extents(file: &File) -> std::io::Result<Vec<(u64, u64)>> {
+pub(crate) fn data_extents(file: &File) -> std::io::Result<Vec<(u64, u64)>> {
     use nix::unistd::{lseek, Whence};
     let size = file.metadata()?.len() as i64;
     let mut extents = Vec::new();

@@ -1,25 +1,32 @@
-//! Refuses to build against a stale patched krun-vmm: `.patched/krun-vmm` (which the
-//! workspace's `[patch.crates-io]` names) must be the one `scripts/libkrun-hook.sh` makes from
-//! the patch in `hook/` as it is now. Cargo cannot tell on its own: it sees only the patched
-//! tree, not the patch it was made from.
+//! Refuses to build against stale patched libkrun crates: `.patched/krun-vmm` and
+//! `.patched/krun-devices` (which the workspace's `[patch.crates-io]` names) must be the ones
+//! `scripts/libkrun-hook.sh` makes from the patches in `hook/` as they are now. Cargo cannot
+//! tell on its own: it sees only the patched trees, not the patches they were made from.
 
 use sha2::{Digest, Sha256};
 
+/// The patched crates, in the order the hook's stamp lists their patches' digests.
+const CRATES: [&str; 2] = ["krun-vmm", "krun-devices"];
+
 fn main() {
     let here = std::path::PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap());
-    let patch = here.join("hook/embedder-devices.patch");
-    let stamp = here.join("../.patched/krun-vmm/.krunbox-hook");
-    println!("cargo:rerun-if-changed={}", patch.display());
+    let stamp = here.join("../.patched/.krunbox-hook");
     println!("cargo:rerun-if-changed={}", stamp.display());
-    let digest = hex::encode(Sha256::digest(
-        std::fs::read(&patch).expect("hook/embedder-devices.patch"),
-    ));
+    let mut digests = Vec::new();
+    for krate in CRATES {
+        let patch = here.join(format!("hook/{krate}.patch"));
+        println!("cargo:rerun-if-changed={}", patch.display());
+        let bytes =
+            std::fs::read(&patch).unwrap_or_else(|e| panic!("reading {}: {e}", patch.display()));
+        digests.push(hex::encode(Sha256::digest(bytes)));
+    }
     let made_from = std::fs::read_to_string(&stamp).unwrap_or_default();
-    if made_from.split_whitespace().next() != Some(digest.as_str()) {
+    let stamped: Vec<&str> = made_from.split_whitespace().take(CRATES.len()).collect();
+    if stamped != digests {
         panic!(
-            "{} was not made from the current {}: run scripts/libkrun-hook.sh",
+            "{} were not made from the current patches in {}: run scripts/libkrun-hook.sh",
             stamp.parent().unwrap().display(),
-            patch.display()
+            here.join("hook").display()
         );
     }
 }

@@ -5,15 +5,18 @@
 //! answers each before the next (krunbox-protocol's `vmm::command`). Each command is short (a
 //! second per vCPU at most), so the loop goes on serving the devices between them.
 
+use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::FileExt;
 use std::sync::{Arc, Mutex};
 
 use krun_sys::machine::{EpollEvent, EventManager, EventSet, RunningVm, Subscriber};
-use krunbox_protocol::vmm::command::{VmmCommand, VmmReply, MAX_COMMAND_BYTES};
+use krunbox_protocol::vmm::command::{VmmCommand, VmmReply, MAX_COMMAND_BYTES, MAX_STATE_BYTES};
 
 /// Serves the library's commands on `socket` (its end of the pair on `Inherited::Command`)
-/// once the next VM this process starts runs.
-pub(crate) fn serve(socket: OwnedFd) {
+/// once the next VM this process starts runs; the VM's state goes through `state_file`
+/// (`Inherited::MachineState`).
+pub(crate) fn serve(socket: OwnedFd, state_file: File) {
     krun_sys::machine::on_built(move |vm, event_manager| {
         if let Err(e) = nix::fcntl::fcntl(
             &socket,
@@ -25,7 +28,7 @@ pub(crate) fn serve(socket: OwnedFd) {
         let server = CommandServer {
             socket,
             vm,
-            saved: None,
+            state_file,
         };
         if let Err(e) = event_manager.add_subscriber(Arc::new(Mutex::new(server))) {
             eprintln!("krunbox-vmm: cannot serve the command socket: {e:?}");
@@ -36,8 +39,7 @@ pub(crate) fn serve(socket: OwnedFd) {
 struct CommandServer {
     socket: OwnedFd,
     vm: RunningVm,
-    /// The machine state [`VmmCommand::SaveMachineState`] read last.
-    saved: Option<Vec<u8>>,
+    state_file: File,
 }
 
 impl CommandServer {
@@ -49,19 +51,49 @@ impl CommandServer {
         match command {
             VmmCommand::PauseVcpus => done(self.vm.pause_vcpus()),
             VmmCommand::ResumeVcpus => done(self.vm.resume_vcpus()),
-            VmmCommand::SaveMachineState => match self.vm.save_state() {
-                Ok(state) => {
-                    let bytes = state.len() as u64;
-                    self.saved = Some(state);
-                    VmmReply::Saved { bytes }
-                }
+            VmmCommand::QueuesInFlight => VmmReply::InFlight {
+                queues: self.vm.queues_in_flight().len() as u32,
+            },
+            VmmCommand::SaveMachineState => match self.save() {
+                Ok(bytes) => VmmReply::Saved { bytes },
                 Err(reason) => VmmReply::failed(reason),
             },
-            VmmCommand::RestoreMachineState => match &self.saved {
-                Some(state) => done(self.vm.restore_state(state)),
-                None => VmmReply::failed("no machine state was saved"),
+            VmmCommand::RestoreMachineState { bytes } => match self.load(bytes) {
+                Ok(state) => done(self.vm.restore_state(&state)),
+                Err(reason) => VmmReply::failed(reason),
             },
         }
+    }
+
+    /// Writes the VM's state to the machine-state file; returns its length.
+    fn save(&self) -> Result<u64, String> {
+        let state = self.vm.save_state()?;
+        if state.len() > MAX_STATE_BYTES {
+            return Err(format!(
+                "the machine state has {} bytes, past the {MAX_STATE_BYTES} the library reads",
+                state.len()
+            ));
+        }
+        // No ftruncate: the jail allows it only to a helper whose layer grows (seccomp).
+        self.state_file
+            .write_all_at(&state, 0)
+            .map_err(|e| format!("writing the machine state: {e}"))?;
+        Ok(state.len() as u64)
+    }
+
+    /// The state in the first `len` bytes of the machine-state file (at most
+    /// [`MAX_STATE_BYTES`]).
+    fn load(&self, len: u64) -> Result<Vec<u8>, String> {
+        if len > MAX_STATE_BYTES as u64 {
+            return Err(format!(
+                "a machine state of {len} bytes is past {MAX_STATE_BYTES}"
+            ));
+        }
+        let mut state = vec![0u8; len as usize];
+        self.state_file
+            .read_exact_at(&mut state, 0)
+            .map_err(|e| format!("reading the machine state: {e}"))?;
+        Ok(state)
     }
 
     /// Answers every packet waiting; `false` once the library's end is closed.

@@ -381,7 +381,9 @@ fn configure(
     if config.command_socket {
         // SAFETY: the library passes its command socket exactly when `command_socket` is
         // set, and nothing else in the helper owns it.
-        command::serve(unsafe { take(Inherited::Command)? });
+        // SAFETY: the library passes the machine-state file with the command socket.
+        let state_file = std::fs::File::from(unsafe { take(Inherited::MachineState)? });
+        command::serve(unsafe { take(Inherited::Command)? }, state_file);
     }
     if config.guest_memory_file {
         // SAFETY: the library passes its memfd exactly when `guest_memory_file` is set, and

@@ -21,16 +21,28 @@ pub const MAX_COMMAND_BYTES: usize = 64 * 1024;
 /// The longest failure text a reply carries; the helper cuts what libkrun says to it.
 pub const MAX_REASON_BYTES: usize = 4096;
 
+/// The most bytes of saved machine state either side reads from the machine-state file (a
+/// vCPU's state is about 30 KiB as JSON; krunbox has at most 8 vCPUs).
+pub const MAX_STATE_BYTES: usize = 8 << 20;
+
 /// What the library asks of its helper.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
 pub enum VmmCommand {
     /// Take every vCPU out of `KVM_RUN` and keep it out until [`VmmCommand::ResumeVcpus`]
     /// (devices keep running: their queues can drain).
     PauseVcpus,
-    /// Read the KVM state of the VM and of its paused vCPUs; the helper keeps it.
+    /// How many queues of activated devices hold requests the device has not answered yet
+    /// (with the vCPUs paused, this reaches 0 once the devices caught up).
+    QueuesInFlight,
+    /// Write the KVM state of the VM and of its paused vCPUs, and its devices' transports, to
+    /// the machine-state file from offset 0 (the reply says how many bytes; the helper cannot
+    /// truncate files, so what lies past them is stale).
     SaveMachineState,
-    /// Set the state last saved on the paused VM.
-    RestoreMachineState,
+    /// Set the state in the first `bytes` bytes of the machine-state file on the paused VM.
+    RestoreMachineState {
+        /// The state's length.
+        bytes: u64,
+    },
     /// Let the paused vCPUs run again.
     ResumeVcpus,
 }
@@ -45,6 +57,11 @@ pub enum VmmReply {
     Saved {
         /// Bytes of saved state.
         bytes: u64,
+    },
+    /// The answer to [`VmmCommand::QueuesInFlight`].
+    InFlight {
+        /// Queues with requests not answered yet.
+        queues: u32,
     },
     /// The command failed; the VM is as the reason says.
     Failed {
@@ -121,8 +138,9 @@ mod tests {
     fn every_command_and_reply_round_trips() {
         for command in [
             VmmCommand::PauseVcpus,
+            VmmCommand::QueuesInFlight,
             VmmCommand::SaveMachineState,
-            VmmCommand::RestoreMachineState,
+            VmmCommand::RestoreMachineState { bytes: 12 },
             VmmCommand::ResumeVcpus,
         ] {
             assert_eq!(VmmCommand::decode(&command.encode()).unwrap(), command);
@@ -130,6 +148,7 @@ mod tests {
         for reply in [
             VmmReply::Done,
             VmmReply::Saved { bytes: u64::MAX },
+            VmmReply::InFlight { queues: 3 },
             VmmReply::failed("KVM read 3 of 40 MSRs"),
         ] {
             assert_eq!(VmmReply::decode(&reply.encode()).unwrap(), reply);

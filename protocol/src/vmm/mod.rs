@@ -41,6 +41,8 @@ pub enum Inherited {
     FsDevice(usize),
     /// The helper's end of the command socket ([`command`]).
     Command,
+    /// The file the VM's saved state goes through ([`command`]).
+    MachineState,
 }
 
 impl Inherited {
@@ -56,6 +58,7 @@ impl Inherited {
             Inherited::WritableLayer => Some(WRITABLE_LAYER_FD),
             Inherited::GuestMemory => Some(GUEST_MEMORY_FD),
             Inherited::Command => Some(COMMAND_FD),
+            Inherited::MachineState => Some(MACHINE_STATE_FD),
             Inherited::ServedDisk(i) if i < MAX_SERVED_DISKS => {
                 Some(SERVED_DISK_FD_BASE + i as i32)
             }
@@ -128,6 +131,11 @@ const GUEST_MEMORY_FD: i32 = 13;
 /// VM's state once the VM runs.
 const COMMAND_FD: i32 = 14;
 
+/// A memfd of the library's, passed with the command socket: the helper writes the VM's
+/// saved state there ([`command::VmmCommand::SaveMachineState`]) and reads the state to set
+/// from it, at most [`command::MAX_STATE_BYTES`].
+const MACHINE_STATE_FD: i32 = 15;
+
 /// The helper's exit code when it refused to start the VM because its jail did not hold (a
 /// canary got through) or a required isolation layer is missing. The report says which.
 pub const ISOLATION_EXIT_CODE: i32 = 71;
@@ -166,7 +174,7 @@ pub struct VmmConfig {
     #[serde(default)]
     pub guest_memory_file: bool,
     /// The helper serves the library's commands on [`COMMAND_FD`] ([`command`]) once the VM
-    /// runs.
+    /// runs, the VM's state going through [`MACHINE_STATE_FD`].
     #[serde(default)]
     pub command_socket: bool,
     /// The FIFO the guest console goes to; the library drains it into a bounded log.
@@ -264,6 +272,7 @@ mod tests {
             Inherited::WritableLayer,
             Inherited::GuestMemory,
             Inherited::Command,
+            Inherited::MachineState,
         ];
         for i in 0..MAX_SERVED_DISKS {
             roles.push(Inherited::ServedDisk(i));

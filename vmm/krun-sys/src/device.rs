@@ -2,7 +2,7 @@
 //!
 //! libkrun 1.19.7 builds every device itself from paths and flags; it has no way to let an
 //! embedder serve a device. krunbox builds libkrun's `krun-vmm` with one small patch
-//! (`krun-sys/hook/embedder-devices.patch`, applied by `scripts/libkrun-hook.sh`): a list of
+//! (`krun-sys/hook/krun-vmm.patch`, applied by `scripts/libkrun-hook.sh`): a list of
 //! devices that `krun_start_enter` attaches, as virtio-mmio devices after its own, when it builds
 //! the VM. [`attach`] adds to that list; the types a device needs are re-exported here, so
 //! that this crate stays krunbox's one boundary to libkrun.

@@ -5,7 +5,7 @@
 //! way in is a callback: [`on_built`] is called on that thread once the VM is built and its
 //! vCPUs run, with the VM and the loop. The caller registers a [`Subscriber`] there (krunbox's
 //! helper: a command socket to the library) and drives the VM from its events. The patch to
-//! krun-vmm behind it (`hook/embedder-devices.patch`) makes libkrun's own (Firecracker's)
+//! krun-vmm behind it (`hook/krun-vmm.patch`) makes libkrun's own (Firecracker's)
 //! `save_state`/`restore_state` reachable; each vCPU reads and writes its state on its own
 //! thread while paused, as Firecracker does.
 //!
@@ -45,13 +45,25 @@ impl RunningVm {
         self.vmm().pause_vcpus()
     }
 
+    /// The queues of activated devices with requests the device has not answered yet, each
+    /// as `device:queue` (receive queues left out: they hold the driver's buffers for later).
+    /// With the vCPUs paused, empty once the devices caught up.
+    pub fn queues_in_flight(&self) -> Vec<String> {
+        self.vmm()
+            .queues_in_flight()
+            .into_iter()
+            .map(|q| format!("{}:{}", q.device, q.queue))
+            .collect()
+    }
+
     /// Lets the paused vCPUs run again.
     pub fn resume_vcpus(&self) -> Result<(), String> {
         self.vmm().resume_vcpus().map_err(|e| e.to_string())
     }
 
     /// The KVM state of the VM (irqchip, PIT, clock) and of each paused vCPU (registers,
-    /// FPU/xsave, LAPIC, MSRs, pending events), as bytes [`RunningVm::restore_state`] takes.
+    /// FPU/xsave, LAPIC, MSRs, pending events), and each virtio device's transport as the
+    /// driver set it up, as bytes [`RunningVm::restore_state`] takes.
     pub fn save_state(&self) -> Result<Vec<u8>, String> {
         let state = self.vmm().save_machine_state()?;
         serde_json::to_vec(&state).map_err(|e| e.to_string())

@@ -1,0 +1,310 @@
+//! Snapshots of a running instance: its guest memory, the KVM state of its VM and vCPUs, and
+//! its devices' transports, written to a directory while the instance is stilled for a moment,
+//! and checked whole when opened (docs/snapshots-plan.md; restoring one is the next stage).
+//!
+//! A snapshot's directory holds `memory.img` (guest memory: its data at the same offsets,
+//! holes kept), `machine.json` (what the helper saved) and `manifest.json`: what the snapshot
+//! is (sizes, versions, the token its guest rejoins with), each part's extents and digest,
+//! authenticated with a key of this user's ([`key`]). [`Snapshot::open`] refuses a snapshot
+//! whose manifest or any part changed, before anything of it is used.
+
+mod key;
+pub(crate) mod part;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::error::{Error, Result};
+pub(crate) use key::SnapshotKey;
+pub(crate) use part::Part;
+
+/// The format this build writes and reads.
+pub(crate) const FORMAT: &str = "krunbox-snapshot-1";
+
+/// The largest manifest read (a fragmented guest memory lists many extents).
+const MAX_MANIFEST_BYTES: u64 = 16 << 20;
+
+pub(crate) const MANIFEST: &str = "manifest.json";
+pub(crate) const MEMORY: &str = "memory.img";
+pub(crate) const MACHINE: &str = "machine.json";
+
+/// What a snapshot is, as its manifest says.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Manifest {
+    pub format: String,
+    /// The krunbox that wrote it.
+    pub krunbox: String,
+    /// The control protocol its guest-init speaks.
+    pub protocol: u32,
+    pub cpus: u8,
+    pub memory_mib: u32,
+    /// The quiesce token the snapshotted guest rejoins its new host with.
+    pub token: u64,
+    /// The next process id the instance would have given.
+    pub next_process_id: u32,
+    pub memory: Part,
+    pub machine: Part,
+}
+
+/// The manifest with its authentication, as `manifest.json` holds it.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Signed {
+    manifest: Manifest,
+    /// HMAC-SHA256 of the manifest's JSON, with the user's snapshot key.
+    hmac: String,
+}
+
+/// A snapshot on disk, checked.
+///
+/// ```no_run
+/// # async fn demo(vm: &krunbox::Instance) -> krunbox::Result<()> {
+/// let snapshot = vm.snapshot("/var/tmp/warm-python").await?;
+/// println!("{} ({})", snapshot.dir().display(), snapshot.digest());
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    dir: PathBuf,
+    manifest: Arc<Manifest>,
+    digest: String,
+}
+
+impl Snapshot {
+    /// The snapshot's directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// SHA-256 of its manifest (hex), which names every part's digest: pin it to accept this
+    /// snapshot and no other.
+    pub fn digest(&self) -> &str {
+        &self.digest
+    }
+
+    /// Opens the snapshot in `dir` and checks it whole: its manifest's authentication with
+    /// the key in `key_dir` (the sandbox's [`snapshot_key_dir`]
+    /// (crate::SandboxBuilder::snapshot_key_dir)), its format, and every part's digest.
+    /// A changed byte anywhere is [`Error::SnapshotTampered`].
+    pub fn open(dir: impl AsRef<Path>, key_dir: impl AsRef<Path>) -> Result<Snapshot> {
+        let dir = dir.as_ref().to_path_buf();
+        let key = SnapshotKey::load_or_create(key_dir.as_ref())
+            .map_err(Error::io("reading the snapshot key"))?;
+        let (manifest, digest) = read_manifest(&dir, &key)?;
+        for part in [&manifest.memory, &manifest.machine] {
+            part::read(&dir, part, None).map_err(part_error)?;
+        }
+        Ok(Snapshot {
+            dir,
+            manifest: Arc::new(manifest),
+            digest,
+        })
+    }
+
+    #[allow(dead_code)] // the restore (next stage) reads it
+    pub(crate) fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// Writes `manifest` (signed with `key`) into `dir`, which holds its parts.
+    pub(crate) fn seal(dir: PathBuf, manifest: Manifest, key: &SnapshotKey) -> Result<Snapshot> {
+        let body = serde_json::to_vec(&manifest).expect("a manifest always serializes");
+        let signed = Signed {
+            hmac: key.sign(&body),
+            manifest,
+        };
+        let bytes = serde_json::to_vec(&signed).expect("a manifest always serializes");
+        let path = dir.join(MANIFEST);
+        std::fs::write(&path, &bytes)
+            .and_then(|()| std::fs::File::open(&path)?.sync_all())
+            .map_err(Error::io(format!("writing {}", path.display())))?;
+        Ok(Snapshot {
+            dir,
+            manifest: Arc::new(signed.manifest),
+            digest: hex::encode(Sha256::digest(&bytes)),
+        })
+    }
+}
+
+fn read_manifest(dir: &Path, key: &SnapshotKey) -> Result<(Manifest, String)> {
+    use std::io::Read;
+    let path = dir.join(MANIFEST);
+    let mut bytes = Vec::new();
+    std::fs::File::open(&path)
+        .and_then(|file| file.take(MAX_MANIFEST_BYTES + 1).read_to_end(&mut bytes))
+        .map_err(Error::io(format!("reading {}", path.display())))?;
+    let tampered = |why: &str| Error::SnapshotTampered {
+        part: MANIFEST.into(),
+        why: why.into(),
+    };
+    if bytes.len() as u64 > MAX_MANIFEST_BYTES {
+        return Err(tampered("it is longer than any manifest"));
+    }
+    let signed: Signed =
+        serde_json::from_slice(&bytes).map_err(|_| tampered("it is not a snapshot manifest"))?;
+    let body = serde_json::to_vec(&signed.manifest).expect("a manifest always serializes");
+    if !key.verify(&body, &signed.hmac) {
+        return Err(tampered(
+            "its authentication fails: it changed, or another user's key made it",
+        ));
+    }
+    let manifest = signed.manifest;
+    if manifest.format != FORMAT || manifest.protocol != crate::protocol::PROTOCOL_VERSION {
+        return Err(Error::Snapshot {
+            step: "opened",
+            reason: format!(
+                "it is a {} snapshot of protocol {}; this krunbox reads {FORMAT} of protocol {}",
+                manifest.format,
+                manifest.protocol,
+                crate::protocol::PROTOCOL_VERSION
+            ),
+        });
+    }
+    Ok((manifest, hex::encode(Sha256::digest(&bytes))))
+}
+
+pub(crate) fn part_error(e: part::PartError) -> Error {
+    match e {
+        part::PartError::Tampered { name, why } => Error::SnapshotTampered { part: name, why },
+        part::PartError::Io { name, source } => Error::Io {
+            context: format!("reading the snapshot's {name}"),
+            source,
+        },
+    }
+}
+
+/// What an instance booted with snapshots on keeps to take them.
+pub(crate) struct SnapshotSource {
+    pub memory: Arc<crate::guest_memory::GuestMemoryFile>,
+    pub cpus: u8,
+    pub memory_mib: u32,
+    pub key_dir: PathBuf,
+    /// Why this instance cannot be snapshotted (yet), if it cannot.
+    pub unsupported: Option<String>,
+}
+
+/// Writes a snapshot's parts into a fresh directory beside `dir` that becomes `dir` once
+/// whole (a half-written snapshot never sits at `dir`).
+pub(crate) struct Staging {
+    pub tmp: tempfile::TempDir,
+    pub dir: PathBuf,
+}
+
+impl Staging {
+    pub(crate) fn new(dir: &Path) -> Result<Staging> {
+        if dir.exists() {
+            return Err(Error::InvalidConfig(format!(
+                "{} exists: a snapshot goes into a new directory",
+                dir.display()
+            )));
+        }
+        let parent = match dir.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        let tmp = tempfile::Builder::new()
+            .prefix(".krunbox-snapshot-")
+            .tempdir_in(&parent)
+            .map_err(Error::io(format!(
+                "making a directory in {}",
+                parent.display()
+            )))?;
+        Ok(Staging {
+            tmp,
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    pub(crate) fn path(&self) -> &Path {
+        self.tmp.path()
+    }
+
+    /// Moves the whole snapshot to its place.
+    pub(crate) fn finish(self) -> Result<PathBuf> {
+        let tmp = self.tmp.keep();
+        std::fs::rename(&tmp, &self.dir).map_err(|e| {
+            let _ = std::fs::remove_dir_all(&tmp);
+            Error::io(format!("moving the snapshot to {}", self.dir.display()))(e)
+        })?;
+        Ok(self.dir)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn written(key_dir: &Path, into: &Path) -> Snapshot {
+        let staging = Staging::new(into).unwrap();
+        let memory = tempfile::tempfile().unwrap();
+        memory.set_len(8 << 20).unwrap();
+        std::os::unix::fs::FileExt::write_all_at(&memory, b"guest", 4096).unwrap();
+        let machine = tempfile::tempfile().unwrap();
+        std::os::unix::fs::FileExt::write_all_at(&machine, b"{\"vm\":1}", 0).unwrap();
+        let manifest = Manifest {
+            format: FORMAT.into(),
+            krunbox: env!("CARGO_PKG_VERSION").into(),
+            protocol: crate::protocol::PROTOCOL_VERSION,
+            cpus: 1,
+            memory_mib: 8,
+            token: 7,
+            next_process_id: 3,
+            memory: part::write(&memory, staging.path(), MEMORY).unwrap(),
+            machine: part::write(&machine, staging.path(), MACHINE).unwrap(),
+        };
+        let key = SnapshotKey::load_or_create(key_dir).unwrap();
+        Snapshot::seal(staging.path().to_path_buf(), manifest, &key).unwrap();
+        staging.finish().unwrap();
+        Snapshot::open(into, key_dir).unwrap()
+    }
+
+    #[test]
+    fn a_snapshot_opens_as_written_and_refuses_any_change_to_its_manifest_or_parts() {
+        let keys = tempfile::tempdir().unwrap();
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("snap");
+        let snapshot = written(keys.path(), &dir);
+        assert_eq!(snapshot.manifest().token, 7);
+        assert_eq!(snapshot.digest().len(), 64);
+
+        // A byte of memory.
+        let memory = std::fs::OpenOptions::new()
+            .write(true)
+            .open(dir.join(MEMORY))
+            .unwrap();
+        std::os::unix::fs::FileExt::write_all_at(&memory, b"G", 4096).unwrap();
+        let err = Snapshot::open(&dir, keys.path()).unwrap_err();
+        assert!(
+            matches!(&err, Error::SnapshotTampered { part, .. } if part == MEMORY),
+            "{err}"
+        );
+        std::os::unix::fs::FileExt::write_all_at(&memory, b"g", 4096).unwrap();
+        Snapshot::open(&dir, keys.path()).unwrap();
+
+        // The manifest, even where it stays valid JSON: the token a guest rejoins with.
+        let manifest = std::fs::read_to_string(dir.join(MANIFEST)).unwrap();
+        std::fs::write(
+            dir.join(MANIFEST),
+            manifest.replace("\"token\":7", "\"token\":8"),
+        )
+        .unwrap();
+        let err = Snapshot::open(&dir, keys.path()).unwrap_err();
+        assert!(
+            matches!(&err, Error::SnapshotTampered { part, .. } if part == MANIFEST),
+            "{err}"
+        );
+        std::fs::write(dir.join(MANIFEST), &manifest).unwrap();
+
+        // Another user's key.
+        let stranger = tempfile::tempdir().unwrap();
+        assert!(matches!(
+            Snapshot::open(&dir, stranger.path()),
+            Err(Error::SnapshotTampered { .. })
+        ));
+        Snapshot::open(&dir, keys.path()).unwrap();
+    }
+}

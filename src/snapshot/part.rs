@@ -1,0 +1,196 @@
+//! A snapshot's parts on disk: files whose data extents are listed and hashed. Guest memory is
+//! mostly holes (a guest touches a fraction of its RAM), so only data is copied, at the same
+//! offsets, and only data is hashed. Restoring reads exactly the listed extents (what is not
+//! listed is zeros), so a byte added or changed anywhere that matters changes the digest.
+
+use std::fs::File;
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// Bytes copied and hashed at once.
+const CHUNK: usize = 1 << 20;
+
+/// One part of a snapshot, as its manifest lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Part {
+    /// The file's name in the snapshot's directory.
+    pub name: String,
+    /// Its length (what is not in an extent reads as zeros).
+    pub length: u64,
+    /// Where its data is: `[start, end)` byte ranges, in order, not overlapping.
+    pub extents: Vec<(u64, u64)>,
+    /// SHA-256 of every extent's start, end (little-endian u64s) and data, in order.
+    pub sha256: String,
+}
+
+/// Why a part could not be read back as its manifest says.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum PartError {
+    /// Its bytes are not the ones the manifest's digest was made from, or its extents are
+    /// out of order or out of bounds.
+    #[error("{name} is not the part the snapshot was written with: {why}")]
+    Tampered { name: String, why: String },
+    /// It could not be read.
+    #[error("reading {name}: {source}")]
+    Io {
+        name: String,
+        source: std::io::Error,
+    },
+}
+
+/// Copies `from`'s data into `dir/name` at the same offsets (holes stay holes), hashing it.
+pub(crate) fn write(from: &File, dir: &Path, name: &str) -> std::io::Result<Part> {
+    let length = from.metadata()?.len();
+    let extents = crate::rootfs::layer::data_extents(from)?;
+    let mut to = File::options()
+        .write(true)
+        .create_new(true)
+        .open(dir.join(name))?;
+    to.set_len(length)?;
+    let mut hash = Sha256::new();
+    let mut buf = vec![0u8; CHUNK];
+    for &(start, end) in &extents {
+        hash.update(start.to_le_bytes());
+        hash.update(end.to_le_bytes());
+        let mut at = start;
+        while at < end {
+            let len = ((end - at) as usize).min(CHUNK);
+            from.read_exact_at(&mut buf[..len], at)?;
+            hash.update(&buf[..len]);
+            to.write_all_at(&buf[..len], at)?;
+            at += len as u64;
+        }
+    }
+    to.flush()?;
+    to.sync_all()?;
+    Ok(Part {
+        name: name.to_owned(),
+        length,
+        extents,
+        sha256: hex::encode(hash.finalize()),
+    })
+}
+
+/// Reads `part` from `dir`, checking its digest; with `into`, copies each extent there at its
+/// offset as it is read (so that what was checked is exactly what `into` holds). `into` must
+/// be at least `part.length` long and hold zeros where the part has holes.
+pub(crate) fn read(dir: &Path, part: &Part, into: Option<&File>) -> Result<(), PartError> {
+    let tampered = |why: String| PartError::Tampered {
+        name: part.name.clone(),
+        why,
+    };
+    let io = |source: std::io::Error| PartError::Io {
+        name: part.name.clone(),
+        source,
+    };
+    let mut last_end = 0u64;
+    for &(start, end) in &part.extents {
+        if start < last_end || end <= start || end > part.length {
+            return Err(tampered(format!(
+                "the extent {start}..{end} is out of place"
+            )));
+        }
+        last_end = end;
+    }
+    let from = File::open(dir.join(&part.name)).map_err(io)?;
+    if from.metadata().map_err(io)?.len() != part.length {
+        return Err(tampered("its length changed".into()));
+    }
+    let mut hash = Sha256::new();
+    let mut buf = vec![0u8; CHUNK];
+    for &(start, end) in &part.extents {
+        hash.update(start.to_le_bytes());
+        hash.update(end.to_le_bytes());
+        let mut at = start;
+        while at < end {
+            let len = ((end - at) as usize).min(CHUNK);
+            from.read_exact_at(&mut buf[..len], at).map_err(io)?;
+            hash.update(&buf[..len]);
+            if let Some(into) = into {
+                into.write_all_at(&buf[..len], at).map_err(io)?;
+            }
+            at += len as u64;
+        }
+    }
+    if hex::encode(hash.finalize()) != part.sha256 {
+        return Err(tampered("its digest differs".into()));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A memfd-like sparse file: two runs of data among holes.
+    fn sparse_source() -> File {
+        let file = tempfile::tempfile().unwrap();
+        file.set_len(64 << 20).unwrap();
+        file.write_all_at(&[7u8; 8192], 1 << 20).unwrap();
+        file.write_all_at(b"the end", (64 << 20) - 7).unwrap();
+        file
+    }
+
+    #[test]
+    fn a_sparse_file_round_trips_with_its_holes_and_only_its_data_is_copied() {
+        let dir = tempfile::tempdir().unwrap();
+        let source = sparse_source();
+        let part = write(&source, dir.path(), "memory.img").unwrap();
+        assert_eq!(part.length, 64 << 20);
+        let data: u64 = part.extents.iter().map(|(s, e)| e - s).sum();
+        assert!(
+            data < 1 << 20,
+            "holes were copied as data: {:?}",
+            part.extents
+        );
+        let into = tempfile::tempfile().unwrap();
+        into.set_len(part.length).unwrap();
+        read(dir.path(), &part, Some(&into)).unwrap();
+        let mut back = vec![0u8; 8192];
+        into.read_exact_at(&mut back, 1 << 20).unwrap();
+        assert_eq!(back, vec![7u8; 8192]);
+        let mut end = [0u8; 7];
+        into.read_exact_at(&mut end, (64 << 20) - 7).unwrap();
+        assert_eq!(&end, b"the end");
+    }
+
+    #[test]
+    fn a_flipped_byte_a_truncation_or_a_moved_extent_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let part = write(&sparse_source(), dir.path(), "memory.img").unwrap();
+        let path = dir.path().join("memory.img");
+        let file = File::options().write(true).open(&path).unwrap();
+
+        file.write_all_at(&[8u8], (1 << 20) + 100).unwrap();
+        assert!(matches!(
+            read(dir.path(), &part, None),
+            Err(PartError::Tampered { .. })
+        ));
+        file.write_all_at(&[7u8], (1 << 20) + 100).unwrap();
+        read(dir.path(), &part, None).unwrap();
+
+        let mut moved = part.clone();
+        moved.extents[0].0 += 4096;
+        assert!(matches!(
+            read(dir.path(), &moved, None),
+            Err(PartError::Tampered { .. })
+        ));
+        let mut overlapping = part.clone();
+        overlapping.extents.push((0, 4096));
+        assert!(matches!(
+            read(dir.path(), &overlapping, None),
+            Err(PartError::Tampered { .. })
+        ));
+
+        file.set_len(part.length - 4096).unwrap();
+        assert!(matches!(
+            read(dir.path(), &part, None),
+            Err(PartError::Tampered { .. })
+        ));
+    }
+}

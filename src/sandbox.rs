@@ -87,6 +87,23 @@ impl Sandbox {
         instance::boot(Arc::new(config)).await
     }
 
+    /// Restores `snapshot` (taken of an instance of this definition, or of one alike: the
+    /// same image, vCPUs and memory) as a new running instance: its processes, files in
+    /// memory and shell variables are as they were when the snapshot was taken. Each part is
+    /// checked as it is copied into the new VM's memory, before the VM runs
+    /// ([`Error::SnapshotTampered`]).
+    ///
+    /// ```no_run
+    /// # async fn demo(sandbox: &krunbox::Sandbox, key_dir: &std::path::Path) -> krunbox::Result<()> {
+    /// let snapshot = krunbox::Snapshot::open("/var/tmp/ready", key_dir)?;
+    /// let vm = sandbox.restore(&snapshot).await?;
+    /// vm.command("cat").arg("/tmp/state").status().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn restore(&self, snapshot: &crate::Snapshot) -> Result<Instance> {
+        instance::restore(self.config.clone(), snapshot.clone()).await
+    }
+
     /// The root filesystem this definition boots.
     pub fn rootfs(&self) -> &Rootfs {
         &self.config.rootfs

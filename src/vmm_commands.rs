@@ -58,6 +58,11 @@ impl VmmCommands {
         Ok((Arc::new(commands), ends))
     }
 
+    /// The machine-state file (the library writes a restore's state there).
+    pub(crate) fn state_file(&self) -> &File {
+        &self.state_file
+    }
+
     /// The state the helper saved last ([`VmmCommand::SaveMachineState`] said `bytes`), read
     /// from the machine-state file: what a compromised helper wrote is bounded like anything
     /// it sends.

@@ -284,12 +284,91 @@ fn a_snapshot_is_written_whole_refused_once_tampered_and_the_instance_goes_on() 
         file.read_exact_at(&mut byte, data_at).unwrap();
         file.write_all_at(&[byte[0] ^ 1], data_at).unwrap();
         assert!(matches!(
-            krunbox::Snapshot::open(&dir, keys.path()),
+            krunbox::Snapshot::open(&dir, keys.path()).unwrap().verify(),
             Err(Error::SnapshotTampered { part, .. }) if part == "memory.img"
         ));
 
         input.write_all(b"exit 0\n").await.unwrap();
         assert_eq!(shell.wait().await.unwrap().code(), Some(0));
         vm.shutdown().await.unwrap();
+    });
+}
+
+/// A snapshot restored as a new instance (in this process; a fresh process is the next test's
+/// business): the shell in its pty is taken over with its variable, the guest's files are
+/// there, and from then on the restored instance and its source go their own ways. A snapshot
+/// whose memory changed on disk is refused before a VM starts.
+#[test]
+fn a_restored_snapshot_takes_over_its_shell_keeps_its_files_and_diverges_from_its_source() {
+    common::run(async {
+        let keys = tempfile::tempdir().unwrap();
+        let sandbox = Sandbox::builder()
+            .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
+            .memory_mib(256)
+            .snapshots(true)
+            .snapshot_key_dir(keys.path())
+            .build()
+            .unwrap();
+        let vm = sandbox.boot().await.unwrap();
+        let mut shell = vm.command("sh").pty(24, 80).spawn().await.unwrap();
+        let pid = shell.id();
+        let mut input = shell.stdin.take().unwrap();
+        let mut screen = shell.stdout.take().unwrap();
+        input
+            .write_all(b"X=41; echo kept > /tmp/f; echo set-$X\n")
+            .await
+            .unwrap();
+        common::read_until(&mut screen, "set-41").await;
+        let place = tempfile::tempdir().unwrap();
+        let dir = place.path().join("snap");
+        vm.snapshot(&dir).await.unwrap();
+
+        let snapshot = krunbox::Snapshot::open(&dir, keys.path()).unwrap();
+        let twin = sandbox.restore(&snapshot).await.unwrap();
+        assert_eq!(twin.processes(), vec![pid]);
+        let mut twin_shell = twin.attach(pid).unwrap();
+        assert!(twin.attach(pid).is_err(), "a process is taken over once");
+        let mut twin_input = twin_shell.stdin.take().unwrap();
+        let mut twin_screen = twin_shell.stdout.take().unwrap();
+        twin_input
+            .write_all(b"echo got-$((X + 1)) $(cat /tmp/f); echo twin > /tmp/f\n")
+            .await
+            .unwrap();
+        common::read_until(&mut twin_screen, "got-42 kept").await;
+        assert_eq!(sh(&twin, "cat /tmp/f").await, "twin");
+        // The source never saw the twin's write, and goes on as it was.
+        input
+            .write_all(b"echo src-$X $(cat /tmp/f)\n")
+            .await
+            .unwrap();
+        common::read_until(&mut screen, "src-41 kept").await;
+
+        twin_input.write_all(b"exit 5\n").await.unwrap();
+        assert_eq!(twin_shell.wait().await.unwrap().code(), Some(5));
+        twin.shutdown().await.unwrap();
+        input.write_all(b"exit 0\n").await.unwrap();
+        assert_eq!(shell.wait().await.unwrap().code(), Some(0));
+        vm.shutdown().await.unwrap();
+
+        // A byte of the snapshot's memory changed on disk: refused before any VM runs.
+        use std::os::unix::fs::FileExt;
+        let memory = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(dir.join("memory.img"))
+            .unwrap();
+        let data_at = {
+            let fd = std::os::fd::AsRawFd::as_raw_fd(&memory);
+            // SAFETY: lseek on a descriptor this test owns.
+            unsafe { libc::lseek(fd, 0, libc::SEEK_DATA) as u64 }
+        };
+        let mut byte = [0u8; 1];
+        memory.read_exact_at(&mut byte, data_at).unwrap();
+        memory.write_all_at(&[byte[0] ^ 1], data_at).unwrap();
+        let refused = sandbox.restore(&snapshot).await;
+        assert!(
+            matches!(&refused, Err(Error::SnapshotTampered { part, .. }) if part == "memory.img"),
+            "{refused:?}"
+        );
     });
 }

@@ -31,6 +31,7 @@ use crate::protocol::{
 };
 
 mod quiesce;
+pub(crate) use quiesce::rejoin_handshake;
 
 /// What the writer task writes: bytes, or the last bytes before it stops and hands back the
 /// connection's write half ([`HostMessage::Quiesce`]); what follows waits in the queue until a
@@ -258,6 +259,22 @@ impl crate::output_queue::Mergeable for OutputItem {
     }
 }
 
+/// A process's host-side state in a snapshot, for the restored instance to take over
+/// ([`Control::saved_processes`], [`Control::adopt`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct SavedProcess {
+    /// The control channel's id for it.
+    pub key: u32,
+    /// The guest's pid, if it had started.
+    pub pid: Option<u32>,
+    pub pty: bool,
+    /// Output bytes received and not credited, per stream (stdout, stderr).
+    pub outstanding: [u64; 2],
+    /// Stdin bytes sent and not credited by the guest.
+    pub stdin_outstanding: u64,
+}
+
 /// The receiving ends for one process.
 pub(crate) struct ProcessChannels {
     pub stdout: OutputReceiver<OutputItem>,
@@ -270,6 +287,10 @@ pub(crate) struct ProcessChannels {
 }
 
 struct Slot {
+    /// The guest's pid, once guest-init said it started.
+    pid: Option<u32>,
+    /// It runs in a pty (one output stream).
+    pty: bool,
     stdout: Option<OutputSender<OutputItem>>,
     stderr: Option<OutputSender<OutputItem>>,
     started: Option<oneshot::Sender<u32>>,
@@ -308,6 +329,8 @@ pub(crate) struct Control {
     still: AtomicBool,
     /// The stopped writer's write half, once a quiesce was sent.
     parked: Mutex<Option<oneshot::Receiver<Writer>>>,
+    /// A restored instance's processes, until taken over ([`Control::adopt`]).
+    adopted: Mutex<HashMap<u32, (SavedProcess, ProcessChannels)>>,
     state: Mutex<State>,
     /// Notified when the guest broke the protocol: the instance must stop the VM.
     pub violated: Arc<Notify>,
@@ -354,6 +377,7 @@ impl Control {
             quiesced: Arc::new(Notify::new()),
             still: AtomicBool::new(false),
             parked: Mutex::new(None),
+            adopted: Mutex::new(HashMap::new()),
             state: Mutex::new(State::default()),
             violated: Arc::new(Notify::new()),
             closed: Arc::new(Notify::new()),
@@ -407,6 +431,7 @@ impl Control {
                     .procs
                     .get_mut(&started.id)
                     .ok_or(unknown(started.id))?;
+                slot.pid = Some(started.pid);
                 if let Some(tx) = slot.started.take() {
                     let _ = tx.send(started.pid);
                 }
@@ -579,7 +604,13 @@ impl Control {
     }
 
     /// Registers process `id` (before its Exec is sent, so no message can outrun the slot).
+    #[allow(dead_code)] // tests and the fuzz harness register processes without a pty
     pub fn register(&self, id: u32) -> Result<ProcessChannels> {
+        self.register_process(id, false)
+    }
+
+    /// [`Control::register`], saying whether the process runs in a pty.
+    pub fn register_process(&self, id: u32, pty: bool) -> Result<ProcessChannels> {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(reason) = &state.gone {
             return Err(reason.error());
@@ -606,6 +637,8 @@ impl Control {
         state.procs.insert(
             id,
             Slot {
+                pid: None,
+                pty,
                 stdout: Some(out_tx),
                 stderr: Some(err_tx),
                 started: Some(started_tx),

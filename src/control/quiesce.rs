@@ -7,13 +7,16 @@
 
 use std::time::Duration;
 
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
-use super::{Control, Outgoing};
+use super::{message_name, read_message, Control, Outgoing, ProcessChannels, SavedProcess};
 use crate::error::{Error, Result};
-use crate::protocol::{HostMessage, Quiesce, Resume};
+use crate::protocol::{
+    FrameDecoder, GuestMessage, HostMessage, ProtocolError, Quiesce, Resume, Stream, OUTPUT_WINDOW,
+    PROTOCOL_VERSION, STDIN_WINDOW,
+};
 
 impl Control {
     /// Quiesces the channel: sends `Quiesce` as the last bytes until [`Control::resume`] and
@@ -89,6 +92,88 @@ impl Control {
         Ok(())
     }
 
+    /// Every process the channel tracks, as a snapshot keeps it (with the channel quiesced,
+    /// nothing moves meanwhile).
+    pub fn saved_processes(&self) -> Vec<SavedProcess> {
+        let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut saved: Vec<SavedProcess> = state
+            .procs
+            .iter()
+            .map(|(&key, slot)| SavedProcess {
+                key,
+                pid: slot.pid,
+                pty: slot.pty,
+                outstanding: slot.outstanding,
+                stdin_outstanding: (STDIN_WINDOW as u64)
+                    .saturating_sub(slot.stdin_credit.available_permits() as u64),
+            })
+            .collect();
+        saved.sort_by_key(|p| p.key);
+        saved
+    }
+
+    /// Takes over a snapshot's processes in a restored instance: a slot each, their channels
+    /// kept for [`Control::take_adopted`]. What the snapshotted host had received and not
+    /// credited stays with that host, so it is credited back here at once (the guest's
+    /// window is whole again); stdin the guest had not credited yet it credits as it writes it.
+    pub fn adopt(&self, processes: &[SavedProcess]) -> Result<()> {
+        for saved in processes {
+            let channels = self.register_process(saved.key, saved.pty)?;
+            {
+                let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(slot) = state.procs.get_mut(&saved.key) {
+                    slot.pid = saved.pid;
+                    slot.outstanding = saved.outstanding;
+                    if let Some(tx) = slot.started.take() {
+                        if let Some(pid) = saved.pid {
+                            let _ = tx.send(pid);
+                        } else {
+                            slot.started = Some(tx);
+                        }
+                    }
+                }
+            }
+            let owed = (saved.stdin_outstanding.min(STDIN_WINDOW as u64)) as u32;
+            if let Ok(permits) = channels.stdin_credit.clone().try_acquire_many_owned(owed) {
+                permits.forget();
+            }
+            for (stream, bytes) in [Stream::Stdout, Stream::Stderr]
+                .into_iter()
+                .zip(saved.outstanding)
+            {
+                if bytes > 0 {
+                    self.credit(
+                        saved.key,
+                        stream,
+                        bytes.min(u64::from(OUTPUT_WINDOW)) as u32,
+                    );
+                }
+            }
+            self.adopted
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(saved.key, (saved.clone(), channels));
+        }
+        Ok(())
+    }
+
+    /// The channels of an adopted process, once (see [`Control::adopt`]).
+    pub fn take_adopted(&self, key: u32) -> Option<(SavedProcess, ProcessChannels)> {
+        self.adopted
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&key)
+    }
+
+    /// The adopted processes not taken yet.
+    pub fn adopted(&self) -> Vec<SavedProcess> {
+        let adopted = self.adopted.lock().unwrap_or_else(|p| p.into_inner());
+        let mut list: Vec<SavedProcess> =
+            adopted.values().map(|(saved, _)| saved.clone()).collect();
+        list.sort_by_key(|p| p.key);
+        list
+    }
+
     fn gone_error(&self) -> Error {
         self.gone()
             .map(|gone| gone.error())
@@ -96,6 +181,56 @@ impl Control {
                 reason: "the control connection ended while it was quiesced".into(),
             })
     }
+}
+
+/// A restored guest's first connection: its first frame must be `Rejoin` with the snapshot's
+/// `token` and our protocol version; the host answers `Resume` (the guest sets its wall clock
+/// from it: it stood still since the snapshot). Returns the decoder, which may already hold
+/// what the guest sent next.
+pub(crate) async fn rejoin_handshake<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    token: u64,
+) -> Result<FrameDecoder> {
+    let mut decoder = FrameDecoder::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    let malformed = |reason: String| {
+        Error::Protocol(ProtocolError::Malformed {
+            message: "rejoin",
+            reason,
+        })
+    };
+    let rejoin = match read_message(stream, &mut decoder, &mut buf).await? {
+        Some(GuestMessage::Rejoin(rejoin)) => rejoin,
+        Some(other) => {
+            return Err(malformed(format!(
+                "expected Rejoin first, got {}",
+                message_name(&other)
+            )))
+        }
+        None => {
+            return Err(Error::GuestSetup {
+                message: "the restored guest closed its control connection before rejoining".into(),
+            })
+        }
+    };
+    if rejoin.version != PROTOCOL_VERSION {
+        return Err(Error::Protocol(ProtocolError::VersionMismatch {
+            ours: PROTOCOL_VERSION,
+            theirs: rejoin.version,
+        }));
+    }
+    if rejoin.token != token {
+        return Err(malformed("a Rejoin with another snapshot's token".into()));
+    }
+    let bytes = HostMessage::Resume(Resume {
+        unix_time_ns: unix_time_ns(),
+    })
+    .encode()?;
+    stream
+        .write_all(&bytes)
+        .await
+        .map_err(Error::io("answering the restored guest"))?;
+    Ok(decoder)
 }
 
 /// The host's wall-clock time in nanoseconds since the Unix epoch (0 for a clock before it).

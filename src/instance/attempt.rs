@@ -45,6 +45,8 @@ pub(super) struct Plan<'a> {
     pub guest_init: &'a File,
     /// The instance cgroup's `cgroup.procs`, which the helper moves itself into.
     pub cgroup_procs: Option<&'a OwnedFd>,
+    /// The snapshot this boot restores, if it is a restore.
+    pub restore: Option<&'a crate::Snapshot>,
 }
 
 /// The parts whose devices are connected afresh for every attempt, so that a retried boot
@@ -95,6 +97,8 @@ pub(super) async fn run(
     parts.root.next_layer(config).await?;
     // What the guest and the helper print, each drained into a bounded log.
     let (vmm_log, log) = BoundedLog::vmm(plan.dir, crate::logs::VMM_LOG_MAX)?;
+    let (commands, command_ends) = crate::vmm_commands::VmmCommands::pair()
+        .map_err(Error::io("creating the helper's command socket"))?;
     let logs = InstanceLogs {
         console: BoundedLog::console(plan.dir, config.console_log_max)?,
         vmm: vmm_log,
@@ -106,22 +110,24 @@ pub(super) async fn run(
     let (report_read, report_write) =
         pipe().map_err(|e| Error::io("creating the isolation report pipe")(e.into()))?;
     let net_pair = network_link(config)?;
-    let (commands, command_ends) = crate::vmm_commands::VmmCommands::pair()
-        .map_err(Error::io("creating the helper's command socket"))?;
     // The mounts' queues are served here, in the guest's memory (a fresh file each attempt).
-    let (guest_memory, fs_ends) = if config.mounts.is_empty() && !config.snapshots {
-        (None, Vec::new())
-    } else {
-        let memory = Arc::new(
-            crate::guest_memory::GuestMemoryFile::create(config.memory_mib)
-                .map_err(Error::io("creating the guest's memory"))?,
-        );
-        let ends = parts
-            .mounts
-            .connect(memory.clone())
-            .map_err(Error::io("connecting the filesystem devices"))?;
-        (Some(memory), ends)
-    };
+    let (guest_memory, fs_ends) =
+        if config.mounts.is_empty() && !config.snapshots && plan.restore.is_none() {
+            (None, Vec::new())
+        } else {
+            let memory = Arc::new(
+                crate::guest_memory::GuestMemoryFile::create(config.memory_mib)
+                    .map_err(Error::io("creating the guest's memory"))?,
+            );
+            if let Some(snapshot) = plan.restore {
+                fill_from_snapshot(snapshot, &memory, &commands).await?;
+            }
+            let ends = parts
+                .mounts
+                .connect(memory.clone())
+                .map_err(Error::io("connecting the filesystem devices"))?;
+            (Some(memory), ends)
+        };
     let disk_ends = parts
         .disks
         .iter_mut()
@@ -227,8 +233,25 @@ async fn until_ready(
             .accept()
             .await
             .map_err(Error::io("accepting the guest's control connection"))?;
-        let mut decoder = FrameDecoder::new();
-        let hello = control::handshake(&mut stream, &mut decoder, plan.setup.clone()).await?;
+        let (decoder, hello) = match plan.restore {
+            None => {
+                let mut decoder = FrameDecoder::new();
+                let hello =
+                    control::handshake(&mut stream, &mut decoder, plan.setup.clone()).await?;
+                (decoder, hello)
+            }
+            // A restored guest has booted already: it rejoins with its snapshot's token.
+            Some(snapshot) => {
+                let manifest = snapshot.manifest();
+                let decoder = control::rejoin_handshake(&mut stream, manifest.token).await?;
+                let hello = Hello {
+                    version: crate::protocol::PROTOCOL_VERSION,
+                    guest_init: String::new(),
+                    kernel_release: manifest.kernel_release.clone(),
+                };
+                (decoder, hello)
+            }
+        };
         Ok::<_, Error>((stream, decoder, hello))
     };
     let console = plan.dir.join("console.log");
@@ -280,6 +303,41 @@ async fn stalled(console: &Path) {
             return;
         }
     }
+}
+
+/// Copies a snapshot's memory into the new VM's `memory` and its machine state into the
+/// helper's machine-state file, checking each part's digest as it is copied: what is checked
+/// is exactly what the VM gets. Nothing of a changed part reaches a VM
+/// ([`Error::SnapshotTampered`]: the helper is not started).
+async fn fill_from_snapshot(
+    snapshot: &crate::Snapshot,
+    memory: &Arc<crate::guest_memory::GuestMemoryFile>,
+    commands: &Arc<crate::vmm_commands::VmmCommands>,
+) -> Result<()> {
+    let dir = snapshot.dir().to_path_buf();
+    let manifest = snapshot.manifest().clone();
+    let (memory, commands) = (memory.clone(), commands.clone());
+    tokio::task::spawn_blocking(move || {
+        let length = memory.file().metadata().map(|m| m.len()).unwrap_or(0);
+        if manifest.memory.length != length {
+            return Err(Error::Snapshot {
+                step: "restored",
+                reason: format!(
+                    "its memory has {} bytes, this VM's {length}",
+                    manifest.memory.length
+                ),
+            });
+        }
+        crate::snapshot::part::read(&dir, &manifest.memory, Some(memory.file()))
+            .map_err(crate::snapshot::part_error)?;
+        crate::snapshot::part::read(&dir, &manifest.machine, Some(commands.state_file()))
+            .map_err(crate::snapshot::part_error)
+    })
+    .await
+    .map_err(|e| Error::Snapshot {
+        step: "restored",
+        reason: e.to_string(),
+    })?
 }
 
 /// The guest's network link, when it has a network: the helper gets one end for libkrun, the

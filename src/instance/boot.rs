@@ -36,7 +36,19 @@ pub(crate) async fn boot(config: Arc<SandboxConfig>) -> Result<Instance> {
     // concurrent sandboxes can be told apart (tasks spawned for it carry the span along).
     let id = new_instance_id();
     let span = tracing::info_span!("instance", id = %id);
-    boot_in_span(config, id, span.clone())
+    boot_in_span(config, id, span.clone(), None)
+        .instrument(span)
+        .await
+}
+
+/// Boots an instance that is `snapshot` restored (see `Sandbox::restore`).
+pub(crate) async fn restore(
+    config: Arc<SandboxConfig>,
+    snapshot: crate::Snapshot,
+) -> Result<Instance> {
+    let id = new_instance_id();
+    let span = tracing::info_span!("instance", id = %id, restored = %snapshot.digest());
+    boot_in_span(config, id, span.clone(), Some(snapshot))
         .instrument(span)
         .await
 }
@@ -60,17 +72,25 @@ async fn boot_in_span(
     config: Arc<SandboxConfig>,
     id: String,
     span: tracing::Span,
+    restore: Option<crate::Snapshot>,
 ) -> Result<Instance> {
     let preparing = std::time::Instant::now();
     let mut parts = Parts::prepare(&config, &id).await?;
-    let vmm_config = parts.vmm_config(&config);
+    let mut vmm_config = parts.vmm_config(&config);
+    if let Some(snapshot) = &restore {
+        check_restorable(&config, snapshot, &parts.root.image.sha256)?;
+        vmm_config.guest_memory_file = true;
+        vmm_config.restore_state_bytes = Some(snapshot.manifest().machine.length);
+    }
     let setup = parts.guest_setup(&config);
     let prepared = preparing.elapsed();
     tracing::debug!(
         ?prepared,
         "the boot's parts are prepared; starting the helper"
     );
-    let mut ready = parts.start_helper(&config, &vmm_config, &setup).await?;
+    let mut ready = parts
+        .start_helper(&config, &vmm_config, &setup, restore.as_ref())
+        .await?;
     let host_work = prepared + parts.root.layer_work;
     let admitted = match parts.admit(&config, &mut ready) {
         Ok(admitted) => admitted,
@@ -81,6 +101,13 @@ async fn boot_in_span(
         }
     };
     tracing::debug!(kernel = %ready.hello.kernel_release, guest_init = %ready.hello.guest_init, "guest ready");
+    let next_id = restore
+        .as_ref()
+        .map_or(1, |snapshot| snapshot.manifest().next_process_id);
+    let adopt = restore
+        .as_ref()
+        .map(|snapshot| snapshot.manifest().processes.clone())
+        .unwrap_or_default();
     Ok(parts.into_instance(
         &config,
         *ready,
@@ -89,8 +116,41 @@ async fn boot_in_span(
             id,
             span,
             host_work,
+            next_id,
+            adopt,
         },
     ))
+}
+
+/// Whether `snapshot` can be restored as an instance of `config`, whose image has
+/// `image_sha256`: the same image, vCPUs and memory, and nothing outside guest memory that
+/// a snapshot does not keep yet.
+fn check_restorable(
+    config: &SandboxConfig,
+    snapshot: &crate::Snapshot,
+    image_sha256: &str,
+) -> Result<()> {
+    let manifest = snapshot.manifest();
+    let refuse = |reason: String| Error::Snapshot {
+        step: "restored",
+        reason,
+    };
+    if let Some(why) = unsupported(config) {
+        return Err(refuse(format!("this sandbox cannot restore one: {why}")));
+    }
+    if (manifest.cpus, manifest.memory_mib) != (config.cpus, config.memory_mib) {
+        return Err(refuse(format!(
+            "it was taken with {} vCPUs and {} MiB, this sandbox has {} and {} MiB",
+            manifest.cpus, manifest.memory_mib, config.cpus, config.memory_mib
+        )));
+    }
+    if manifest.image_sha256 != image_sha256 {
+        return Err(refuse(format!(
+            "it was taken with the image sha256:{}, this sandbox boots sha256:{image_sha256}",
+            manifest.image_sha256
+        )));
+    }
+    Ok(())
 }
 
 /// The parts of a sandbox a boot wires together, once each is prepared. (Fields drop in
@@ -204,6 +264,7 @@ impl Parts {
             fs_devices: config.mounts.len() as u32,
             guest_memory_file: !config.mounts.is_empty() || config.snapshots,
             command_socket: true,
+            restore_state_bytes: None,
             console: self.dir.path().join(crate::logs::CONSOLE_FIFO),
             jail: self
                 .jail
@@ -257,6 +318,7 @@ impl Parts {
         config: &SandboxConfig,
         vmm_config: &VmmConfig,
         setup: &Setup,
+        restore: Option<&crate::Snapshot>,
     ) -> Result<Box<attempt::Ready>> {
         let vmm_config_path = self.dir.path().join("vmm.json");
         std::fs::write(
@@ -280,6 +342,7 @@ impl Parts {
             setup,
             guest_init: &guest_init,
             cgroup_procs: self.cgroup_procs.as_ref(),
+            restore,
         };
         let deadline = tokio::time::sleep(config.boot_timeout);
         tokio::pin!(deadline);
@@ -290,7 +353,8 @@ impl Parts {
                 mounts: &mut self.mounts,
                 disks: &mut self.disks,
             };
-            let may_stall = attempt < BOOT_ATTEMPTS;
+            // A restored guest prints nothing on its console: no sign of life to wait for.
+            let may_stall = attempt < BOOT_ATTEMPTS && restore.is_none();
             match attempt::run(&plan, &mut devices, deadline.as_mut(), may_stall).await? {
                 Attempted::Ready(ready) => return Ok(ready),
                 Attempted::Stalled => {
@@ -346,6 +410,8 @@ impl Parts {
             id,
             span,
             host_work,
+            next_id,
+            adopt,
         } = identity;
         let Admitted {
             vmm_pid,
@@ -362,6 +428,9 @@ impl Parts {
             Liveness::new(config.liveness_timeout),
             config.limits,
         );
+        if let Err(e) = control.adopt(&adopt) {
+            tracing::warn!(error = %e, "the restored instance could not take over its processes");
+        }
         let (exited_tx, exited) = watch::channel(None);
         let (kill, kill_rx) = watch::channel(false);
         let shutdown_requested = Arc::new(AtomicBool::new(false));
@@ -392,7 +461,7 @@ impl Parts {
                 vmm_pid: Some(vmm_pid),
                 vmm_process: std::panic::AssertUnwindSafe(vmm_process),
                 shutdown_requested,
-                next_id: AtomicU32::new(1),
+                next_id: AtomicU32::new(next_id),
                 kernel_release: ready.hello.kernel_release,
                 image_config: config.image_config.clone(),
                 current_dir: config.current_dir.clone(),
@@ -401,7 +470,7 @@ impl Parts {
                 kill,
                 _lifeline: ready.lifeline,
                 commands: ready.commands,
-                snapshots: snapshot_source(config, ready.guest_memory),
+                snapshots: snapshot_source(config, ready.guest_memory, &self.root.image.sha256),
                 isolation,
                 _logs: logs,
                 network,
@@ -427,6 +496,10 @@ struct Identity {
     span: tracing::Span,
     /// The host's own work before the helper started (see [`Instance::host_boot_work`]).
     host_work: std::time::Duration,
+    /// The first process id it gives (a restored instance goes on from its snapshot's).
+    next_id: u32,
+    /// A restored instance's processes, which it takes over.
+    adopt: Vec<crate::control::SavedProcess>,
 }
 
 /// A helper taken into service.
@@ -445,10 +518,23 @@ const CONTROL_SOCKET: &str = "control.sock";
 fn snapshot_source(
     config: &SandboxConfig,
     memory: Option<Arc<crate::guest_memory::GuestMemoryFile>>,
+    image_sha256: &str,
 ) -> Option<crate::snapshot::SnapshotSource> {
     let memory = memory.filter(|_| config.snapshots)?;
-    // What stage 1 of docs/snapshots-plan.md leaves out: state held outside the VM's memory.
-    let unsupported = if !config.mounts.is_empty() {
+    Some(crate::snapshot::SnapshotSource {
+        memory,
+        cpus: config.cpus,
+        memory_mib: config.memory_mib,
+        image_sha256: image_sha256.to_owned(),
+        key_dir: config.snapshot_key_dir.clone(),
+        unsupported: unsupported(config).map(str::to_owned),
+    })
+}
+
+/// Why an instance of `config` cannot be snapshotted or restored yet, if it cannot: what
+/// stage 1 of docs/snapshots-plan.md leaves out, state held outside the VM's memory.
+fn unsupported(config: &SandboxConfig) -> Option<&'static str> {
+    if !config.mounts.is_empty() {
         Some("it has mounts (their servers' state is in this process)")
     } else if config.network.is_some() || config.network_backend.is_some() {
         Some("it has a network (its flows' state is in this process)")
@@ -458,12 +544,5 @@ fn snapshot_source(
         Some("it has a disk or share served outside guest memory")
     } else {
         None
-    };
-    Some(crate::snapshot::SnapshotSource {
-        memory,
-        cpus: config.cpus,
-        memory_mib: config.memory_mib,
-        key_dir: config.snapshot_key_dir.clone(),
-        unsupported: unsupported.map(str::to_owned),
-    })
+    }
 }

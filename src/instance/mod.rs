@@ -8,11 +8,12 @@ mod boot;
 mod dir;
 mod machine;
 mod pause;
+mod restored;
 mod root;
 mod snapshot;
 mod supervisor;
 
-pub(crate) use boot::boot;
+pub(crate) use boot::{boot, restore};
 
 use std::ffi::OsStr;
 use std::os::fd::OwnedFd;

@@ -66,23 +66,27 @@ impl Instance {
         let token = random_token();
         let written = async {
             control.quiesce(token, QUIESCE_DEADLINE).await?;
+            let processes = control.saved_processes();
             let parts = self.capture(&staging).await;
             control.resume().await?;
-            parts
+            parts.map(|(memory, machine)| (memory, machine, processes))
         }
         .await;
         control.set_paused(false);
-        let (memory, machine) = written?;
+        let (memory, machine, processes) = written?;
         let manifest = Manifest {
             format: snapshot::FORMAT.into(),
             krunbox: env!("CARGO_PKG_VERSION").into(),
             protocol: crate::protocol::PROTOCOL_VERSION,
             cpus: source.cpus,
             memory_mib: source.memory_mib,
+            image_sha256: source.image_sha256.clone(),
+            kernel_release: self.inner.kernel_release.clone(),
             token,
             next_process_id: self.inner.next_id.load(std::sync::atomic::Ordering::SeqCst),
             memory,
             machine,
+            processes,
         };
         let sealed = Snapshot::seal(staging.path().to_path_buf(), manifest, &key)?;
         let digest = sealed.digest().to_owned();

@@ -366,41 +366,108 @@ impl Command {
             },
             None => start(&control, id, &message, &self.program).await?,
         };
+
         tracing::debug!(pid = started.pid, "process started");
-        let channels = started.channels;
-        let (pid, end) = (started.pid, started.end);
         let has_stdin = self.stdin.piped || self.pty.is_some();
-        Ok(Child {
-            instance: self.instance.clone(),
-            key: id,
-            pid,
-            stdin: has_stdin.then(|| ChildStdin {
-                control: control.clone(),
-                id,
-                credit: PollSemaphore::new(channels.stdin_credit),
-                closed: false,
-            }),
-            stdout: Some(ChildStdout(Receiver::new(
-                channels.stdout,
+        let mut child = assemble(
+            self.instance.clone(),
+            &control,
+            id,
+            started.pid,
+            started.channels,
+            started.end,
+            Streams {
+                stdin: has_stdin,
+                pty: self.pty.is_some(),
+            },
+        );
+        child.backstop = backstop;
+        child.cancel_watch =
+            cancel.map(|token| child::watch_cancellation(token, control.clone(), id));
+        Ok(child)
+    }
+}
+
+/// Which of a process's streams its `Child` has.
+struct Streams {
+    stdin: bool,
+    pty: bool,
+}
+
+/// A `Child` for process `id` (guest pid `pid`) from its channels; no backstop, no
+/// cancellation watch.
+fn assemble(
+    instance: Arc<dyn Guest>,
+    control: &Arc<Control>,
+    id: u32,
+    pid: u32,
+    channels: StartedChannels,
+    end: oneshot::Receiver<ProcessEnd>,
+    streams: Streams,
+) -> Child {
+    Child {
+        instance,
+        key: id,
+        pid,
+        stdin: streams.stdin.then(|| ChildStdin {
+            control: control.clone(),
+            id,
+            credit: PollSemaphore::new(channels.stdin_credit),
+            closed: false,
+        }),
+        stdout: Some(ChildStdout(Receiver::new(
+            channels.stdout,
+            control.clone(),
+            id,
+            Stream::Stdout,
+        ))),
+        stderr: (!streams.pty).then(|| {
+            ChildStderr(Receiver::new(
+                channels.stderr,
                 control.clone(),
                 id,
-                Stream::Stdout,
-            ))),
-            stderr: self.pty.is_none().then(|| {
-                ChildStderr(Receiver::new(
-                    channels.stderr,
-                    control.clone(),
-                    id,
-                    Stream::Stderr,
-                ))
-            }),
-            end: Some(end),
-            status: None,
-            backstop,
-            is_pty: self.pty.is_some(),
-            cancel_watch: cancel.map(|token| child::watch_cancellation(token, control.clone(), id)),
-        })
+                Stream::Stderr,
+            ))
+        }),
+        end: Some(end),
+        status: None,
+        backstop: Backstop {
+            control: control.clone(),
+            id,
+            deadline: None,
+            fired: false,
+        },
+        is_pty: streams.pty,
+        cancel_watch: None,
     }
+}
+
+/// A `Child` for a process a restored instance took over from its snapshot
+/// ([`Instance::attach`](crate::Instance::attach)): its stdin, output and end, as the process
+/// had them (what the snapshotted host had received and not handed out stays with that host).
+pub(crate) fn adopt(
+    instance: Arc<dyn Guest>,
+    control: &Arc<Control>,
+    saved: &crate::control::SavedProcess,
+    channels: crate::control::ProcessChannels,
+) -> Child {
+    let pid = saved.pid.unwrap_or(0);
+    assemble(
+        instance,
+        control,
+        saved.key,
+        pid,
+        StartedChannels {
+            stdout: channels.stdout,
+            stderr: channels.stderr,
+            stdin_credit: channels.stdin_credit,
+        },
+        channels.end,
+        Streams {
+            stdin: true,
+            pty: saved.pty,
+        },
+    )
 }
 
 /// A process guest-init reported started, and the host's ends of its channels.
@@ -426,7 +493,8 @@ async fn start(
     message: &HostMessage,
     program: &OsStr,
 ) -> Result<Started> {
-    let channels = control.register(id)?;
+    let pty = matches!(message, HostMessage::Exec(exec) if exec.pty.is_some());
+    let channels = control.register_process(id, pty)?;
     control.send(message)?;
     // From here the process may be running: if this future is dropped (cancelled) or gives up
     // before it returns, the guard kills it.

@@ -42,10 +42,17 @@ pub(crate) struct Manifest {
     pub protocol: u32,
     pub cpus: u8,
     pub memory_mib: u32,
+    /// The root image's SHA-256: a restore needs the very image (its pages may be cached in
+    /// guest memory).
+    pub image_sha256: String,
+    /// The guest kernel's release, as its guest-init said at boot.
+    pub kernel_release: String,
     /// The quiesce token the snapshotted guest rejoins its new host with.
     pub token: u64,
     /// The next process id the instance would have given.
     pub next_process_id: u32,
+    /// The processes the instance tracked, which the restored instance takes over.
+    pub processes: Vec<crate::control::SavedProcess>,
     pub memory: Part,
     pub machine: Part,
 }
@@ -86,18 +93,16 @@ impl Snapshot {
         &self.digest
     }
 
-    /// Opens the snapshot in `dir` and checks it whole: its manifest's authentication with
-    /// the key in `key_dir` (the sandbox's [`snapshot_key_dir`]
-    /// (crate::SandboxBuilder::snapshot_key_dir)), its format, and every part's digest.
-    /// A changed byte anywhere is [`Error::SnapshotTampered`].
+    /// Opens the snapshot in `dir`: reads its manifest and checks its authentication with the
+    /// key in `key_dir` (the sandbox's [`snapshot_key_dir`]
+    /// (crate::SandboxBuilder::snapshot_key_dir)) and its format. The parts are checked as
+    /// a restore copies them (what is checked is what the guest gets), or now with
+    /// [`verify`](Self::verify). A changed manifest is [`Error::SnapshotTampered`].
     pub fn open(dir: impl AsRef<Path>, key_dir: impl AsRef<Path>) -> Result<Snapshot> {
         let dir = dir.as_ref().to_path_buf();
         let key = SnapshotKey::load_or_create(key_dir.as_ref())
             .map_err(Error::io("reading the snapshot key"))?;
         let (manifest, digest) = read_manifest(&dir, &key)?;
-        for part in [&manifest.memory, &manifest.machine] {
-            part::read(&dir, part, None).map_err(part_error)?;
-        }
         Ok(Snapshot {
             dir,
             manifest: Arc::new(manifest),
@@ -105,7 +110,15 @@ impl Snapshot {
         })
     }
 
-    #[allow(dead_code)] // the restore (next stage) reads it
+    /// Reads every part and checks its digest: [`Error::SnapshotTampered`] names the first
+    /// that changed.
+    pub fn verify(&self) -> Result<()> {
+        for part in [&self.manifest.memory, &self.manifest.machine] {
+            part::read(&self.dir, part, None).map_err(part_error)?;
+        }
+        Ok(())
+    }
+
     pub(crate) fn manifest(&self) -> &Manifest {
         &self.manifest
     }
@@ -182,6 +195,7 @@ pub(crate) struct SnapshotSource {
     pub memory: Arc<crate::guest_memory::GuestMemoryFile>,
     pub cpus: u8,
     pub memory_mib: u32,
+    pub image_sha256: String,
     pub key_dir: PathBuf,
     /// Why this instance cannot be snapshotted (yet), if it cannot.
     pub unsupported: Option<String>,
@@ -251,8 +265,11 @@ mod tests {
             protocol: crate::protocol::PROTOCOL_VERSION,
             cpus: 1,
             memory_mib: 8,
+            image_sha256: "00".repeat(32),
+            kernel_release: "6.12".into(),
             token: 7,
             next_process_id: 3,
+            processes: Vec::new(),
             memory: part::write(&memory, staging.path(), MEMORY).unwrap(),
             machine: part::write(&machine, staging.path(), MACHINE).unwrap(),
         };
@@ -277,13 +294,16 @@ mod tests {
             .open(dir.join(MEMORY))
             .unwrap();
         std::os::unix::fs::FileExt::write_all_at(&memory, b"G", 4096).unwrap();
-        let err = Snapshot::open(&dir, keys.path()).unwrap_err();
+        let err = Snapshot::open(&dir, keys.path())
+            .unwrap()
+            .verify()
+            .unwrap_err();
         assert!(
             matches!(&err, Error::SnapshotTampered { part, .. } if part == MEMORY),
             "{err}"
         );
         std::os::unix::fs::FileExt::write_all_at(&memory, b"g", 4096).unwrap();
-        Snapshot::open(&dir, keys.path()).unwrap();
+        Snapshot::open(&dir, keys.path()).unwrap().verify().unwrap();
 
         // The manifest, even where it stays valid JSON: the token a guest rejoins with.
         let manifest = std::fs::read_to_string(dir.join(MANIFEST)).unwrap();

@@ -81,19 +81,8 @@ impl CommandServer {
         Ok(state.len() as u64)
     }
 
-    /// The state in the first `len` bytes of the machine-state file (at most
-    /// [`MAX_STATE_BYTES`]).
     fn load(&self, len: u64) -> Result<Vec<u8>, String> {
-        if len > MAX_STATE_BYTES as u64 {
-            return Err(format!(
-                "a machine state of {len} bytes is past {MAX_STATE_BYTES}"
-            ));
-        }
-        let mut state = vec![0u8; len as usize];
-        self.state_file
-            .read_exact_at(&mut state, 0)
-            .map_err(|e| format!("reading the machine state: {e}"))?;
-        Ok(state)
+        read_state(&self.state_file, len)
     }
 
     /// Answers every packet waiting; `false` once the library's end is closed.
@@ -129,6 +118,20 @@ impl CommandServer {
             }
         }
     }
+}
+
+/// The state in the first `len` bytes of the machine-state file (at most
+/// [`MAX_STATE_BYTES`]).
+pub(crate) fn read_state(file: &File, len: u64) -> Result<Vec<u8>, String> {
+    if len > MAX_STATE_BYTES as u64 {
+        return Err(format!(
+            "a machine state of {len} bytes is past {MAX_STATE_BYTES}"
+        ));
+    }
+    let mut state = vec![0u8; len as usize];
+    file.read_exact_at(&mut state, 0)
+        .map_err(|e| format!("reading the machine state: {e}"))?;
+    Ok(state)
 }
 
 impl Subscriber for CommandServer {

@@ -383,6 +383,13 @@ fn configure(
         // set, and nothing else in the helper owns it.
         // SAFETY: the library passes the machine-state file with the command socket.
         let state_file = std::fs::File::from(unsafe { take(Inherited::MachineState)? });
+        if let Some(bytes) = config.restore_state_bytes {
+            if !config.guest_memory_file {
+                return Err("a restore without the guest memory file".into());
+            }
+            let state = command::read_state(&state_file, bytes)?;
+            krun_sys::machine::restore_on_build(&state)?;
+        }
         command::serve(unsafe { take(Inherited::Command)? }, state_file);
     }
     if config.guest_memory_file {

@@ -177,6 +177,11 @@ pub struct VmmConfig {
     /// runs, the VM's state going through [`MACHINE_STATE_FD`].
     #[serde(default)]
     pub command_socket: bool,
+    /// Restore the VM from a snapshot instead of booting it: the state is the first this
+    /// many bytes of the file on [`MACHINE_STATE_FD`], and the guest memory file holds the
+    /// snapshot's memory.
+    #[serde(default)]
+    pub restore_state_bytes: Option<u64>,
     /// The FIFO the guest console goes to; the library drains it into a bounded log.
     pub console: PathBuf,
     /// The helper's jail.

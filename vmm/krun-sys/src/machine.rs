@@ -84,6 +84,27 @@ impl RunningVm {
     }
 }
 
+/// Makes the next VM this process starts a restore of the state [`RunningVm::save_state`]
+/// returned (in the VM that was saved): the VM must be configured as that one was, and its
+/// guest memory ([`crate::device::use_guest_memory_file`]) must hold the saved VM's memory. No
+/// kernel or boot table is written into it; the VM's, vCPUs' and devices' state is set before
+/// the vCPUs first run, and the vsock driver is told its connections are gone. Bytes from
+/// anywhere else are parsed as such.
+pub fn restore_on_build(bytes: &[u8]) -> Result<(), String> {
+    if bytes.len() > MAX_STATE_BYTES {
+        return Err(format!(
+            "a machine state of {} bytes is past the {MAX_STATE_BYTES} accepted",
+            bytes.len()
+        ));
+    }
+    let state: krun_vmm::MachineState =
+        serde_json::from_slice(bytes).map_err(|e| format!("not a machine state: {e}"))?;
+    *krun_vmm::builder::EMBEDDER_RESTORE
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(state);
+    Ok(())
+}
+
 /// Has `callback` called once the next VM this process starts is built and its vCPUs run, on
 /// the thread that then runs the event loop (where a [`Subscriber`] added to the loop runs).
 pub fn on_built(callback: impl FnOnce(RunningVm, &mut EventManager) + Send + 'static) {

@@ -372,3 +372,159 @@ fn a_restored_snapshot_takes_over_its_shell_keeps_its_files_and_diverges_from_it
         );
     });
 }
+
+/// Where the parent of [`a_python_repl_in_a_pty_survives_a_snapshot_restored_by_a_fresh_process`]
+/// tells its child process (the same test, run again) what to restore.
+const RESTORE_CHILD: &str = "KRUNBOX_TEST_RESTORE_CHILD";
+
+/// Issue 39's acceptance: a Python REPL in a pty, holding a variable and a file in guest
+/// tmpfs, is snapshotted; a fresh process (this test binary again, running this test in its
+/// child role) restores the snapshot, takes the REPL over and finds both.
+#[test]
+fn a_python_repl_in_a_pty_survives_a_snapshot_restored_by_a_fresh_process() {
+    common::run(async {
+        let child_role = std::env::var_os(RESTORE_CHILD);
+        let keys = tempfile::tempdir().unwrap();
+        let key_dir = child_role
+            .as_ref()
+            .map(|dir| std::path::Path::new(dir).join("keys"))
+            .unwrap_or_else(|| keys.path().to_path_buf());
+        let sandbox = Sandbox::builder()
+            .rootfs(Rootfs::builtin(BuiltinImage::Agent))
+            .memory_mib(512)
+            .snapshots(true)
+            .snapshot_key_dir(&key_dir)
+            .build()
+            .unwrap();
+        if let Some(dir) = child_role {
+            // The child: restore, take the REPL over, ask it.
+            let dir = std::path::Path::new(&dir);
+            let pid: u32 = std::fs::read_to_string(dir.join("pid"))
+                .unwrap()
+                .parse()
+                .unwrap();
+            let snapshot = krunbox::Snapshot::open(dir.join("snap"), &key_dir).unwrap();
+            let vm = sandbox.restore(&snapshot).await.unwrap();
+            let mut repl = vm.attach(pid).unwrap();
+            let mut input = repl.stdin.take().unwrap();
+            let mut screen = repl.stdout.take().unwrap();
+            input
+                .write_all(b"print('answer', x + 1, open('/tmp/f').read())\n")
+                .await
+                .unwrap();
+            common::read_until(&mut screen, "answer 42 kept").await;
+            input.write_all(b"exit(7)\n").await.unwrap();
+            assert_eq!(repl.wait().await.unwrap().code(), Some(7));
+            vm.shutdown().await.unwrap();
+            return;
+        }
+        let vm = sandbox.boot().await.unwrap();
+        let mut repl = vm
+            .command("python3")
+            .args(["-q", "-i"])
+            .pty(24, 80)
+            .spawn()
+            .await
+            .unwrap();
+        let mut input = repl.stdin.take().unwrap();
+        let mut screen = repl.stdout.take().unwrap();
+        input
+            .write_all(b"x = 41; n = open('/tmp/f', 'w').write('kept'); print('ready', x)\n")
+            .await
+            .unwrap();
+        common::read_until(&mut screen, "ready 41").await;
+        let work = tempfile::tempdir().unwrap();
+        std::fs::write(work.path().join("pid"), repl.id().to_string()).unwrap();
+        vm.snapshot(work.path().join("snap")).await.unwrap();
+        vm.shutdown().await.unwrap();
+        // The keys go with the snapshot to the child: it is this user's other process.
+        std::fs::create_dir(work.path().join("keys")).unwrap();
+        std::fs::copy(
+            keys.path().join("snapshot.key"),
+            work.path().join("keys/snapshot.key"),
+        )
+        .unwrap();
+
+        let child = tokio::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "a_python_repl_in_a_pty_survives_a_snapshot_restored_by_a_fresh_process",
+                "--nocapture",
+            ])
+            .env(RESTORE_CHILD, work.path())
+            .kill_on_drop(true)
+            .output()
+            .await
+            .unwrap();
+        assert!(
+            child.status.success(),
+            "the restoring process failed: {}\n{}",
+            String::from_utf8_lossy(&child.stdout),
+            String::from_utf8_lossy(&child.stderr)
+        );
+        let out = String::from_utf8_lossy(&child.stdout);
+        assert!(out.contains("1 passed"), "the child ran no test: {out}");
+    });
+}
+
+/// A fork into two: both forks start with the source's shell, variable and file, then each
+/// goes its own way, and the source its own.
+#[test]
+fn a_fork_into_two_starts_both_from_the_source_and_each_diverges() {
+    common::run(async {
+        let keys = tempfile::tempdir().unwrap();
+        let vm = Sandbox::builder()
+            .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
+            .memory_mib(256)
+            .snapshots(true)
+            .snapshot_key_dir(keys.path())
+            .build()
+            .unwrap()
+            .boot()
+            .await
+            .unwrap();
+        let mut shell = vm.command("sh").pty(24, 80).spawn().await.unwrap();
+        let pid = shell.id();
+        let mut input = shell.stdin.take().unwrap();
+        let mut screen = shell.stdout.take().unwrap();
+        input
+            .write_all(b"X=41; echo base > /tmp/f; echo set-$X\n")
+            .await
+            .unwrap();
+        common::read_until(&mut screen, "set-41").await;
+
+        let forks = vm.fork(2).await.unwrap();
+        assert_eq!(forks.len(), 2);
+        for (i, fork) in forks.iter().enumerate() {
+            let mut twin = fork.attach(pid).unwrap();
+            let mut twin_input = twin.stdin.take().unwrap();
+            let mut twin_screen = twin.stdout.take().unwrap();
+            twin_input
+                .write_all(
+                    format!("X=$((X + {i})); echo fork{i} >> /tmp/f; echo seen-$X-$(cat /tmp/f | tr '\\n' .)\n")
+                        .as_bytes(),
+                )
+                .await
+                .unwrap();
+            common::read_until(&mut twin_screen, &format!("seen-{}-base.fork{i}.", 41 + i)).await;
+        }
+        // Neither fork's change reached the other or the source.
+        assert_eq!(
+            sh(&forks[0], "cat /tmp/f | tr '\\n' .").await,
+            "base.fork0."
+        );
+        assert_eq!(
+            sh(&forks[1], "cat /tmp/f | tr '\\n' .").await,
+            "base.fork1."
+        );
+        input
+            .write_all(b"echo src-$X-$(cat /tmp/f)\n")
+            .await
+            .unwrap();
+        common::read_until(&mut screen, "src-41-base").await;
+        for fork in forks {
+            fork.shutdown().await.unwrap();
+        }
+        vm.shutdown().await.unwrap();
+    });
+}

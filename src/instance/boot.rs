@@ -118,6 +118,7 @@ async fn boot_in_span(
             host_work,
             next_id,
             adopt,
+            definition: config.clone(),
         },
     ))
 }
@@ -412,6 +413,7 @@ impl Parts {
             host_work,
             next_id,
             adopt,
+            definition,
         } = identity;
         let Admitted {
             vmm_pid,
@@ -470,7 +472,7 @@ impl Parts {
                 kill,
                 _lifeline: ready.lifeline,
                 commands: ready.commands,
-                snapshots: snapshot_source(config, ready.guest_memory, &self.root.image.sha256),
+                snapshots: snapshot_source(definition, ready.guest_memory, &self.root.image.sha256),
                 isolation,
                 _logs: logs,
                 network,
@@ -500,6 +502,8 @@ struct Identity {
     next_id: u32,
     /// A restored instance's processes, which it takes over.
     adopt: Vec<crate::control::SavedProcess>,
+    /// The definition it was booted from (a fork restores more of it).
+    definition: Arc<SandboxConfig>,
 }
 
 /// A helper taken into service.
@@ -516,7 +520,7 @@ const CONTROL_SOCKET: &str = "control.sock";
 
 /// What an instance of `config` keeps to take snapshots, when its sandbox allows them.
 fn snapshot_source(
-    config: &SandboxConfig,
+    config: Arc<SandboxConfig>,
     memory: Option<Arc<crate::guest_memory::GuestMemoryFile>>,
     image_sha256: &str,
 ) -> Option<crate::snapshot::SnapshotSource> {
@@ -527,7 +531,8 @@ fn snapshot_source(
         memory_mib: config.memory_mib,
         image_sha256: image_sha256.to_owned(),
         key_dir: config.snapshot_key_dir.clone(),
-        unsupported: unsupported(config).map(str::to_owned),
+        unsupported: unsupported(&config).map(str::to_owned),
+        definition: std::panic::AssertUnwindSafe(config),
     })
 }
 

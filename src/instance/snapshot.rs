@@ -95,6 +95,48 @@ impl Instance {
         Snapshot::open(&dir, &source.key_dir)
     }
 
+    /// Forks the running instance into `n` new ones: each starts where this one is now (its
+    /// processes, which each fork [`attach`](Self::attach)es, its files in memory, its
+    /// shell variables) and goes its own way from there, as this one does. A snapshot taken
+    /// into a temporary directory and restored `n` times (then removed); the same scope as
+    /// [`snapshot`](Self::snapshot).
+    ///
+    /// ```no_run
+    /// # async fn demo(vm: &krunbox::Instance) -> krunbox::Result<()> {
+    /// vm.command("sh").args(["-c", "echo base > /tmp/state"]).status().await?;
+    /// let forks = vm.fork(2).await?;
+    /// for (i, fork) in forks.iter().enumerate() {
+    ///     fork.command("sh").args(["-c", &format!("echo {i} >> /tmp/state")]).status().await?;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn fork(&self, n: usize) -> Result<Vec<Instance>> {
+        if n == 0 || n > crate::MAX_POOL_SIZE {
+            return Err(Error::InvalidConfig(format!(
+                "a fork makes 1 to {} instances, not {n}",
+                crate::MAX_POOL_SIZE
+            )));
+        }
+        let scratch = tempfile::Builder::new()
+            .prefix("krunbox-fork-")
+            .tempdir()
+            .map_err(Error::io("making a directory for the fork's snapshot"))?;
+        let snapshot = self.snapshot(scratch.path().join("snapshot")).await?;
+        let definition = self
+            .inner
+            .snapshots
+            .as_ref()
+            .expect("a snapshot was taken")
+            .definition
+            .0
+            .clone();
+        let mut forks = Vec::with_capacity(n);
+        for _ in 0..n {
+            forks.push(super::restore(definition.clone(), snapshot.clone()).await?);
+        }
+        Ok(forks)
+    }
+
     /// With the channel quiesced: pauses the vCPUs, waits for the devices, saves the machine
     /// state, and copies it and guest memory into `staging` with the VMM stopped. The vCPUs
     /// run again afterwards whatever happened.

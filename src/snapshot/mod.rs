@@ -199,6 +199,9 @@ pub(crate) struct SnapshotSource {
     pub key_dir: PathBuf,
     /// Why this instance cannot be snapshotted (yet), if it cannot.
     pub unsupported: Option<String>,
+    /// The definition the instance was booted from, which its forks are restored as. (Only
+    /// cloned, never left half-changed by a panic: unwind-safe as the rest of the instance.)
+    pub definition: std::panic::AssertUnwindSafe<Arc<crate::config::SandboxConfig>>,
 }
 
 /// Writes a snapshot's parts into a fresh directory beside `dir` that becomes `dir` once

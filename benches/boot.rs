@@ -14,7 +14,8 @@
 //!
 //! Fast starts, in the same run and as ratios to that cold boot → first output: a warm pool's
 //! hand-out → first output (goal ≤ 0.05×), beside its floor, the same command on an instance
-//! already running. And the host's own work per boot
+//! already running; a snapshot's restore → first output and a fork (snapshot, restore) →
+//! first output (goals ≤ 0.3×). And the host's own work per boot
 //! ([`Instance::host_boot_work`]) for the busybox and the agent image: with images sealed after
 //! their first hash it must not grow with the image (goal: the same within noise, ≤ 5 ms
 //! natively); the time one hash of each image takes is printed beside it, for scale.
@@ -192,6 +193,50 @@ fn main() {
         println!(
             "boot/ratio pool / cold boot      {:.3}x  (goal <= 0.05x)",
             handed_out.as_secs_f64() / first.as_secs_f64()
+        );
+
+        // Restore and fork: from a snapshot of a booted instance of the same image, against the
+        // cold boot → first output above.
+        let keys = tempfile::tempdir().expect("tempdir");
+        let snapshottable = Sandbox::builder()
+            .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
+            .memory_mib(256)
+            .snapshots(true)
+            .snapshot_key_dir(keys.path())
+            .build()
+            .unwrap();
+        let source = snapshottable.boot().await.expect("boot");
+        let place = tempfile::tempdir().expect("tempdir");
+        let start = Instant::now();
+        let snapshot = source
+            .snapshot(place.path().join("snap"))
+            .await
+            .expect("snapshot");
+        println!("boot/snapshot-taken              once   {:>10.3?}", start.elapsed());
+        let (mut restored, mut forked) = (Vec::new(), Vec::new());
+        for _ in 0..iters {
+            let start = Instant::now();
+            let vm = snapshottable.restore(&snapshot).await.expect("restore");
+            assert!(vm.command("true").status().await.expect("true").success());
+            restored.push(start.elapsed());
+            vm.shutdown().await.expect("shutdown");
+            let start = Instant::now();
+            let fork = source.fork(1).await.expect("fork").remove(0);
+            assert!(fork.command("true").status().await.expect("true").success());
+            forked.push(start.elapsed());
+            fork.shutdown().await.expect("shutdown");
+        }
+        source.shutdown().await.expect("shutdown");
+        let (restored, forked) = (median(restored), median(forked));
+        println!("boot/restore-first-output        median {restored:>10.3?}  ({iters} runs)");
+        println!(
+            "boot/ratio restore / cold boot   {:.3}x  (goal <= 0.3x)",
+            restored.as_secs_f64() / first.as_secs_f64()
+        );
+        println!("boot/fork-first-output           median {forked:>10.3?}  ({iters} runs)");
+        println!(
+            "boot/ratio fork / cold boot      {:.3}x  (goal <= 0.3x)",
+            forked.as_secs_f64() / first.as_secs_f64()
         );
 
         // The host's own work per boot, for a small and a large image.

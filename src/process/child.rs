@@ -45,6 +45,18 @@ impl Child {
         self.pid
     }
 
+    /// Whether it runs on a terminal (a pty: one output stream, resizable).
+    ///
+    /// ```no_run
+    /// # async fn demo(vm: &krunbox::Instance) -> krunbox::Result<()> {
+    /// let shell = vm.command("sh").pty(24, 80).spawn().await?;
+    /// assert!(shell.is_terminal());
+    /// # Ok(()) }
+    /// ```
+    pub fn is_terminal(&self) -> bool {
+        self.is_pty
+    }
+
     /// A handle that signals and resizes this process from another task while this one awaits
     /// [`wait`](Self::wait) (which holds the `Child` mutably): a supervisor's SIGTERM, a
     /// terminal's resize.

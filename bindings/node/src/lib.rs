@@ -21,6 +21,7 @@ mod pool;
 mod process;
 mod rootfs;
 mod sandbox;
+mod snapshot;
 mod tools;
 
 use napi_derive::napi;

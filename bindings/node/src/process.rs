@@ -28,6 +28,7 @@ pub struct ProcessExit {
 #[napi]
 pub struct NativeProcess {
     pid: u32,
+    terminal: bool,
     control: krunbox::ChildControl,
     /// Cancelled by `kill`: the library kills the process group then.
     cancel: krunbox::CancellationToken,
@@ -41,6 +42,7 @@ impl NativeProcess {
     pub(crate) fn new(mut child: krunbox::Child, cancel: krunbox::CancellationToken) -> Self {
         NativeProcess {
             pid: child.id(),
+            terminal: child.is_terminal(),
             control: child.control(),
             cancel,
             stdout: Arc::new(Mutex::new(child.stdout.take())),
@@ -82,6 +84,12 @@ impl NativeProcess {
     #[napi(getter)]
     pub fn pid(&self) -> u32 {
         self.pid
+    }
+
+    /// Whether it runs on a terminal.
+    #[napi(getter)]
+    pub fn terminal(&self) -> bool {
+        self.terminal
     }
 
     /// Up to `max` bytes of stdout: what is there once something is, empty at its end. (A

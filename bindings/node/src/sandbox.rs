@@ -15,6 +15,10 @@ pub struct SandboxOptions {
     pub cpus: Option<u8>,
     pub memory_mib: Option<u32>,
     pub hostname: Option<String>,
+    /// Instances can be snapshotted.
+    pub snapshots: Option<bool>,
+    /// Where the key authenticating snapshots lives.
+    pub snapshot_key_dir: Option<String>,
 }
 
 /// One boot's own options.
@@ -54,6 +58,10 @@ impl NativeSandbox {
         if let Some(network) = network {
             builder = builder.network(network.inner.clone());
         }
+        builder = builder.snapshots(options.snapshots.unwrap_or(false));
+        if let Some(dir) = options.snapshot_key_dir {
+            builder = builder.snapshot_key_dir(dir);
+        }
         Ok(NativeSandbox {
             inner: builder.build().or_napi()?,
         })
@@ -65,6 +73,16 @@ impl NativeSandbox {
     pub async fn pool(&self, size: u32) -> napi::Result<crate::pool::NativePool> {
         let pool = krunbox::Pool::new(&self.inner, size as usize).or_napi()?;
         Ok(crate::pool::NativePool::new(pool))
+    }
+
+    /// Restores `snapshot` as a new instance.
+    #[napi]
+    pub async fn restore(
+        &self,
+        snapshot: &crate::snapshot::NativeSnapshot,
+    ) -> napi::Result<NativeInstance> {
+        let instance = self.inner.restore(&snapshot.inner).await.or_napi()?;
+        Ok(NativeInstance::new(instance))
     }
 
     /// Boots an instance with this boot's own mounts, hostname and working directory.

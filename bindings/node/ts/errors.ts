@@ -49,6 +49,10 @@ export class GuestFsError extends KrunboxError {}
 export class StoreError extends KrunboxError {}
 /** A persistent root or store is in use by another sandbox. */
 export class RootInUseError extends KrunboxError {}
+/** A snapshot could not be taken or restored; the instance runs as before. */
+export class SnapshotFailedError extends KrunboxError {}
+/** A snapshot's manifest or a part of it changed after it was written; nothing of it was used. */
+export class SnapshotTamperedError extends KrunboxError {}
 /** The root image could not be read, built, pulled or laid out. */
 export class ImageError extends KrunboxError {}
 
@@ -81,6 +85,8 @@ const byCode: Record<string, ErrorClass> = {
   RootBaseMismatch: StoreError,
   BlockStore: StoreError,
   RootInUse: RootInUseError,
+  Snapshot: SnapshotFailedError,
+  SnapshotTampered: SnapshotTamperedError,
   VmmSpawn: BootFailedError,
   VmExited: BootFailedError,
   BootTimeout: BootFailedError,

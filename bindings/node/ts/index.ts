@@ -15,7 +15,7 @@
  * @packageDocumentation
  */
 
-export { defineSandbox, Sandbox, Instance, Pool } from "./sandbox.js";
+export { defineSandbox, Sandbox, Instance, Pool, Snapshot } from "./sandbox.js";
 import type { Instance } from "./sandbox.js";
 export type { SandboxOptions, BootOptions, ExecOptions, ExecResult, FileStat, DirEntry } from "./sandbox.js";
 export { ChildProcess, Terminal } from "./process.js";
@@ -56,6 +56,8 @@ export {
   GuestFsError,
   StoreError,
   RootInUseError,
+  SnapshotFailedError,
+  SnapshotTamperedError,
   ImageError,
   AbortError,
 } from "./errors.js";

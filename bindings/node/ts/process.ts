@@ -73,6 +73,8 @@ abstract class Started {
   readonly ready: Promise<void>;
   /** Resolves when it ends; output not read yet stays readable. */
   readonly exit: Promise<Exit>;
+  /** Its process id in the guest. */
+  readonly pid: Promise<number>;
   /** @internal Its methods wait for it to have started. */
   protected readonly started: Promise<NativeProcess>;
 
@@ -80,6 +82,7 @@ abstract class Started {
   constructor(started: Promise<NativeProcess>) {
     this.started = observed(typed(() => started));
     this.ready = observed(this.started.then(() => undefined));
+    this.pid = observed(this.started.then((p) => p.pid));
     this.exit = observed(typed(async () => exit(await (await this.started).wait())));
   }
 
@@ -91,8 +94,6 @@ abstract class Started {
 
 /** A process started by `Instance.spawn`. Its methods wait for it to have started. */
 export class ChildProcess extends Started {
-  /** Its process id in the guest. */
-  readonly pid: Promise<number>;
   readonly stdin: WritableStream<Uint8Array>;
   readonly stdout: ReadableStream<Uint8Array>;
   readonly stderr: ReadableStream<Uint8Array>;
@@ -100,7 +101,6 @@ export class ChildProcess extends Started {
   /** @internal */
   constructor(started: Promise<NativeProcess>) {
     super(started);
-    this.pid = observed(this.started.then((p) => p.pid));
     this.stdin = writable(this.started);
     this.stdout = readable(this.started, (p) => p.readStdout(CHUNK));
     this.stderr = readable(this.started, (p) => p.readStderr(CHUNK));

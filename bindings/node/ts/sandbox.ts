@@ -9,7 +9,15 @@ import type { Network } from "./network.js";
 import { camelCase, type IsolationReport, type Metrics } from "./observe.js";
 import { rootfs as roots, Rootfs } from "./rootfs.js";
 import { Toolbox, type ToolboxOptions } from "./tools.js";
-import type { CommandOptions, FileStat, DirEntry, NativeInstance, NativePool } from "../native/index.js";
+import type {
+  CommandOptions,
+  FileStat,
+  DirEntry,
+  NativeInstance,
+  NativePool,
+  NativeProcess,
+  NativeSnapshot,
+} from "../native/index.js";
 
 export type { FileStat, DirEntry };
 
@@ -23,6 +31,10 @@ export interface SandboxOptions {
   readonly mounts?: Record<string, Mount>;
   /** Default-deny without one. */
   readonly network?: Network;
+  /** Instances can be snapshotted (`snapshot`, `fork`): their memory is a file the library holds. */
+  readonly snapshots?: boolean;
+  /** Where the key authenticating this sandbox's snapshots lives (default: the cache directory). */
+  readonly snapshotKeyDir?: string;
 }
 
 /** What one boot adds to its definition. */
@@ -83,6 +95,46 @@ export class Sandbox {
   async pool(size: number): Promise<Pool> {
     return new Pool(await typed(() => this.#native.pool(size)));
   }
+
+  /**
+   * Restores `snapshot` as a new running instance: its processes (`attach`), files and
+   * memory as they were. Each part is checked as it is copied into the new microVM; a changed
+   * one rejects with a `SnapshotTamperedError` before the microVM runs.
+   */
+  async restore(snapshot: Snapshot): Promise<Instance> {
+    return new Instance(await typed(() => this.#native.restore(snapshot.native)));
+  }
+}
+
+/** A snapshot on disk (`Instance.snapshot`), its manifest checked. */
+export class Snapshot {
+  /** @internal */
+  readonly native: NativeSnapshot;
+
+  /** @internal */
+  constructor(made: NativeSnapshot) {
+    this.native = made;
+  }
+
+  /** Opens the snapshot in `dir`, checking its manifest with the key in `keyDir`. */
+  static open(dir: string, keyDir: string): Snapshot {
+    return new Snapshot(typedSync(() => native.NativeSnapshot.open(dir, keyDir)));
+  }
+
+  /** Its directory. */
+  get dir(): string {
+    return this.native.dir;
+  }
+
+  /** SHA-256 of its manifest (hex). */
+  get digest(): string {
+    return this.native.digest;
+  }
+
+  /** Hashes every part: rejects with a `SnapshotTamperedError` naming one that changed. */
+  verify(): Promise<void> {
+    return typed(() => this.native.verify());
+  }
 }
 
 /** Instances of one sandbox booted ahead of need; `await using` shuts it down. */
@@ -127,6 +179,8 @@ export function defineSandbox(options: SandboxOptions): Sandbox {
     cpus: options.resources?.cpus,
     memoryMib: options.resources?.memoryMiB,
     hostname: options.hostname,
+    snapshots: options.snapshots,
+    snapshotKeyDir: options.snapshotKeyDir,
   };
   const mounts = nativeMounts(options.mounts);
   return typedSync(() => new Sandbox(new native.NativeSandbox(root.native, spec, mounts, options.network?.native)));
@@ -274,6 +328,36 @@ export class Instance implements AsyncDisposable {
   /** Resumes a paused microVM where it stopped. */
   resume(): Promise<void> {
     return typed(() => this.#native.resume());
+  }
+
+  /**
+   * Writes a snapshot of this running instance into the new directory `dir` (its sandbox
+   * needs `snapshots: true`); the instance goes on afterwards.
+   *
+   * ```ts
+   * const snapshot = await vm.snapshot("/var/tmp/ready");
+   * await using twin = await sandbox.restore(snapshot);
+   * ```
+   */
+  async snapshot(dir: string): Promise<Snapshot> {
+    return new Snapshot(await typed(() => this.#native.snapshot(dir)));
+  }
+
+  /** Forks this instance into `n` new ones, each starting where this one is now. */
+  async fork(n: number): Promise<Instance[]> {
+    const forks = await typed(() => this.#native.fork(n));
+    return forks.map((made) => new Instance(made));
+  }
+
+  /** The guest pids of a restored instance's processes not attached yet. */
+  processes(): number[] {
+    return typedSync(() => this.#native.processes());
+  }
+
+  /** Takes over process `pid` (its pid before the snapshot) of a restored instance. */
+  attach(pid: number): ChildProcess | Terminal {
+    const made: NativeProcess = typedSync(() => this.#native.attach(pid));
+    return made.terminal ? new Terminal(Promise.resolve(made)) : new ChildProcess(Promise.resolve(made));
   }
 
   /** Whether the microVM is paused. */

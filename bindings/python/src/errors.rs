@@ -105,6 +105,18 @@ create_exception!(
 create_exception!(krunbox, StoreError, KrunboxError, "A block store failed.");
 create_exception!(
     krunbox,
+    SnapshotFailed,
+    KrunboxError,
+    "A snapshot could not be taken or restored; the instance runs as before."
+);
+create_exception!(
+    krunbox,
+    SnapshotTampered,
+    KrunboxError,
+    "A snapshot's manifest or a part of it changed after it was written; nothing of it was used."
+);
+create_exception!(
+    krunbox,
     RootInUse,
     KrunboxError,
     "A persistent root or store is in use by another sandbox."
@@ -135,6 +147,8 @@ pub(crate) fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add("GuestFsError", py.get_type::<GuestFsError>())?;
     module.add("StoreError", py.get_type::<StoreError>())?;
     module.add("RootInUse", py.get_type::<RootInUse>())?;
+    module.add("SnapshotFailed", py.get_type::<SnapshotFailed>())?;
+    module.add("SnapshotTampered", py.get_type::<SnapshotTampered>())?;
     Ok(())
 }
 
@@ -165,6 +179,8 @@ pub(crate) fn to_py(error: krunbox::Error) -> PyErr {
         E::Fs { .. } => GuestFsError::new_err(message),
         E::BlockStore { .. } => StoreError::new_err(message),
         E::RootInUse { .. } => RootInUse::new_err(message),
+        E::Snapshot { .. } => SnapshotFailed::new_err(message),
+        E::SnapshotTampered { .. } => SnapshotTampered::new_err(message),
         _ => KrunboxError::new_err(message),
     }
 }

@@ -21,6 +21,7 @@ mod process;
 mod rootfs;
 mod runtime;
 mod sandbox;
+mod snapshot;
 mod tools;
 
 use pyo3::prelude::*;
@@ -39,6 +40,7 @@ fn _krunbox(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<sandbox::Sandbox>()?;
     module.add_class::<instance::Instance>()?;
     module.add_class::<pool::Pool>()?;
+    module.add_class::<snapshot::Snapshot>()?;
     module.add_class::<instance::Completed>()?;
     module.add_class::<process::Process>()?;
     module.add_class::<files::FileInfo>()?;

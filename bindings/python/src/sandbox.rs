@@ -39,7 +39,7 @@ impl Sandbox {
     #[new]
     #[pyo3(signature = (
         image, *, cpus = None, memory_mib = None, hostname = None, mounts = Vec::new(),
-        network = None
+        network = None, snapshots = false, snapshot_key_dir = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -50,6 +50,8 @@ impl Sandbox {
         hostname: Option<String>,
         mounts: Vec<(String, Bound<'_, PyAny>)>,
         network: Option<PyRef<'_, crate::net::Network>>,
+        snapshots: bool,
+        snapshot_key_dir: Option<PathBuf>,
     ) -> PyResult<Self> {
         let event_loop = Arc::new(EventLoop::default());
         let mut builder = krunbox::Sandbox::builder().rootfs(root(image, &event_loop)?);
@@ -65,6 +67,10 @@ impl Sandbox {
         builder = builder.with_mounts(crate::fs::mounts(mounts, &event_loop)?);
         if let Some(network) = network {
             builder = builder.network(network.build(py, &event_loop));
+        }
+        builder = builder.snapshots(snapshots);
+        if let Some(dir) = snapshot_key_dir {
+            builder = builder.snapshot_key_dir(dir);
         }
         let inner = builder.build().map_err(crate::errors::to_py)?;
         Ok(Sandbox { inner, event_loop })
@@ -105,6 +111,29 @@ impl Sandbox {
         block_on(py, async move {
             sandbox.boot_with(options).await.map(Instance::new)
         })
+    }
+
+    /// Restores `snapshot` as a new instance (awaitable).
+    fn restore<'py>(
+        &self,
+        py: Python<'py>,
+        snapshot: PyRef<'py, crate::snapshot::Snapshot>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.event_loop
+            .set(Some(pyo3_async_runtimes::tokio::get_current_locals(py)?));
+        let (sandbox, snapshot) = (self.inner.clone(), snapshot.inner.clone());
+        awaitable(py, crate::snapshot::restore(sandbox, snapshot))
+    }
+
+    /// `restore`, waiting here with the GIL released.
+    fn restore_blocking(
+        &self,
+        py: Python<'_>,
+        snapshot: PyRef<'_, crate::snapshot::Snapshot>,
+    ) -> PyResult<Instance> {
+        self.event_loop.set(None);
+        let (sandbox, snapshot) = (self.inner.clone(), snapshot.inner.clone());
+        block_on(py, crate::snapshot::restore(sandbox, snapshot))
     }
 
     /// A warm pool of `size` instances of this definition, booting in the background.

@@ -4,6 +4,7 @@ it, and its instance directory is swept by the next boot on the machine.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import select
 import signal
@@ -118,3 +119,48 @@ async def test_a_pool_hands_out_a_fresh_instance_that_pauses_and_resumes() -> No
             assert done.stdout == b"back\n"
         finally:
             await vm.shutdown()
+
+
+async def _read_until(stream: krunbox.OutputStream, needle: bytes) -> bytes:
+    """Reads ``stream`` until ``needle`` appears (60 s at most); returns what was read."""
+    seen = b""
+    while needle not in seen:
+        try:
+            seen += await asyncio.wait_for(stream.__anext__(), timeout=60)
+        except StopAsyncIteration:
+            raise AssertionError(f"the stream ended before {needle!r}: {seen!r}") from None
+    return seen
+
+
+async def test_a_snapshot_restores_as_a_twin_that_takes_over_the_shell(tmp_path: Path) -> None:
+    keys = str(tmp_path / "keys")
+    sandbox = krunbox.Sandbox(
+        "busybox", memory_mib=256, snapshots=True, snapshot_key_dir=keys
+    )
+    async with sandbox.boot() as vm:
+        shell = await vm.spawn(["sh"], pty=(24, 80))
+        assert shell.stdin is not None
+        await shell.stdin.write("X=41; echo kept > /tmp/f; echo set-$X\n")
+        await _read_until(shell.stdout, b"set-41")
+        taken = await vm.snapshot(str(tmp_path / "snap"))
+        snapshot = krunbox.Snapshot.open(str(tmp_path / "snap"), keys)
+        assert snapshot.digest == taken.digest
+        async with sandbox.restore(snapshot) as twin:
+            assert twin.processes() == [shell.pid]
+            twin_shell = twin.attach(shell.pid)
+            assert twin_shell.stdin is not None
+            await twin_shell.stdin.write("echo got-$((X + 1)) $(cat /tmp/f)\n")
+            await _read_until(twin_shell.stdout, b"got-42 kept")
+        # The source goes on as it was.
+        await shell.stdin.write("echo src-$X\n")
+        await _read_until(shell.stdout, b"src-41")
+    # A changed byte of memory: refused, naming the reason.
+    memory = tmp_path / "snap" / "memory.img"
+    with open(memory, "r+b") as f:
+        offset = os.lseek(f.fileno(), 0, os.SEEK_DATA)
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(krunbox.SnapshotTampered):
+        snapshot.verify()

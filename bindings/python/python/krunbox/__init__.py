@@ -65,6 +65,8 @@ from ._krunbox import (
     Paused,
     RequestTimeout,
     RootInUse,
+    SnapshotFailed,
+    SnapshotTampered,
     StoreError,
     TooMany,
 )
@@ -100,6 +102,7 @@ __all__ = [
     "Answer",
     "Instance",
     "Pool",
+    "Snapshot",
     "Process",
     "OutputStream",
     "InputStream",
@@ -128,6 +131,8 @@ __all__ = [
     "Paused",
     "RequestTimeout",
     "RootInUse",
+    "SnapshotFailed",
+    "SnapshotTampered",
     "StoreError",
     "TooMany",
 ]
@@ -220,6 +225,8 @@ class _Definition:
         hostname: Optional[str] = None,
         mounts: Optional[Mounts] = None,
         network: Optional[Network] = None,
+        snapshots: bool = False,
+        snapshot_key_dir: Optional[str] = None,
     ) -> None:
         self._native = _krunbox.Sandbox(
             image,
@@ -228,6 +235,8 @@ class _Definition:
             hostname=hostname,
             mounts=_mounts(mounts),
             network=None if network is None else network._native,
+            snapshots=snapshots,
+            snapshot_key_dir=snapshot_key_dir,
         )
 
     def __repr__(self) -> str:
@@ -241,7 +250,10 @@ class Sandbox(_Definition):
     and curl) or ``"busybox"``, or a :class:`Rootfs` (an image file, a writable root).
     ``mounts`` maps guest paths to filesystems (:class:`MemoryFs`, :class:`HostDir`, a
     :class:`VirtualFs` of yours). ``network`` gives it a :class:`Network` (without one it has
-    no network device). Booting is cheap; boot one instance per task.
+    no network device). Booting is cheap; boot one instance per task. ``snapshots=True``
+    makes its instances snapshottable (:meth:`Instance.snapshot`, :meth:`Instance.fork`);
+    ``snapshot_key_dir`` is where the key authenticating its snapshots lives (default: the
+    cache directory).
 
     >>> sandbox = Sandbox("busybox", cpus=1, memory_mib=256)  # doctest: +SKIP
     """
@@ -258,6 +270,13 @@ class Sandbox(_Definition):
         vm:`` to shut it down at the block's end. ``mounts``, ``hostname`` and ``cwd`` (where
         commands start) are this boot's own, besides the definition's."""
         return _Booting(self._native.boot(mounts=_mounts(mounts), hostname=hostname, cwd=cwd))
+
+    def restore(self, snapshot: "Snapshot") -> "_Booting":
+        """Restores ``snapshot`` as a new running instance (``await``, or ``async with``):
+        its processes (:meth:`Instance.attach`), files and memory as they were. Each part is
+        checked as it is copied into the new VM; a changed one raises
+        :class:`SnapshotTampered` before the VM runs."""
+        return _Booting(self._native.restore(snapshot._native))
 
     def pool(self, size: int) -> "Pool":
         """A warm pool keeping ``size`` instances of this definition booted ahead of need::
@@ -484,6 +503,29 @@ class Instance:
         """Whether the VM is paused."""
         return self._native.is_paused()
 
+    async def snapshot(self, dir: str) -> "Snapshot":
+        """Writes a snapshot of this running instance into the new directory ``dir`` (its
+        sandbox needs ``snapshots=True``); the instance goes on afterwards::
+
+            snap = await vm.snapshot("/var/tmp/ready")
+            twin = await sandbox.restore(snap)
+        """
+        return Snapshot(await self._native.snapshot(dir))
+
+    async def fork(self, n: int) -> List["Instance"]:
+        """Forks this instance into ``n`` new ones, each starting where this one is now and
+        going its own way from there (its processes taken over with :meth:`attach`)."""
+        return [Instance(native) for native in await self._native.fork(n)]
+
+    def processes(self) -> List[int]:
+        """The guest pids of a restored instance's processes not attached yet."""
+        return self._native.processes()
+
+    def attach(self, pid: int) -> "Process":
+        """Takes over process ``pid`` (its :attr:`Process.pid` before the snapshot) of a
+        restored instance: its stdin, its output from the snapshot on, its end."""
+        return Process(self._native.attach(pid), has_stdin=True)
+
     @property
     def host_boot_work(self) -> float:
         """Seconds of the host's own work in this boot before the VM started (image check,
@@ -645,6 +687,39 @@ class InputStream:
     async def close(self) -> None:
         """Closes it: the process reads its end."""
         await self._native.close_stdin()
+
+
+class Snapshot:
+    """A snapshot on disk (:meth:`Instance.snapshot`), its manifest checked.
+
+    ``Snapshot.open(dir, key_dir)`` opens one another process wrote with the same key.
+    """
+
+    def __init__(self, native: _krunbox.Snapshot) -> None:
+        self._native = native
+
+    @classmethod
+    def open(cls, dir: str, key_dir: str) -> "Snapshot":
+        """Opens the snapshot in ``dir``, checking its manifest with the key in ``key_dir``
+        (:class:`SnapshotTampered` if it changed)."""
+        return cls(_krunbox.Snapshot.open(dir, key_dir))
+
+    @property
+    def dir(self) -> str:
+        """Its directory."""
+        return self._native.dir
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 of its manifest (hex)."""
+        return self._native.digest
+
+    def verify(self) -> None:
+        """Hashes every part: :class:`SnapshotTampered` names one that changed."""
+        self._native.verify()
+
+    def __repr__(self) -> str:
+        return repr(self._native)
 
 
 class Process:

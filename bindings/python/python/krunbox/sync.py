@@ -30,6 +30,7 @@ from . import (
     KrunboxError,
     Mounts,
     OutputLimitExceeded,
+    Snapshot,
     _data,
     _env_pairs,
     _krunbox,
@@ -111,6 +112,11 @@ class Sandbox(_Definition):
         :meth:`krunbox.Sandbox.boot`)."""
         native = self._native.boot_blocking(mounts=_mounts(mounts), hostname=hostname, cwd=cwd)
         return Instance(native)
+
+    def restore(self, snapshot: Snapshot) -> "Instance":
+        """Restores ``snapshot`` as a new running instance (see
+        :meth:`krunbox.Sandbox.restore`)."""
+        return Instance(self._native.restore_blocking(snapshot._native))
 
     def pool(self, size: int) -> "Pool":
         """A warm pool of ``size`` instances (see :meth:`krunbox.Sandbox.pool`); ``with
@@ -284,6 +290,24 @@ class Instance:
     def host_boot_work(self) -> float:
         """Seconds of the host's own work in this boot before the VM started."""
         return self._native.host_boot_work()
+
+    def snapshot(self, dir: str) -> Snapshot:
+        """Writes a snapshot of this instance into the new directory ``dir`` (see
+        :meth:`krunbox.Instance.snapshot`)."""
+        return Snapshot(self._native.snapshot_blocking(dir))
+
+    def fork(self, n: int) -> List["Instance"]:
+        """Forks this instance into ``n`` new ones (see :meth:`krunbox.Instance.fork`)."""
+        return [Instance(native) for native in self._native.fork_blocking(n)]
+
+    def processes(self) -> List[int]:
+        """The guest pids of a restored instance's processes not attached yet."""
+        return self._native.processes()
+
+    def attach(self, pid: int) -> "Process":
+        """Takes over process ``pid`` of a restored instance (see
+        :meth:`krunbox.Instance.attach`)."""
+        return Process(self._native.attach(pid), has_stdin=True)
 
     def __enter__(self) -> "Instance":
         return self

@@ -45,8 +45,8 @@ pub(super) struct Plan<'a> {
     pub guest_init: &'a File,
     /// The instance cgroup's `cgroup.procs`, which the helper moves itself into.
     pub cgroup_procs: Option<&'a OwnedFd>,
-    /// The snapshot this boot restores, if it is a restore.
-    pub restore: Option<&'a crate::Snapshot>,
+    /// What this boot restores, if it is a restore.
+    pub restore: Option<&'a crate::snapshot::Restore>,
 }
 
 /// The parts whose devices are connected afresh for every attempt, so that a retried boot
@@ -115,12 +115,26 @@ pub(super) async fn run(
         if config.mounts.is_empty() && !config.snapshots && plan.restore.is_none() {
             (None, Vec::new())
         } else {
-            let memory = Arc::new(
-                crate::guest_memory::GuestMemoryFile::create(config.memory_mib)
-                    .map_err(Error::io("creating the guest's memory"))?,
-            );
-            if let Some(snapshot) = plan.restore {
-                fill_from_snapshot(snapshot, &memory, &commands).await?;
+            let memory = match plan.restore.map(|source| &source.from) {
+                // A fork's memory is a copy already, made for this instance alone.
+                Some(crate::snapshot::RestoreFrom::Memory { memory, state }) => {
+                    std::os::unix::fs::FileExt::write_all_at(commands.state_file(), state, 0)
+                        .map_err(Error::io("writing the fork's machine state"))?;
+                    memory.clone()
+                }
+                _ => Arc::new(
+                    crate::guest_memory::GuestMemoryFile::create(config.memory_mib)
+                        .map_err(Error::io("creating the guest's memory"))?,
+                ),
+            };
+            if let Some(
+                source @ crate::snapshot::Restore {
+                    from: crate::snapshot::RestoreFrom::Dir(_),
+                    ..
+                },
+            ) = plan.restore
+            {
+                fill_from_snapshot(source, &memory, &commands).await?;
             }
             let ends = parts
                 .mounts
@@ -241,8 +255,8 @@ async fn until_ready(
                 (decoder, hello)
             }
             // A restored guest has booted already: it rejoins with its snapshot's token.
-            Some(snapshot) => {
-                let manifest = snapshot.manifest();
+            Some(source) => {
+                let manifest = &source.manifest;
                 let decoder = control::rejoin_handshake(&mut stream, manifest.token).await?;
                 let hello = Hello {
                     version: crate::protocol::PROTOCOL_VERSION,
@@ -310,12 +324,15 @@ async fn stalled(console: &Path) {
 /// is exactly what the VM gets. Nothing of a changed part reaches a VM
 /// ([`Error::SnapshotTampered`]: the helper is not started).
 async fn fill_from_snapshot(
-    snapshot: &crate::Snapshot,
+    source: &crate::snapshot::Restore,
     memory: &Arc<crate::guest_memory::GuestMemoryFile>,
     commands: &Arc<crate::vmm_commands::VmmCommands>,
 ) -> Result<()> {
-    let dir = snapshot.dir().to_path_buf();
-    let manifest = snapshot.manifest().clone();
+    let crate::snapshot::RestoreFrom::Dir(dir) = &source.from else {
+        return Ok(());
+    };
+    let dir = dir.clone();
+    let manifest = source.manifest.clone();
     let (memory, commands) = (memory.clone(), commands.clone());
     tokio::task::spawn_blocking(move || {
         let length = memory.file().metadata().map(|m| m.len()).unwrap_or(0);

@@ -48,7 +48,20 @@ pub(crate) async fn restore(
 ) -> Result<Instance> {
     let id = new_instance_id();
     let span = tracing::info_span!("instance", id = %id, restored = %snapshot.digest());
-    boot_in_span(config, id, span.clone(), Some(snapshot))
+    let source = crate::snapshot::Restore::of(&snapshot);
+    boot_in_span(config, id, span.clone(), Some(source))
+        .instrument(span)
+        .await
+}
+
+/// Boots an instance from `source` (a fork's copy of another's memory and state).
+pub(crate) async fn restore_from(
+    config: Arc<SandboxConfig>,
+    source: crate::snapshot::Restore,
+) -> Result<Instance> {
+    let id = new_instance_id();
+    let span = tracing::info_span!("instance", id = %id, forked = true);
+    boot_in_span(config, id, span.clone(), Some(source))
         .instrument(span)
         .await
 }
@@ -72,15 +85,15 @@ async fn boot_in_span(
     config: Arc<SandboxConfig>,
     id: String,
     span: tracing::Span,
-    restore: Option<crate::Snapshot>,
+    restore: Option<crate::snapshot::Restore>,
 ) -> Result<Instance> {
     let preparing = std::time::Instant::now();
     let mut parts = Parts::prepare(&config, &id).await?;
     let mut vmm_config = parts.vmm_config(&config);
-    if let Some(snapshot) = &restore {
-        check_restorable(&config, snapshot, &parts.root.image.sha256)?;
+    if let Some(source) = &restore {
+        check_restorable(&config, &source.manifest, &parts.root.image.sha256)?;
         vmm_config.guest_memory_file = true;
-        vmm_config.restore_state_bytes = Some(snapshot.manifest().machine.length);
+        vmm_config.restore_state_bytes = Some(source.state_len());
     }
     let setup = parts.guest_setup(&config);
     let prepared = preparing.elapsed();
@@ -103,10 +116,10 @@ async fn boot_in_span(
     tracing::debug!(kernel = %ready.hello.kernel_release, guest_init = %ready.hello.guest_init, "guest ready");
     let next_id = restore
         .as_ref()
-        .map_or(1, |snapshot| snapshot.manifest().next_process_id);
+        .map_or(1, |source| source.manifest.next_process_id);
     let adopt = restore
         .as_ref()
-        .map(|snapshot| snapshot.manifest().processes.clone())
+        .map(|source| source.manifest.processes.clone())
         .unwrap_or_default();
     Ok(parts.into_instance(
         &config,
@@ -128,10 +141,9 @@ async fn boot_in_span(
 /// a snapshot does not keep yet.
 fn check_restorable(
     config: &SandboxConfig,
-    snapshot: &crate::Snapshot,
+    manifest: &crate::snapshot::Manifest,
     image_sha256: &str,
 ) -> Result<()> {
-    let manifest = snapshot.manifest();
     let refuse = |reason: String| Error::Snapshot {
         step: "restored",
         reason,
@@ -319,7 +331,7 @@ impl Parts {
         config: &SandboxConfig,
         vmm_config: &VmmConfig,
         setup: &Setup,
-        restore: Option<&crate::Snapshot>,
+        restore: Option<&crate::snapshot::Restore>,
     ) -> Result<Box<attempt::Ready>> {
         let vmm_config_path = self.dir.path().join("vmm.json");
         std::fs::write(

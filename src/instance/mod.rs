@@ -13,7 +13,7 @@ mod root;
 mod snapshot;
 mod supervisor;
 
-pub(crate) use boot::{boot, restore};
+pub(crate) use boot::{boot, restore, restore_from};
 
 use std::ffi::OsStr;
 use std::os::fd::OwnedFd;

@@ -14,6 +14,9 @@ use krunbox_protocol::vmm::command::{VmmCommand, VmmReply};
 use super::machine::{random_token, QUIESCE_DEADLINE};
 use super::Instance;
 use crate::error::{Error, Result};
+use std::sync::Arc;
+
+use crate::guest_memory::GuestMemoryFile;
 use crate::snapshot::{self, Manifest, Snapshot, SnapshotKey, Staging};
 
 /// How long the devices may take to answer the requests made before the vCPUs paused.
@@ -40,40 +43,19 @@ impl Instance {
     /// # Ok(()) }
     /// ```
     pub async fn snapshot(&self, dir: impl AsRef<std::path::Path>) -> Result<Snapshot> {
-        let source = self.inner.snapshots.as_ref().ok_or_else(|| {
-            Error::InvalidConfig(
-                "this instance cannot be snapshotted: build its sandbox with .snapshots(true)"
-                    .into(),
-            )
-        })?;
-        if let Some(why) = &source.unsupported {
-            return Err(Error::InvalidConfig(format!(
-                "this instance cannot be snapshotted yet: {why}"
-            )));
-        }
+        let source = self.snapshot_source()?;
         let key = SnapshotKey::load_or_create(&source.key_dir).map_err(Error::io(format!(
             "making the snapshot key in {}",
             source.key_dir.display()
         )))?;
         let staging = Staging::new(dir.as_ref())?;
-        // Not beside a pause or resume: a stopped helper answers nothing.
-        let _one_at_a_time = self.inner.pausing.lock().await;
-        let control = self.control()?;
-        if control.is_paused() {
-            return Err(Error::Paused);
-        }
-        control.set_paused(true);
         let token = random_token();
-        let written = async {
-            control.quiesce(token, QUIESCE_DEADLINE).await?;
-            let processes = control.saved_processes();
-            let parts = self.capture(&staging).await;
-            control.resume().await?;
-            parts.map(|(memory, machine)| (memory, machine, processes))
-        }
-        .await;
-        control.set_paused(false);
-        let (memory, machine, processes) = written?;
+        let ((memory, machine), _, processes) = self
+            .stilled(token, |state| async {
+                let parts = self.copy_parts(&staging, state).await?;
+                Ok((parts, Vec::new()))
+            })
+            .await?;
         let manifest = Manifest {
             format: snapshot::FORMAT.into(),
             krunbox: env!("CARGO_PKG_VERSION").into(),
@@ -117,30 +99,128 @@ impl Instance {
                 crate::MAX_POOL_SIZE
             )));
         }
-        let scratch = tempfile::Builder::new()
-            .prefix("krunbox-fork-")
-            .tempdir()
-            .map_err(Error::io("making a directory for the fork's snapshot"))?;
-        let snapshot = self.snapshot(scratch.path().join("snapshot")).await?;
-        let definition = self
-            .inner
-            .snapshots
-            .as_ref()
-            .expect("a snapshot was taken")
-            .definition
-            .0
-            .clone();
+        let source = self.snapshot_source()?;
+        let token = random_token();
+        let (copies, state, processes) = self
+            .stilled(token, |state| async move {
+                let memory = source.memory.clone();
+                let memory_mib = source.memory_mib;
+                let copies = tokio::task::spawn_blocking(move || {
+                    (0..n)
+                        .map(|_| {
+                            let copy = GuestMemoryFile::create(memory_mib)?;
+                            copy_data(memory.file(), copy.file())?;
+                            Ok(Arc::new(copy))
+                        })
+                        .collect::<std::io::Result<Vec<_>>>()
+                })
+                .await
+                .map_err(|e| Error::Snapshot {
+                    step: "copied",
+                    reason: e.to_string(),
+                })?
+                .map_err(Error::io("copying the guest's memory for a fork"))?;
+                Ok((copies, state))
+            })
+            .await?;
+        let (copies, state) = (copies, state);
+        // What a snapshot's manifest would say; the parts are in memory, not on disk.
+        let in_memory = |name: &str, length: u64| snapshot::Part {
+            name: name.to_owned(),
+            length,
+            extents: Vec::new(),
+            sha256: String::new(),
+        };
+        let manifest = Manifest {
+            format: snapshot::FORMAT.into(),
+            krunbox: env!("CARGO_PKG_VERSION").into(),
+            protocol: crate::protocol::PROTOCOL_VERSION,
+            cpus: source.cpus,
+            memory_mib: source.memory_mib,
+            image_sha256: source.image_sha256.clone(),
+            kernel_release: self.inner.kernel_release.clone(),
+            token,
+            next_process_id: self.inner.next_id.load(std::sync::atomic::Ordering::SeqCst),
+            memory: in_memory(
+                snapshot::MEMORY,
+                source.memory.file().metadata().map_or(0, |m| m.len()),
+            ),
+            machine: in_memory(snapshot::MACHINE, state.len() as u64),
+            processes,
+        };
+        let definition = source.definition.0.clone();
         let mut forks = Vec::with_capacity(n);
-        for _ in 0..n {
-            forks.push(super::restore(definition.clone(), snapshot.clone()).await?);
+        for memory in copies {
+            let from = snapshot::RestoreFrom::Memory {
+                memory,
+                state: state.clone(),
+            };
+            let restore = snapshot::Restore {
+                manifest: manifest.clone(),
+                from,
+            };
+            forks.push(super::restore_from(definition.clone(), restore).await?);
         }
         Ok(forks)
     }
 
+    /// What snapshots of this instance need, or why it cannot be snapshotted.
+    fn snapshot_source(&self) -> Result<&snapshot::SnapshotSource> {
+        let source = self.inner.snapshots.as_ref().ok_or_else(|| {
+            Error::InvalidConfig(
+                "this instance cannot be snapshotted: build its sandbox with .snapshots(true)"
+                    .into(),
+            )
+        })?;
+        if let Some(why) = &source.unsupported {
+            return Err(Error::InvalidConfig(format!(
+                "this instance cannot be snapshotted yet: {why}"
+            )));
+        }
+        Ok(source)
+    }
+
+    /// Stills the instance (new work refused, the channel quiesced with `token`, the vCPUs
+    /// paused, the devices caught up, the machine state saved, the VMM stopped), runs `copy`
+    /// with the machine state, and lets everything run again whatever happened. Returns what
+    /// `copy` made and the processes the channel tracked.
+    async fn stilled<T, F, Fut>(
+        &self,
+        token: u64,
+        copy: F,
+    ) -> Result<(T, Vec<u8>, Vec<crate::control::SavedProcess>)>
+    where
+        F: FnOnce(Vec<u8>) -> Fut,
+        Fut: std::future::Future<Output = Result<(T, Vec<u8>)>>,
+    {
+        // Not beside a pause or resume: a stopped helper answers nothing.
+        let _one_at_a_time = self.inner.pausing.lock().await;
+        let control = self.control()?;
+        if control.is_paused() {
+            return Err(Error::Paused);
+        }
+        control.set_paused(true);
+        let stilled = async {
+            control.quiesce(token, QUIESCE_DEADLINE).await?;
+            let processes = control.saved_processes();
+            let made = self.capture(copy).await;
+            control.resume().await?;
+            made.map(|(made, state)| (made, state, processes))
+        }
+        .await;
+        control.set_paused(false);
+        stilled
+    }
+
     /// With the channel quiesced: pauses the vCPUs, waits for the devices, saves the machine
-    /// state, and copies it and guest memory into `staging` with the VMM stopped. The vCPUs
-    /// run again afterwards whatever happened.
-    async fn capture(&self, staging: &Staging) -> Result<(snapshot::Part, snapshot::Part)> {
+    /// state, and runs `copy` with it while the VMM is stopped (so no device writes guest
+    /// memory meanwhile). The vCPUs run again afterwards whatever happened. `copy` returns
+    /// what it made and the state (to keep, or empty).
+    async fn capture<T, F, Fut>(&self, copy: F) -> Result<(T, Vec<u8>)>
+    where
+        F: FnOnce(Vec<u8>) -> Fut,
+        Fut: std::future::Future<Output = Result<(T, Vec<u8>)>>,
+    {
         self.machine_command(VmmCommand::PauseVcpus, "saved")
             .await?;
         let captured = async {
@@ -166,19 +246,19 @@ impl Instance {
                         reason,
                     })?;
             self.stop_vm(true).await?;
-            let copied = self.copy_parts(staging, state).await;
+            let copied = copy(state).await;
             let started = self.stop_vm(false).await;
-            let parts = copied?;
+            let made = copied?;
             started?;
-            Ok(parts)
+            Ok(made)
         }
         .await;
         let resumed = self
             .machine_command(VmmCommand::ResumeVcpus, "resumed")
             .await;
-        let parts = captured?;
+        let made = captured?;
         resumed?;
-        Ok(parts)
+        Ok(made)
     }
 
     /// Waits until no device has a request it has not answered (the vCPUs are paused, so no
@@ -237,4 +317,21 @@ impl Instance {
         })?
         .map_err(Error::io("writing the snapshot"))
     }
+}
+
+/// Copies `from`'s data into `to` (as long, all zeros) at the same offsets: a fork's memory.
+fn copy_data(from: &std::fs::File, to: &std::fs::File) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    const CHUNK: usize = 1 << 20;
+    let mut buf = vec![0u8; CHUNK];
+    for (start, end) in crate::rootfs::layer::data_extents(from)? {
+        let mut at = start;
+        while at < end {
+            let len = ((end - at) as usize).min(CHUNK);
+            from.read_exact_at(&mut buf[..len], at)?;
+            to.write_all_at(&buf[..len], at)?;
+            at += len as u64;
+        }
+    }
+    Ok(())
 }

@@ -119,10 +119,6 @@ impl Snapshot {
         Ok(())
     }
 
-    pub(crate) fn manifest(&self) -> &Manifest {
-        &self.manifest
-    }
-
     /// Writes `manifest` (signed with `key`) into `dir`, which holds its parts.
     pub(crate) fn seal(dir: PathBuf, manifest: Manifest, key: &SnapshotKey) -> Result<Snapshot> {
         let body = serde_json::to_vec(&manifest).expect("a manifest always serializes");
@@ -187,6 +183,41 @@ pub(crate) fn part_error(e: part::PartError) -> Error {
             context: format!("reading the snapshot's {name}"),
             source,
         },
+    }
+}
+
+/// What a restore starts from: a snapshot's manifest, and where its memory and machine state
+/// are.
+pub(crate) struct Restore {
+    pub manifest: Manifest,
+    pub from: RestoreFrom,
+}
+
+pub(crate) enum RestoreFrom {
+    /// A snapshot's directory: each part is checked as it is copied.
+    Dir(PathBuf),
+    /// A fork's copy of its source's memory (this process made it), and the machine state.
+    Memory {
+        memory: Arc<crate::guest_memory::GuestMemoryFile>,
+        state: Vec<u8>,
+    },
+}
+
+impl Restore {
+    /// A restore of `snapshot`.
+    pub(crate) fn of(snapshot: &Snapshot) -> Restore {
+        Restore {
+            manifest: (*snapshot.manifest).clone(),
+            from: RestoreFrom::Dir(snapshot.dir.clone()),
+        }
+    }
+
+    /// The machine state's length.
+    pub(crate) fn state_len(&self) -> u64 {
+        match &self.from {
+            RestoreFrom::Dir(_) => self.manifest.machine.length,
+            RestoreFrom::Memory { state, .. } => state.len() as u64,
+        }
     }
 }
 
@@ -288,7 +319,7 @@ mod tests {
         let root = tempfile::tempdir().unwrap();
         let dir = root.path().join("snap");
         let snapshot = written(keys.path(), &dir);
-        assert_eq!(snapshot.manifest().token, 7);
+        assert_eq!(snapshot.manifest.token, 7);
         assert_eq!(snapshot.digest().len(), 64);
 
         // A byte of memory.

@@ -70,6 +70,14 @@ pub(crate) struct DefinitionArgs {
 
 /// The sandbox the flags define (an image named by reference is pulled first).
 pub(crate) async fn sandbox(args: &DefinitionArgs) -> Result<Sandbox, Box<dyn std::error::Error>> {
+    sandbox_with(args, None).await
+}
+
+/// [`sandbox`], its instances snapshottable with the key in `snapshot_key_dir` when given.
+pub(crate) async fn sandbox_with(
+    args: &DefinitionArgs,
+    snapshot_key_dir: Option<&std::path::Path>,
+) -> Result<Sandbox, Box<dyn std::error::Error>> {
     let (image, config) = image_of(args).await?;
     let mut sandbox = Sandbox::builder()
         .rootfs(root(args, image)?)
@@ -99,6 +107,9 @@ pub(crate) async fn sandbox(args: &DefinitionArgs) -> Result<Sandbox, Box<dyn st
     }
     for path in &args.memfs {
         sandbox = sandbox.mount(path.clone(), MemoryFs::new());
+    }
+    if let Some(dir) = snapshot_key_dir {
+        sandbox = sandbox.snapshots(true).snapshot_key_dir(dir);
     }
     Ok(sandbox.build()?)
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use krunbox::Stdio;
 use tokio::io::AsyncWriteExt;
 
-use crate::definition::{sandbox, DefinitionArgs};
+use crate::definition::{sandbox_with, DefinitionArgs};
 
 use crate::stats::{stats_text, StatsFormat};
 use crate::terminal::{terminal_size, RawTerminal};
@@ -39,6 +39,17 @@ pub(crate) struct RunArgs {
     /// instead, for machines.
     #[arg(long, value_enum, value_name = "FORMAT", num_args = 0..=1, default_missing_value = "text")]
     stats: Option<StatsFormat>,
+    /// When the command ends, snapshot the VM (memory, processes, files in memory) into this
+    /// new directory; `--from` starts from it later (an image root without mounts or network).
+    #[arg(long, value_name = "DIR")]
+    snapshot_to: Option<PathBuf>,
+    /// Start from this snapshot (taken by `--snapshot-to` with the same image, `--cpus` and
+    /// `--memory`) instead of booting.
+    #[arg(long, value_name = "SNAPSHOT_DIR")]
+    from: Option<PathBuf>,
+    /// Where the key that authenticates snapshots lives (default: the cache directory).
+    #[arg(long, value_name = "DIR")]
+    snapshot_key_dir: Option<PathBuf>,
     /// The command and its arguments (optional with an imported image that has an
     /// entrypoint or command).
     #[arg(last = true)]
@@ -46,8 +57,19 @@ pub(crate) struct RunArgs {
 }
 
 pub(crate) async fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
-    let sandbox = sandbox(&args.sandbox).await?;
-    let vm = sandbox.boot().await?;
+    let snapshots = args.snapshot_to.is_some() || args.from.is_some();
+    let key_dir = args
+        .snapshot_key_dir
+        .clone()
+        .unwrap_or_else(krunbox::cache_dir);
+    let sandbox = sandbox_with(&args.sandbox, snapshots.then_some(key_dir.as_path())).await?;
+    let vm = match &args.from {
+        Some(dir) => {
+            let snapshot = krunbox::Snapshot::open(dir, &key_dir)?;
+            sandbox.restore(&snapshot).await?
+        }
+        None => sandbox.boot().await?,
+    };
     for (guest, _) in &args.sandbox.net.publish {
         if let Some(address) = vm.published_address(*guest) {
             eprintln!("krunbox: the guest's port {guest} is published at {address}");
@@ -148,6 +170,14 @@ pub(crate) async fn run(args: RunArgs) -> Result<ExitCode, Box<dyn std::error::E
             Ok(metrics) => eprintln!("{}", stats_text(&metrics, format)),
             Err(e) => eprintln!("krunbox: no stats: {e}"),
         }
+    }
+    if let Some(dir) = &args.snapshot_to {
+        let snapshot = vm.snapshot(dir).await?;
+        eprintln!(
+            "krunbox: snapshot in {} (sha256 {}); start from it with --from",
+            snapshot.dir().display(),
+            snapshot.digest()
+        );
     }
     vm.shutdown().await?;
     Ok(ExitCode::from(exit_code(status.code(), status.signal())))

@@ -674,3 +674,64 @@ fn as_a_user_cargo_installs_and_an_embedders_project_boot_with_the_installed_art
         );
     }
 }
+
+#[test]
+fn run_snapshots_a_vm_and_a_later_run_starts_from_it() {
+    let work = tempfile::tempdir().unwrap();
+    let keys = work.path().join("keys");
+    let snap = work.path().join("snap");
+    let (keys, snap) = (keys.to_str().unwrap(), snap.to_str().unwrap());
+    let first = krunbox(&[
+        "run",
+        "--image",
+        "busybox",
+        "--memory",
+        "256",
+        "--snapshot-key-dir",
+        keys,
+        "--snapshot-to",
+        snap,
+        "--",
+        "sh",
+        "-c",
+        "echo kept > /tmp/f",
+    ]);
+    assert!(first.status.success(), "stderr: {}", text(&first.stderr));
+    assert!(text(&first.stderr).contains("start from it with --from"));
+    let second = krunbox(&[
+        "run",
+        "--image",
+        "busybox",
+        "--memory",
+        "256",
+        "--snapshot-key-dir",
+        keys,
+        "--from",
+        snap,
+        "--",
+        "cat",
+        "/tmp/f",
+    ]);
+    assert!(second.status.success(), "stderr: {}", text(&second.stderr));
+    assert_eq!(text(&second.stdout), "kept\n");
+    // Another definition (memory size) is refused, saying why.
+    let other = krunbox(&[
+        "run",
+        "--image",
+        "busybox",
+        "--memory",
+        "512",
+        "--snapshot-key-dir",
+        keys,
+        "--from",
+        snap,
+        "--",
+        "true",
+    ]);
+    assert!(!other.status.success());
+    assert!(
+        text(&other.stderr).contains("256 MiB"),
+        "{}",
+        text(&other.stderr)
+    );
+}

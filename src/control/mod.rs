@@ -360,11 +360,28 @@ pub(crate) struct Control {
 
 impl Control {
     /// Starts the reader, writer and liveness tasks on an established (post-handshake) stream.
+    #[allow(dead_code)] // the tests, the fuzz harness and the scripted guest adopt nothing
     pub fn start<S>(
         stream: S,
         decoder: FrameDecoder,
         liveness: Liveness,
         limits: Limits,
+    ) -> Arc<Control>
+    where
+        S: AsyncRead + AsyncWrite + Send + 'static,
+    {
+        Self::start_adopting(stream, decoder, liveness, limits, &[])
+    }
+
+    /// [`Control::start`] for a restored instance: the snapshot's `processes` are adopted
+    /// ([`Control::adopt`]) before the reader starts, so that what the restored guest sends
+    /// about them at once finds their slots.
+    pub fn start_adopting<S>(
+        stream: S,
+        decoder: FrameDecoder,
+        liveness: Liveness,
+        limits: Limits,
+        processes: &[SavedProcess],
     ) -> Arc<Control>
     where
         S: AsyncRead + AsyncWrite + Send + 'static,
@@ -391,6 +408,7 @@ impl Control {
             limits,
         });
         tokio::spawn(watch_liveness(Arc::downgrade(&control), liveness).in_current_span());
+        control.adopt(processes);
         control.connect(stream, decoder);
         control
     }
@@ -659,22 +677,55 @@ impl Control {
 
     /// Records that the host consumed `bytes` of a stream and tells the guest it may send more.
     pub fn credit(&self, id: u32, stream: Stream, bytes: u32) {
-        {
-            let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-            match state.procs.get_mut(&id) {
-                Some(slot) => {
-                    let o = &mut slot.outstanding[stream as usize];
-                    *o = o.saturating_sub(u64::from(bytes));
-                }
-                // Ended: the guest has nothing more to send.
-                None => return,
+        // The count and the message move together (under the lock): a snapshot's count of
+        // what is outstanding is then exactly what the guest has not been credited.
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        match state.procs.get_mut(&id) {
+            Some(slot) => {
+                let o = &mut slot.outstanding[stream as usize];
+                *o = o.saturating_sub(u64::from(bytes));
             }
+            // Ended: the guest has nothing more to send.
+            None => return,
         }
         let _ = self.send(&HostMessage::Credit(crate::protocol::Credit {
             id,
             stream,
             bytes,
         }));
+        drop(state);
+    }
+
+    /// Registers process `id` and queues its `Exec` (`message`) as one step, refused while the
+    /// VM is paused: an `Exec` is never queued behind a quiesce, so a snapshot's processes
+    /// are exactly those whose `Exec` the guest read.
+    pub fn register_and_send(
+        &self,
+        id: u32,
+        pty: bool,
+        message: &HostMessage,
+    ) -> Result<ProcessChannels> {
+        let bytes = message.encode()?;
+        let channels = self.register_process(id, pty)?;
+        let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if self.pause.is_paused() {
+            drop(state);
+            self.state
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .procs
+                .remove(&id);
+            return Err(Error::Paused);
+        }
+        let sent = self.outgoing.send(Outgoing::Bytes(bytes));
+        drop(state);
+        if sent.is_err() {
+            return Err(self
+                .gone()
+                .unwrap_or_else(|| Gone::Stopped("the control channel is closed".into()))
+                .error());
+        }
+        Ok(channels)
     }
 
     /// A fresh id for a file request.

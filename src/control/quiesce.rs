@@ -22,21 +22,29 @@ impl Control {
     /// Quiesces the channel: sends `Quiesce` as the last bytes until [`Control::resume`] and
     /// waits (up to `deadline`) for the guest's `Quiesced`. The caller marks the VM paused
     /// first ([`Control::set_paused`]), so that no new work starts and the liveness check
-    /// waits. On an error the channel is unusable: a guest that does not quiesce as asked is
-    /// not trusted to do anything else.
-    pub async fn quiesce(&self, token: u64, deadline: Duration) -> Result<()> {
+    /// waits. Returns the processes as the guest will know them: counted as `Quiesce` is
+    /// queued, under the lock that credits and `Exec`s are queued under, so what is queued
+    /// behind it (and so never reaches a snapshot of the guest) is not counted. On an error
+    /// the channel is unusable: a guest that does not quiesce as asked is not trusted to do
+    /// anything else.
+    pub async fn quiesce(&self, token: u64, deadline: Duration) -> Result<Vec<SavedProcess>> {
         *self.quiescing.lock().unwrap_or_else(|p| p.into_inner()) = Some(token);
         let quiesced = self.quiesced.notified();
         let (hand_back, parked) = oneshot::channel();
         *self.parked.lock().unwrap_or_else(|p| p.into_inner()) = Some(parked);
         let bytes = HostMessage::Quiesce(Quiesce { token }).encode()?;
-        if self
-            .outgoing
-            .send(Outgoing::Last(bytes, hand_back))
-            .is_err()
-        {
-            return Err(self.gone_error());
-        }
+        let processes = {
+            let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            if self
+                .outgoing
+                .send(Outgoing::Last(bytes, hand_back))
+                .is_err()
+            {
+                drop(state);
+                return Err(self.gone_error());
+            }
+            saved_processes(&state)
+        };
         // A guest that dies meanwhile makes the channel gone, which this sees within a poll.
         // (Not `closed`: the instance's supervisor waits on that.)
         let gone = async {
@@ -45,7 +53,7 @@ impl Control {
             }
         };
         tokio::select! {
-            () = quiesced => Ok(()),
+            () = quiesced => Ok(processes),
             () = gone => Err(self.gone_error()),
             () = tokio::time::sleep(deadline) => {
                 let reason = format!("the guest did not quiesce within {deadline:?}");
@@ -92,33 +100,20 @@ impl Control {
         Ok(())
     }
 
-    /// Every process the channel tracks, as a snapshot keeps it (with the channel quiesced,
-    /// nothing moves meanwhile).
-    pub fn saved_processes(&self) -> Vec<SavedProcess> {
-        let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let mut saved: Vec<SavedProcess> = state
-            .procs
-            .iter()
-            .map(|(&key, slot)| SavedProcess {
-                key,
-                pid: slot.pid,
-                pty: slot.pty,
-                outstanding: slot.outstanding,
-                stdin_outstanding: (STDIN_WINDOW as u64)
-                    .saturating_sub(slot.stdin_credit.available_permits() as u64),
-            })
-            .collect();
-        saved.sort_by_key(|p| p.key);
-        saved
-    }
-
     /// Takes over a snapshot's processes in a restored instance: a slot each, their channels
     /// kept for [`Control::take_adopted`]. What the snapshotted host had received and not
     /// credited stays with that host, so it is credited back here at once (the guest's
     /// window is whole again); stdin the guest had not credited yet it credits as it writes it.
-    pub fn adopt(&self, processes: &[SavedProcess]) -> Result<()> {
+    pub fn adopt(&self, processes: &[SavedProcess]) {
         for saved in processes {
-            let channels = self.register_process(saved.key, saved.pty)?;
+            // At a restore's start nothing refuses a slot (the restore checked the count).
+            let Ok(channels) = self.register_process(saved.key, saved.pty) else {
+                tracing::warn!(
+                    key = saved.key,
+                    "a snapshot's process could not be taken over"
+                );
+                continue;
+            };
             {
                 let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
                 if let Some(slot) = state.procs.get_mut(&saved.key) {
@@ -154,7 +149,6 @@ impl Control {
                 .unwrap_or_else(|p| p.into_inner())
                 .insert(saved.key, (saved.clone(), channels));
         }
-        Ok(())
     }
 
     /// The channels of an adopted process, once (see [`Control::adopt`]).
@@ -165,11 +159,22 @@ impl Control {
             .remove(&key)
     }
 
-    /// The adopted processes not taken yet.
+    /// The adopted processes not taken yet, each with its pid as the guest said it last (one
+    /// that had not started at the snapshot has one once it has).
     pub fn adopted(&self) -> Vec<SavedProcess> {
         let adopted = self.adopted.lock().unwrap_or_else(|p| p.into_inner());
-        let mut list: Vec<SavedProcess> =
-            adopted.values().map(|(saved, _)| saved.clone()).collect();
+        let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut list: Vec<SavedProcess> = adopted
+            .values()
+            .map(|(saved, _)| SavedProcess {
+                pid: state
+                    .procs
+                    .get(&saved.key)
+                    .and_then(|slot| slot.pid)
+                    .or(saved.pid),
+                ..saved.clone()
+            })
+            .collect();
         list.sort_by_key(|p| p.key);
         list
     }
@@ -181,6 +186,24 @@ impl Control {
                 reason: "the control connection ended while it was quiesced".into(),
             })
     }
+}
+
+/// Every process `state` tracks, as a snapshot keeps it.
+fn saved_processes(state: &super::State) -> Vec<SavedProcess> {
+    let mut saved: Vec<SavedProcess> = state
+        .procs
+        .iter()
+        .map(|(&key, slot)| SavedProcess {
+            key,
+            pid: slot.pid,
+            pty: slot.pty,
+            outstanding: slot.outstanding,
+            stdin_outstanding: (STDIN_WINDOW as u64)
+                .saturating_sub(slot.stdin_credit.available_permits() as u64),
+        })
+        .collect();
+    saved.sort_by_key(|p| p.key);
+    saved
 }
 
 /// A restored guest's first connection: its first frame must be `Rejoin` with the snapshot's

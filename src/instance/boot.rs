@@ -157,6 +157,25 @@ fn check_restorable(
             manifest.cpus, manifest.memory_mib, config.cpus, config.memory_mib
         )));
     }
+    if manifest.processes.len() > config.limits.max_processes {
+        return Err(refuse(format!(
+            "it holds {} processes, past this sandbox's max_processes ({})",
+            manifest.processes.len(),
+            config.limits.max_processes
+        )));
+    }
+    if manifest.krunbox != env!("CARGO_PKG_VERSION") {
+        return Err(refuse(format!(
+            "krunbox {} wrote it; this is krunbox {}",
+            manifest.krunbox,
+            env!("CARGO_PKG_VERSION")
+        )));
+    }
+    if manifest.guest_init_sha256 != super::snapshot::guest_init_sha256(config)? {
+        return Err(refuse(
+            "it was taken with another guest-init than this sandbox boots".into(),
+        ));
+    }
     if manifest.image_sha256 != image_sha256 {
         return Err(refuse(format!(
             "it was taken with the image sha256:{}, this sandbox boots sha256:{image_sha256}",
@@ -436,15 +455,13 @@ impl Parts {
         // With a pid namespace the VM runs in a child of the helper the library started
         // (`ready.child`): that child is the VMM process; killing the helper ends it too.
         let vmm_process = Arc::new(crate::helper::VmmProcess::watch(vmm_pid));
-        let control = Control::start(
+        let control = Control::start_adopting(
             ready.stream,
             ready.decoder,
             Liveness::new(config.liveness_timeout),
             config.limits,
+            &adopt,
         );
-        if let Err(e) = control.adopt(&adopt) {
-            tracing::warn!(error = %e, "the restored instance could not take over its processes");
-        }
         let (exited_tx, exited) = watch::channel(None);
         let (kill, kill_rx) = watch::channel(false);
         let shutdown_requested = Arc::new(AtomicBool::new(false));

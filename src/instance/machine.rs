@@ -61,9 +61,10 @@ impl Instance {
     /// Pauses the vCPUs, saves their state and the VM's, waits `hold`, sets the state back and
     /// resumes the vCPUs (whatever happened before).
     async fn save_and_set_back(&self, hold: Duration) -> Result<u64> {
-        self.machine_command(VmmCommand::PauseVcpus, "saved")
-            .await?;
         let round_trip = async {
+            // A pause that failed half-way may have paused some vCPUs: resumed below.
+            self.machine_command(VmmCommand::PauseVcpus, "saved")
+                .await?;
             let bytes = match self
                 .machine_command(VmmCommand::SaveMachineState, "saved")
                 .await?

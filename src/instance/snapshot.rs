@@ -15,6 +15,7 @@ use super::machine::{random_token, QUIESCE_DEADLINE};
 use super::Instance;
 use crate::error::{Error, Result};
 use std::sync::Arc;
+use tracing::Instrument;
 
 use crate::guest_memory::GuestMemoryFile;
 use crate::snapshot::{self, Manifest, Snapshot, SnapshotKey, Staging};
@@ -50,9 +51,10 @@ impl Instance {
         )))?;
         let staging = Staging::new(dir.as_ref())?;
         let token = random_token();
+        let (memory, dir) = (source.memory.clone(), staging.path().to_path_buf());
         let ((memory, machine), _, processes) = self
-            .stilled(token, |state| async {
-                let parts = self.copy_parts(&staging, state).await?;
+            .stilled(token, move |state| async move {
+                let parts = copy_parts(memory, dir, state).await?;
                 Ok((parts, Vec::new()))
             })
             .await?;
@@ -64,6 +66,7 @@ impl Instance {
             memory_mib: source.memory_mib,
             image_sha256: source.image_sha256.clone(),
             kernel_release: self.inner.kernel_release.clone(),
+            guest_init_sha256: guest_init_sha256(&source.definition.0)?,
             token,
             next_process_id: self.inner.next_id.load(std::sync::atomic::Ordering::SeqCst),
             memory,
@@ -101,10 +104,9 @@ impl Instance {
         }
         let source = self.snapshot_source()?;
         let token = random_token();
+        let (memory, memory_mib) = (source.memory.clone(), source.memory_mib);
         let (copies, state, processes) = self
-            .stilled(token, |state| async move {
-                let memory = source.memory.clone();
-                let memory_mib = source.memory_mib;
+            .stilled(token, move |state| async move {
                 let copies = tokio::task::spawn_blocking(move || {
                     (0..n)
                         .map(|_| {
@@ -139,6 +141,7 @@ impl Instance {
             memory_mib: source.memory_mib,
             image_sha256: source.image_sha256.clone(),
             kernel_release: self.inner.kernel_release.clone(),
+            guest_init_sha256: guest_init_sha256(&source.definition.0)?,
             token,
             next_process_id: self.inner.next_id.load(std::sync::atomic::Ordering::SeqCst),
             memory: in_memory(
@@ -183,8 +186,29 @@ impl Instance {
     /// Stills the instance (new work refused, the channel quiesced with `token`, the vCPUs
     /// paused, the devices caught up, the machine state saved, the VMM stopped), runs `copy`
     /// with the machine state, and lets everything run again whatever happened. Returns what
-    /// `copy` made and the processes the channel tracked.
+    /// `copy` made and the processes the channel tracked. It runs as a task of its own, so a
+    /// caller that gives up on it (a timeout, a cancelled task) never leaves the instance
+    /// stilled half-way: the steps are undone all the same.
     async fn stilled<T, F, Fut>(
+        &self,
+        token: u64,
+        copy: F,
+    ) -> Result<(T, Vec<u8>, Vec<crate::control::SavedProcess>)>
+    where
+        T: Send + 'static,
+        F: FnOnce(Vec<u8>) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = Result<(T, Vec<u8>)>> + Send + 'static,
+    {
+        let this = self.clone();
+        tokio::spawn(async move { this.stilled_here(token, copy).await }.in_current_span())
+            .await
+            .map_err(|e| Error::Snapshot {
+                step: "saved",
+                reason: format!("the snapshot's task failed: {e}"),
+            })?
+    }
+
+    async fn stilled_here<T, F, Fut>(
         &self,
         token: u64,
         copy: F,
@@ -201,8 +225,7 @@ impl Instance {
         }
         control.set_paused(true);
         let stilled = async {
-            control.quiesce(token, QUIESCE_DEADLINE).await?;
-            let processes = control.saved_processes();
+            let processes = control.quiesce(token, QUIESCE_DEADLINE).await?;
             let made = self.capture(copy).await;
             control.resume().await?;
             made.map(|(made, state)| (made, state, processes))
@@ -214,16 +237,17 @@ impl Instance {
 
     /// With the channel quiesced: pauses the vCPUs, waits for the devices, saves the machine
     /// state, and runs `copy` with it while the VMM is stopped (so no device writes guest
-    /// memory meanwhile). The vCPUs run again afterwards whatever happened. `copy` returns
+    /// memory meanwhile). The VMM runs and the vCPUs are resumed afterwards whatever happened
+    /// (also after a pause that failed half-way: some vCPUs may have paused). `copy` returns
     /// what it made and the state (to keep, or empty).
     async fn capture<T, F, Fut>(&self, copy: F) -> Result<(T, Vec<u8>)>
     where
         F: FnOnce(Vec<u8>) -> Fut,
         Fut: std::future::Future<Output = Result<(T, Vec<u8>)>>,
     {
-        self.machine_command(VmmCommand::PauseVcpus, "saved")
-            .await?;
         let captured = async {
+            self.machine_command(VmmCommand::PauseVcpus, "saved")
+                .await?;
             self.wait_for_devices().await?;
             let bytes = match self
                 .machine_command(VmmCommand::SaveMachineState, "saved")
@@ -245,7 +269,11 @@ impl Instance {
                         step: "saved",
                         reason,
                     })?;
-            self.stop_vm(true).await?;
+            if let Err(e) = self.stop_vm(true).await {
+                // Some threads may have stopped: let them all go on.
+                let _ = self.stop_vm(false).await;
+                return Err(e);
+            }
             let copied = copy(state).await;
             let started = self.stop_vm(false).await;
             let made = copied?;
@@ -289,34 +317,35 @@ impl Instance {
             }
         }
     }
+}
 
-    /// Writes guest memory and the machine state into `staging` (on the blocking pool).
-    async fn copy_parts(
-        &self,
-        staging: &Staging,
-        state: Vec<u8>,
-    ) -> Result<(snapshot::Part, snapshot::Part)> {
-        let source = self
-            .inner
-            .snapshots
-            .as_ref()
-            .expect("checked by snapshot()");
-        let memory = source.memory.clone();
-        let dir = staging.path().to_path_buf();
-        tokio::task::spawn_blocking(move || {
-            let memory = snapshot::part::write(memory.file(), &dir, snapshot::MEMORY)?;
-            let state_file = tempfile::tempfile()?;
-            std::os::unix::fs::FileExt::write_all_at(&state_file, &state, 0)?;
-            let machine = snapshot::part::write(&state_file, &dir, snapshot::MACHINE)?;
-            Ok::<_, std::io::Error>((memory, machine))
-        })
-        .await
-        .map_err(|e| Error::Snapshot {
-            step: "written",
-            reason: e.to_string(),
-        })?
-        .map_err(Error::io("writing the snapshot"))
-    }
+/// The SHA-256 of the guest-init `config` boots with (about a megabyte).
+pub(super) fn guest_init_sha256(config: &crate::config::SandboxConfig) -> Result<String> {
+    let path = &config.artifacts.guest_init;
+    std::fs::File::open(path)
+        .and_then(crate::rootfs::sha256_hex)
+        .map_err(Error::io(format!("hashing guest-init {}", path.display())))
+}
+
+/// Writes guest memory and the machine state into `dir` (on the blocking pool).
+async fn copy_parts(
+    memory: Arc<GuestMemoryFile>,
+    dir: std::path::PathBuf,
+    state: Vec<u8>,
+) -> Result<(snapshot::Part, snapshot::Part)> {
+    tokio::task::spawn_blocking(move || {
+        let memory = snapshot::part::write(memory.file(), &dir, snapshot::MEMORY)?;
+        let state_file = tempfile::tempfile()?;
+        std::os::unix::fs::FileExt::write_all_at(&state_file, &state, 0)?;
+        let machine = snapshot::part::write(&state_file, &dir, snapshot::MACHINE)?;
+        Ok::<_, std::io::Error>((memory, machine))
+    })
+    .await
+    .map_err(|e| Error::Snapshot {
+        step: "written",
+        reason: e.to_string(),
+    })?
+    .map_err(Error::io("writing the snapshot"))
 }
 
 /// Copies `from`'s data into `to` (as long, all zeros) at the same offsets: a fork's memory.

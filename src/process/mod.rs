@@ -494,8 +494,7 @@ async fn start(
     program: &OsStr,
 ) -> Result<Started> {
     let pty = matches!(message, HostMessage::Exec(exec) if exec.pty.is_some());
-    let channels = control.register_process(id, pty)?;
-    control.send(message)?;
+    let channels = control.register_and_send(id, pty, message)?;
     // From here the process may be running: if this future is dropped (cancelled) or gives up
     // before it returns, the guard kills it.
     let mut guard = KillOnDrop {

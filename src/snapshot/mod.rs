@@ -47,6 +47,9 @@ pub(crate) struct Manifest {
     pub image_sha256: String,
     /// The guest kernel's release, as its guest-init said at boot.
     pub kernel_release: String,
+    /// guest-init's SHA-256: a restored guest's guest-init is served again from the
+    /// restoring VMM (its pages fault in from there), so it must be the same binary.
+    pub guest_init_sha256: String,
     /// The quiesce token the snapshotted guest rejoins its new host with.
     pub token: u64,
     /// The next process id the instance would have given.
@@ -254,8 +257,10 @@ impl Staging {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),
         };
+        // 0700: it holds guest memory, whatever secrets the guest held.
         let tmp = tempfile::Builder::new()
             .prefix(".krunbox-snapshot-")
+            .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o700))
             .tempdir_in(&parent)
             .map_err(Error::io(format!(
                 "making a directory in {}",
@@ -301,6 +306,7 @@ mod tests {
             memory_mib: 8,
             image_sha256: "00".repeat(32),
             kernel_release: "6.12".into(),
+            guest_init_sha256: "11".repeat(32),
             token: 7,
             next_process_id: 3,
             processes: Vec::new(),

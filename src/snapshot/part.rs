@@ -47,10 +47,11 @@ pub(crate) enum PartError {
 pub(crate) fn write(from: &File, dir: &Path, name: &str) -> std::io::Result<Part> {
     let length = from.metadata()?.len();
     let extents = crate::rootfs::layer::data_extents(from)?;
-    let mut to = File::options()
-        .write(true)
-        .create_new(true)
-        .open(dir.join(name))?;
+    let mut to = std::os::unix::fs::OpenOptionsExt::mode(
+        File::options().write(true).create_new(true),
+        0o600,
+    )
+    .open(dir.join(name))?;
     to.set_len(length)?;
     let mut hash = Sha256::new();
     let mut buf = vec![0u8; CHUNK];

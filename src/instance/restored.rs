@@ -22,7 +22,7 @@ impl Instance {
     /// instance had received and not read stays there), its end. Once per process.
     ///
     /// ```no_run
-    /// # async fn demo(sandbox: &krunbox::Sandbox, snapshot: &krunbox::Snapshot) -> krunbox::Result<()> {
+    /// # async fn demo(sandbox: &krunbox::Sandbox, snapshot: &krunbox::Snapshot) -> Result<(), Box<dyn std::error::Error>> {
     /// use tokio::io::AsyncWriteExt;
     /// let vm = sandbox.restore(snapshot).await?;
     /// for pid in vm.processes() {

@@ -140,7 +140,9 @@ fn a_pool_hands_out_running_instances_that_never_saw_another_users_command() {
             "no file of the first user's"
         );
         assert_eq!(
-            sh(&second, "ps -o comm= | grep -c -x sh").await,
+            // ps alone, not in a pipeline: a pipeline's side is a forked `sh` until it execs,
+            // which ps could see.
+            sh(&second, "ps -o comm= > /tmp/ps; grep -c -x sh /tmp/ps").await,
             "1",
             "no shell but this one"
         );

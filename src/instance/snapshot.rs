@@ -58,21 +58,7 @@ impl Instance {
                 Ok((parts, Vec::new()))
             })
             .await?;
-        let manifest = Manifest {
-            format: snapshot::FORMAT.into(),
-            krunbox: env!("CARGO_PKG_VERSION").into(),
-            protocol: crate::protocol::PROTOCOL_VERSION,
-            cpus: source.cpus,
-            memory_mib: source.memory_mib,
-            image_sha256: source.image_sha256.clone(),
-            kernel_release: self.inner.kernel_release.clone(),
-            guest_init_sha256: guest_init_sha256(&source.definition.0)?,
-            token,
-            next_process_id: self.inner.next_id.load(std::sync::atomic::Ordering::SeqCst),
-            memory,
-            machine,
-            processes,
-        };
+        let manifest = self.manifest(source, token, processes, memory, machine)?;
         let sealed = Snapshot::seal(staging.path().to_path_buf(), manifest, &key)?;
         let digest = sealed.digest().to_owned();
         let dir = staging.finish()?;
@@ -125,7 +111,6 @@ impl Instance {
                 Ok((copies, state))
             })
             .await?;
-        let (copies, state) = (copies, state);
         // What a snapshot's manifest would say; the parts are in memory, not on disk.
         let in_memory = |name: &str, length: u64| snapshot::Part {
             name: name.to_owned(),
@@ -133,24 +118,14 @@ impl Instance {
             extents: Vec::new(),
             sha256: String::new(),
         };
-        let manifest = Manifest {
-            format: snapshot::FORMAT.into(),
-            krunbox: env!("CARGO_PKG_VERSION").into(),
-            protocol: crate::protocol::PROTOCOL_VERSION,
-            cpus: source.cpus,
-            memory_mib: source.memory_mib,
-            image_sha256: source.image_sha256.clone(),
-            kernel_release: self.inner.kernel_release.clone(),
-            guest_init_sha256: guest_init_sha256(&source.definition.0)?,
+        let memory_len = source.memory.file().metadata().map_or(0, |m| m.len());
+        let manifest = self.manifest(
+            source,
             token,
-            next_process_id: self.inner.next_id.load(std::sync::atomic::Ordering::SeqCst),
-            memory: in_memory(
-                snapshot::MEMORY,
-                source.memory.file().metadata().map_or(0, |m| m.len()),
-            ),
-            machine: in_memory(snapshot::MACHINE, state.len() as u64),
             processes,
-        };
+            in_memory(snapshot::MEMORY, memory_len),
+            in_memory(snapshot::MACHINE, state.len() as u64),
+        )?;
         let definition = source.definition.0.clone();
         let mut forks = Vec::with_capacity(n);
         for memory in copies {
@@ -165,6 +140,32 @@ impl Instance {
             forks.push(super::restore_from(definition.clone(), restore).await?);
         }
         Ok(forks)
+    }
+
+    /// What a snapshot of this instance, stilled with `token`, says it is.
+    fn manifest(
+        &self,
+        source: &snapshot::SnapshotSource,
+        token: u64,
+        processes: Vec<crate::control::SavedProcess>,
+        memory: snapshot::Part,
+        machine: snapshot::Part,
+    ) -> Result<Manifest> {
+        Ok(Manifest {
+            format: snapshot::FORMAT.into(),
+            krunbox: env!("CARGO_PKG_VERSION").into(),
+            protocol: crate::protocol::PROTOCOL_VERSION,
+            cpus: source.cpus,
+            memory_mib: source.memory_mib,
+            image_sha256: source.image_sha256.clone(),
+            kernel_release: self.inner.kernel_release.clone(),
+            guest_init_sha256: guest_init_sha256(&source.definition.0)?,
+            token,
+            next_process_id: self.inner.next_id.load(std::sync::atomic::Ordering::SeqCst),
+            memory,
+            machine,
+            processes,
+        })
     }
 
     /// What snapshots of this instance need, or why it cannot be snapshotted.

@@ -72,16 +72,19 @@ impl RunningVm {
     /// Sets the state [`RunningVm::save_state`] returned on the paused VM. Bytes from
     /// anywhere else are parsed as such: a wrong or oversized state is an error.
     pub fn restore_state(&self, bytes: &[u8]) -> Result<(), String> {
-        if bytes.len() > MAX_STATE_BYTES {
-            return Err(format!(
-                "a machine state of {} bytes is past the {MAX_STATE_BYTES} accepted",
-                bytes.len()
-            ));
-        }
-        let state: krun_vmm::MachineState =
-            serde_json::from_slice(bytes).map_err(|e| format!("not a machine state: {e}"))?;
-        self.vmm().restore_machine_state(state)
+        self.vmm().restore_machine_state(parse_state(bytes)?)
     }
+}
+
+/// A machine state from `bytes`, refused past [`MAX_STATE_BYTES`] or when it is not one.
+fn parse_state(bytes: &[u8]) -> Result<krun_vmm::MachineState, String> {
+    if bytes.len() > MAX_STATE_BYTES {
+        return Err(format!(
+            "a machine state of {} bytes is past the {MAX_STATE_BYTES} accepted",
+            bytes.len()
+        ));
+    }
+    serde_json::from_slice(bytes).map_err(|e| format!("not a machine state: {e}"))
 }
 
 /// Makes the next VM this process starts a restore of the state [`RunningVm::save_state`]
@@ -91,14 +94,7 @@ impl RunningVm {
 /// the vCPUs first run, and the vsock driver is told its connections are gone. Bytes from
 /// anywhere else are parsed as such.
 pub fn restore_on_build(bytes: &[u8]) -> Result<(), String> {
-    if bytes.len() > MAX_STATE_BYTES {
-        return Err(format!(
-            "a machine state of {} bytes is past the {MAX_STATE_BYTES} accepted",
-            bytes.len()
-        ));
-    }
-    let state: krun_vmm::MachineState =
-        serde_json::from_slice(bytes).map_err(|e| format!("not a machine state: {e}"))?;
+    let state = parse_state(bytes)?;
     *krun_vmm::builder::EMBEDDER_RESTORE
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(state);

@@ -153,6 +153,34 @@ fn a_pool_hands_out_running_instances_that_never_saw_another_users_command() {
     });
 }
 
+/// A busybox definition whose instances can be snapshotted, its key in `keys`.
+fn snapshottable(keys: &std::path::Path) -> Sandbox {
+    Sandbox::builder()
+        .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
+        .memory_mib(256)
+        .snapshots(true)
+        .snapshot_key_dir(keys)
+        .build()
+        .unwrap()
+}
+
+/// A shell in a pty on `vm` that has run `X=41` and `echo FILE_TEXT > /tmp/f`: the shell, its
+/// input and its screen.
+async fn shell_holding_state(
+    vm: &Instance,
+    file_text: &str,
+) -> (krunbox::Child, krunbox::ChildStdin, krunbox::ChildStdout) {
+    let mut shell = vm.command("sh").pty(24, 80).spawn().await.unwrap();
+    let mut input = shell.stdin.take().unwrap();
+    let mut screen = shell.stdout.take().unwrap();
+    input
+        .write_all(format!("X=41; echo {file_text} > /tmp/f; echo set-$X\n").as_bytes())
+        .await
+        .unwrap();
+    common::read_until(&mut screen, "set-41").await;
+    (shell, input, screen)
+}
+
 /// The guest's uptime in seconds (`/proc/uptime`: its boot-time clock, from kvmclock).
 async fn uptime(vm: &Instance) -> f64 {
     let line = sh(vm, "cat /proc/uptime").await;
@@ -231,22 +259,9 @@ fn the_vms_saved_kvm_state_set_back_after_a_hold_resumes_the_guest_without_the_h
 fn a_snapshot_is_written_whole_refused_once_tampered_and_the_instance_goes_on() {
     common::run(async {
         let keys = tempfile::tempdir().unwrap();
-        let sandbox = Sandbox::builder()
-            .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
-            .memory_mib(256)
-            .snapshots(true)
-            .snapshot_key_dir(keys.path())
-            .build()
-            .unwrap();
+        let sandbox = snapshottable(keys.path());
         let vm = sandbox.boot().await.unwrap();
-        let mut shell = vm.command("sh").pty(24, 80).spawn().await.unwrap();
-        let mut input = shell.stdin.take().unwrap();
-        let mut screen = shell.stdout.take().unwrap();
-        input
-            .write_all(b"X=41; echo kept > /tmp/f; echo set-$X\n")
-            .await
-            .unwrap();
-        common::read_until(&mut screen, "set-41").await;
+        let (mut shell, mut input, mut screen) = shell_holding_state(&vm, "kept").await;
 
         let place = tempfile::tempdir().unwrap();
         let dir = place.path().join("snap");
@@ -304,23 +319,10 @@ fn a_snapshot_is_written_whole_refused_once_tampered_and_the_instance_goes_on() 
 fn a_restored_snapshot_takes_over_its_shell_keeps_its_files_and_diverges_from_its_source() {
     common::run(async {
         let keys = tempfile::tempdir().unwrap();
-        let sandbox = Sandbox::builder()
-            .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
-            .memory_mib(256)
-            .snapshots(true)
-            .snapshot_key_dir(keys.path())
-            .build()
-            .unwrap();
+        let sandbox = snapshottable(keys.path());
         let vm = sandbox.boot().await.unwrap();
-        let mut shell = vm.command("sh").pty(24, 80).spawn().await.unwrap();
+        let (mut shell, mut input, mut screen) = shell_holding_state(&vm, "kept").await;
         let pid = shell.id();
-        let mut input = shell.stdin.take().unwrap();
-        let mut screen = shell.stdout.take().unwrap();
-        input
-            .write_all(b"X=41; echo kept > /tmp/f; echo set-$X\n")
-            .await
-            .unwrap();
-        common::read_until(&mut screen, "set-41").await;
         let place = tempfile::tempdir().unwrap();
         let dir = place.path().join("snap");
         vm.snapshot(&dir).await.unwrap();
@@ -475,25 +477,9 @@ fn a_python_repl_in_a_pty_survives_a_snapshot_restored_by_a_fresh_process() {
 fn a_fork_into_two_starts_both_from_the_source_and_each_diverges() {
     common::run(async {
         let keys = tempfile::tempdir().unwrap();
-        let vm = Sandbox::builder()
-            .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
-            .memory_mib(256)
-            .snapshots(true)
-            .snapshot_key_dir(keys.path())
-            .build()
-            .unwrap()
-            .boot()
-            .await
-            .unwrap();
-        let mut shell = vm.command("sh").pty(24, 80).spawn().await.unwrap();
+        let vm = snapshottable(keys.path()).boot().await.unwrap();
+        let (shell, mut input, mut screen) = shell_holding_state(&vm, "base").await;
         let pid = shell.id();
-        let mut input = shell.stdin.take().unwrap();
-        let mut screen = shell.stdout.take().unwrap();
-        input
-            .write_all(b"X=41; echo base > /tmp/f; echo set-$X\n")
-            .await
-            .unwrap();
-        common::read_until(&mut screen, "set-41").await;
 
         let forks = vm.fork(2).await.unwrap();
         assert_eq!(forks.len(), 2);

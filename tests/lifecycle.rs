@@ -153,6 +153,23 @@ fn a_pool_hands_out_running_instances_that_never_saw_another_users_command() {
     });
 }
 
+/// Flips one bit of the first data byte of `file` (a hole's byte would not be hashed).
+fn flip_first_data_byte(file: &std::path::Path) {
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(file)
+        .unwrap();
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&file);
+    // SAFETY: lseek on a descriptor this test owns.
+    let data_at = unsafe { libc::lseek(fd, 0, libc::SEEK_DATA) };
+    assert!(data_at >= 0, "no data in the file");
+    let mut byte = [0u8; 1];
+    file.read_exact_at(&mut byte, data_at as u64).unwrap();
+    file.write_all_at(&[byte[0] ^ 1], data_at as u64).unwrap();
+}
+
 /// A busybox definition whose instances can be snapshotted, its key in `keys`.
 fn snapshottable(keys: &std::path::Path) -> Sandbox {
     Sandbox::builder()
@@ -285,21 +302,7 @@ fn a_snapshot_is_written_whole_refused_once_tampered_and_the_instance_goes_on() 
         assert_eq!(sh(&vm, "cat /tmp/f").await, "kept");
 
         // One byte of guest memory changed on disk: refused, saying which part.
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(dir.join("memory.img"))
-            .unwrap();
-        use std::os::unix::fs::FileExt;
-        let data_at = {
-            // The first data byte: a hole's byte would not be hashed.
-            let fd = std::os::fd::AsRawFd::as_raw_fd(&file);
-            // SAFETY: lseek on a descriptor this test owns.
-            unsafe { libc::lseek(fd, 0, libc::SEEK_DATA) as u64 }
-        };
-        let mut byte = [0u8; 1];
-        file.read_exact_at(&mut byte, data_at).unwrap();
-        file.write_all_at(&[byte[0] ^ 1], data_at).unwrap();
+        flip_first_data_byte(&dir.join("memory.img"));
         assert!(matches!(
             krunbox::Snapshot::open(&dir, keys.path()).unwrap().verify(),
             Err(Error::SnapshotTampered { part, .. }) if part == "memory.img"
@@ -355,20 +358,7 @@ fn a_restored_snapshot_takes_over_its_shell_keeps_its_files_and_diverges_from_it
         vm.shutdown().await.unwrap();
 
         // A byte of the snapshot's memory changed on disk: refused before any VM runs.
-        use std::os::unix::fs::FileExt;
-        let memory = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(dir.join("memory.img"))
-            .unwrap();
-        let data_at = {
-            let fd = std::os::fd::AsRawFd::as_raw_fd(&memory);
-            // SAFETY: lseek on a descriptor this test owns.
-            unsafe { libc::lseek(fd, 0, libc::SEEK_DATA) as u64 }
-        };
-        let mut byte = [0u8; 1];
-        memory.read_exact_at(&mut byte, data_at).unwrap();
-        memory.write_all_at(&[byte[0] ^ 1], data_at).unwrap();
+        flip_first_data_byte(&dir.join("memory.img"));
         let refused = sandbox.restore(&snapshot).await;
         assert!(
             matches!(&refused, Err(Error::SnapshotTampered { part, .. }) if part == "memory.img"),

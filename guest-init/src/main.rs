@@ -177,7 +177,7 @@ fn rejoin(
 /// was saved). Best effort: a guest with a stale clock still works.
 fn set_wall_clock(unix_time_ns: u64) {
     let time = libc::timespec {
-        tv_sec: (unix_time_ns / 1_000_000_000) as libc::time_t,
+        tv_sec: (unix_time_ns / 1_000_000_000) as _,
         tv_nsec: (unix_time_ns % 1_000_000_000) as libc::c_long,
     };
     // SAFETY: clock_settime reads a valid timespec.

@@ -129,12 +129,13 @@ pub(super) async fn run(
             };
             if let Some(
                 source @ crate::snapshot::Restore {
-                    from: crate::snapshot::RestoreFrom::Dir(_),
+                    from: crate::snapshot::RestoreFrom::Dir { .. },
                     ..
                 },
             ) = plan.restore
             {
                 fill_from_snapshot(source, &memory, &commands).await?;
+                tracing::debug!("memory and machine state filled from the snapshot");
             }
             let ends = parts
                 .mounts
@@ -328,10 +329,10 @@ async fn fill_from_snapshot(
     memory: &Arc<crate::guest_memory::GuestMemoryFile>,
     commands: &Arc<crate::vmm_commands::VmmCommands>,
 ) -> Result<()> {
-    let crate::snapshot::RestoreFrom::Dir(dir) = &source.from else {
+    let crate::snapshot::RestoreFrom::Dir { dir, seals } = &source.from else {
         return Ok(());
     };
-    let dir = dir.clone();
+    let (dir, seals) = (dir.clone(), seals.clone());
     let manifest = source.manifest.clone();
     let (memory, commands) = (memory.clone(), commands.clone());
     tokio::task::spawn_blocking(move || {
@@ -345,10 +346,18 @@ async fn fill_from_snapshot(
                 ),
             });
         }
-        crate::snapshot::part::read(&dir, &manifest.memory, Some(memory.file()))
-            .map_err(crate::snapshot::part_error)?;
-        crate::snapshot::part::read(&dir, &manifest.machine, Some(commands.state_file()))
-            .map_err(crate::snapshot::part_error)
+        let read = |part, into| {
+            crate::snapshot::part::read(&dir, part, Some(into), Some(&seals))
+                .map_err(crate::snapshot::part_error)
+        };
+        let memory = read(&manifest.memory, memory.file())?;
+        let machine = read(&manifest.machine, commands.state_file())?;
+        tracing::debug!(
+            ?memory,
+            ?machine,
+            "the snapshot's parts are checked and copied"
+        );
+        Ok(())
     })
     .await
     .map_err(|e| Error::Snapshot {

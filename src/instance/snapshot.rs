@@ -52,15 +52,15 @@ impl Instance {
         let staging = Staging::new(dir.as_ref())?;
         let token = random_token();
         let (memory, dir) = (source.memory.clone(), staging.path().to_path_buf());
+        let seals = snapshot::seals_dir(&source.key_dir);
         let ((memory, machine), _, processes) = self
             .stilled(token, move |state| async move {
-                let parts = copy_parts(memory, dir, state).await?;
+                let parts = copy_parts(memory, dir, seals, state).await?;
                 Ok((parts, Vec::new()))
             })
             .await?;
         let manifest = self.manifest(source, token, processes, memory, machine)?;
-        let sealed = Snapshot::seal(staging.path().to_path_buf(), manifest, &key)?;
-        let digest = sealed.digest().to_owned();
+        let digest = Snapshot::sign(staging.path(), manifest, &key)?;
         let dir = staging.finish()?;
         tracing::info!(dir = %dir.display(), %digest, "snapshot taken");
         Snapshot::open(&dir, &source.key_dir)
@@ -227,8 +227,10 @@ impl Instance {
         control.set_paused(true);
         let stilled = async {
             let processes = control.quiesce(token, QUIESCE_DEADLINE).await?;
+            tracing::debug!("quiesced");
             let made = self.capture(copy).await;
             control.resume().await?;
+            tracing::debug!("resumed");
             made.map(|(made, state)| (made, state, processes))
         }
         .await;
@@ -249,6 +251,7 @@ impl Instance {
         let captured = async {
             self.machine_command(VmmCommand::PauseVcpus, "saved")
                 .await?;
+            tracing::debug!("vCPUs paused");
             self.wait_for_devices().await?;
             let bytes = match self
                 .machine_command(VmmCommand::SaveMachineState, "saved")
@@ -275,7 +278,9 @@ impl Instance {
                 let _ = self.stop_vm(false).await;
                 return Err(e);
             }
+            tracing::debug!("machine state saved, VMM stopped");
             let copied = copy(state).await;
+            tracing::debug!("copied");
             let started = self.stop_vm(false).await;
             let made = copied?;
             started?;
@@ -320,11 +325,14 @@ impl Instance {
     }
 }
 
-/// The SHA-256 of the guest-init `config` boots with (about a megabyte).
+/// The SHA-256 of the guest-init `config` boots with (megabytes: sealed to its file's state
+/// as images are, so a fork or restore does not hash it again).
 pub(super) fn guest_init_sha256(config: &crate::config::SandboxConfig) -> Result<String> {
     let path = &config.artifacts.guest_init;
+    let seals = crate::rootfs::seal::seals_dir(&config.cache_dir);
     std::fs::File::open(path)
-        .and_then(crate::rootfs::sha256_hex)
+        .and_then(|mut file| crate::rootfs::seal::digest_of(&mut file, Some(&seals)))
+        .map(|(digest, _)| digest)
         .map_err(Error::io(format!("hashing guest-init {}", path.display())))
 }
 
@@ -332,13 +340,16 @@ pub(super) fn guest_init_sha256(config: &crate::config::SandboxConfig) -> Result
 async fn copy_parts(
     memory: Arc<GuestMemoryFile>,
     dir: std::path::PathBuf,
+    seals: std::path::PathBuf,
     state: Vec<u8>,
 ) -> Result<(snapshot::Part, snapshot::Part)> {
     tokio::task::spawn_blocking(move || {
-        let memory = snapshot::part::write(memory.file(), &dir, snapshot::MEMORY)?;
+        let write =
+            |from: &std::fs::File, name| snapshot::part::write(from, &dir, name, Some(&seals));
+        let memory = write(memory.file(), snapshot::MEMORY)?;
         let state_file = tempfile::tempfile()?;
         std::os::unix::fs::FileExt::write_all_at(&state_file, &state, 0)?;
-        let machine = snapshot::part::write(&state_file, &dir, snapshot::MACHINE)?;
+        let machine = write(&state_file, snapshot::MACHINE)?;
         Ok::<_, std::io::Error>((memory, machine))
     })
     .await
@@ -350,40 +361,7 @@ async fn copy_parts(
 }
 
 /// Copies `from`'s data into `to` (as long, all zeros) at the same offsets: a fork's memory.
-/// In the kernel (`copy_file_range`), so the bytes do not pass through this process.
+/// In the kernel, so the bytes do not pass through this process.
 fn copy_data(from: &std::fs::File, to: &std::fs::File) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd;
-    for (start, end) in crate::rootfs::layer::data_extents(from)? {
-        let (mut off_in, mut off_out) = (start as i64, start as i64);
-        while (off_in as u64) < end {
-            let len = (end - off_in as u64) as usize;
-            // SAFETY: both descriptors are open files of ours; the offsets are ours to move.
-            let copied = unsafe {
-                libc::copy_file_range(
-                    from.as_raw_fd(),
-                    &mut off_in,
-                    to.as_raw_fd(),
-                    &mut off_out,
-                    len,
-                    0,
-                )
-            };
-            match copied {
-                n if n > 0 => {}
-                0 => {
-                    return Err(std::io::Error::new(
-                        std::io::ErrorKind::UnexpectedEof,
-                        "the guest's memory ended early",
-                    ))
-                }
-                _ => {
-                    let e = std::io::Error::last_os_error();
-                    if e.kind() != std::io::ErrorKind::Interrupted {
-                        return Err(e);
-                    }
-                }
-            }
-        }
-    }
-    Ok(())
+    snapshot::copy::copy_extents(from, to, &crate::rootfs::layer::data_extents(from)?)
 }

@@ -142,22 +142,53 @@ fn sealable(file: &File) -> bool {
     LOCAL_FILESYSTEMS.contains(&kind)
 }
 
-/// Digests this process computed, by the stamp of the inode they were computed for.
-static DIGESTS: std::sync::Mutex<Vec<(InodeStamp, String)>> = std::sync::Mutex::new(Vec::new());
+/// What a sealed digest is of: one kind's seal never answers for another (an image's digest
+/// is of its whole file, a snapshot part's of its listed extents).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DigestKind {
+    /// SHA-256 of the whole file (images).
+    WholeFile,
+    /// A snapshot part's digest of its extents (`snapshot::part`).
+    SnapshotPart,
+}
 
-fn remembered() -> std::sync::MutexGuard<'static, Vec<(InodeStamp, String)>> {
+impl DigestKind {
+    /// The seal file's name prefix.
+    fn prefix(self) -> &'static str {
+        match self {
+            DigestKind::WholeFile => "",
+            DigestKind::SnapshotPart => "part-",
+        }
+    }
+}
+
+/// Digests this process computed, by kind and the stamp of the inode they were computed for.
+type Remembered = Vec<(DigestKind, InodeStamp, String)>;
+static DIGESTS: std::sync::Mutex<Remembered> = std::sync::Mutex::new(Vec::new());
+
+fn remembered() -> std::sync::MutexGuard<'static, Remembered> {
     DIGESTS
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-fn remember(stamp: InodeStamp, digest: &str) {
+fn remember(kind: DigestKind, stamp: InodeStamp, digest: &str) {
     let mut known = remembered();
-    known.retain(|(other, _)| (other.dev, other.ino) != (stamp.dev, stamp.ino));
+    known.retain(|(other_kind, other, _)| {
+        (*other_kind, other.dev, other.ino) != (kind, stamp.dev, stamp.ino)
+    });
     if known.len() >= MAX_REMEMBERED_DIGESTS {
         known.remove(0);
     }
-    known.push((stamp, digest.to_string()));
+    known.push((kind, stamp, digest.to_string()));
+}
+
+/// Forgets what this process remembers of `file`'s inode, as a fresh process would start
+/// (tests; only that inode, so that tests beside it keep what they remember).
+#[cfg(test)]
+pub(crate) fn forget_for_tests(file: &File) {
+    let stamp = InodeStamp::of(file).unwrap();
+    remembered().retain(|(_, other, _)| (other.dev, other.ino) != (stamp.dev, stamp.ino));
 }
 
 /// Where seals are kept: `seals/` in the library's cache directory.
@@ -165,18 +196,18 @@ pub(crate) fn seals_dir(cache_dir: &Path) -> PathBuf {
     cache_dir.join("seals")
 }
 
-fn seal_path(seals: &Path, stamp: &InodeStamp) -> PathBuf {
-    seals.join(format!("{}-{}", stamp.dev, stamp.ino))
+fn seal_path(seals: &Path, kind: DigestKind, stamp: &InodeStamp) -> PathBuf {
+    seals.join(format!("{}{}-{}", kind.prefix(), stamp.dev, stamp.ino))
 }
 
 /// The digest `seals` holds for `stamp`, if any (anything unexpected reads as none).
-fn read_seal(seals: &Path, stamp: &InodeStamp) -> Option<String> {
+fn read_seal(seals: &Path, kind: DigestKind, stamp: &InodeStamp) -> Option<String> {
     use std::os::unix::fs::OpenOptionsExt;
     // Not a FIFO (it would block) nor a link: a regular file of ours, or nothing.
     let file = File::options()
         .read(true)
         .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
-        .open(seal_path(seals, stamp))
+        .open(seal_path(seals, kind, stamp))
         .ok()?;
     if !file.metadata().ok()?.file_type().is_file() {
         return None;
@@ -189,16 +220,16 @@ fn read_seal(seals: &Path, stamp: &InodeStamp) -> Option<String> {
 /// Records `digest` for `stamp` in `seals`, replacing the inode's earlier seal at once (a
 /// reader sees the old file or the new, never half of one). Best effort: a boot that cannot
 /// seal just hashes again next time.
-fn write_seal(seals: &Path, stamp: &InodeStamp, digest: &str) {
+fn write_seal(seals: &Path, kind: DigestKind, stamp: &InodeStamp, digest: &str) {
     let written = (|| -> std::io::Result<()> {
         std::fs::create_dir_all(seals)?;
         let mut temp = tempfile::NamedTempFile::new_in(seals)?;
         std::io::Write::write_all(&mut temp, stamp.line(digest).as_bytes())?;
-        temp.persist(seal_path(seals, stamp))?;
+        temp.persist(seal_path(seals, kind, stamp))?;
         Ok(())
     })();
     if let Err(e) = written {
-        tracing::debug!(seals = %seals.display(), "could not record an image's seal: {e}");
+        tracing::debug!(seals = %seals.display(), "could not record a seal: {e}");
     }
 }
 
@@ -213,6 +244,116 @@ pub(crate) enum Provenance {
     Sealed,
 }
 
+/// The digest of `kind` this process or a seal in `seals` knows for `file` in its present
+/// state, if `file` is [`sealable`] and one does.
+pub(crate) fn known_digest(
+    file: &File,
+    kind: DigestKind,
+    seals: Option<&Path>,
+) -> Option<(String, Provenance)> {
+    if !sealable(file) {
+        return None;
+    }
+    let stamp = InodeStamp::of(file).ok()?;
+    let remembered = remembered()
+        .iter()
+        .find(|(known_kind, known, _)| (*known_kind, *known) == (kind, stamp))
+        .map(|(_, _, digest)| digest.clone());
+    if let Some(digest) = remembered {
+        return Some((digest, Provenance::Remembered));
+    }
+    let digest = read_seal(seals?, kind, &stamp)?;
+    remember(kind, stamp, &digest);
+    Some((digest, Provenance::Sealed))
+}
+
+/// A hash of `file` about to begin: seals its digest afterwards if the file was sealable, its
+/// ctime had settled when the hash began, and nothing changed it meanwhile.
+pub(crate) struct Hashing {
+    stamp: Option<InodeStamp>,
+    now: i64,
+}
+
+impl Hashing {
+    /// Called before the hash reads anything: a hash can take seconds, and "settled" is
+    /// about the state the hash began with.
+    pub(crate) fn begin(file: &File) -> Hashing {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |since| since.as_secs() as i64);
+        let stamp = sealable(file).then(|| InodeStamp::of(file).ok()).flatten();
+        Hashing { stamp, now }
+    }
+
+    /// Seals `digest`, the hash's result, if the state allows (see the type).
+    pub(crate) fn finish(self, file: &File, kind: DigestKind, seals: Option<&Path>, digest: &str) {
+        let Some(stamp) = self.stamp else {
+            return;
+        };
+        if stamp.settled_before(self.now) && InodeStamp::of(file).ok() == Some(stamp) {
+            remember(kind, stamp, digest);
+            if let Some(seals) = seals {
+                write_seal(seals, kind, &stamp, digest);
+            }
+        }
+    }
+}
+
+/// Seals `digest` for `file`, which this process has just created (exclusively, 0600, in a
+/// directory only this user may enter) and written with exactly the bytes `digest` was
+/// computed from. No other writer can have been at work, so the seconds of settling a hash of
+/// a file found on disk needs are not needed; what is needed is that a write *after* this
+/// returns moves the ctime, which it does not within the same clock tick. So this waits (a
+/// few milliseconds at most) for the clock the kernel stamps inodes with to pass the file's
+/// ctime, and seals nothing if it does not soon or if the filesystem keeps whole seconds.
+/// Only a process of this same user could change the file unseen in that window, and it
+/// could as well rewrite the seal (see the module's documentation).
+pub(crate) fn seal_own_write(file: &File, kind: DigestKind, seals: Option<&Path>, digest: &str) {
+    if !sealable(file) {
+        return;
+    }
+    let Ok(stamp) = InodeStamp::of(file) else {
+        return;
+    };
+    if !clock_passes(stamp.ctime, std::time::Duration::from_millis(50)) {
+        return;
+    }
+    if InodeStamp::of(file).ok() != Some(stamp) {
+        return;
+    }
+    remember(kind, stamp, digest);
+    if let Some(seals) = seals {
+        write_seal(seals, kind, &stamp, digest);
+    }
+}
+
+/// Waits up to `deadline` until the coarse real-time clock (what the kernel stamps an
+/// inode's ctime from) is past `ctime`. False for a ctime of whole seconds: a filesystem that
+/// keeps only seconds gives a write in the same second the same ctime.
+fn clock_passes(ctime: (i64, i64), deadline: std::time::Duration) -> bool {
+    if ctime.1 == 0 {
+        return false;
+    }
+    let start = std::time::Instant::now();
+    loop {
+        let mut now = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: clock_gettime fills the timespec or fails.
+        if unsafe { libc::clock_gettime(libc::CLOCK_REALTIME_COARSE, &mut now) } != 0 {
+            return false;
+        }
+        if (now.tv_sec, now.tv_nsec) > ctime {
+            return true;
+        }
+        if start.elapsed() >= deadline {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
 /// The SHA-256 of the open `file`: hashed, unless this process or a seal in `seals` knows the
 /// digest of the same inode in the same state. Only a file [`sealable`] is sealed, and only a
 /// state nothing changed while it was hashed, whose ctime had settled before the hash began.
@@ -220,28 +361,12 @@ pub(crate) fn digest_of(
     file: &mut File,
     seals: Option<&Path>,
 ) -> std::io::Result<(String, Provenance)> {
-    // Read before the stamp: a hash can take seconds, and "settled" is about the stamp.
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |since| since.as_secs() as i64);
-    let stamp = InodeStamp::of(file)?;
-    if !sealable(file) {
-        return Ok((super::sha256_hex(&mut *file)?, Provenance::Hashed));
+    if let Some(known) = known_digest(file, DigestKind::WholeFile, seals) {
+        return Ok(known);
     }
-    if let Some((_, digest)) = remembered().iter().find(|(known, _)| *known == stamp) {
-        return Ok((digest.clone(), Provenance::Remembered));
-    }
-    if let Some(digest) = seals.and_then(|seals| read_seal(seals, &stamp)) {
-        remember(stamp, &digest);
-        return Ok((digest, Provenance::Sealed));
-    }
+    let hashing = Hashing::begin(file);
     let digest = super::sha256_hex(&mut *file)?;
-    if stamp.settled_before(now) && InodeStamp::of(file)? == stamp {
-        remember(stamp, &digest);
-        if let Some(seals) = seals {
-            write_seal(seals, &stamp, &digest);
-        }
-    }
+    hashing.finish(file, DigestKind::WholeFile, seals, &digest);
     Ok((digest, Provenance::Hashed))
 }
 
@@ -324,8 +449,12 @@ mod tests {
         // A FIFO where a seal would be is not read (it would block), nor trusted.
         forget_all();
         let stamp = InodeStamp::of(&File::open(&path).unwrap()).unwrap();
-        std::fs::remove_file(seal_path(&seals, &stamp)).unwrap();
-        nix::unistd::mkfifo(&seal_path(&seals, &stamp), nix::sys::stat::Mode::S_IRWXU).unwrap();
+        std::fs::remove_file(seal_path(&seals, DigestKind::WholeFile, &stamp)).unwrap();
+        nix::unistd::mkfifo(
+            &seal_path(&seals, DigestKind::WholeFile, &stamp),
+            nix::sys::stat::Mode::S_IRWXU,
+        )
+        .unwrap();
         assert_eq!(digest(&path).1, Provenance::Hashed);
     }
 

@@ -8,8 +8,15 @@
 //! authenticated with a key of this user's ([`key`]). [`Snapshot::open`] refuses a snapshot
 //! whose manifest or any part changed, before anything of it is used.
 
+pub(crate) mod copy;
 mod key;
 pub(crate) mod part;
+
+/// Where the seals of snapshot parts' digests are kept, for snapshots whose key is in
+/// `key_dir`: beside the key, as trusted as it.
+pub(crate) fn seals_dir(key_dir: &Path) -> PathBuf {
+    crate::rootfs::seal::seals_dir(key_dir)
+}
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -82,6 +89,8 @@ pub struct Snapshot {
     dir: PathBuf,
     manifest: Arc<Manifest>,
     digest: String,
+    /// Where the seals of its parts' digests are kept: beside the key (see [`part`]).
+    seals: PathBuf,
 }
 
 impl Snapshot {
@@ -110,6 +119,7 @@ impl Snapshot {
             dir,
             manifest: Arc::new(manifest),
             digest,
+            seals: seals_dir(key_dir.as_ref()),
         })
     }
 
@@ -117,13 +127,14 @@ impl Snapshot {
     /// that changed.
     pub fn verify(&self) -> Result<()> {
         for part in [&self.manifest.memory, &self.manifest.machine] {
-            part::read(&self.dir, part, None).map_err(part_error)?;
+            part::read(&self.dir, part, None, None).map_err(part_error)?;
         }
         Ok(())
     }
 
-    /// Writes `manifest` (signed with `key`) into `dir`, which holds its parts.
-    pub(crate) fn seal(dir: PathBuf, manifest: Manifest, key: &SnapshotKey) -> Result<Snapshot> {
+    /// Writes `manifest` (signed with `key`) into `dir`, which holds its parts; returns the
+    /// snapshot's digest.
+    pub(crate) fn sign(dir: &Path, manifest: Manifest, key: &SnapshotKey) -> Result<String> {
         let body = serde_json::to_vec(&manifest).expect("a manifest always serializes");
         let signed = Signed {
             hmac: key.sign(&body),
@@ -134,11 +145,7 @@ impl Snapshot {
         std::fs::write(&path, &bytes)
             .and_then(|()| std::fs::File::open(&path)?.sync_all())
             .map_err(Error::io(format!("writing {}", path.display())))?;
-        Ok(Snapshot {
-            dir,
-            manifest: Arc::new(signed.manifest),
-            digest: hex::encode(Sha256::digest(&bytes)),
-        })
+        Ok(hex::encode(Sha256::digest(&bytes)))
     }
 }
 
@@ -198,7 +205,11 @@ pub(crate) struct Restore {
 
 pub(crate) enum RestoreFrom {
     /// A snapshot's directory: each part is checked as it is copied.
-    Dir(PathBuf),
+    Dir {
+        dir: PathBuf,
+        /// Where its parts' seals are (see [`part`]).
+        seals: PathBuf,
+    },
     /// A fork's copy of its source's memory (this process made it), and the machine state.
     Memory {
         memory: Arc<crate::guest_memory::GuestMemoryFile>,
@@ -211,14 +222,17 @@ impl Restore {
     pub(crate) fn of(snapshot: &Snapshot) -> Restore {
         Restore {
             manifest: (*snapshot.manifest).clone(),
-            from: RestoreFrom::Dir(snapshot.dir.clone()),
+            from: RestoreFrom::Dir {
+                dir: snapshot.dir.clone(),
+                seals: snapshot.seals.clone(),
+            },
         }
     }
 
     /// The machine state's length.
     pub(crate) fn state_len(&self) -> u64 {
         match &self.from {
-            RestoreFrom::Dir(_) => self.manifest.machine.length,
+            RestoreFrom::Dir { .. } => self.manifest.machine.length,
             RestoreFrom::Memory { state, .. } => state.len() as u64,
         }
     }
@@ -310,11 +324,11 @@ mod tests {
             token: 7,
             next_process_id: 3,
             processes: Vec::new(),
-            memory: part::write(&memory, staging.path(), MEMORY).unwrap(),
-            machine: part::write(&machine, staging.path(), MACHINE).unwrap(),
+            memory: part::write(&memory, staging.path(), MEMORY, None).unwrap(),
+            machine: part::write(&machine, staging.path(), MACHINE, None).unwrap(),
         };
         let key = SnapshotKey::load_or_create(key_dir).unwrap();
-        Snapshot::seal(staging.path().to_path_buf(), manifest, &key).unwrap();
+        Snapshot::sign(staging.path(), manifest, &key).unwrap();
         staging.finish().unwrap();
         Snapshot::open(into, key_dir).unwrap()
     }

@@ -2,6 +2,10 @@
 //! mostly holes (a guest touches a fraction of its RAM), so only data is copied, at the same
 //! offsets, and only data is hashed. Restoring reads exactly the listed extents (what is not
 //! listed is zeros), so a byte added or changed anywhere that matters changes the digest.
+//!
+//! A part's digest is sealed to the state of its file (`rootfs::seal`, as images' are) when
+//! this process writes it, and after a restore hashed it: a restore of a part whose file is
+//! unchanged since copies its extents in the kernel without reading them here.
 
 use std::fs::File;
 use std::io::Write;
@@ -9,6 +13,8 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
+
+use crate::rootfs::seal::{self, DigestKind, Provenance};
 use sha2::{Digest, Sha256};
 
 /// Bytes copied and hashed at once.
@@ -43,8 +49,14 @@ pub(crate) enum PartError {
     },
 }
 
-/// Copies `from`'s data into `dir/name` at the same offsets (holes stay holes), hashing it.
-pub(crate) fn write(from: &File, dir: &Path, name: &str) -> std::io::Result<Part> {
+/// Copies `from`'s data into `dir/name` at the same offsets (holes stay holes), hashing it,
+/// and seals the digest to the new file in `seals`.
+pub(crate) fn write(
+    from: &File,
+    dir: &Path,
+    name: &str,
+    seals: Option<&Path>,
+) -> std::io::Result<Part> {
     let length = from.metadata()?.len();
     let extents = crate::rootfs::layer::data_extents(from)?;
     let mut to = std::os::unix::fs::OpenOptionsExt::mode(
@@ -69,18 +81,27 @@ pub(crate) fn write(from: &File, dir: &Path, name: &str) -> std::io::Result<Part
     }
     to.flush()?;
     to.sync_all()?;
+    let sha256 = hex::encode(hash.finalize());
+    seal::seal_own_write(&to, DigestKind::SnapshotPart, seals, &sha256);
     Ok(Part {
         name: name.to_owned(),
         length,
         extents,
-        sha256: hex::encode(hash.finalize()),
+        sha256,
     })
 }
 
 /// Reads `part` from `dir`, checking its digest; with `into`, copies each extent there at its
 /// offset as it is read (so that what was checked is exactly what `into` holds). `into` must
-/// be at least `part.length` long and hold zeros where the part has holes.
-pub(crate) fn read(dir: &Path, part: &Part, into: Option<&File>) -> Result<(), PartError> {
+/// be at least `part.length` long and hold zeros where the part has holes. With `seals`, a
+/// file whose state a seal there vouches for is not read again (its extents are copied in the
+/// kernel), and a file hashed here is sealed for the next time.
+pub(crate) fn read(
+    dir: &Path,
+    part: &Part,
+    into: Option<&File>,
+    seals: Option<&Path>,
+) -> Result<Provenance, PartError> {
     let tampered = |why: String| PartError::Tampered {
         name: part.name.clone(),
         why,
@@ -102,6 +123,16 @@ pub(crate) fn read(dir: &Path, part: &Part, into: Option<&File>) -> Result<(), P
     if from.metadata().map_err(io)?.len() != part.length {
         return Err(tampered("its length changed".into()));
     }
+    if seals.is_some() {
+        let known = seal::known_digest(&from, DigestKind::SnapshotPart, seals);
+        if let Some((_, how)) = known.filter(|(digest, _)| *digest == part.sha256) {
+            if let Some(into) = into {
+                super::copy::copy_extents(&from, into, &part.extents).map_err(io)?;
+            }
+            return Ok(how);
+        }
+    }
+    let hashing = seal::Hashing::begin(&from);
     let mut hash = Sha256::new();
     let mut buf = vec![0u8; CHUNK];
     for &(start, end) in &part.extents {
@@ -118,10 +149,12 @@ pub(crate) fn read(dir: &Path, part: &Part, into: Option<&File>) -> Result<(), P
             at += len as u64;
         }
     }
-    if hex::encode(hash.finalize()) != part.sha256 {
+    let digest = hex::encode(hash.finalize());
+    if digest != part.sha256 {
         return Err(tampered("its digest differs".into()));
     }
-    Ok(())
+    hashing.finish(&from, DigestKind::SnapshotPart, seals, &digest);
+    Ok(Provenance::Hashed)
 }
 
 #[cfg(test)]
@@ -141,7 +174,7 @@ mod tests {
     fn a_sparse_file_round_trips_with_its_holes_and_only_its_data_is_copied() {
         let dir = tempfile::tempdir().unwrap();
         let source = sparse_source();
-        let part = write(&source, dir.path(), "memory.img").unwrap();
+        let part = write(&source, dir.path(), "memory.img", None).unwrap();
         assert_eq!(part.length, 64 << 20);
         let data: u64 = part.extents.iter().map(|(s, e)| e - s).sum();
         assert!(
@@ -151,7 +184,7 @@ mod tests {
         );
         let into = tempfile::tempfile().unwrap();
         into.set_len(part.length).unwrap();
-        read(dir.path(), &part, Some(&into)).unwrap();
+        read(dir.path(), &part, Some(&into), None).unwrap();
         let mut back = vec![0u8; 8192];
         into.read_exact_at(&mut back, 1 << 20).unwrap();
         assert_eq!(back, vec![7u8; 8192]);
@@ -163,35 +196,86 @@ mod tests {
     #[test]
     fn a_flipped_byte_a_truncation_or_a_moved_extent_is_refused() {
         let dir = tempfile::tempdir().unwrap();
-        let part = write(&sparse_source(), dir.path(), "memory.img").unwrap();
+        let part = write(&sparse_source(), dir.path(), "memory.img", None).unwrap();
         let path = dir.path().join("memory.img");
         let file = File::options().write(true).open(&path).unwrap();
 
         file.write_all_at(&[8u8], (1 << 20) + 100).unwrap();
         assert!(matches!(
-            read(dir.path(), &part, None),
+            read(dir.path(), &part, None, None),
             Err(PartError::Tampered { .. })
         ));
         file.write_all_at(&[7u8], (1 << 20) + 100).unwrap();
-        read(dir.path(), &part, None).unwrap();
+        read(dir.path(), &part, None, None).unwrap();
 
         let mut moved = part.clone();
         moved.extents[0].0 += 4096;
         assert!(matches!(
-            read(dir.path(), &moved, None),
+            read(dir.path(), &moved, None, None),
             Err(PartError::Tampered { .. })
         ));
         let mut overlapping = part.clone();
         overlapping.extents.push((0, 4096));
         assert!(matches!(
-            read(dir.path(), &overlapping, None),
+            read(dir.path(), &overlapping, None, None),
             Err(PartError::Tampered { .. })
         ));
 
         file.set_len(part.length - 4096).unwrap();
         assert!(matches!(
-            read(dir.path(), &part, None),
+            read(dir.path(), &part, None, None),
             Err(PartError::Tampered { .. })
         ));
+    }
+
+    #[test]
+    fn a_sealed_part_is_copied_unread_until_its_file_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let seals = dir.path().join("seals");
+        let part = write(&sparse_source(), dir.path(), "memory.img", Some(&seals)).unwrap();
+        let restore = |part: &Part| {
+            let into = crate::guest_memory::GuestMemoryFile::create(64).unwrap();
+            let how = read(dir.path(), part, Some(into.file()), Some(&seals));
+            let mut back = vec![0u8; 8192];
+            into.file().read_exact_at(&mut back, 1 << 20).unwrap();
+            (how, back == vec![7u8; 8192])
+        };
+        // Sealed as written: this process remembers it, a fresh one finds the seal file.
+        assert!(matches!(restore(&part), (Ok(Provenance::Remembered), true)));
+        crate::rootfs::seal::forget_for_tests(&File::open(dir.path().join("memory.img")).unwrap());
+        assert!(matches!(restore(&part), (Ok(Provenance::Sealed), true)));
+        // Without seals (`Snapshot::verify`), always hashed.
+        assert!(matches!(
+            read(dir.path(), &part, None, None),
+            Ok(Provenance::Hashed)
+        ));
+        // A seal vouches for its digest only: a manifest saying another is checked in full.
+        let mut other = part.clone();
+        other.sha256 = "0".repeat(64);
+        assert!(matches!(restore(&other).0, Err(PartError::Tampered { .. })));
+        // Any write moves the ctime: the seal no longer applies, the change is found.
+        let file = File::options()
+            .write(true)
+            .open(dir.path().join("memory.img"))
+            .unwrap();
+        file.write_all_at(&[8u8], (1 << 20) + 100).unwrap();
+        assert!(matches!(restore(&part).0, Err(PartError::Tampered { .. })));
+        // Changed at once after it was written: still found (the seal waited for the clock
+        // that stamps ctimes to move on).
+        let again = write(&sparse_source(), dir.path(), "again.img", Some(&seals)).unwrap();
+        File::options()
+            .write(true)
+            .open(dir.path().join("again.img"))
+            .unwrap()
+            .write_all_at(&[8u8], (1 << 20) + 100)
+            .unwrap();
+        assert!(matches!(
+            read(dir.path(), &again, None, Some(&seals)),
+            Err(PartError::Tampered { .. })
+        ));
+        // Put back, it is hashed (and not sealed: its ctime has not settled).
+        file.write_all_at(&[7u8], (1 << 20) + 100).unwrap();
+        assert!(matches!(restore(&part), (Ok(Provenance::Hashed), true)));
+        assert!(matches!(restore(&part), (Ok(Provenance::Hashed), true)));
     }
 }

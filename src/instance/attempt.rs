@@ -109,6 +109,15 @@ pub(super) async fn run(
         pipe().map_err(|e| Error::io("creating the lifeline pipe")(e.into()))?;
     let (report_read, report_write) =
         pipe().map_err(|e| Error::io("creating the isolation report pipe")(e.into()))?;
+    // A restore's helper builds its VM while the snapshot is copied in, until the gate opens.
+    let (gate_read, gate) = match plan.restore {
+        Some(_) => {
+            let (read, write) =
+                pipe().map_err(|e| Error::io("creating the restore's gate")(e.into()))?;
+            (Some(read), Some(write))
+        }
+        None => (None, None),
+    };
     let net_pair = network_link(config)?;
     // The mounts' queues are served here, in the guest's memory (a fresh file each attempt).
     let (guest_memory, fs_ends) =
@@ -116,27 +125,13 @@ pub(super) async fn run(
             (None, Vec::new())
         } else {
             let memory = match plan.restore.map(|source| &source.from) {
-                // A fork's memory is a copy already, made for this instance alone.
-                Some(crate::snapshot::RestoreFrom::Memory { memory, state }) => {
-                    std::os::unix::fs::FileExt::write_all_at(commands.state_file(), state, 0)
-                        .map_err(Error::io("writing the fork's machine state"))?;
-                    memory.clone()
-                }
+                // A fork's memory is made for this instance alone (its source fills it).
+                Some(crate::snapshot::RestoreFrom::Fork { memory, .. }) => memory.clone(),
                 _ => Arc::new(
                     crate::guest_memory::GuestMemoryFile::create(config.memory_mib)
                         .map_err(Error::io("creating the guest's memory"))?,
                 ),
             };
-            if let Some(
-                source @ crate::snapshot::Restore {
-                    from: crate::snapshot::RestoreFrom::Dir { .. },
-                    ..
-                },
-            ) = plan.restore
-            {
-                fill_from_snapshot(source, &memory, &commands).await?;
-                tracing::debug!("memory and machine state filled from the snapshot");
-            }
             let ends = parts
                 .mounts
                 .connect(memory.clone())
@@ -164,6 +159,9 @@ pub(super) async fn run(
     if let Some(memory) = &guest_memory {
         handed.push((memory.file().as_raw_fd(), Inherited::GuestMemory));
     }
+    if let Some(gate_read) = &gate_read {
+        handed.push((gate_read.as_raw_fd(), Inherited::RestoreGate));
+    }
     for (index, end) in fs_ends.iter().enumerate() {
         handed.push((end.as_raw_fd(), Inherited::FsDevice(index)));
     }
@@ -188,7 +186,14 @@ pub(super) async fn run(
         fs_ends,
         disk_ends,
         command_ends,
+        gate_read,
     ));
+    if let (Some(source), Some(gate), Some(memory)) = (plan.restore, gate, &guest_memory) {
+        if let Err(e) = fill_from_snapshot(source, memory, &commands, gate).await {
+            stop_helper(&mut child, &logs).await;
+            return Err(e);
+        }
+    }
     let net_socket = net_pair.and_then(|(ours, _helper_end)| ours.map(OwnedFd::from));
     let report = tokio::spawn(crate::jail::host::read_report(report_read).in_current_span());
 
@@ -320,50 +325,76 @@ async fn stalled(console: &Path) {
     }
 }
 
-/// Copies a snapshot's memory into the new VM's `memory` and its machine state into the
-/// helper's machine-state file, checking each part's digest as it is copied: what is checked
-/// is exactly what the VM gets. Nothing of a changed part reaches a VM
-/// ([`Error::SnapshotTampered`]: the helper is not started).
+/// Fills a restore's guest `memory` and machine-state file (from a snapshot's directory, or
+/// once a fork's source has copied its memory) while its helper builds the VM, then opens
+/// the `gate`. A
+/// snapshot's parts are checked as they are copied: what is checked is exactly what the VM
+/// gets, and nothing of a changed part runs ([`Error::SnapshotTampered`]: the gate never
+/// opens, so the helper never loads the state nor starts a vCPU).
 async fn fill_from_snapshot(
     source: &crate::snapshot::Restore,
     memory: &Arc<crate::guest_memory::GuestMemoryFile>,
     commands: &Arc<crate::vmm_commands::VmmCommands>,
+    gate: OwnedFd,
 ) -> Result<()> {
-    let crate::snapshot::RestoreFrom::Dir { dir, seals } = &source.from else {
-        return Ok(());
-    };
-    let (dir, seals) = (dir.clone(), seals.clone());
-    let manifest = source.manifest.clone();
-    let (memory, commands) = (memory.clone(), commands.clone());
-    tokio::task::spawn_blocking(move || {
-        let length = memory.file().metadata().map(|m| m.len()).unwrap_or(0);
-        if manifest.memory.length != length {
-            return Err(Error::Snapshot {
+    let state_len = match &source.from {
+        crate::snapshot::RestoreFrom::Dir { dir, seals } => {
+            let (dir, seals) = (dir.clone(), seals.clone());
+            let manifest = source.manifest.clone();
+            let (memory, commands) = (memory.clone(), commands.clone());
+            tokio::task::spawn_blocking(move || {
+                copy_parts_in(&dir, &seals, &manifest, &memory, &commands)
+            })
+            .await
+            .map_err(|e| Error::Snapshot {
                 step: "restored",
-                reason: format!(
-                    "its memory has {} bytes, this VM's {length}",
-                    manifest.memory.length
-                ),
-            });
+                reason: e.to_string(),
+            })??;
+            source.manifest.machine.length
         }
-        let read = |part, into| {
-            crate::snapshot::part::read(&dir, part, Some(into), Some(&seals))
-                .map_err(crate::snapshot::part_error)
-        };
-        let memory = read(&manifest.memory, memory.file())?;
-        let machine = read(&manifest.machine, commands.state_file())?;
-        tracing::debug!(
-            ?memory,
-            ?machine,
-            "the snapshot's parts are checked and copied"
-        );
-        Ok(())
-    })
-    .await
-    .map_err(|e| Error::Snapshot {
-        step: "restored",
-        reason: e.to_string(),
-    })?
+        crate::snapshot::RestoreFrom::Fork { filled, .. } => {
+            let fork = crate::snapshot::Restore::fork_state(filled).await?;
+            std::os::unix::fs::FileExt::write_all_at(commands.state_file(), &fork.state, 0)
+                .map_err(Error::io("writing the fork's machine state"))?;
+            fork.state.len() as u64
+        }
+    };
+    // The helper reads the state's length, then the state (a pipe takes 8 bytes at once).
+    std::io::Write::write_all(&mut std::fs::File::from(gate), &state_len.to_le_bytes())
+        .map_err(Error::io("opening the restore's gate"))
+}
+
+/// Copies a snapshot's parts from `dir` into the guest memory and the machine-state file,
+/// each checked as it is copied (or sealed unchanged, see `snapshot::part`).
+fn copy_parts_in(
+    dir: &std::path::Path,
+    seals: &std::path::Path,
+    manifest: &crate::snapshot::Manifest,
+    memory: &crate::guest_memory::GuestMemoryFile,
+    commands: &crate::vmm_commands::VmmCommands,
+) -> Result<()> {
+    let length = memory.file().metadata().map(|m| m.len()).unwrap_or(0);
+    if manifest.memory.length != length {
+        return Err(Error::Snapshot {
+            step: "restored",
+            reason: format!(
+                "its memory has {} bytes, this VM's {length}",
+                manifest.memory.length
+            ),
+        });
+    }
+    let read = |part, into| {
+        crate::snapshot::part::read(dir, part, Some(into), Some(seals))
+            .map_err(crate::snapshot::part_error)
+    };
+    let memory = read(&manifest.memory, memory.file())?;
+    let machine = read(&manifest.machine, commands.state_file())?;
+    tracing::debug!(
+        ?memory,
+        ?machine,
+        "the snapshot's parts are checked and copied"
+    );
+    Ok(())
 }
 
 /// The guest's network link, when it has a network: the helper gets one end for libkrun, the

@@ -93,7 +93,7 @@ async fn boot_in_span(
     if let Some(source) = &restore {
         check_restorable(&config, &source.manifest, &parts.root.image.sha256)?;
         vmm_config.guest_memory_file = true;
-        vmm_config.restore_state_bytes = Some(source.state_len());
+        vmm_config.restore = true;
     }
     let setup = parts.guest_setup(&config);
     let prepared = preparing.elapsed();
@@ -114,13 +114,9 @@ async fn boot_in_span(
         }
     };
     tracing::debug!(kernel = %ready.hello.kernel_release, guest_init = %ready.hello.guest_init, "guest ready");
-    let next_id = restore
+    let (next_id, adopt) = restore
         .as_ref()
-        .map_or(1, |source| source.manifest.next_process_id);
-    let adopt = restore
-        .as_ref()
-        .map(|source| source.manifest.processes.clone())
-        .unwrap_or_default();
+        .map_or((1, Vec::new()), |source| source.adoption());
     Ok(parts.into_instance(
         &config,
         *ready,
@@ -296,7 +292,7 @@ impl Parts {
             fs_devices: config.mounts.len() as u32,
             guest_memory_file: !config.mounts.is_empty() || config.snapshots,
             command_socket: true,
-            restore_state_bytes: None,
+            restore: false,
             console: self.dir.path().join(crate::logs::CONSOLE_FIFO),
             jail: self
                 .jail

@@ -90,28 +90,12 @@ impl Instance {
         }
         let source = self.snapshot_source()?;
         let token = random_token();
-        let (memory, memory_mib) = (source.memory.clone(), source.memory_mib);
-        let (copies, state, processes) = self
-            .stilled(token, move |state| async move {
-                let copies = tokio::task::spawn_blocking(move || {
-                    (0..n)
-                        .map(|_| {
-                            let copy = GuestMemoryFile::create(memory_mib)?;
-                            copy_data(memory.file(), copy.file())?;
-                            Ok(Arc::new(copy))
-                        })
-                        .collect::<std::io::Result<Vec<_>>>()
-                })
-                .await
-                .map_err(|e| Error::Snapshot {
-                    step: "copied",
-                    reason: e.to_string(),
-                })?
-                .map_err(Error::io("copying the guest's memory for a fork"))?;
-                Ok((copies, state))
-            })
-            .await?;
-        // What a snapshot's manifest would say; the parts are in memory, not on disk.
+        let copies = (0..n)
+            .map(|_| GuestMemoryFile::create(source.memory_mib).map(Arc::new))
+            .collect::<std::io::Result<Vec<_>>>()
+            .map_err(Error::io("creating the forks' memory"))?;
+        // What a snapshot's manifest would say; the parts are in memory, not on disk, and the
+        // processes and machine state come once the source is stilled.
         let in_memory = |name: &str, length: u64| snapshot::Part {
             name: name.to_owned(),
             length,
@@ -122,24 +106,74 @@ impl Instance {
         let manifest = self.manifest(
             source,
             token,
-            processes,
+            Vec::new(),
             in_memory(snapshot::MEMORY, memory_len),
-            in_memory(snapshot::MACHINE, state.len() as u64),
+            in_memory(snapshot::MACHINE, 0),
         )?;
+        // Each fork's helper jails itself and builds its VM while this one is stilled and its
+        // memory copied; the forks' guests run once it is.
+        let (filled, filled_rx) = tokio::sync::watch::channel(None);
         let definition = source.definition.0.clone();
-        let mut forks = Vec::with_capacity(n);
-        for memory in copies {
-            let from = snapshot::RestoreFrom::Memory {
-                memory,
-                state: state.clone(),
-            };
+        let boots = copies.iter().map(|memory| {
             let restore = snapshot::Restore {
                 manifest: manifest.clone(),
-                from,
+                from: snapshot::RestoreFrom::Fork {
+                    memory: memory.clone(),
+                    filled: filled_rx.clone(),
+                },
             };
-            forks.push(super::restore_from(definition.clone(), restore).await?);
+            super::restore_from(definition.clone(), restore)
+        });
+        let (memory, targets) = (source.memory.clone(), copies.clone());
+        let copy_and_tell = async move {
+            let stilled = self
+                .stilled(token, move |state| async move {
+                    tokio::task::spawn_blocking(move || {
+                        targets
+                            .iter()
+                            .try_for_each(|to| copy_data(memory.file(), to.file()))
+                    })
+                    .await
+                    .map_err(|e| Error::Snapshot {
+                        step: "copied",
+                        reason: e.to_string(),
+                    })?
+                    .map_err(Error::io("copying the guest's memory for a fork"))?;
+                    Ok(((), state))
+                })
+                .await;
+            let outcome = match &stilled {
+                Ok(((), state, processes)) => Ok(Arc::new(snapshot::ForkState {
+                    state: state.clone(),
+                    processes: processes.clone(),
+                    next_process_id: self.inner.next_id.load(std::sync::atomic::Ordering::SeqCst),
+                })),
+                Err(e) => Err(e.to_string()),
+            };
+            let _ = filled.send(Some(outcome));
+            stilled.map(|_| ())
+        };
+        let (stilled, booted) = tokio::join!(copy_and_tell, futures_util::future::join_all(boots));
+        let mut forks = Vec::with_capacity(n);
+        let mut failed = stilled.err();
+        for boot in booted {
+            match boot {
+                Ok(fork) => forks.push(fork),
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+            }
         }
-        Ok(forks)
+        match failed {
+            None => Ok(forks),
+            Some(e) => {
+                // All or none: the forks that did start are stopped.
+                for fork in forks {
+                    let _ = fork.shutdown().await;
+                }
+                Err(e)
+            }
+        }
     }
 
     /// What a snapshot of this instance, stilled with `token`, says it is.

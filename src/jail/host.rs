@@ -144,7 +144,7 @@ pub(crate) async fn probe(
         fs_devices: 0,
         guest_memory_file: false,
         command_socket: false,
-        restore_state_bytes: None,
+        restore: false,
         served_disks: Vec::new(),
         console,
         jail: jail.config.clone(),

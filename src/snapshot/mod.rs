@@ -210,11 +210,23 @@ pub(crate) enum RestoreFrom {
         /// Where its parts' seals are (see [`part`]).
         seals: PathBuf,
     },
-    /// A fork's copy of its source's memory (this process made it), and the machine state.
-    Memory {
+    /// A fork: a memory file this process made for it alone, filled while its source is
+    /// stilled (as the fork's helper builds its VM); `filled` says with which machine state
+    /// and processes once it is, or why it never will be.
+    Fork {
         memory: Arc<crate::guest_memory::GuestMemoryFile>,
-        state: Vec<u8>,
+        filled: ForkFilled,
     },
+}
+
+/// What a fork's source says once its memory is copied: `None` until then.
+pub(crate) type ForkFilled = tokio::sync::watch::Receiver<Option<Result<Arc<ForkState>, String>>>;
+
+/// A fork's machine state and what its guest runs, as its source was stilled.
+pub(crate) struct ForkState {
+    pub state: Vec<u8>,
+    pub processes: Vec<crate::control::SavedProcess>,
+    pub next_process_id: u32,
 }
 
 impl Restore {
@@ -229,12 +241,38 @@ impl Restore {
         }
     }
 
-    /// The machine state's length.
-    pub(crate) fn state_len(&self) -> u64 {
-        match &self.from {
-            RestoreFrom::Dir { .. } => self.manifest.machine.length,
-            RestoreFrom::Memory { state, .. } => state.len() as u64,
+    /// A fork's state, once its source has copied its memory.
+    pub(crate) async fn fork_state(filled: &ForkFilled) -> Result<Arc<ForkState>> {
+        let abandoned = || Error::Snapshot {
+            step: "copied",
+            reason: "the fork's source gave up before its memory was copied".into(),
+        };
+        let mut filled = filled.clone();
+        let outcome = filled
+            .wait_for(Option::is_some)
+            .await
+            .map_err(|_| abandoned())?
+            .clone();
+        outcome
+            .ok_or_else(abandoned)?
+            .map_err(|reason| Error::Snapshot {
+                step: "copied",
+                reason,
+            })
+    }
+
+    /// The id the restored instance's next process gets, and the processes it adopts (a
+    /// fork's: known once filled, which a guest that rejoined was).
+    pub(crate) fn adoption(&self) -> (u32, Vec<crate::control::SavedProcess>) {
+        if let RestoreFrom::Fork { filled, .. } = &self.from {
+            if let Some(Ok(fork)) = &*filled.borrow() {
+                return (fork.next_process_id, fork.processes.clone());
+            }
         }
+        (
+            self.manifest.next_process_id,
+            self.manifest.processes.clone(),
+        )
     }
 }
 

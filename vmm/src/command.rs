@@ -16,7 +16,7 @@ use krunbox_protocol::vmm::command::{VmmCommand, VmmReply, MAX_COMMAND_BYTES, MA
 /// Serves the library's commands on `socket` (its end of the pair on `Inherited::Command`)
 /// once the next VM this process starts runs; the VM's state goes through `state_file`
 /// (`Inherited::MachineState`).
-pub(crate) fn serve(socket: OwnedFd, state_file: File) {
+pub(crate) fn serve(socket: OwnedFd, state_file: std::sync::Arc<File>) {
     krun_sys::machine::on_built(move |vm, event_manager| {
         if let Err(e) = nix::fcntl::fcntl(
             &socket,
@@ -39,7 +39,7 @@ pub(crate) fn serve(socket: OwnedFd, state_file: File) {
 struct CommandServer {
     socket: OwnedFd,
     vm: RunningVm,
-    state_file: File,
+    state_file: std::sync::Arc<File>,
 }
 
 impl CommandServer {

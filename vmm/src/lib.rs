@@ -223,6 +223,18 @@ fn reopen_image(path: &Path) -> std::result::Result<PathBuf, String> {
     Ok(PathBuf::from(format!("/proc/self/fd/{fd}")))
 }
 
+/// Waits until the library has filled the guest memory and the machine-state file of a
+/// restore (it copies them while this process jails itself and builds the VM), and returns
+/// the state's length, which the library then writes on the gate. EOF first means it could
+/// not, and the restore fails. No deadline: the library is trusted, and the lifeline ends
+/// this process if the library goes.
+fn wait_at_gate(mut gate: std::fs::File) -> std::result::Result<u64, String> {
+    let mut length = [0u8; 8];
+    std::io::Read::read_exact(&mut gate, &mut length)
+        .map_err(|e| format!("the library did not fill the restored memory: {e}"))?;
+    Ok(u64::from_le_bytes(length))
+}
+
 /// Writes the isolation report on [`REPORT_FD`] and closes it, so the library sees EOF.
 fn write_report(vmm_pid: u32, isolation: &Isolation) {
     use std::io::Write;
@@ -382,13 +394,20 @@ fn configure(
         // SAFETY: the library passes its command socket exactly when `command_socket` is
         // set, and nothing else in the helper owns it.
         // SAFETY: the library passes the machine-state file with the command socket.
-        let state_file = std::fs::File::from(unsafe { take(Inherited::MachineState)? });
-        if let Some(bytes) = config.restore_state_bytes {
+        let state_file = std::sync::Arc::new(std::fs::File::from(unsafe {
+            take(Inherited::MachineState)?
+        }));
+        if config.restore {
             if !config.guest_memory_file {
                 return Err("a restore without the guest memory file".into());
             }
-            let state = command::read_state(&state_file, bytes)?;
-            krun_sys::machine::restore_on_build(&state)?;
+            // SAFETY: the library passes the gate with every restore.
+            let gate = std::fs::File::from(unsafe { take(Inherited::RestoreGate)? });
+            let state_file = state_file.clone();
+            krun_sys::machine::restore_on_build(move || {
+                let bytes = wait_at_gate(gate)?;
+                command::read_state(&state_file, bytes)
+            });
         }
         command::serve(unsafe { take(Inherited::Command)? }, state_file);
     }

@@ -43,6 +43,10 @@ pub enum Inherited {
     Command,
     /// The file the VM's saved state goes through ([`command`]).
     MachineState,
+    /// A restore's gate: the read end of a pipe on which the library writes the machine
+    /// state's length once the guest memory and the machine-state file hold the snapshot
+    /// (EOF: they never will).
+    RestoreGate,
 }
 
 impl Inherited {
@@ -59,6 +63,7 @@ impl Inherited {
             Inherited::GuestMemory => Some(GUEST_MEMORY_FD),
             Inherited::Command => Some(COMMAND_FD),
             Inherited::MachineState => Some(MACHINE_STATE_FD),
+            Inherited::RestoreGate => Some(RESTORE_GATE_FD),
             Inherited::ServedDisk(i) if i < MAX_SERVED_DISKS => {
                 Some(SERVED_DISK_FD_BASE + i as i32)
             }
@@ -136,6 +141,12 @@ const COMMAND_FD: i32 = 14;
 /// from it, at most [`command::MAX_STATE_BYTES`].
 const MACHINE_STATE_FD: i32 = 15;
 
+/// A restore's gate ([`Inherited::RestoreGate`]), passed with [`VmmConfig::restore`]: the
+/// helper jails itself and builds the VM while the library copies the snapshot into the guest
+/// memory, and reads the state only once the gate opens: the library writes the state's
+/// length there, a little-endian `u64` (EOF first: the restore failed).
+const RESTORE_GATE_FD: i32 = FS_DEVICE_FD_BASE + MAX_FS_DEVICES as i32;
+
 /// The helper's exit code when it refused to start the VM because its jail did not hold (a
 /// canary got through) or a required isolation layer is missing. The report says which.
 pub const ISOLATION_EXIT_CODE: i32 = 71;
@@ -177,11 +188,11 @@ pub struct VmmConfig {
     /// runs, the VM's state going through [`MACHINE_STATE_FD`].
     #[serde(default)]
     pub command_socket: bool,
-    /// Restore the VM from a snapshot instead of booting it: the state is the first this
-    /// many bytes of the file on [`MACHINE_STATE_FD`], and the guest memory file holds the
-    /// snapshot's memory.
+    /// Restore the VM from a snapshot instead of booting it: once the library opens the gate
+    /// on [`RESTORE_GATE_FD`], the guest memory file holds the snapshot's memory and the file
+    /// on [`MACHINE_STATE_FD`] its state, of the length the gate says.
     #[serde(default)]
-    pub restore_state_bytes: Option<u64>,
+    pub restore: bool,
     /// The FIFO the guest console goes to; the library drains it into a bounded log.
     pub console: PathBuf,
     /// The helper's jail.
@@ -278,6 +289,7 @@ mod tests {
             Inherited::GuestMemory,
             Inherited::Command,
             Inherited::MachineState,
+            Inherited::RestoreGate,
         ];
         for i in 0..MAX_SERVED_DISKS {
             roles.push(Inherited::ServedDisk(i));

@@ -88,17 +88,19 @@ fn parse_state(bytes: &[u8]) -> Result<krun_vmm::MachineState, String> {
 }
 
 /// Makes the next VM this process starts a restore of the state [`RunningVm::save_state`]
-/// returned (in the VM that was saved): the VM must be configured as that one was, and its
-/// guest memory ([`crate::device::use_guest_memory_file`]) must hold the saved VM's memory. No
-/// kernel or boot table is written into it; the VM's, vCPUs' and devices' state is set before
-/// the vCPUs first run, and the vsock driver is told its connections are gone. Bytes from
-/// anywhere else are parsed as such.
-pub fn restore_on_build(bytes: &[u8]) -> Result<(), String> {
-    let state = parse_state(bytes)?;
+/// returned (in the VM that was saved): the VM must be configured as that one was. Once the VM
+/// is built (its memory mapped, its devices made), `load` is called for the state's bytes; it
+/// returns only when the guest memory ([`crate::device::use_guest_memory_file`]) holds the
+/// saved VM's memory, so that whoever fills it can do so while the VM is being built. No
+/// kernel or boot table is written into that memory; the VM's, vCPUs' and devices' state is
+/// set before the vCPUs first run, and the vsock driver is told its connections are gone.
+/// The bytes are parsed as if from anywhere else; an error from `load` or the parse fails the
+/// start.
+pub fn restore_on_build(load: impl FnOnce() -> Result<Vec<u8>, String> + Send + 'static) {
     *krun_vmm::builder::EMBEDDER_RESTORE
         .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(state);
-    Ok(())
+        .unwrap_or_else(|poisoned| poisoned.into_inner()) =
+        Some(Box::new(move || parse_state(&load()?)));
 }
 
 /// Has `callback` called once the next VM this process starts is built and its vCPUs run, on

@@ -29,7 +29,7 @@ pub(crate) use key::SnapshotKey;
 pub(crate) use part::Part;
 
 /// The format this build writes and reads.
-pub(crate) const FORMAT: &str = "krunbox-snapshot-1";
+pub(crate) const FORMAT: &str = "krunbox-snapshot-2";
 
 /// The largest manifest read (a fragmented guest memory lists many extents).
 const MAX_MANIFEST_BYTES: u64 = 16 << 20;

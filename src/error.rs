@@ -269,7 +269,8 @@ pub enum Error {
         reason: String,
     },
     /// A snapshot's manifest or one of its parts is not what the snapshot was written with
-    /// (changed, truncated, or written with another user's key). Nothing of it was used.
+    /// (changed, truncated, or written with another user's key). No guest ran any of it (a
+    /// restore stops its helper before the VM's state is loaded).
     #[error("the snapshot's {part} was changed after it was written ({why}); take a new snapshot")]
     SnapshotTampered {
         /// The file that differs.

@@ -109,12 +109,13 @@ pub(super) async fn run(
         pipe().map_err(|e| Error::io("creating the lifeline pipe")(e.into()))?;
     let (report_read, report_write) =
         pipe().map_err(|e| Error::io("creating the isolation report pipe")(e.into()))?;
-    // A restore's helper builds its VM while the snapshot is copied in, until the gate opens.
+    // A restore's helper builds its VM while the snapshot is copied in, until the gate opens
+    // (a socket, so that writing to a helper that is gone is an error, not a SIGPIPE).
     let (gate_read, gate) = match plan.restore {
         Some(_) => {
-            let (read, write) =
-                pipe().map_err(|e| Error::io("creating the restore's gate")(e.into()))?;
-            (Some(read), Some(write))
+            let (ours, helpers) = std::os::unix::net::UnixStream::pair()
+                .map_err(Error::io("creating the restore's gate"))?;
+            (Some(OwnedFd::from(helpers)), Some(ours))
         }
         None => (None, None),
     };
@@ -188,11 +189,23 @@ pub(super) async fn run(
         command_ends,
         gate_read,
     ));
+    let mut deadline = deadline;
     if let (Some(source), Some(gate), Some(memory)) = (plan.restore, gate, &guest_memory) {
-        if let Err(e) = fill_from_snapshot(source, memory, &commands, gate).await {
-            stop_helper(&mut child, &logs).await;
-            return Err(e);
+        let filling = std::time::Instant::now();
+        match fill_from_snapshot(source, memory, &commands).await {
+            // A helper gone already (its jail refused, say) reads nothing: the wait for the
+            // guest below says why it went.
+            Ok(state_len) => open_gate(gate, state_len),
+            Err(e) => {
+                drop(gate);
+                stop_helper(&mut child, &logs).await;
+                return Err(e);
+            }
         }
+        // The boot's time counts from here: a fork's wait for its source's stilling and
+        // copy is not its boot's.
+        let until = deadline.deadline() + filling.elapsed();
+        deadline.as_mut().reset(until);
     }
     let net_socket = net_pair.and_then(|(ours, _helper_end)| ours.map(OwnedFd::from));
     let report = tokio::spawn(crate::jail::host::read_report(report_read).in_current_span());
@@ -326,18 +339,17 @@ async fn stalled(console: &Path) {
 }
 
 /// Fills a restore's guest `memory` and machine-state file (from a snapshot's directory, or
-/// once a fork's source has copied its memory) while its helper builds the VM, then opens
-/// the `gate`. A
+/// once a fork's source has copied its memory) while its helper builds the VM; returns the
+/// state's length, for the gate. A
 /// snapshot's parts are checked as they are copied: what is checked is exactly what the VM
-/// gets, and nothing of a changed part runs ([`Error::SnapshotTampered`]: the gate never
-/// opens, so the helper never loads the state nor starts a vCPU).
+/// gets, and nothing of a changed part runs ([`Error::SnapshotTampered`]: the caller closes
+/// the gate unopened, so the helper never loads the state nor starts a vCPU).
 async fn fill_from_snapshot(
     source: &crate::snapshot::Restore,
     memory: &Arc<crate::guest_memory::GuestMemoryFile>,
     commands: &Arc<crate::vmm_commands::VmmCommands>,
-    gate: OwnedFd,
-) -> Result<()> {
-    let state_len = match &source.from {
+) -> Result<u64> {
+    Ok(match &source.from {
         crate::snapshot::RestoreFrom::Dir { dir, seals } => {
             let (dir, seals) = (dir.clone(), seals.clone());
             let manifest = source.manifest.clone();
@@ -358,10 +370,22 @@ async fn fill_from_snapshot(
                 .map_err(Error::io("writing the fork's machine state"))?;
             fork.state.len() as u64
         }
-    };
-    // The helper reads the state's length, then the state (a pipe takes 8 bytes at once).
-    std::io::Write::write_all(&mut std::fs::File::from(gate), &state_len.to_le_bytes())
-        .map_err(Error::io("opening the restore's gate"))
+    })
+}
+
+/// Tells the helper waiting at `gate` that the restore's memory and state are in place, and
+/// the state's length. A helper that is gone is not an error here (see the caller).
+fn open_gate(gate: std::os::unix::net::UnixStream, state_len: u64) {
+    use std::os::fd::AsRawFd;
+    let sent = nix::sys::socket::send(
+        gate.as_raw_fd(),
+        &state_len.to_le_bytes(),
+        nix::sys::socket::MsgFlags::MSG_NOSIGNAL,
+    );
+    // Eight bytes into an empty socket buffer go at once, or the helper is gone.
+    if let Err(e) = sent {
+        tracing::debug!("the restore's helper did not take its gate: {e}");
+    }
 }
 
 /// Copies a snapshot's parts from `dir` into the guest memory and the machine-state file,
@@ -388,6 +412,21 @@ fn copy_parts_in(
             .map_err(crate::snapshot::part_error)
     };
     let memory = read(&manifest.memory, memory.file())?;
+    let max_state = krunbox_protocol::vmm::command::MAX_STATE_BYTES as u64;
+    if manifest.machine.length > max_state {
+        return Err(Error::Snapshot {
+            step: "restored",
+            reason: format!(
+                "its machine state has {} bytes, more than any ({max_state})",
+                manifest.machine.length
+            ),
+        });
+    }
+    // As long as the part (holes read as zeros), as `part::read` needs.
+    commands
+        .state_file()
+        .set_len(manifest.machine.length)
+        .map_err(Error::io("sizing the machine-state file"))?;
     let machine = read(&manifest.machine, commands.state_file())?;
     tracing::debug!(
         ?memory,

@@ -52,13 +52,16 @@ impl Instance {
         let staging = Staging::new(dir.as_ref())?;
         let token = random_token();
         let (memory, dir) = (source.memory.clone(), staging.path().to_path_buf());
-        let seals = snapshot::seals_dir(&source.key_dir);
-        let ((memory, machine), _, processes) = self
+        let ([(memory, memory_file), (machine, machine_file)], _, processes) = self
             .stilled(token, move |state| async move {
-                let parts = copy_parts(memory, dir, seals, state).await?;
+                let parts = copy_parts(memory, dir, state).await?;
                 Ok((parts, Vec::new()))
             })
             .await?;
+        // Sealed once the source runs again (a seal may wait for a clock tick).
+        let seals = snapshot::seals_dir(&source.key_dir);
+        snapshot::part::seal(&memory_file, &memory, &seals);
+        snapshot::part::seal(&machine_file, &machine, &seals);
         let manifest = self.manifest(source, token, processes, memory, machine)?;
         let digest = Snapshot::sign(staging.path(), manifest, &key)?;
         let dir = staging.finish()?;
@@ -68,9 +71,10 @@ impl Instance {
 
     /// Forks the running instance into `n` new ones: each starts where this one is now (its
     /// processes, which each fork [`attach`](Self::attach)es, its files in memory, its
-    /// shell variables) and goes its own way from there, as this one does. A snapshot taken
-    /// into a temporary directory and restored `n` times (then removed); the same scope as
-    /// [`snapshot`](Self::snapshot).
+    /// shell variables) and goes its own way from there, as this one does. Nothing goes to
+    /// disk: this instance is stilled as for a [`snapshot`](Self::snapshot) (the same scope)
+    /// while its memory is copied into each fork's, and the forks' VMs are built meanwhile.
+    /// All or none: if one fork fails, those that started are stopped.
     ///
     /// ```no_run
     /// # async fn demo(vm: &krunbox::Instance) -> krunbox::Result<()> {
@@ -370,21 +374,19 @@ pub(super) fn guest_init_sha256(config: &crate::config::SandboxConfig) -> Result
         .map_err(Error::io(format!("hashing guest-init {}", path.display())))
 }
 
-/// Writes guest memory and the machine state into `dir` (on the blocking pool).
+/// Writes guest memory and the machine state into `dir` (on the blocking pool): each part
+/// and its new file.
 async fn copy_parts(
     memory: Arc<GuestMemoryFile>,
     dir: std::path::PathBuf,
-    seals: std::path::PathBuf,
     state: Vec<u8>,
-) -> Result<(snapshot::Part, snapshot::Part)> {
+) -> Result<[(snapshot::Part, std::fs::File); 2]> {
     tokio::task::spawn_blocking(move || {
-        let write =
-            |from: &std::fs::File, name| snapshot::part::write(from, &dir, name, Some(&seals));
-        let memory = write(memory.file(), snapshot::MEMORY)?;
+        let memory = snapshot::part::write(memory.file(), &dir, snapshot::MEMORY)?;
         let state_file = tempfile::tempfile()?;
         std::os::unix::fs::FileExt::write_all_at(&state_file, &state, 0)?;
-        let machine = write(&state_file, snapshot::MACHINE)?;
-        Ok::<_, std::io::Error>((memory, machine))
+        let machine = snapshot::part::write(&state_file, &dir, snapshot::MACHINE)?;
+        Ok::<_, std::io::Error>([memory, machine])
     })
     .await
     .map_err(|e| Error::Snapshot {

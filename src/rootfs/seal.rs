@@ -21,7 +21,10 @@
 //! Seals live in this process (the fast path) and in `seals/` of the library's cache, one
 //! small file per inode, so a fresh process boots without hashing either. Anything unexpected
 //! in a seal file (a stamp that differs, bytes that do not parse, a file over its bound, not a
-//! regular file) means "not sealed": the image is hashed again, never trusted.
+//! regular file, a file or a `seals/` directory not this user's or writable by others) means
+//! "not sealed": the image is hashed again, never trusted. Snapshot parts' digests are sealed
+//! the same way, in `seals/` beside the snapshot key (`snapshot::part`), under names of their
+//! own. Seal files are small and never removed (one per sealed inode).
 //!
 //! fs-verity would let the kernel check every page as the guest reads it, but few filesystems
 //! in use have it on; the stamp works on all of the above.
@@ -209,7 +212,13 @@ fn read_seal(seals: &Path, kind: DigestKind, stamp: &InodeStamp) -> Option<Strin
         .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
         .open(seal_path(seals, kind, stamp))
         .ok()?;
-    if !file.metadata().ok()?.file_type().is_file() {
+    let meta = file.metadata().ok()?;
+    if !meta.is_file() || !written_only_by_us(&meta) {
+        return None;
+    }
+    // Its directory too: a seal another user could have put there vouches for nothing.
+    let dir = std::fs::metadata(seals).ok()?;
+    if !dir.is_dir() || !written_only_by_us(&dir) {
         return None;
     }
     let mut text = String::new();
@@ -217,12 +226,21 @@ fn read_seal(seals: &Path, kind: DigestKind, stamp: &InodeStamp) -> Option<Strin
     stamp.sealed_digest(&text)
 }
 
+/// Whether `meta` is this user's and no one else may write it.
+fn written_only_by_us(meta: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    meta.uid() == euid && meta.mode() & 0o022 == 0
+}
+
 /// Records `digest` for `stamp` in `seals`, replacing the inode's earlier seal at once (a
 /// reader sees the old file or the new, never half of one). Best effort: a boot that cannot
 /// seal just hashes again next time.
 fn write_seal(seals: &Path, kind: DigestKind, stamp: &InodeStamp, digest: &str) {
     let written = (|| -> std::io::Result<()> {
-        std::fs::create_dir_all(seals)?;
+        std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o700)
+            .create(seals)?;
         let mut temp = tempfile::NamedTempFile::new_in(seals)?;
         std::io::Write::write_all(&mut temp, stamp.line(digest).as_bytes())?;
         temp.persist(seal_path(seals, kind, stamp))?;
@@ -456,6 +474,38 @@ mod tests {
         )
         .unwrap();
         assert_eq!(digest(&path).1, Provenance::Hashed);
+    }
+
+    #[test]
+    fn a_seal_in_a_directory_or_file_others_may_write_is_not_trusted() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let seals = dir.path().join("seals");
+        let path = dir.path().join("img");
+        std::fs::write(&path, b"abc").unwrap();
+        settle();
+        let digest = |path: &Path| digest_of(&mut File::open(path).unwrap(), Some(&seals)).unwrap();
+        let forget = || forget_for_tests(&File::open(&path).unwrap());
+        assert_eq!(digest(&path).1, Provenance::Hashed);
+        forget();
+        assert_eq!(digest(&path).1, Provenance::Sealed, "made 0700, trusted");
+        let mode = |at: &Path, mode| std::fs::set_permissions(at, PermissionsExt::from_mode(mode));
+        mode(&seals, 0o777).unwrap();
+        forget();
+        assert_eq!(
+            digest(&path).1,
+            Provenance::Hashed,
+            "a directory anyone may write"
+        );
+        mode(&seals, 0o700).unwrap();
+        let stamp = InodeStamp::of(&File::open(&path).unwrap()).unwrap();
+        mode(&seal_path(&seals, DigestKind::WholeFile, &stamp), 0o662).unwrap();
+        forget();
+        assert_eq!(
+            digest(&path).1,
+            Provenance::Hashed,
+            "a seal others may write"
+        );
     }
 
     #[test]

@@ -24,9 +24,7 @@ pub(crate) fn copy_extents(from: &File, to: &File, extents: &[(u64, u64)]) -> io
         .map_or(1, |n| n.get())
         .clamp(1, MAX_COPY_THREADS);
     if threads == 1 || total < 8 << 20 {
-        return extents
-            .iter()
-            .try_for_each(|&(start, end)| copy_range(from, to, start, end));
+        return KernelCopy::new(from, to).extents(extents);
     }
     // Each thread takes a contiguous run of about total / threads bytes (extents split).
     let share = total.div_ceil(threads as u64);
@@ -49,63 +47,98 @@ pub(crate) fn copy_extents(from: &File, to: &File, extents: &[(u64, u64)]) -> io
     std::thread::scope(|scope| {
         let copies: Vec<_> = runs
             .iter()
-            .map(|run| {
-                scope.spawn(move || {
-                    run.iter()
-                        .try_for_each(|&(start, end)| copy_range(from, to, start, end))
-                })
+            .map(|run| scope.spawn(move || KernelCopy::new(from, to).extents(run)))
+            .collect();
+        // Every thread joined before the first error is returned.
+        let outcomes: Vec<io::Result<()>> = copies
+            .into_iter()
+            .map(|copy| {
+                copy.join()
+                    .unwrap_or_else(|_| Err(io::Error::other("a copy thread panicked")))
             })
             .collect();
-        copies.into_iter().try_for_each(|copy| {
-            copy.join()
-                .unwrap_or_else(|_| Err(io::Error::other("a copy thread panicked")))
-        })
+        outcomes.into_iter().collect()
     })
 }
 
-/// Copies `from[start..end]` into `to` at `start`. `from` must be at least `end` long.
-pub(crate) fn copy_range(from: &File, to: &File, start: u64, end: u64) -> io::Result<()> {
-    let mut at = start;
-    while at < end {
-        let (mut off_in, mut off_out) = (at as i64, at as i64);
-        let len = (end - at).min(isize::MAX as u64) as usize;
-        // SAFETY: both descriptors are open files of ours; the offsets are ours to move.
-        let copied = unsafe {
-            libc::copy_file_range(
-                from.as_raw_fd(),
-                &mut off_in,
-                to.as_raw_fd(),
-                &mut off_out,
-                len,
-                0,
-            )
-        };
-        match copied {
-            n if n > 0 => at += n as u64,
-            0 => return Err(ended_early()),
-            _ => {
-                let e = io::Error::last_os_error();
-                match e.raw_os_error() {
-                    Some(libc::EINTR) => {}
-                    // Files on two filesystems (a snapshot on disk, guest memory in a memfd):
-                    // the kernel only copies between those through a pipe.
-                    Some(libc::EXDEV | libc::EINVAL | libc::EOPNOTSUPP | libc::ENOSYS) => {
-                        return splice_range(from, to, at, end)
+/// Copies ranges of one file into another at the same offsets, in the kernel: directly
+/// (`copy_file_range`), or, once the kernel said it cannot between these two files (two
+/// filesystems), through a pipe of its own for every range after.
+struct KernelCopy<'a> {
+    from: &'a File,
+    to: &'a File,
+    /// The pipe (read end, write end), once the direct way was refused.
+    pipe: Option<(OwnedFd, OwnedFd)>,
+}
+
+impl<'a> KernelCopy<'a> {
+    fn new(from: &'a File, to: &'a File) -> KernelCopy<'a> {
+        KernelCopy {
+            from,
+            to,
+            pipe: None,
+        }
+    }
+
+    fn extents(mut self, extents: &[(u64, u64)]) -> io::Result<()> {
+        extents
+            .iter()
+            .try_for_each(|&(start, end)| self.range(start, end))
+    }
+
+    /// Copies `from[start..end]` into `to` at `start`. `from` must be at least `end` long.
+    fn range(&mut self, start: u64, end: u64) -> io::Result<()> {
+        let mut at = start;
+        while at < end && self.pipe.is_none() {
+            let (mut off_in, mut off_out) = (at as i64, at as i64);
+            let len = (end - at).min(isize::MAX as u64) as usize;
+            // SAFETY: both descriptors are open files of ours; the offsets are ours to move.
+            let copied = unsafe {
+                libc::copy_file_range(
+                    self.from.as_raw_fd(),
+                    &mut off_in,
+                    self.to.as_raw_fd(),
+                    &mut off_out,
+                    len,
+                    0,
+                )
+            };
+            match copied {
+                n if n > 0 => at += n as u64,
+                0 => return Err(ended_early()),
+                _ => {
+                    let e = io::Error::last_os_error();
+                    match e.raw_os_error() {
+                        Some(libc::EINTR) => {}
+                        // Files on two filesystems (a snapshot on disk, guest memory in a
+                        // memfd): the kernel only copies between those through a pipe.
+                        Some(libc::EXDEV | libc::EINVAL | libc::EOPNOTSUPP | libc::ENOSYS) => {
+                            self.pipe = Some(pipe()?);
+                        }
+                        _ => return Err(e),
                     }
-                    _ => return Err(e),
                 }
             }
         }
+        match &self.pipe {
+            Some((pipe_out, pipe_in)) if at < end => {
+                splice_range(self.from, self.to, pipe_out, pipe_in, at, end)
+            }
+            _ => Ok(()),
+        }
     }
-    Ok(())
 }
 
-/// `copy_range` through a pipe: `from` into it, it into `to`, in the kernel.
-fn splice_range(from: &File, to: &File, mut at: u64, end: u64) -> io::Result<()> {
-    let (pipe_out, pipe_in) = pipe()?;
-    // Best effort: a bigger pipe means fewer calls, the default (64 KiB) works too.
-    // SAFETY: F_SETPIPE_SZ on a pipe of ours; failure leaves it as it was.
-    unsafe { libc::fcntl(pipe_in.as_raw_fd(), libc::F_SETPIPE_SZ, PIPE_BYTES as i32) };
+/// Copies `from[at..end]` into `to` at `at` through the pipe (`pipe_out` its read end,
+/// `pipe_in` its write end): `from` into it, it into `to`, in the kernel.
+fn splice_range(
+    from: &File,
+    to: &File,
+    pipe_out: &OwnedFd,
+    pipe_in: &OwnedFd,
+    mut at: u64,
+    end: u64,
+) -> io::Result<()> {
     while at < end {
         let len = ((end - at) as usize).min(PIPE_BYTES);
         let mut off_in = at as i64;
@@ -154,7 +187,7 @@ fn splice_range(from: &File, to: &File, mut at: u64, end: u64) -> io::Result<()>
     Ok(())
 }
 
-/// A pipe's (read end, write end), close-on-exec.
+/// A pipe's (read end, write end), close-on-exec, grown to [`PIPE_BYTES`] if it can be.
 fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     let mut fds: [RawFd; 2] = [-1; 2];
     // SAFETY: pipe2 fills two descriptors or fails.
@@ -162,7 +195,11 @@ fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: both are new descriptors nothing else owns.
-    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+    let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    // Best effort: a bigger pipe means fewer calls, the default (64 KiB) works too.
+    // SAFETY: F_SETPIPE_SZ on a pipe of ours; failure leaves it as it was.
+    unsafe { libc::fcntl(write.as_raw_fd(), libc::F_SETPIPE_SZ, PIPE_BYTES as i32) };
+    Ok((read, write))
 }
 
 /// `call`'s count, again while it is interrupted by a signal.
@@ -187,6 +224,10 @@ fn ended_early() -> io::Error {
 mod tests {
     use super::*;
     use std::os::unix::fs::FileExt;
+
+    fn copy_range(from: &File, to: &File, start: u64, end: u64) -> io::Result<()> {
+        KernelCopy::new(from, to).range(start, end)
+    }
 
     fn check_copy(from: &File, to: &File) {
         let data: Vec<u8> = (0..3 * PIPE_BYTES + 17).map(|i| (i % 251) as u8).collect();
@@ -245,7 +286,8 @@ mod tests {
         let (from, to) = (tempfile::tempfile().unwrap(), tempfile::tempfile().unwrap());
         from.write_all_at(b"0123456789", 0).unwrap();
         to.set_len(10).unwrap();
-        splice_range(&from, &to, 2, 9).unwrap();
+        let (pipe_out, pipe_in) = pipe().unwrap();
+        splice_range(&from, &to, &pipe_out, &pipe_in, 2, 9).unwrap();
         let mut back = [0u8; 10];
         to.read_exact_at(&mut back, 0).unwrap();
         assert_eq!(&back, b"\0\x002345678\0");

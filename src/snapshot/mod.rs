@@ -1,6 +1,7 @@
 //! Snapshots of a running instance: its guest memory, the KVM state of its VM and vCPUs, and
-//! its devices' transports, written to a directory while the instance is stilled for a moment,
-//! and checked whole when opened (docs/snapshots-plan.md; restoring one is the next stage).
+//! its devices' transports, written to a directory while the instance is stilled for a moment;
+//! restored by `Sandbox::restore` and, without a directory, by `Instance::fork`
+//! (docs/architecture.md, "Snapshots, restore and fork").
 //!
 //! A snapshot's directory holds `memory.img` (guest memory: its data at the same offsets,
 //! holes kept), `machine.json` (what the helper saved) and `manifest.json`: what the snapshot
@@ -108,8 +109,10 @@ impl Snapshot {
     /// Opens the snapshot in `dir`: reads its manifest and checks its authentication with the
     /// key in `key_dir` (the sandbox's [`snapshot_key_dir`]
     /// (crate::SandboxBuilder::snapshot_key_dir)) and its format. The parts are checked as
-    /// a restore copies them (what is checked is what the guest gets), or now with
-    /// [`verify`](Self::verify). A changed manifest is [`Error::SnapshotTampered`].
+    /// a restore copies them (what is checked is what the guest gets; a part whose file is
+    /// unchanged since its digest was sealed is copied unread, see [`part`]), or now, every
+    /// byte, with [`verify`](Self::verify). A changed manifest is
+    /// [`Error::SnapshotTampered`].
     pub fn open(dir: impl AsRef<Path>, key_dir: impl AsRef<Path>) -> Result<Snapshot> {
         let dir = dir.as_ref().to_path_buf();
         let key = SnapshotKey::load_or_create(key_dir.as_ref())
@@ -204,7 +207,7 @@ pub(crate) struct Restore {
 }
 
 pub(crate) enum RestoreFrom {
-    /// A snapshot's directory: each part is checked as it is copied.
+    /// A snapshot's directory: each part is checked as it is copied (or sealed unchanged).
     Dir {
         dir: PathBuf,
         /// Where its parts' seals are (see [`part`]).
@@ -362,8 +365,8 @@ mod tests {
             token: 7,
             next_process_id: 3,
             processes: Vec::new(),
-            memory: part::write(&memory, staging.path(), MEMORY, None).unwrap(),
-            machine: part::write(&machine, staging.path(), MACHINE, None).unwrap(),
+            memory: part::write(&memory, staging.path(), MEMORY).unwrap().0,
+            machine: part::write(&machine, staging.path(), MACHINE).unwrap().0,
         };
         let key = SnapshotKey::load_or_create(key_dir).unwrap();
         Snapshot::sign(staging.path(), manifest, &key).unwrap();

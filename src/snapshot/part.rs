@@ -50,16 +50,11 @@ pub(crate) enum PartError {
     },
 }
 
-/// Copies `from`'s data into `dir/name` at the same offsets, hashing it, and seals the digest
-/// to the new file in `seals`. Holes stay holes, and so do pages of zeros: a guest's memory
-/// holds many it once touched (a fifth of a busybox guest's), which a restore then need not
-/// copy.
-pub(crate) fn write(
-    from: &File,
-    dir: &Path,
-    name: &str,
-    seals: Option<&Path>,
-) -> std::io::Result<Part> {
+/// Copies `from`'s data into `dir/name` at the same offsets, hashing it; returns the part and
+/// the new file (to [`seal`] once the source runs again). Holes stay holes, and so do pages
+/// of zeros: a guest's memory holds many it once touched (a fifth of a busybox guest's), which
+/// a restore then need not copy.
+pub(crate) fn write(from: &File, dir: &Path, name: &str) -> std::io::Result<(Part, File)> {
     let length = from.metadata()?.len();
     let mut to = std::os::unix::fs::OpenOptionsExt::mode(
         File::options().write(true).create_new(true),
@@ -90,13 +85,19 @@ pub(crate) fn write(
     to.flush()?;
     to.sync_all()?;
     let (extents, sha256) = digest.finish();
-    seal::seal_own_write(&to, DigestKind::SnapshotPart, seals, &sha256);
-    Ok(Part {
+    let part = Part {
         name: name.to_owned(),
         length,
         extents,
         sha256,
-    })
+    };
+    Ok((part, to))
+}
+
+/// Seals `part`'s digest to `file`, as [`write`] made it, in `seals` (see
+/// `rootfs::seal::seal_own_write`; it may wait a clock tick, so not while a VM is stopped).
+pub(crate) fn seal(file: &File, part: &Part, seals: &Path) {
+    seal::seal_own_write(file, DigestKind::SnapshotPart, Some(seals), &part.sha256);
 }
 
 /// The size of the pages a part's zeros are found in.
@@ -193,10 +194,16 @@ pub(crate) fn read(
         return Err(tampered("its length changed".into()));
     }
     if seals.is_some() {
+        let before = seal::InodeStamp::of(&from).map_err(io)?;
         let known = seal::known_digest(&from, DigestKind::SnapshotPart, seals);
         if let Some((_, how)) = known.filter(|(digest, _)| *digest == part.sha256) {
             if let Some(into) = into {
                 super::copy::copy_extents(&from, into, &part.extents).map_err(io)?;
+            }
+            // A write while it was copied moved the ctime: what was copied is not what the
+            // seal vouched for.
+            if seal::InodeStamp::of(&from).map_err(io)? != before {
+                return Err(tampered("it changed while it was copied".into()));
             }
             return Ok(how);
         }
@@ -242,7 +249,7 @@ mod tests {
     fn a_sparse_file_round_trips_with_its_holes_and_only_its_data_is_copied() {
         let dir = tempfile::tempdir().unwrap();
         let source = sparse_source();
-        let part = write(&source, dir.path(), "memory.img", None).unwrap();
+        let part = write(&source, dir.path(), "memory.img").unwrap().0;
         assert_eq!(part.length, 64 << 20);
         let data: u64 = part.extents.iter().map(|(s, e)| e - s).sum();
         assert!(
@@ -275,7 +282,7 @@ mod tests {
         source
             .write_all_at(&[0u8; 16 * PAGE], 3 * PAGE as u64)
             .unwrap();
-        let part = write(&source, dir.path(), "memory.img", None).unwrap();
+        let part = write(&source, dir.path(), "memory.img").unwrap().0;
         assert_eq!(
             part.extents,
             vec![(0, PAGE as u64), (2 * PAGE as u64, 3 * PAGE as u64)]
@@ -293,7 +300,7 @@ mod tests {
     #[test]
     fn a_flipped_byte_a_truncation_or_a_moved_extent_is_refused() {
         let dir = tempfile::tempdir().unwrap();
-        let part = write(&sparse_source(), dir.path(), "memory.img", None).unwrap();
+        let part = write(&sparse_source(), dir.path(), "memory.img").unwrap().0;
         let path = dir.path().join("memory.img");
         let file = File::options().write(true).open(&path).unwrap();
 
@@ -329,7 +336,8 @@ mod tests {
     fn a_sealed_part_is_copied_unread_until_its_file_changes() {
         let dir = tempfile::tempdir().unwrap();
         let seals = dir.path().join("seals");
-        let part = write(&sparse_source(), dir.path(), "memory.img", Some(&seals)).unwrap();
+        let (part, file) = write(&sparse_source(), dir.path(), "memory.img").unwrap();
+        seal(&file, &part, &seals);
         let restore = |part: &Part| {
             let into = crate::guest_memory::GuestMemoryFile::create(64).unwrap();
             let how = read(dir.path(), part, Some(into.file()), Some(&seals));
@@ -359,7 +367,8 @@ mod tests {
         assert!(matches!(restore(&part).0, Err(PartError::Tampered { .. })));
         // Changed at once after it was written: still found (the seal waited for the clock
         // that stamps ctimes to move on).
-        let again = write(&sparse_source(), dir.path(), "again.img", Some(&seals)).unwrap();
+        let (again, again_file) = write(&sparse_source(), dir.path(), "again.img").unwrap();
+        seal(&again_file, &again, &seals);
         File::options()
             .write(true)
             .open(dir.path().join("again.img"))

@@ -43,9 +43,9 @@ pub enum Inherited {
     Command,
     /// The file the VM's saved state goes through ([`command`]).
     MachineState,
-    /// A restore's gate: the read end of a pipe on which the library writes the machine
-    /// state's length once the guest memory and the machine-state file hold the snapshot
-    /// (EOF: they never will).
+    /// A restore's gate: the helper's end of a socket pair on which the library writes the
+    /// machine state's length once the guest memory and the machine-state file hold the
+    /// snapshot (EOF: they never will).
     RestoreGate,
 }
 

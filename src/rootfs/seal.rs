@@ -439,14 +439,21 @@ mod tests {
         assert_ne!(changed, first);
     }
 
-    #[test]
-    fn files_others_may_write_and_non_files_are_hashed_every_time() {
-        use std::os::unix::fs::PermissionsExt;
+    /// A temporary directory with an image file `img` whose ctime has settled, and the path
+    /// its seals go in.
+    fn settled_image() -> (tempfile::TempDir, std::path::PathBuf, std::path::PathBuf) {
         let dir = tempfile::tempdir().unwrap();
         let seals = dir.path().join("seals");
         let path = dir.path().join("img");
         std::fs::write(&path, b"abc").unwrap();
         settle();
+        (dir, seals, path)
+    }
+
+    #[test]
+    fn files_others_may_write_and_non_files_are_hashed_every_time() {
+        use std::os::unix::fs::PermissionsExt;
+        let (_dir, seals, path) = settled_image();
         let digest = |path: &Path| digest_of(&mut File::open(path).unwrap(), Some(&seals)).unwrap();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o664)).unwrap();
         settle();
@@ -479,11 +486,7 @@ mod tests {
     #[test]
     fn a_seal_in_a_directory_or_file_others_may_write_is_not_trusted() {
         use std::os::unix::fs::PermissionsExt;
-        let dir = tempfile::tempdir().unwrap();
-        let seals = dir.path().join("seals");
-        let path = dir.path().join("img");
-        std::fs::write(&path, b"abc").unwrap();
-        settle();
+        let (_dir, seals, path) = settled_image();
         let digest = |path: &Path| digest_of(&mut File::open(path).unwrap(), Some(&seals)).unwrap();
         let forget = || forget_for_tests(&File::open(&path).unwrap());
         assert_eq!(digest(&path).1, Provenance::Hashed);

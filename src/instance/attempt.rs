@@ -340,9 +340,8 @@ async fn stalled(console: &Path) {
 
 /// Fills a restore's guest `memory` and machine-state file (from a snapshot's directory, or
 /// once a fork's source has copied its memory) while its helper builds the VM; returns the
-/// state's length, for the gate. A
-/// snapshot's parts are checked as they are copied: what is checked is exactly what the VM
-/// gets, and nothing of a changed part runs ([`Error::SnapshotTampered`]: the caller closes
+/// state's length, for the gate. A snapshot's parts are checked as they are copied: what is
+/// checked is exactly what the VM gets, and nothing of a changed part runs ([`Error::SnapshotTampered`]: the caller closes
 /// the gate unopened, so the helper never loads the state nor starts a vCPU).
 async fn fill_from_snapshot(
     source: &crate::snapshot::Restore,
@@ -407,11 +406,6 @@ fn copy_parts_in(
             ),
         });
     }
-    let read = |part, into| {
-        crate::snapshot::part::read(dir, part, Some(into), Some(seals))
-            .map_err(crate::snapshot::part_error)
-    };
-    let memory = read(&manifest.memory, memory.file())?;
     let max_state = krunbox_protocol::vmm::command::MAX_STATE_BYTES as u64;
     if manifest.machine.length > max_state {
         return Err(Error::Snapshot {
@@ -422,6 +416,11 @@ fn copy_parts_in(
             ),
         });
     }
+    let read = |part, into| {
+        crate::snapshot::part::read(dir, part, Some(into), Some(seals))
+            .map_err(crate::snapshot::part_error)
+    };
+    let memory = read(&manifest.memory, memory.file())?;
     // As long as the part (holes read as zeros), as `part::read` needs.
     commands
         .state_file()

@@ -40,31 +40,23 @@ pub(crate) struct GuestMemoryFile {
 impl GuestMemoryFile {
     /// A file for a guest of `memory_mib` MiB of RAM: sparse, its size sealed (it can neither
     /// grow nor shrink, in any process), so a mapping of it never faults.
-    pub(crate) fn create(memory_mib: u32) -> std::io::Result<Self> {
-        use nix::fcntl::{fcntl, FcntlArg, SealFlag};
-        use nix::sys::memfd::{memfd_create, MFdFlags};
-        let fd: OwnedFd = memfd_create(
-            "krunbox-guest-memory",
-            MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
-        )?;
-        let file = File::from(fd);
-        let len = (u64::from(memory_mib) << 20) + KERNEL_ROOM;
-        file.set_len(len)?;
-        fcntl(
-            file.as_fd(),
-            FcntlArg::F_ADD_SEALS(
-                SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_SEAL,
-            ),
-        )?;
+    /// `later`: whether writes may be sealed later (a fork freezes its source's memory so).
+    pub(crate) fn create(memory_mib: u32, later: LaterSeals) -> std::io::Result<Self> {
+        let len = Self::len_for(memory_mib);
         Ok(GuestMemoryFile {
-            file: Arc::new(file),
+            file: Arc::new(sealed_memfd(c"krunbox-guest-memory", len, later)?),
             len,
         })
     }
 
-    /// The file, to give to the helper.
-    pub(crate) fn file(&self) -> &File {
-        &self.file
+    /// How long the file of a guest of `memory_mib` MiB of RAM is.
+    pub(crate) fn len_for(memory_mib: u32) -> u64 {
+        (u64::from(memory_mib) << 20) + KERNEL_ROOM
+    }
+
+    /// The file, to keep.
+    pub(crate) fn shared_file(&self) -> Arc<File> {
+        self.file.clone()
     }
 
     /// Maps `regions` of the file as guest memory, after checking them: at most
@@ -104,6 +96,35 @@ impl GuestMemoryFile {
     }
 }
 
+/// The seals a memfd whose size is sealed may still get.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LaterSeals {
+    /// None: no process holding it can seal it against anything more.
+    None,
+    /// A seal against writes (`F_SEAL_WRITE`), by whichever holder adds it first.
+    Write,
+}
+
+/// A memfd of `len` bytes (sparse) whose size is sealed: whatever holds it can write within
+/// it but neither grow nor shrink it, so a mapping of it never faults.
+pub(crate) fn sealed_memfd(
+    name: &std::ffi::CStr,
+    len: u64,
+    later: LaterSeals,
+) -> std::io::Result<File> {
+    use nix::fcntl::{fcntl, FcntlArg, SealFlag};
+    use nix::sys::memfd::{memfd_create, MFdFlags};
+    let fd: OwnedFd = memfd_create(name, MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING)?;
+    let file = File::from(fd);
+    file.set_len(len)?;
+    let mut seals = SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SHRINK;
+    if later == LaterSeals::None {
+        seals |= SealFlag::F_SEAL_SEAL;
+    }
+    fcntl(file.as_fd(), FcntlArg::F_ADD_SEALS(seals))?;
+    Ok(file)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -119,7 +140,7 @@ mod tests {
 
     #[test]
     fn two_mappings_of_the_file_see_each_others_writes() {
-        let file = GuestMemoryFile::create(16).unwrap();
+        let file = GuestMemoryFile::create(16, LaterSeals::None).unwrap();
         let layout = [region(0, 1 << 20, 0), region(2 << 20, 1 << 20, 1 << 20)];
         let first = file.map(&layout).unwrap();
         let second = file.map(&layout).unwrap();
@@ -135,17 +156,17 @@ mod tests {
 
     #[test]
     fn the_file_cannot_be_resized() {
-        let file = GuestMemoryFile::create(16).unwrap();
-        let len = file.file().metadata().unwrap().len();
+        let file = GuestMemoryFile::create(16, LaterSeals::None).unwrap();
+        let len = file.file.metadata().unwrap().len();
         assert_eq!(len, (16 << 20) + KERNEL_ROOM);
-        assert!(file.file().set_len(len / 2).is_err(), "shrunk");
-        assert!(file.file().set_len(len * 2).is_err(), "grown");
+        assert!(file.file.set_len(len / 2).is_err(), "shrunk");
+        assert!(file.file.set_len(len * 2).is_err(), "grown");
     }
 
     #[test]
     fn a_layout_past_the_file_unaligned_overlapping_or_too_long_is_refused() {
-        let file = GuestMemoryFile::create(16).unwrap();
-        let len = file.file().metadata().unwrap().len();
+        let file = GuestMemoryFile::create(16, LaterSeals::None).unwrap();
+        let len = file.file.metadata().unwrap().len();
         let refused = [
             vec![],
             vec![region(0, len + PAGE, 0)],

@@ -343,6 +343,16 @@ fn a_restored_snapshot_takes_over_its_shell_keeps_its_files_and_diverges_from_it
             .unwrap();
         common::read_until(&mut twin_screen, "got-42 kept").await;
         assert_eq!(sh(&twin, "cat /tmp/f").await, "twin");
+        // The twin maps the snapshot's memory copy-on-write: a snapshot of it holds what it
+        // wrote over that.
+        let again = place.path().join("again");
+        twin.snapshot(&again).await.unwrap();
+        let third = sandbox
+            .restore(&krunbox::Snapshot::open(&again, keys.path()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(sh(&third, "cat /tmp/f").await, "twin");
+        third.shutdown().await.unwrap();
         // The source never saw the twin's write, and goes on as it was.
         input
             .write_all(b"echo src-$X $(cat /tmp/f)\n")
@@ -503,6 +513,15 @@ fn a_fork_into_two_starts_both_from_the_source_and_each_diverges() {
         for fork in forks {
             fork.shutdown().await.unwrap();
         }
+        // The source's memory is copy-on-write over what it froze now: what it wrote since
+        // (only in its helper's own pages) reaches a second fork.
+        assert_eq!(sh(&vm, "echo after > /tmp/g; cat /tmp/g").await, "after");
+        let again = vm.fork(1).await.unwrap();
+        assert_eq!(
+            sh(&again[0], "cat /tmp/f /tmp/g | tr '\\n' .").await,
+            "base.after."
+        );
+        again[0].shutdown().await.unwrap();
         vm.shutdown().await.unwrap();
     });
 }

@@ -23,6 +23,7 @@ use crate::jail::HelperReport;
 use crate::logs::{BoundedLog, InstanceLogs};
 use crate::protocol::{FrameDecoder, Hello, Setup};
 use crate::rootfs::disk::DiskLink;
+use crate::snapshot::memory::InstanceMemory;
 use krunbox_protocol::vmm::Inherited;
 
 /// A boot whose guest prints nothing at all (not even guest-init's first console line) for
@@ -72,8 +73,8 @@ pub(super) struct Ready {
     pub net_socket: Option<OwnedFd>,
     /// The library's end of the helper's command socket.
     pub commands: Arc<crate::vmm_commands::VmmCommands>,
-    /// The guest's memory, when this process holds it.
-    pub guest_memory: Option<Arc<crate::guest_memory::GuestMemoryFile>>,
+    /// The guest's memory, when it is in a file of this process's, as snapshots see it.
+    pub guest_memory: Option<Arc<InstanceMemory>>,
 }
 
 /// How an attempt ended, when it did not fail.
@@ -120,25 +121,7 @@ pub(super) async fn run(
         None => (None, None),
     };
     let net_pair = network_link(config)?;
-    // The mounts' queues are served here, in the guest's memory (a fresh file each attempt).
-    let (guest_memory, fs_ends) =
-        if config.mounts.is_empty() && !config.snapshots && plan.restore.is_none() {
-            (None, Vec::new())
-        } else {
-            let memory = match plan.restore.map(|source| &source.from) {
-                // A fork's memory is made for this instance alone (its source fills it).
-                Some(crate::snapshot::RestoreFrom::Fork { memory, .. }) => memory.clone(),
-                _ => Arc::new(
-                    crate::guest_memory::GuestMemoryFile::create(config.memory_mib)
-                        .map_err(Error::io("creating the guest's memory"))?,
-                ),
-            };
-            let ends = parts
-                .mounts
-                .connect(memory.clone())
-                .map_err(Error::io("connecting the filesystem devices"))?;
-            (Some(memory), ends)
-        };
+    let (guest_memory, fs_ends) = guest_memory(plan, parts)?;
     let disk_ends = parts
         .disks
         .iter_mut()
@@ -158,7 +141,8 @@ pub(super) async fn run(
         handed.push((helper_end.as_raw_fd(), Inherited::Network));
     }
     if let Some(memory) = &guest_memory {
-        handed.push((memory.file().as_raw_fd(), Inherited::GuestMemory));
+        handed.push((memory.base().as_raw_fd(), Inherited::GuestMemory));
+        handed.push((memory.private_pages().as_raw_fd(), Inherited::PrivatePages));
     }
     if let Some(gate_read) = &gate_read {
         handed.push((gate_read.as_raw_fd(), Inherited::RestoreGate));
@@ -338,14 +322,70 @@ async fn stalled(console: &Path) {
     }
 }
 
-/// Fills a restore's guest `memory` and machine-state file (from a snapshot's directory, or
-/// once a fork's source has copied its memory) while its helper builds the VM; returns the
-/// state's length, for the gate. A snapshot's parts are checked as they are copied: what is
-/// checked is exactly what the VM gets, and nothing of a changed part runs ([`Error::SnapshotTampered`]: the caller closes
-/// the gate unopened, so the helper never loads the state nor starts a vCPU).
+/// The guest's memory for this attempt, when it is in a file of this process's, and the
+/// mounts' ends: a fresh memfd (mapped shared: the mounts' queues are served here, in it), or
+/// a restore's file, mapped copy-on-write (a snapshot's `memory.img`, opened here and checked
+/// by [`fill_from_snapshot`] while the helper builds its VM; a fork's source's memory).
+fn guest_memory(
+    plan: &Plan<'_>,
+    parts: &mut Devices<'_>,
+) -> Result<(Option<Arc<InstanceMemory>>, Vec<OwnedFd>)> {
+    let config = plan.config;
+    let private = |base| {
+        InstanceMemory::new(base, true)
+            .map(|memory| (Some(Arc::new(memory)), Vec::new()))
+            .map_err(Error::io("creating the guest's private-pages file"))
+    };
+    match plan.restore.map(|source| (&source.from, &source.manifest)) {
+        Some((crate::snapshot::RestoreFrom::Fork { memory, .. }, _)) => private(memory.clone()),
+        Some((crate::snapshot::RestoreFrom::Dir { dir, .. }, manifest)) => {
+            let length = crate::guest_memory::GuestMemoryFile::len_for(config.memory_mib);
+            if manifest.memory.length != length {
+                return Err(Error::Snapshot {
+                    step: "restored",
+                    reason: format!(
+                        "its memory has {} bytes, this VM's {length}",
+                        manifest.memory.length
+                    ),
+                });
+            }
+            let file = crate::snapshot::part::open(dir, &manifest.memory)
+                .map_err(crate::snapshot::part_error)?;
+            private(Arc::new(file))
+        }
+        None if config.mounts.is_empty() && !config.snapshots => Ok((None, Vec::new())),
+        None => {
+            let memory = Arc::new(
+                crate::guest_memory::GuestMemoryFile::create(
+                    config.memory_mib,
+                    // A fork seals its source's memory against writes once it froze it.
+                    match config.snapshots {
+                        true => crate::guest_memory::LaterSeals::Write,
+                        false => crate::guest_memory::LaterSeals::None,
+                    },
+                )
+                .map_err(Error::io("creating the guest's memory"))?,
+            );
+            let ends = parts
+                .mounts
+                .connect(memory.clone())
+                .map_err(Error::io("connecting the filesystem devices"))?;
+            let memory = InstanceMemory::new(memory.shared_file(), false)
+                .map_err(Error::io("creating the guest's private-pages file"))?;
+            Ok((Some(Arc::new(memory)), ends))
+        }
+    }
+}
+
+/// Fills a restore's machine-state file and checks its memory (from a snapshot's directory,
+/// or once a fork's source has frozen or filled its memory) while its helper builds the VM;
+/// returns the state's length, for the gate. A snapshot's memory is checked whole (the VM
+/// maps all of it), its state as it is copied: nothing of a changed part runs
+/// ([`Error::SnapshotTampered`]: the caller closes the gate unopened, so the helper never
+/// loads the state nor starts a vCPU).
 async fn fill_from_snapshot(
     source: &crate::snapshot::Restore,
-    memory: &Arc<crate::guest_memory::GuestMemoryFile>,
+    memory: &Arc<InstanceMemory>,
     commands: &Arc<crate::vmm_commands::VmmCommands>,
 ) -> Result<u64> {
     Ok(match &source.from {
@@ -365,6 +405,16 @@ async fn fill_from_snapshot(
         }
         crate::snapshot::RestoreFrom::Fork { filled, .. } => {
             let fork = crate::snapshot::Restore::fork_state(filled).await?;
+            if let Some(pages) = fork.own_pages.clone() {
+                let memory = memory.clone();
+                tokio::task::spawn_blocking(move || memory.copy_private_pages_from(&pages))
+                    .await
+                    .map_err(|e| Error::Snapshot {
+                        step: "restored",
+                        reason: e.to_string(),
+                    })?
+                    .map_err(Error::io("copying the fork's source's own pages"))?;
+            }
             std::os::unix::fs::FileExt::write_all_at(commands.state_file(), &fork.state, 0)
                 .map_err(Error::io("writing the fork's machine state"))?;
             fork.state.len() as u64
@@ -387,25 +437,16 @@ fn open_gate(gate: std::os::unix::net::UnixStream, state_len: u64) {
     }
 }
 
-/// Copies a snapshot's parts from `dir` into the guest memory and the machine-state file,
-/// each checked as it is copied (or sealed unchanged, see `snapshot::part`).
+/// Checks a snapshot's memory (the file `memory` maps) whole and copies its machine state
+/// from `dir` into the machine-state file, checked as it is copied (either part sealed
+/// unchanged is not read, see `snapshot::part`).
 fn copy_parts_in(
     dir: &std::path::Path,
     seals: &std::path::Path,
     manifest: &crate::snapshot::Manifest,
-    memory: &crate::guest_memory::GuestMemoryFile,
+    memory: &InstanceMemory,
     commands: &crate::vmm_commands::VmmCommands,
 ) -> Result<()> {
-    let length = memory.file().metadata().map(|m| m.len()).unwrap_or(0);
-    if manifest.memory.length != length {
-        return Err(Error::Snapshot {
-            step: "restored",
-            reason: format!(
-                "its memory has {} bytes, this VM's {length}",
-                manifest.memory.length
-            ),
-        });
-    }
     let max_state = krunbox_protocol::vmm::command::MAX_STATE_BYTES as u64;
     if manifest.machine.length > max_state {
         return Err(Error::Snapshot {
@@ -416,17 +457,20 @@ fn copy_parts_in(
             ),
         });
     }
-    let read = |part, into| {
-        crate::snapshot::part::read(dir, part, Some(into), Some(seals))
-            .map_err(crate::snapshot::part_error)
-    };
-    let memory = read(&manifest.memory, memory.file())?;
+    let memory = crate::snapshot::part::check_whole(memory.base(), &manifest.memory, seals)
+        .map_err(crate::snapshot::part_error)?;
     // As long as the part (holes read as zeros), as `part::read` needs.
     commands
         .state_file()
         .set_len(manifest.machine.length)
         .map_err(Error::io("sizing the machine-state file"))?;
-    let machine = read(&manifest.machine, commands.state_file())?;
+    let machine = crate::snapshot::part::read(
+        dir,
+        &manifest.machine,
+        Some(commands.state_file()),
+        Some(seals),
+    )
+    .map_err(crate::snapshot::part_error)?;
     tracing::debug!(
         ?memory,
         ?machine,

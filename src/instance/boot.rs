@@ -93,6 +93,7 @@ async fn boot_in_span(
     if let Some(source) = &restore {
         check_restorable(&config, &source.manifest, &parts.root.image.sha256)?;
         vmm_config.guest_memory_file = true;
+        vmm_config.guest_memory_private = true;
         vmm_config.restore = true;
     }
     let setup = parts.guest_setup(&config);
@@ -291,6 +292,7 @@ impl Parts {
             control_socket: self.dir.path().join(CONTROL_SOCKET),
             fs_devices: config.mounts.len() as u32,
             guest_memory_file: !config.mounts.is_empty() || config.snapshots,
+            guest_memory_private: false,
             command_socket: true,
             restore: false,
             console: self.dir.path().join(crate::logs::CONSOLE_FIFO),
@@ -546,7 +548,7 @@ const CONTROL_SOCKET: &str = "control.sock";
 /// What an instance of `config` keeps to take snapshots, when its sandbox allows them.
 fn snapshot_source(
     config: Arc<SandboxConfig>,
-    memory: Option<Arc<crate::guest_memory::GuestMemoryFile>>,
+    memory: Option<Arc<crate::snapshot::memory::InstanceMemory>>,
     image_sha256: &str,
 ) -> Option<crate::snapshot::SnapshotSource> {
     let memory = memory.filter(|_| config.snapshots)?;

@@ -105,7 +105,7 @@ impl Instance {
     }
 }
 
-fn unexpected(step: &'static str, reply: &VmmReply) -> Error {
+pub(super) fn unexpected(step: &'static str, reply: &VmmReply) -> Error {
     Error::Snapshot {
         step,
         reason: format!("the helper answered {reply:?}"),

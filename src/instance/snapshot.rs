@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 use std::sync::Arc;
 use tracing::Instrument;
 
-use crate::guest_memory::GuestMemoryFile;
+use crate::snapshot::memory::InstanceMemory;
 use crate::snapshot::{self, Manifest, Snapshot, SnapshotKey, Staging};
 
 /// How long the devices may take to answer the requests made before the vCPUs paused.
@@ -51,9 +51,10 @@ impl Instance {
         )))?;
         let staging = Staging::new(dir.as_ref())?;
         let token = random_token();
+        let _one_at_a_time = source.memory.one_at_a_time.lock().await;
         let (memory, dir) = (source.memory.clone(), staging.path().to_path_buf());
         let ([(memory, memory_file), (machine, machine_file)], _, processes) = self
-            .stilled(token, move |state| async move {
+            .stilled(token, Freeze::No, move |state| async move {
                 let parts = copy_parts(memory, dir, state).await?;
                 Ok((parts, Vec::new()))
             })
@@ -72,9 +73,12 @@ impl Instance {
     /// Forks the running instance into `n` new ones: each starts where this one is now (its
     /// processes, which each fork [`attach`](Self::attach)es, its files in memory, its
     /// shell variables) and goes its own way from there, as this one does. Nothing goes to
-    /// disk: this instance is stilled as for a [`snapshot`](Self::snapshot) (the same scope)
-    /// while its memory is copied into each fork's, and the forks' VMs are built meanwhile.
-    /// All or none: if one fork fails, those that started are stopped.
+    /// disk and nothing is copied: this instance is stilled as for a
+    /// [`snapshot`](Self::snapshot) (the same scope) while its memory is frozen as it is,
+    /// and it and every fork map that memory copy-on-write (a page is copied only for the
+    /// one that writes it); the forks' VMs are built meanwhile. (An instance that is itself
+    /// a fork or a restore has its memory merged into one file for its forks first.) All or
+    /// none: if one fork fails, those that started are stopped.
     ///
     /// ```no_run
     /// # async fn demo(vm: &krunbox::Instance) -> krunbox::Result<()> {
@@ -94,10 +98,13 @@ impl Instance {
         }
         let source = self.snapshot_source()?;
         let token = random_token();
-        let copies = (0..n)
-            .map(|_| GuestMemoryFile::create(source.memory_mib).map(Arc::new))
-            .collect::<std::io::Result<Vec<_>>>()
-            .map_err(Error::io("creating the forks' memory"))?;
+        let _one_at_a_time = source.memory.one_at_a_time.lock().await;
+        // Memory mapped shared is frozen in place; memory mapped copy-on-write already has its
+        // own pages laid over the same file in each fork. The forks map that file either way.
+        let (freeze, own_pages) = match source.memory.is_private() {
+            false => (Freeze::InPlace, None),
+            true => (Freeze::No, Some(source.memory.private_pages().clone())),
+        };
         // What a snapshot's manifest would say; the parts are in memory, not on disk, and the
         // processes and machine state come once the source is stilled.
         let in_memory = |name: &str, length: u64| snapshot::Part {
@@ -106,7 +113,7 @@ impl Instance {
             extents: Vec::new(),
             sha256: String::new(),
         };
-        let memory_len = source.memory.file().metadata().map_or(0, |m| m.len());
+        let memory_len = source.memory.len().unwrap_or(0);
         let manifest = self.manifest(
             source,
             token,
@@ -118,39 +125,28 @@ impl Instance {
         // memory copied; the forks' guests run once it is.
         let (filled, filled_rx) = tokio::sync::watch::channel(None);
         let definition = source.definition.0.clone();
-        let boots = copies.iter().map(|memory| {
+        let boots = (0..n).map(|_| {
             let restore = snapshot::Restore {
                 manifest: manifest.clone(),
                 from: snapshot::RestoreFrom::Fork {
-                    memory: memory.clone(),
+                    memory: source.memory.base().clone(),
                     filled: filled_rx.clone(),
                 },
             };
             super::restore_from(definition.clone(), restore)
         });
-        let (memory, targets) = (source.memory.clone(), copies.clone());
         let copy_and_tell = async move {
+            // Nothing to copy: the forks map the frozen file, and lay the source's own pages
+            // (written out while it was stilled) over it.
             let stilled = self
-                .stilled(token, move |state| async move {
-                    tokio::task::spawn_blocking(move || {
-                        targets
-                            .iter()
-                            .try_for_each(|to| copy_data(memory.file(), to.file()))
-                    })
-                    .await
-                    .map_err(|e| Error::Snapshot {
-                        step: "copied",
-                        reason: e.to_string(),
-                    })?
-                    .map_err(Error::io("copying the guest's memory for a fork"))?;
-                    Ok(((), state))
-                })
+                .stilled(token, freeze, |state| async move { Ok(((), state)) })
                 .await;
             let outcome = match &stilled {
                 Ok(((), state, processes)) => Ok(Arc::new(snapshot::ForkState {
                     state: state.clone(),
                     processes: processes.clone(),
                     next_process_id: self.inner.next_id.load(std::sync::atomic::Ordering::SeqCst),
+                    own_pages,
                 })),
                 Err(e) => Err(e.to_string()),
             };
@@ -158,6 +154,10 @@ impl Instance {
             stilled.map(|_| ())
         };
         let (stilled, booted) = tokio::join!(copy_and_tell, futures_util::future::join_all(boots));
+        // Every fork has copied the pages it lays over its memory (or failed).
+        if let Err(e) = source.memory.forget_private_pages() {
+            tracing::warn!("emptying the source's private-pages file: {e}");
+        }
         let mut forks = Vec::with_capacity(n);
         let mut failed = stilled.err();
         for boot in booted {
@@ -231,6 +231,7 @@ impl Instance {
     async fn stilled<T, F, Fut>(
         &self,
         token: u64,
+        freeze: Freeze,
         copy: F,
     ) -> Result<(T, Vec<u8>, Vec<crate::control::SavedProcess>)>
     where
@@ -239,7 +240,7 @@ impl Instance {
         Fut: std::future::Future<Output = Result<(T, Vec<u8>)>> + Send + 'static,
     {
         let this = self.clone();
-        tokio::spawn(async move { this.stilled_here(token, copy).await }.in_current_span())
+        tokio::spawn(async move { this.stilled_here(token, freeze, copy).await }.in_current_span())
             .await
             .map_err(|e| Error::Snapshot {
                 step: "saved",
@@ -250,6 +251,7 @@ impl Instance {
     async fn stilled_here<T, F, Fut>(
         &self,
         token: u64,
+        freeze: Freeze,
         copy: F,
     ) -> Result<(T, Vec<u8>, Vec<crate::control::SavedProcess>)>
     where
@@ -266,7 +268,7 @@ impl Instance {
         let stilled = async {
             let processes = control.quiesce(token, QUIESCE_DEADLINE).await?;
             tracing::debug!("quiesced");
-            let made = self.capture(copy).await;
+            let made = self.capture(freeze, copy).await;
             control.resume().await?;
             tracing::debug!("resumed");
             made.map(|(made, state)| (made, state, processes))
@@ -281,7 +283,7 @@ impl Instance {
     /// memory meanwhile). The VMM runs and the vCPUs are resumed afterwards whatever happened
     /// (also after a pause that failed half-way: some vCPUs may have paused). `copy` returns
     /// what it made and the state (to keep, or empty).
-    async fn capture<T, F, Fut>(&self, copy: F) -> Result<(T, Vec<u8>)>
+    async fn capture<T, F, Fut>(&self, freeze: Freeze, copy: F) -> Result<(T, Vec<u8>)>
     where
         F: FnOnce(Vec<u8>) -> Fut,
         Fut: std::future::Future<Output = Result<(T, Vec<u8>)>>,
@@ -311,6 +313,7 @@ impl Instance {
                         step: "saved",
                         reason,
                     })?;
+            self.prepare_memory(freeze).await?;
             if let Err(e) = self.stop_vm(true).await {
                 // Some threads may have stopped: let them all go on.
                 let _ = self.stop_vm(false).await;
@@ -331,6 +334,35 @@ impl Instance {
         let made = captured?;
         resumed?;
         Ok(made)
+    }
+
+    /// With the vCPUs paused and the machine state saved: memory mapped copy-on-write has its
+    /// helper write the guest's own pages out (to be merged over its file); a fork freezes
+    /// memory mapped shared in place (its helper maps it copy-on-write from now on).
+    async fn prepare_memory(&self, freeze: Freeze) -> Result<()> {
+        let memory = &self.snapshot_source()?.memory;
+        let (command, step) = if memory.is_private() {
+            (VmmCommand::WritePrivatePages, "saved")
+        } else if freeze == Freeze::InPlace {
+            // Before asking: a remap that failed half-way leaves some regions copy-on-write,
+            // and only the merge of their own pages over the file is right for both kinds.
+            memory.set_private();
+            (VmmCommand::MapPrivately, "frozen")
+        } else {
+            return Ok(());
+        };
+        match self.machine_command(command, step).await? {
+            VmmReply::Written { pages } => tracing::debug!(pages, "the guest's own pages written"),
+            VmmReply::Done => {
+                memory.seal_base().map_err(|e| Error::Snapshot {
+                    step,
+                    reason: format!("sealing the frozen memory against writes: {e}"),
+                })?;
+                tracing::debug!("guest memory frozen, mapped copy-on-write")
+            }
+            other => return Err(super::machine::unexpected(step, &other)),
+        }
+        Ok(())
     }
 
     /// Waits until no device has a request it has not answered (the vCPUs are paused, so no
@@ -374,15 +406,34 @@ pub(super) fn guest_init_sha256(config: &crate::config::SandboxConfig) -> Result
         .map_err(Error::io(format!("hashing guest-init {}", path.display())))
 }
 
+/// Whether a stilling freezes guest memory mapped shared in place (a fork's source).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Freeze {
+    No,
+    InPlace,
+}
+
 /// Writes guest memory and the machine state into `dir` (on the blocking pool): each part
-/// and its new file.
+/// and its new file. Memory mapped copy-on-write is merged first (its file and the pages the
+/// guest made its own, which its helper has just written out).
 async fn copy_parts(
-    memory: Arc<GuestMemoryFile>,
+    memory: Arc<InstanceMemory>,
     dir: std::path::PathBuf,
     state: Vec<u8>,
 ) -> Result<[(snapshot::Part, std::fs::File); 2]> {
     tokio::task::spawn_blocking(move || {
-        let memory = snapshot::part::write(memory.file(), &dir, snapshot::MEMORY)?;
+        let memory = match memory.is_private() {
+            false => snapshot::part::write(memory.base(), &dir, snapshot::MEMORY)?,
+            true => {
+                let merged = crate::guest_memory::sealed_memfd(
+                    c"krunbox-snapshot-memory",
+                    memory.len()?,
+                    crate::guest_memory::LaterSeals::None,
+                )?;
+                memory.merge_into(&merged)?;
+                snapshot::part::write(&merged, &dir, snapshot::MEMORY)?
+            }
+        };
         let state_file = tempfile::tempfile()?;
         std::os::unix::fs::FileExt::write_all_at(&state_file, &state, 0)?;
         let machine = snapshot::part::write(&state_file, &dir, snapshot::MACHINE)?;
@@ -394,10 +445,4 @@ async fn copy_parts(
         reason: e.to_string(),
     })?
     .map_err(Error::io("writing the snapshot"))
-}
-
-/// Copies `from`'s data into `to` (as long, all zeros) at the same offsets: a fork's memory.
-/// In the kernel, so the bytes do not pass through this process.
-fn copy_data(from: &std::fs::File, to: &std::fs::File) -> std::io::Result<()> {
-    snapshot::copy::copy_extents(from, to, &crate::rootfs::layer::data_extents(from)?)
 }

@@ -143,6 +143,7 @@ pub(crate) async fn probe(
         control_socket: socket,
         fs_devices: 0,
         guest_memory_file: false,
+        guest_memory_private: false,
         command_socket: false,
         restore: false,
         served_disks: Vec::new(),

@@ -258,10 +258,13 @@ mod tests {
             let data: Vec<u8> = (start..end).map(byte).collect();
             from.write_all_at(&data, start).unwrap();
         }
-        let to = crate::guest_memory::GuestMemoryFile::create(32).unwrap();
-        copy_extents(&from, to.file(), &extents).unwrap();
+        let to =
+            crate::guest_memory::GuestMemoryFile::create(32, crate::guest_memory::LaterSeals::None)
+                .unwrap()
+                .shared_file();
+        copy_extents(&from, &to, &extents).unwrap();
         let mut back = vec![0u8; 32 << 20];
-        to.file().read_exact_at(&mut back, 0).unwrap();
+        to.read_exact_at(&mut back, 0).unwrap();
         for (at, got) in back.iter().enumerate() {
             let at = at as u64;
             let inside = extents
@@ -280,8 +283,11 @@ mod tests {
             &tempfile::tempfile_in(dir.path()).unwrap(),
         );
         // A file into a memfd (another filesystem): through a pipe, as a restore does.
-        let memfd = crate::guest_memory::GuestMemoryFile::create(16).unwrap();
-        check_copy(&tempfile::tempfile_in(dir.path()).unwrap(), memfd.file());
+        let memfd =
+            crate::guest_memory::GuestMemoryFile::create(16, crate::guest_memory::LaterSeals::None)
+                .unwrap()
+                .shared_file();
+        check_copy(&tempfile::tempfile_in(dir.path()).unwrap(), &memfd);
         // And the pipe's path itself, whatever the kernel would pick.
         let (from, to) = (tempfile::tempfile().unwrap(), tempfile::tempfile().unwrap());
         from.write_all_at(b"0123456789", 0).unwrap();

@@ -11,6 +11,7 @@
 
 pub(crate) mod copy;
 mod key;
+pub(crate) mod memory;
 pub(crate) mod part;
 
 /// Where the seals of snapshot parts' digests are kept, for snapshots whose key is in
@@ -213,11 +214,13 @@ pub(crate) enum RestoreFrom {
         /// Where its parts' seals are (see [`part`]).
         seals: PathBuf,
     },
-    /// A fork: a memory file this process made for it alone, filled while its source is
-    /// stilled (as the fork's helper builds its VM); `filled` says with which machine state
-    /// and processes once it is, or why it never will be.
+    /// A fork: the file of its source's memory that the fork maps copy-on-write (frozen
+    /// before the fork's guest runs: in place while the source is stilled, as the fork's
+    /// helper builds its VM, or long before); `filled` says with which machine state,
+    /// processes and pages of the source's own once the source is stilled, or why it never
+    /// will be.
     Fork {
-        memory: Arc<crate::guest_memory::GuestMemoryFile>,
+        memory: Arc<std::fs::File>,
         filled: ForkFilled,
     },
 }
@@ -230,6 +233,10 @@ pub(crate) struct ForkState {
     pub state: Vec<u8>,
     pub processes: Vec<crate::control::SavedProcess>,
     pub next_process_id: u32,
+    /// The pages the source had made its own over the file the fork maps (its private-pages
+    /// file, just written), when it mapped that file copy-on-write already: each fork's
+    /// helper lays them over its memory at the gate.
+    pub own_pages: Option<Arc<std::fs::File>>,
 }
 
 impl Restore {
@@ -281,7 +288,7 @@ impl Restore {
 
 /// What an instance booted with snapshots on keeps to take them.
 pub(crate) struct SnapshotSource {
-    pub memory: Arc<crate::guest_memory::GuestMemoryFile>,
+    pub memory: Arc<memory::InstanceMemory>,
     pub cpus: u8,
     pub memory_mib: u32,
     pub image_sha256: String,

@@ -172,13 +172,36 @@ pub(crate) fn read(
     into: Option<&File>,
     seals: Option<&Path>,
 ) -> Result<Provenance, PartError> {
+    let from = open(dir, part)?;
+    check(&from, part, into, seals)
+}
+
+/// Checks `from` (`part`, [`open`]ed) for a restore to map as it is (copy-on-write): as [`read`]
+/// checks a part and also, since a mapping reads the whole file where a copy reads only the
+/// part's extents, that nothing outside them holds anything but zeros.
+pub(crate) fn check_whole(from: &File, part: &Part, seals: &Path) -> Result<Provenance, PartError> {
+    // Before the hash, which seals what it hashed.
+    if !unlisted_data_is_zeros(from, &part.extents).map_err(|e| io_error(part, e))? {
+        return Err(PartError::Tampered {
+            name: part.name.clone(),
+            why: "it holds data outside its extents".into(),
+        });
+    }
+    check(from, part, None, Some(seals))
+}
+
+fn io_error(part: &Part, source: std::io::Error) -> PartError {
+    PartError::Io {
+        name: part.name.clone(),
+        source,
+    }
+}
+
+/// Opens `part` in `dir`, checking that its extents are in order and within it, and its length.
+pub(crate) fn open(dir: &Path, part: &Part) -> Result<File, PartError> {
     let tampered = |why: String| PartError::Tampered {
         name: part.name.clone(),
         why,
-    };
-    let io = |source: std::io::Error| PartError::Io {
-        name: part.name.clone(),
-        source,
     };
     let mut last_end = 0u64;
     for &(start, end) in &part.extents {
@@ -189,26 +212,81 @@ pub(crate) fn read(
         }
         last_end = end;
     }
-    let from = File::open(dir.join(&part.name)).map_err(io)?;
-    if from.metadata().map_err(io)?.len() != part.length {
+    let from = File::open(dir.join(&part.name)).map_err(|e| io_error(part, e))?;
+    if from.metadata().map_err(|e| io_error(part, e))?.len() != part.length {
         return Err(tampered("its length changed".into()));
     }
+    Ok(from)
+}
+
+/// Whether every byte of `file` outside `extents` (in order, not overlapping) reads as zero
+/// (holes are not read).
+fn unlisted_data_is_zeros(file: &File, extents: &[(u64, u64)]) -> std::io::Result<bool> {
+    let zeros = |from: u64, to: u64| -> std::io::Result<bool> {
+        let mut buf = vec![0u8; CHUNK];
+        let mut at = from;
+        while at < to {
+            let len = ((to - at) as usize).min(CHUNK);
+            file.read_exact_at(&mut buf[..len], at)?;
+            if buf[..len].iter().any(|&b| b != 0) {
+                return Ok(false);
+            }
+            at += len as u64;
+        }
+        Ok(true)
+    };
+    for (start, end) in crate::rootfs::layer::data_extents(file)? {
+        let mut at = start;
+        for &(listed_start, listed_end) in extents {
+            if listed_end <= at {
+                continue;
+            }
+            if listed_start >= end {
+                break;
+            }
+            if listed_start > at && !zeros(at, listed_start)? {
+                return Ok(false);
+            }
+            at = listed_end;
+            if at >= end {
+                break;
+            }
+        }
+        if at < end && !zeros(at, end)? {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// [`read`] of the file `from`, opened: `into` gets exactly what was checked.
+fn check(
+    from: &File,
+    part: &Part,
+    into: Option<&File>,
+    seals: Option<&Path>,
+) -> Result<Provenance, PartError> {
+    let tampered = |why: String| PartError::Tampered {
+        name: part.name.clone(),
+        why,
+    };
+    let io = |source: std::io::Error| io_error(part, source);
     if seals.is_some() {
-        let before = seal::InodeStamp::of(&from).map_err(io)?;
-        let known = seal::known_digest(&from, DigestKind::SnapshotPart, seals);
+        let before = seal::InodeStamp::of(from).map_err(io)?;
+        let known = seal::known_digest(from, DigestKind::SnapshotPart, seals);
         if let Some((_, how)) = known.filter(|(digest, _)| *digest == part.sha256) {
             if let Some(into) = into {
-                super::copy::copy_extents(&from, into, &part.extents).map_err(io)?;
+                super::copy::copy_extents(from, into, &part.extents).map_err(io)?;
             }
             // A write while it was copied moved the ctime: what was copied is not what the
             // seal vouched for.
-            if seal::InodeStamp::of(&from).map_err(io)? != before {
+            if seal::InodeStamp::of(from).map_err(io)? != before {
                 return Err(tampered("it changed while it was copied".into()));
             }
             return Ok(how);
         }
     }
-    let hashing = seal::Hashing::begin(&from);
+    let hashing = seal::Hashing::begin(from);
     let mut digest = PartDigest::default();
     let mut buf = vec![0u8; CHUNK];
     for &(start, end) in &part.extents {
@@ -228,7 +306,7 @@ pub(crate) fn read(
     if digest != part.sha256 {
         return Err(tampered("its digest differs".into()));
     }
-    hashing.finish(&from, DigestKind::SnapshotPart, seals, &digest);
+    hashing.finish(from, DigestKind::SnapshotPart, seals, &digest);
     Ok(Provenance::Hashed)
 }
 
@@ -287,14 +365,38 @@ mod tests {
             part.extents,
             vec![(0, PAGE as u64), (2 * PAGE as u64, 3 * PAGE as u64)]
         );
-        let into = crate::guest_memory::GuestMemoryFile::create(1).unwrap();
-        read(dir.path(), &part, Some(into.file()), None).unwrap();
+        let into =
+            crate::guest_memory::GuestMemoryFile::create(1, crate::guest_memory::LaterSeals::None)
+                .unwrap()
+                .shared_file();
+        read(dir.path(), &part, Some(&*into), None).unwrap();
         let mut back = vec![9u8; 20 * PAGE];
-        into.file().read_exact_at(&mut back, 0).unwrap();
+        into.read_exact_at(&mut back, 0).unwrap();
         let mut expected = vec![0u8; 20 * PAGE];
         expected[..PAGE].fill(1);
         expected[2 * PAGE + 7..2 * PAGE + 107].fill(2);
         assert!(back == expected);
+    }
+
+    #[test]
+    fn a_part_to_map_whole_is_refused_with_data_outside_its_extents() {
+        let dir = tempfile::tempdir().unwrap();
+        let seals = dir.path().join("seals");
+        let part = write(&sparse_source(), dir.path(), "memory.img").unwrap().0;
+        let path = dir.path().join("memory.img");
+        let check = || check_whole(&open(dir.path(), &part).unwrap(), &part, &seals);
+        check().unwrap();
+        // A hole given data: a copy of the extents would never read it, a mapping would.
+        let file = File::options().write(true).open(&path).unwrap();
+        file.write_all_at(b"planted", 4 << 20).unwrap();
+        let err = check().unwrap_err();
+        assert!(
+            matches!(&err, PartError::Tampered { why, .. } if why.contains("outside")),
+            "{err}"
+        );
+        // Zeros written there are zeros still.
+        file.write_all_at(&[0u8; 7], 4 << 20).unwrap();
+        check().unwrap();
     }
 
     #[test]
@@ -339,10 +441,15 @@ mod tests {
         let (part, file) = write(&sparse_source(), dir.path(), "memory.img").unwrap();
         seal(&file, &part, &seals);
         let restore = |part: &Part| {
-            let into = crate::guest_memory::GuestMemoryFile::create(64).unwrap();
-            let how = read(dir.path(), part, Some(into.file()), Some(&seals));
+            let into = crate::guest_memory::GuestMemoryFile::create(
+                64,
+                crate::guest_memory::LaterSeals::None,
+            )
+            .unwrap()
+            .shared_file();
+            let how = read(dir.path(), part, Some(&*into), Some(&seals));
             let mut back = vec![0u8; 8192];
-            into.file().read_exact_at(&mut back, 1 << 20).unwrap();
+            into.read_exact_at(&mut back, 1 << 20).unwrap();
             (how, back == vec![7u8; 8192])
         };
         // Sealed as written: this process remembers it, a fresh one finds the seal file.

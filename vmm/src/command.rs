@@ -16,7 +16,14 @@ use krunbox_protocol::vmm::command::{VmmCommand, VmmReply, MAX_COMMAND_BYTES, MA
 /// Serves the library's commands on `socket` (its end of the pair on `Inherited::Command`)
 /// once the next VM this process starts runs; the VM's state goes through `state_file`
 /// (`Inherited::MachineState`).
-pub(crate) fn serve(socket: OwnedFd, state_file: std::sync::Arc<File>) {
+/// `private_pages`: where the guest's own pages go
+/// ([`VmmCommand::WritePrivatePages`]), and `/proc/self/pagemap` open to find them (opened
+/// before the jail), when guest memory is in a file.
+pub(crate) fn serve(
+    socket: OwnedFd,
+    state_file: std::sync::Arc<File>,
+    private_pages: Option<PrivatePages>,
+) {
     krun_sys::machine::on_built(move |vm, event_manager| {
         if let Err(e) = nix::fcntl::fcntl(
             &socket,
@@ -29,6 +36,7 @@ pub(crate) fn serve(socket: OwnedFd, state_file: std::sync::Arc<File>) {
             socket,
             vm,
             state_file,
+            private_pages,
         };
         if let Err(e) = event_manager.add_subscriber(Arc::new(Mutex::new(server))) {
             eprintln!("krunbox-vmm: cannot serve the command socket: {e:?}");
@@ -40,6 +48,14 @@ struct CommandServer {
     socket: OwnedFd,
     vm: RunningVm,
     state_file: std::sync::Arc<File>,
+    private_pages: Option<PrivatePages>,
+}
+
+/// Where [`VmmCommand::WritePrivatePages`] writes (`Inherited::PrivatePages`), and the pagemap
+/// that tells which pages (`None`: it could not be opened; the command then fails).
+pub(crate) struct PrivatePages {
+    pub into: File,
+    pub pagemap: Option<File>,
 }
 
 impl CommandServer {
@@ -62,6 +78,24 @@ impl CommandServer {
                 Ok(state) => done(self.vm.restore_state(&state)),
                 Err(reason) => VmmReply::failed(reason),
             },
+            VmmCommand::MapPrivately => done(self.vm.map_privately()),
+            VmmCommand::WritePrivatePages => match self.write_private_pages() {
+                Ok(pages) => VmmReply::Written { pages },
+                Err(reason) => VmmReply::failed(reason),
+            },
+        }
+    }
+
+    fn write_private_pages(&self) -> Result<u64, String> {
+        match &self.private_pages {
+            Some(PrivatePages {
+                into,
+                pagemap: Some(pagemap),
+            }) => self.vm.write_private_pages(pagemap, into),
+            Some(PrivatePages { pagemap: None, .. }) => {
+                Err("/proc/self/pagemap could not be opened before the jail".into())
+            }
+            None => Err("guest memory is not in a file of the library's".into()),
         }
     }
 

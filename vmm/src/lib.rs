@@ -163,12 +163,20 @@ pub fn helper_main() -> i32 {
             .filter(|disk| disk.in_place)
             .map(|disk| disk.size)
             .max()
-            .unwrap_or(0),
+            .unwrap_or(0)
+            .max(private_pages_bytes(&config, probe)),
     };
+    // Before the empty root: where a snapshot of memory mapped copy-on-write finds the pages
+    // the guest made its own (this process's: after the fork into the pid namespace).
+    let pagemap = (config.command_socket && config.guest_memory_file && !probe).then(|| {
+        std::fs::File::open("/proc/self/pagemap")
+            .inspect_err(|e| eprintln!("krunbox-vmm: /proc/self/pagemap: {e}"))
+            .ok()
+    });
     let root_started = std::time::Instant::now();
     let paths = jail::build_root(&config.jail, host, in_mount_namespace, &mut isolation);
     isolation.add_setup_time(root_started.elapsed());
-    let configured = configure(ctx, &config, &paths, guest_init);
+    let configured = configure(ctx, &config, &paths, guest_init, pagemap.flatten());
     let rest_started = std::time::Instant::now();
     jail::restrict(&paths, &mut isolation);
     jail::run_canaries(&config.jail, &mut isolation);
@@ -194,6 +202,17 @@ pub fn helper_main() -> i32 {
             1
         }
     }
+}
+
+/// How long the private-pages file is (`Inherited::PrivatePages`, passed with the command
+/// socket and the guest memory file; sealed at that size), which the helper writes within.
+fn private_pages_bytes(config: &VmmConfig, probe: bool) -> u64 {
+    if probe || !config.command_socket || !config.guest_memory_file {
+        return 0;
+    }
+    // SAFETY: only borrowed for the fstat; `configure` takes it later.
+    let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fixed(Inherited::PrivatePages)) };
+    nix::sys::stat::fstat(fd).map_or(0, |stat| stat.st_size as u64)
 }
 
 /// The root image, opened again inside the helper's new mount namespace (a descriptor from the
@@ -325,6 +344,7 @@ fn configure(
     config: &VmmConfig,
     paths: &JailPaths,
     guest_init: &'static [u8],
+    pagemap: Option<std::fs::File>,
 ) -> std::result::Result<krun_sys::Context, String> {
     use krun_sys::ROOT_FS_TAG;
     let step = |r: std::result::Result<(), krun_sys::KrunError>| r.map_err(|e| e.to_string());
@@ -397,6 +417,14 @@ fn configure(
         let state_file = std::sync::Arc::new(std::fs::File::from(unsafe {
             take(Inherited::MachineState)?
         }));
+        let private_pages = if config.guest_memory_file {
+            // SAFETY: the library passes the private-pages file with the command socket when
+            // it passes the guest memory file.
+            let into = std::fs::File::from(unsafe { take(Inherited::PrivatePages)? });
+            Some(command::PrivatePages { into, pagemap })
+        } else {
+            None
+        };
         if config.restore {
             if !config.guest_memory_file {
                 return Err("a restore without the guest memory file".into());
@@ -404,18 +432,33 @@ fn configure(
             // SAFETY: the library passes the gate with every restore.
             let gate = std::fs::File::from(unsafe { take(Inherited::RestoreGate)? });
             let state_file = state_file.clone();
-            krun_sys::machine::restore_on_build(move || {
-                let bytes = wait_at_gate(gate)?;
-                command::read_state(&state_file, bytes)
-            });
+            // A fork's source's own pages, laid over guest memory at the gate.
+            let own_pages = match &private_pages {
+                Some(pages) => Some(pages.into.try_clone().map_err(|e| e.to_string())?),
+                None => None,
+            };
+            krun_sys::machine::restore_on_build(
+                move || {
+                    let bytes = wait_at_gate(gate)?;
+                    command::read_state(&state_file, bytes)
+                },
+                own_pages,
+            );
         }
-        command::serve(unsafe { take(Inherited::Command)? }, state_file);
+        command::serve(
+            unsafe { take(Inherited::Command)? },
+            state_file,
+            private_pages,
+        );
+    }
+    if config.guest_memory_private && config.fs_devices > 0 {
+        return Err("filesystem devices in guest memory mapped copy-on-write".into());
     }
     if config.guest_memory_file {
         // SAFETY: the library passes its memfd exactly when `guest_memory_file` is set, and
         // nothing else in the helper owns it.
         let file = std::fs::File::from(unsafe { take(Inherited::GuestMemory)? });
-        krun_sys::device::use_guest_memory_file(file);
+        krun_sys::device::use_guest_memory_file(file, config.guest_memory_private);
     }
     if config.served_disks.len() > MAX_SERVED_DISKS {
         return Err(format!(

@@ -45,6 +45,16 @@ pub enum VmmCommand {
     },
     /// Let the paused vCPUs run again.
     ResumeVcpus,
+    /// Map guest memory copy-on-write from the guest memory file, in place: the file keeps
+    /// guest memory as it is now (a fork's source, its vCPUs paused; each fork maps the file
+    /// copy-on-write too). Refused when it is mapped so already.
+    MapPrivately,
+    /// Write every page of guest memory the guest made its own since its memory was mapped
+    /// copy-on-write into the private-pages file
+    /// ([`Inherited::PrivatePages`](super::Inherited::PrivatePages)), at its offset in the
+    /// guest memory file (the reply says how many pages); guest memory is that file overlaid
+    /// with these pages.
+    WritePrivatePages,
 }
 
 /// The helper's answer to one [`VmmCommand`].
@@ -57,6 +67,11 @@ pub enum VmmReply {
     Saved {
         /// Bytes of saved state.
         bytes: u64,
+    },
+    /// The answer to [`VmmCommand::WritePrivatePages`].
+    Written {
+        /// Pages written.
+        pages: u64,
     },
     /// The answer to [`VmmCommand::QueuesInFlight`].
     InFlight {

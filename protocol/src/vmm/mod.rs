@@ -47,6 +47,9 @@ pub enum Inherited {
     /// machine state's length once the guest memory and the machine-state file hold the
     /// snapshot (EOF: they never will).
     RestoreGate,
+    /// The file the helper writes the guest's own pages to, for a snapshot or fork of a VM
+    /// whose memory is mapped copy-on-write ([`command::VmmCommand::WritePrivatePages`]).
+    PrivatePages,
 }
 
 impl Inherited {
@@ -64,6 +67,7 @@ impl Inherited {
             Inherited::Command => Some(COMMAND_FD),
             Inherited::MachineState => Some(MACHINE_STATE_FD),
             Inherited::RestoreGate => Some(RESTORE_GATE_FD),
+            Inherited::PrivatePages => Some(PRIVATE_PAGES_FD),
             Inherited::ServedDisk(i) if i < MAX_SERVED_DISKS => {
                 Some(SERVED_DISK_FD_BASE + i as i32)
             }
@@ -147,6 +151,12 @@ const MACHINE_STATE_FD: i32 = 15;
 /// length there, a little-endian `u64` (EOF first: the restore failed).
 const RESTORE_GATE_FD: i32 = FS_DEVICE_FD_BASE + MAX_FS_DEVICES as i32;
 
+/// A memfd of the library's as long as the guest memory file, its size sealed, passed with
+/// the command socket when the guest memory file is: the helper writes the pages the guest
+/// made its own there ([`command::VmmCommand::WritePrivatePages`]), at their offsets in the
+/// guest memory file.
+const PRIVATE_PAGES_FD: i32 = RESTORE_GATE_FD + 1;
+
 /// The helper's exit code when it refused to start the VM because its jail did not hold (a
 /// canary got through) or a required isolation layer is missing. The report says which.
 pub const ISOLATION_EXIT_CODE: i32 = 71;
@@ -184,6 +194,11 @@ pub struct VmmConfig {
     /// over to the library when the guest activates them, instead of forwarding each request.
     #[serde(default)]
     pub guest_memory_file: bool,
+    /// The guest memory file is mapped copy-on-write (the file is only read; it may be
+    /// read-only): a restore from a snapshot's memory or from a fork's source's frozen memory.
+    /// No filesystem device then: the library could not see the guest's writes.
+    #[serde(default)]
+    pub guest_memory_private: bool,
     /// The helper serves the library's commands on [`COMMAND_FD`] ([`command`]) once the VM
     /// runs, the VM's state going through [`MACHINE_STATE_FD`].
     #[serde(default)]
@@ -290,6 +305,7 @@ mod tests {
             Inherited::Command,
             Inherited::MachineState,
             Inherited::RestoreGate,
+            Inherited::PrivatePages,
         ];
         for i in 0..MAX_SERVED_DISKS {
             roles.push(Inherited::ServedDisk(i));

@@ -54,16 +54,18 @@ fn push(id: &str, device: Arc<Mutex<dyn VirtioDevice>>, served_elsewhere: bool) 
 /// Puts the next VM's guest memory in `file` instead of anonymous memory: every region of
 /// guest memory, the kernel's range included (libkrunfw's kernel is copied there rather than
 /// mapped), one after another at page-aligned offsets from 0, mapped shared. Another process
-/// that maps the same file sees guest memory as the guest does. The file is not grown: the
-/// VM fails to build, saying how many bytes it needs, when it is too small.
+/// that maps the same file sees guest memory as the guest does. With `private`, mapped
+/// copy-on-write instead: the guest starts from the file's contents, which it never changes
+/// (the file may be read-only; a restore maps a snapshot's memory so). The file is not grown:
+/// the VM fails to build, saying how many bytes it needs, when it is too small.
 ///
 /// ```no_run
 /// # fn memfd() -> std::fs::File { unimplemented!() }
-/// krun_sys::device::use_guest_memory_file(memfd());
+/// krun_sys::device::use_guest_memory_file(memfd(), false);
 /// // ... then Context::start_enter() builds the VM in it.
 /// ```
-pub fn use_guest_memory_file(file: std::fs::File) {
+pub fn use_guest_memory_file(file: std::fs::File, private: bool) {
     *krun_vmm::builder::EMBEDDER_GUEST_MEMORY
         .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(file);
+        .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some((file, private));
 }

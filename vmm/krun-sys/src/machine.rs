@@ -21,6 +21,8 @@
 
 use std::sync::{Arc, Mutex};
 
+mod private_memory;
+
 pub use krun_utils::epoll::{EpollEvent, EventSet};
 pub use polly::event_manager::{EventManager, Subscriber};
 
@@ -74,6 +76,37 @@ impl RunningVm {
     pub fn restore_state(&self, bytes: &[u8]) -> Result<(), String> {
         self.vmm().restore_machine_state(parse_state(bytes)?)
     }
+
+    /// Maps guest memory copy-on-write from the file it is in
+    /// ([`crate::device::use_guest_memory_file`]), in place (same addresses, so KVM's memory
+    /// slots stay; its MMU notifier drops the old translations): from now on the file keeps
+    /// guest memory as it is now, and the guest's writes stay in this process. Call it with
+    /// the vCPUs paused and the devices idle, so that what the file keeps is one moment's.
+    pub fn map_privately(&self) -> Result<(), String> {
+        let vmm = self.vmm();
+        for region in private_memory::file_regions(vmm.guest_memory())? {
+            region.map_privately()?;
+        }
+        Ok(())
+    }
+
+    /// Writes every page of guest memory that is this process's own (written since guest
+    /// memory was mapped copy-on-write: not the file's any more) into `into`, at its offset in
+    /// the guest memory file, as [`/proc/self/pagemap`](https://docs.kernel.org/admin-guide/mm/pagemap.html)
+    /// (open on `pagemap`) tells them; returns how many pages. With memory mapped shared, no
+    /// page is. Call it with the vCPUs paused and the devices idle.
+    pub fn write_private_pages(
+        &self,
+        pagemap: &std::fs::File,
+        into: &std::fs::File,
+    ) -> Result<u64, String> {
+        let vmm = self.vmm();
+        let mut pages = 0;
+        for region in private_memory::file_regions(vmm.guest_memory())? {
+            pages += region.write_private_pages(pagemap, into)?;
+        }
+        Ok(pages)
+    }
 }
 
 /// A machine state from `bytes`, refused past [`MAX_STATE_BYTES`] or when it is not one.
@@ -90,17 +123,30 @@ fn parse_state(bytes: &[u8]) -> Result<krun_vmm::MachineState, String> {
 /// Makes the next VM this process starts a restore of the state [`RunningVm::save_state`]
 /// returned (in the VM that was saved): the VM must be configured as that one was. Once the VM
 /// is built (its memory mapped, its devices made), `load` is called for the state's bytes; it
-/// returns only when the guest memory ([`crate::device::use_guest_memory_file`]) holds the
-/// saved VM's memory, so that whoever fills it can do so while the VM is being built. No
-/// kernel or boot table is written into that memory; the VM's, vCPUs' and devices' state is
-/// set before the vCPUs first run, and the vsock driver is told its connections are gone.
-/// The bytes are parsed as if from anywhere else; an error from `load` or the parse fails the
-/// start.
-pub fn restore_on_build(load: impl FnOnce() -> Result<Vec<u8>, String> + Send + 'static) {
+/// returns only when the guest memory file ([`crate::device::use_guest_memory_file`]) and
+/// `own_pages` hold the saved VM's memory, so that whoever fills them can do so while the VM
+/// is being built. Then `own_pages`' data (pages at their offsets in the guest memory file,
+/// as [`RunningVm::write_private_pages`] writes them) is laid over guest memory mapped
+/// copy-on-write: a fork of a VM so mapped starts from its source's file and the pages its
+/// source had made its own. No kernel or boot table is written into guest memory; the VM's,
+/// vCPUs' and devices' state is set before the vCPUs first run, and the vsock driver is told
+/// its connections are gone. The bytes are parsed as if from anywhere else; an error from
+/// `load`, the pages or the parse fails the start.
+pub fn restore_on_build(
+    load: impl FnOnce() -> Result<Vec<u8>, String> + Send + 'static,
+    own_pages: Option<std::fs::File>,
+) {
     *krun_vmm::builder::EMBEDDER_RESTORE
         .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner()) =
-        Some(Box::new(move || parse_state(&load()?)));
+        .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(Box::new(move |memory| {
+        let bytes = load()?;
+        if let Some(pages) = own_pages {
+            for region in private_memory::file_regions(memory)? {
+                region.read_pages(&pages)?;
+            }
+        }
+        parse_state(&bytes)
+    }));
 }
 
 /// Has `callback` called once the next VM this process starts is built and its vCPUs run, on

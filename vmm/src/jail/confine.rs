@@ -67,8 +67,9 @@ pub(crate) struct JailPaths {
     /// which has no other name and cannot be bind-mounted; the jail binds the helper's
     /// `/proc/self/fd` instead) and its size in bytes.
     pub layer: Option<LayerPath>,
-    /// The largest disk the helper serves in place from a file it was handed (0 for none):
-    /// the helper's `RLIMIT_FSIZE` is at least this.
+    /// The largest file the helper writes within that it was handed (0 for none): a disk it
+    /// serves in place, or the private-pages file (as long as guest memory; sealed at that
+    /// size). The helper's `RLIMIT_FSIZE` is at least this.
     pub served_file_bytes: u64,
 }
 

@@ -90,8 +90,11 @@ impl Sandbox {
     /// Restores `snapshot` (taken of an instance of this definition, or of one alike: the
     /// same image, vCPUs and memory) as a new running instance: its processes, files in
     /// memory and shell variables are as they were when the snapshot was taken. Each part is
-    /// checked as it is copied into the new VM's memory, before the VM runs
-    /// ([`Error::SnapshotTampered`]).
+    /// checked before the VM runs ([`Error::SnapshotTampered`]); the snapshot's memory is
+    /// then mapped copy-on-write, not copied (nothing is read up front; the new instance's
+    /// writes stay its own), so the snapshot's directory must stay as it is while the
+    /// instance runs: a write to its `memory.img` reaches pages the guest has not touched yet,
+    /// and a truncation stops the instance.
     ///
     /// ```no_run
     /// # async fn demo(sandbox: &krunbox::Sandbox, key_dir: &std::path::Path) -> krunbox::Result<()> {

@@ -109,11 +109,10 @@ impl Snapshot {
 
     /// Opens the snapshot in `dir`: reads its manifest and checks its authentication with the
     /// key in `key_dir` (the sandbox's [`snapshot_key_dir`]
-    /// (crate::SandboxBuilder::snapshot_key_dir)) and its format. The parts are checked as
-    /// a restore copies them (what is checked is what the guest gets; a part whose file is
-    /// unchanged since its digest was sealed is copied unread, see [`part`]), or now, every
-    /// byte, with [`verify`](Self::verify). A changed manifest is
-    /// [`Error::SnapshotTampered`].
+    /// (crate::SandboxBuilder::snapshot_key_dir)) and its format. The parts are checked by
+    /// a restore before its VM runs (a part whose file is unchanged since its digest was
+    /// sealed is not read again, see [`part`]), or now, every byte, with
+    /// [`verify`](Self::verify). A changed manifest is [`Error::SnapshotTampered`].
     pub fn open(dir: impl AsRef<Path>, key_dir: impl AsRef<Path>) -> Result<Snapshot> {
         let dir = dir.as_ref().to_path_buf();
         let key = SnapshotKey::load_or_create(key_dir.as_ref())
@@ -208,7 +207,8 @@ pub(crate) struct Restore {
 }
 
 pub(crate) enum RestoreFrom {
-    /// A snapshot's directory: each part is checked as it is copied (or sealed unchanged).
+    /// A snapshot's directory: its memory is checked whole and mapped, its machine state
+    /// checked as it is copied (either not read again when sealed unchanged).
     Dir {
         dir: PathBuf,
         /// Where its parts' seals are (see [`part`]).
@@ -225,7 +225,7 @@ pub(crate) enum RestoreFrom {
     },
 }
 
-/// What a fork's source says once its memory is copied: `None` until then.
+/// What a fork's source says once it is stilled: `None` until then.
 pub(crate) type ForkFilled = tokio::sync::watch::Receiver<Option<Result<Arc<ForkState>, String>>>;
 
 /// A fork's machine state and what its guest runs, as its source was stilled.
@@ -251,11 +251,11 @@ impl Restore {
         }
     }
 
-    /// A fork's state, once its source has copied its memory.
+    /// A fork's state, once its source is stilled.
     pub(crate) async fn fork_state(filled: &ForkFilled) -> Result<Arc<ForkState>> {
         let abandoned = || Error::Snapshot {
             step: "copied",
-            reason: "the fork's source gave up before its memory was copied".into(),
+            reason: "the fork's source gave up before it was stilled".into(),
         };
         let mut filled = filled.clone();
         let outcome = filled

@@ -1,11 +1,13 @@
 //! A snapshot's parts on disk: files whose data extents are listed and hashed. Guest memory is
 //! mostly holes (a guest touches a fraction of its RAM), so only data is copied, at the same
-//! offsets, and only data is hashed. Restoring reads exactly the listed extents (what is not
-//! listed is zeros), so a byte added or changed anywhere that matters changes the digest.
+//! offsets, and only data is hashed. A copy reads exactly the listed extents (what is not
+//! listed is zeros), so a byte added or changed anywhere that matters changes the digest; a
+//! part mapped whole (a restore's memory) must also hold nothing but zeros outside them
+//! ([`check_whole`]).
 //!
 //! A part's digest is sealed to the state of its file (`rootfs::seal`, as images' are) when
 //! this process writes it, and after a restore hashed it: a restore of a part whose file is
-//! unchanged since copies its extents in the kernel without reading them here.
+//! unchanged since does not read it again (a copy's extents are copied in the kernel).
 
 use std::fs::File;
 use std::io::Write;

@@ -525,3 +525,66 @@ fn a_fork_into_two_starts_both_from_the_source_and_each_diverges() {
         vm.shutdown().await.unwrap();
     });
 }
+
+/// Issue 39: "the root layer's state" goes with a snapshot. An ephemeral root's layer (a file
+/// written under /etc, on the root's writable layer) is restored with the instance and copied
+/// into each fork, which then diverge; a sandbox whose root differs refuses the snapshot.
+#[test]
+fn an_ephemeral_roots_writes_survive_a_restore_and_reach_each_fork_apart() {
+    common::run(async {
+        let keys = tempfile::tempdir().unwrap();
+        let sandbox = Sandbox::builder()
+            .rootfs(Rootfs::ephemeral(
+                Rootfs::builtin(BuiltinImage::Busybox),
+                64 << 20,
+            ))
+            .memory_mib(256)
+            .snapshots(true)
+            .snapshot_key_dir(keys.path())
+            .build()
+            .unwrap();
+        let vm = sandbox.boot().await.unwrap();
+        // Written through to the layer disk (sync): the disk's state and the guest's page
+        // cache in memory are both in the snapshot.
+        assert_eq!(
+            sh(&vm, "echo layer > /etc/kept; sync; cat /etc/kept").await,
+            "layer"
+        );
+        let place = tempfile::tempdir().unwrap();
+        let dir = place.path().join("snap");
+        vm.snapshot(&dir).await.unwrap();
+        let snapshot = krunbox::Snapshot::open(&dir, keys.path()).unwrap();
+
+        let restored = sandbox.restore(&snapshot).await.unwrap();
+        assert_eq!(
+            sh(
+                &restored,
+                "echo 3 > /proc/sys/vm/drop_caches; cat /etc/kept"
+            )
+            .await,
+            "layer",
+            "read back from the restored layer disk, not only the page cache"
+        );
+        restored.shutdown().await.unwrap();
+
+        let forks = vm.fork(1).await.unwrap();
+        assert_eq!(
+            sh(
+                &forks[0],
+                "echo fork >> /etc/kept; cat /etc/kept | tr '\\n' ."
+            )
+            .await,
+            "layer.fork."
+        );
+        assert_eq!(sh(&vm, "cat /etc/kept").await, "layer");
+        forks[0].shutdown().await.unwrap();
+        vm.shutdown().await.unwrap();
+
+        // An image root's sandbox has no layer to give it.
+        let refused = snapshottable(keys.path()).restore(&snapshot).await;
+        assert!(
+            matches!(&refused, Err(Error::Snapshot { reason, .. }) if reason.contains("ephemeral root")),
+            "{refused:?}"
+        );
+    });
+}

@@ -95,7 +95,7 @@ pub(super) async fn run(
     may_stall: bool,
 ) -> Result<Attempted> {
     let config = plan.config;
-    parts.root.next_layer(config).await?;
+    parts.root.next_layer(config, plan.restore).await?;
     // What the guest and the helper print, each drained into a bounded log.
     let (vmm_log, log) = BoundedLog::vmm(plan.dir, crate::logs::VMM_LOG_MAX)?;
     let (commands, command_ends) = crate::vmm_commands::VmmCommands::pair()
@@ -176,7 +176,17 @@ pub(super) async fn run(
     let mut deadline = deadline;
     if let (Some(source), Some(gate), Some(memory)) = (plan.restore, gate, &guest_memory) {
         let filling = std::time::Instant::now();
-        match fill_from_snapshot(source, memory, &commands).await {
+        let layer = parts
+            .root
+            .guard
+            .layer
+            .as_ref()
+            .and_then(|layer| layer.file());
+        let layer = layer
+            .map(|file| file.try_clone().map(Arc::new))
+            .transpose()
+            .map_err(Error::io("opening the writable layer again"))?;
+        match fill_from_snapshot(source, memory, layer, &commands).await {
             // A helper gone already (its jail refused, say) reads nothing: the wait for the
             // guest below says why it went.
             Ok(state_len) => open_gate(gate, state_len),
@@ -386,6 +396,7 @@ fn guest_memory(
 async fn fill_from_snapshot(
     source: &crate::snapshot::Restore,
     memory: &Arc<InstanceMemory>,
+    layer: Option<Arc<File>>,
     commands: &Arc<crate::vmm_commands::VmmCommands>,
 ) -> Result<u64> {
     Ok(match &source.from {
@@ -394,7 +405,14 @@ async fn fill_from_snapshot(
             let manifest = source.manifest.clone();
             let (memory, commands) = (memory.clone(), commands.clone());
             tokio::task::spawn_blocking(move || {
-                copy_parts_in(&dir, &seals, &manifest, &memory, &commands)
+                copy_parts_in(
+                    &dir,
+                    &seals,
+                    &manifest,
+                    &memory,
+                    layer.as_deref(),
+                    &commands,
+                )
             })
             .await
             .map_err(|e| Error::Snapshot {
@@ -438,13 +456,14 @@ fn open_gate(gate: std::os::unix::net::UnixStream, state_len: u64) {
 }
 
 /// Checks a snapshot's memory (the file `memory` maps) whole and copies its machine state
-/// from `dir` into the machine-state file, checked as it is copied (either part sealed
-/// unchanged is not read, see `snapshot::part`).
+/// from `dir` into the machine-state file and its layer into `layer` (the attempt's, empty),
+/// each checked as it is copied (a part sealed unchanged is not read, see `snapshot::part`).
 fn copy_parts_in(
     dir: &std::path::Path,
     seals: &std::path::Path,
     manifest: &crate::snapshot::Manifest,
     memory: &InstanceMemory,
+    layer: Option<&File>,
     commands: &crate::vmm_commands::VmmCommands,
 ) -> Result<()> {
     let max_state = krunbox_protocol::vmm::command::MAX_STATE_BYTES as u64;
@@ -471,9 +490,18 @@ fn copy_parts_in(
         Some(seals),
     )
     .map_err(crate::snapshot::part_error)?;
+    // `check_restorable` matched the layer's presence and size to this sandbox's root.
+    let layer = match (&manifest.layer, layer) {
+        (Some(part), Some(into)) => Some(
+            crate::snapshot::part::read(dir, part, Some(into), Some(seals))
+                .map_err(crate::snapshot::part_error)?,
+        ),
+        _ => None,
+    };
     tracing::debug!(
         ?memory,
         ?machine,
+        ?layer,
         "the snapshot's parts are checked and copied"
     );
     Ok(())

@@ -154,6 +154,18 @@ fn check_restorable(
             manifest.cpus, manifest.memory_mib, config.cpus, config.memory_mib
         )));
     }
+    let layer_bytes = config.rootfs.layer_quota().map(|quota| quota & !4095);
+    if manifest.layer.as_ref().map(|layer| layer.length) != layer_bytes {
+        let had = |bytes: Option<u64>| match bytes {
+            Some(bytes) => format!("an ephemeral root of {} MiB", bytes >> 20),
+            None => "no writable root".to_owned(),
+        };
+        return Err(refuse(format!(
+            "it was taken with {}, this sandbox has {}",
+            had(manifest.layer.as_ref().map(|layer| layer.length)),
+            had(layer_bytes)
+        )));
+    }
     if manifest.processes.len() > config.limits.max_processes {
         return Err(refuse(format!(
             "it holds {} processes, past this sandbox's max_processes ({})",
@@ -570,8 +582,11 @@ fn unsupported(config: &SandboxConfig) -> Option<&'static str> {
         Some("it has mounts (their servers' state is in this process)")
     } else if config.network.is_some() || config.network_backend.is_some() {
         Some("it has a network (its flows' state is in this process)")
-    } else if crate::RootKind::of(&config.rootfs) != crate::RootKind::Image {
-        Some("its root is writable (the layer is outside guest memory)")
+    } else if !matches!(
+        crate::RootKind::of(&config.rootfs),
+        crate::RootKind::Image | crate::RootKind::Ephemeral
+    ) {
+        Some("its root keeps its changes (a copy-on-write or persistent layer outlives it)")
     } else if config.output_disk.is_some() || config.virtiofs_passthrough.is_some() {
         Some("it has a disk or share served outside guest memory")
     } else {

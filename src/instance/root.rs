@@ -117,15 +117,36 @@ impl RootPart {
 
     /// The layer for the next attempt. An ephemeral one is fresh for every attempt, so a
     /// retried boot starts from the image again (formatting it runs mke2fs, off the async
-    /// threads); a persistent one is opened (and locked) once and handed to each attempt.
-    pub async fn next_layer(&mut self, config: &SandboxConfig) -> Result<()> {
+    /// threads); a restore's is empty (the snapshot's layer is copied in before its guest
+    /// runs), a fork's the one its source fills; a persistent one is opened (and locked) once
+    /// and handed to each attempt.
+    pub async fn next_layer(
+        &mut self,
+        config: &SandboxConfig,
+        restore: Option<&crate::snapshot::Restore>,
+    ) -> Result<()> {
+        use crate::snapshot::RestoreFrom;
         let making = std::time::Instant::now();
         self.guard.layer = match (config.rootfs.layer_quota(), &self.cow) {
-            (Some(quota), _) => Some(rootfs::Layer::Memory(
-                tokio::task::spawn_blocking(move || rootfs::MemoryLayer::create(quota))
+            (Some(quota), _) => Some(rootfs::Layer::Memory(match restore.map(|r| &r.from) {
+                None => tokio::task::spawn_blocking(move || rootfs::MemoryLayer::create(quota))
                     .await
                     .map_err(|e| Error::WritableLayer(e.to_string()))??,
-            )),
+                Some(RestoreFrom::Dir { .. }) => rootfs::MemoryLayer::empty(quota)?,
+                Some(RestoreFrom::Fork {
+                    layer: Some(file), ..
+                }) => file
+                    .try_clone()
+                    .and_then(rootfs::MemoryLayer::of_file)
+                    .map_err(|e| Error::WritableLayer(e.to_string()))?,
+                Some(RestoreFrom::Fork { layer: None, .. }) => {
+                    return Err(Error::Snapshot {
+                        step: "restored",
+                        reason: "a fork of an instance without a writable layer cannot have one"
+                            .into(),
+                    })
+                }
+            })),
             (None, Some(cow)) => Some(rootfs::Layer::Cow(cow.clone())),
             (None, None) => self.persistent.take().map(rootfs::Layer::Persistent),
         };

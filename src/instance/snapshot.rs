@@ -52,18 +52,24 @@ impl Instance {
         let staging = Staging::new(dir.as_ref())?;
         let token = random_token();
         let _one_at_a_time = source.memory.one_at_a_time.lock().await;
+        let layer = self.memory_layer()?;
         let (memory, dir) = (source.memory.clone(), staging.path().to_path_buf());
-        let ([(memory, memory_file), (machine, machine_file)], _, processes) = self
+        let (parts, _, processes) = self
             .stilled(token, Freeze::No, move |state| async move {
-                let parts = copy_parts(memory, dir, state).await?;
+                let parts = copy_parts(memory, layer, dir, state).await?;
                 Ok((parts, Vec::new()))
             })
             .await?;
         // Sealed once the source runs again (a seal may wait for a clock tick).
         let seals = snapshot::seals_dir(&source.key_dir);
-        snapshot::part::seal(&memory_file, &memory, &seals);
-        snapshot::part::seal(&machine_file, &machine, &seals);
-        let manifest = self.manifest(source, token, processes, memory, machine)?;
+        for (part, file) in parts.iter().flatten() {
+            snapshot::part::seal(file, part, &seals);
+        }
+        let [memory, machine, layer] = parts.map(|part| part.map(|(part, _)| part));
+        let (Some(memory), Some(machine)) = (memory, machine) else {
+            unreachable!("copy_parts writes memory and machine state always")
+        };
+        let manifest = self.manifest(source, token, processes, memory, machine, layer)?;
         let digest = Snapshot::sign(staging.path(), manifest, &key)?;
         let dir = staging.finish()?;
         tracing::info!(dir = %dir.display(), %digest, "snapshot taken");
@@ -114,32 +120,75 @@ impl Instance {
             sha256: String::new(),
         };
         let memory_len = source.memory.len().unwrap_or(0);
+        // An ephemeral root's layer is copied into one of each fork's while the source is
+        // stilled (a memfd cannot share another's pages).
+        let layer = self.memory_layer()?;
+        let layers = match &layer {
+            None => vec![None; n],
+            Some(layer) => {
+                let len = layer
+                    .metadata()
+                    .map_err(Error::io("sizing the layer"))?
+                    .len();
+                (0..n)
+                    .map(|_| {
+                        let empty = crate::rootfs::MemoryLayer::empty(len)?;
+                        let file = empty
+                            .file()
+                            .try_clone()
+                            .map_err(Error::io("a fork's layer"))?;
+                        Ok(Some(Arc::new(file)))
+                    })
+                    .collect::<Result<Vec<_>>>()?
+            }
+        };
         let manifest = self.manifest(
             source,
             token,
             Vec::new(),
             in_memory(snapshot::MEMORY, memory_len),
             in_memory(snapshot::MACHINE, 0),
+            layer
+                .as_ref()
+                .map(|file| in_memory(snapshot::LAYER, file.metadata().map_or(0, |m| m.len()))),
         )?;
         // Each fork's helper jails itself and builds its VM while this one is stilled and its
         // memory copied; the forks' guests run once it is.
         let (filled, filled_rx) = tokio::sync::watch::channel(None);
         let definition = source.definition.0.clone();
-        let boots = (0..n).map(|_| {
+        let boots = layers.iter().map(|layer| {
             let restore = snapshot::Restore {
                 manifest: manifest.clone(),
                 from: snapshot::RestoreFrom::Fork {
                     memory: source.memory.base().clone(),
+                    layer: layer.clone(),
                     filled: filled_rx.clone(),
                 },
             };
             super::restore_from(definition.clone(), restore)
         });
+        let targets = layers.clone();
         let copy_and_tell = async move {
-            // Nothing to copy: the forks map the frozen file, and lay the source's own pages
-            // (written out while it was stilled) over it.
+            // Nothing of memory to copy: the forks map the frozen file, and lay the source's
+            // own pages (written out while it was stilled) over it. The layer is copied.
             let stilled = self
-                .stilled(token, freeze, |state| async move { Ok(((), state)) })
+                .stilled(token, freeze, move |state| async move {
+                    if let Some(from) = layer {
+                        tokio::task::spawn_blocking(move || {
+                            targets
+                                .iter()
+                                .flatten()
+                                .try_for_each(|to| copy_data(&from, to))
+                        })
+                        .await
+                        .map_err(|e| Error::Snapshot {
+                            step: "copied",
+                            reason: e.to_string(),
+                        })?
+                        .map_err(Error::io("copying the writable layer for a fork"))?;
+                    }
+                    Ok(((), state))
+                })
                 .await;
             let outcome = match &stilled {
                 Ok(((), state, processes)) => Ok(Arc::new(snapshot::ForkState {
@@ -188,6 +237,7 @@ impl Instance {
         processes: Vec<crate::control::SavedProcess>,
         memory: snapshot::Part,
         machine: snapshot::Part,
+        layer: Option<snapshot::Part>,
     ) -> Result<Manifest> {
         Ok(Manifest {
             format: snapshot::FORMAT.into(),
@@ -202,8 +252,23 @@ impl Instance {
             next_process_id: self.inner.next_id.load(std::sync::atomic::Ordering::SeqCst),
             memory,
             machine,
+            layer,
             processes,
         })
+    }
+
+    /// An ephemeral root's layer disk (a memfd; the VMM writes it), when the instance has one.
+    fn memory_layer(&self) -> Result<Option<std::fs::File>> {
+        let layer = self.inner.layer.lock().unwrap_or_else(|e| e.into_inner());
+        match layer.as_ref() {
+            Some(crate::rootfs::Layer::Memory(layer)) => Ok(Some(
+                layer
+                    .file()
+                    .try_clone()
+                    .map_err(Error::io("opening the writable layer again"))?,
+            )),
+            _ => Ok(None),
+        }
     }
 
     /// What snapshots of this instance need, or why it cannot be snapshotted.
@@ -413,14 +478,15 @@ enum Freeze {
     InPlace,
 }
 
-/// Writes guest memory and the machine state into `dir` (on the blocking pool): each part
-/// and its new file. Memory mapped copy-on-write is merged first (its file and the pages the
-/// guest made its own, which its helper has just written out).
+/// Writes guest memory, the machine state and an ephemeral root's layer into `dir` (on the
+/// blocking pool): each part and its new file. Memory mapped copy-on-write is merged first
+/// (its file and the pages the guest made its own, which its helper has just written out).
 async fn copy_parts(
     memory: Arc<InstanceMemory>,
+    layer: Option<std::fs::File>,
     dir: std::path::PathBuf,
     state: Vec<u8>,
-) -> Result<[(snapshot::Part, std::fs::File); 2]> {
+) -> Result<[Option<(snapshot::Part, std::fs::File)>; 3]> {
     tokio::task::spawn_blocking(move || {
         let memory = match memory.is_private() {
             false => snapshot::part::write(memory.base(), &dir, snapshot::MEMORY)?,
@@ -437,7 +503,10 @@ async fn copy_parts(
         let state_file = tempfile::tempfile()?;
         std::os::unix::fs::FileExt::write_all_at(&state_file, &state, 0)?;
         let machine = snapshot::part::write(&state_file, &dir, snapshot::MACHINE)?;
-        Ok::<_, std::io::Error>([memory, machine])
+        let layer = layer
+            .map(|layer| snapshot::part::write(&layer, &dir, snapshot::LAYER))
+            .transpose()?;
+        Ok::<_, std::io::Error>([Some(memory), Some(machine), layer])
     })
     .await
     .map_err(|e| Error::Snapshot {
@@ -445,4 +514,10 @@ async fn copy_parts(
         reason: e.to_string(),
     })?
     .map_err(Error::io("writing the snapshot"))
+}
+
+/// Copies `from`'s data into `to` (as long, all zeros) at the same offsets, in the kernel:
+/// a fork's layer.
+fn copy_data(from: &std::fs::File, to: &std::fs::File) -> std::io::Result<()> {
+    snapshot::copy::copy_extents(from, to, &crate::rootfs::layer::data_extents(from)?)
 }

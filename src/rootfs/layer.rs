@@ -58,6 +58,29 @@ impl MemoryLayer {
         Ok(MemoryLayer { file, max_bytes })
     }
 
+    /// An empty layer of `max_bytes` (all zeros, not formatted), sealed as [`create`]'s: a
+    /// restore or a fork copies a snapshotted layer's data into it before its guest runs.
+    ///
+    /// [`create`]: MemoryLayer::create
+    pub(crate) fn empty(max_bytes: u64) -> Result<MemoryLayer> {
+        check_quota(max_bytes)?;
+        let max_bytes = max_bytes & !4095;
+        let file = crate::guest_memory::sealed_memfd(
+            c"krunbox-layer",
+            max_bytes,
+            crate::guest_memory::LaterSeals::None,
+        )
+        .map_err(layer_error("creating the memfd"))?;
+        Ok(MemoryLayer { file, max_bytes })
+    }
+
+    /// The layer on `file`, a memfd [`empty`](MemoryLayer::empty) made (and a fork's source
+    /// filled).
+    pub(crate) fn of_file(file: File) -> std::io::Result<MemoryLayer> {
+        let max_bytes = file.metadata()?.len();
+        Ok(MemoryLayer { file, max_bytes })
+    }
+
     /// The layer's descriptor, handed to the VMM helper as the guest's second disk.
     pub(crate) fn file(&self) -> &File {
         &self.file

@@ -39,6 +39,7 @@ const MAX_MANIFEST_BYTES: u64 = 16 << 20;
 pub(crate) const MANIFEST: &str = "manifest.json";
 pub(crate) const MEMORY: &str = "memory.img";
 pub(crate) const MACHINE: &str = "machine.json";
+pub(crate) const LAYER: &str = "layer.img";
 
 /// What a snapshot is, as its manifest says.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -67,6 +68,9 @@ pub(crate) struct Manifest {
     pub processes: Vec<crate::control::SavedProcess>,
     pub memory: Part,
     pub machine: Part,
+    /// An ephemeral root's layer disk (`layer.img`), when the instance had one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer: Option<Part>,
 }
 
 /// The manifest with its authentication, as `manifest.json` holds it.
@@ -221,6 +225,9 @@ pub(crate) enum RestoreFrom {
     /// will be.
     Fork {
         memory: Arc<std::fs::File>,
+        /// The fork's own ephemeral layer (empty; its source copies its layer into it while
+        /// stilled), when the source has one.
+        layer: Option<Arc<std::fs::File>>,
         filled: ForkFilled,
     },
 }
@@ -374,6 +381,7 @@ mod tests {
             processes: Vec::new(),
             memory: part::write(&memory, staging.path(), MEMORY).unwrap().0,
             machine: part::write(&machine, staging.path(), MACHINE).unwrap().0,
+            layer: None,
         };
         let key = SnapshotKey::load_or_create(key_dir).unwrap();
         Snapshot::sign(staging.path(), manifest, &key).unwrap();

@@ -3,6 +3,8 @@
 //! ran anything.
 
 mod common;
+#[path = "common/http_origin.rs"]
+mod http_origin;
 
 use std::time::Duration;
 
@@ -586,5 +588,66 @@ fn an_ephemeral_roots_writes_survive_a_restore_and_reach_each_fork_apart() {
             matches!(&refused, Err(Error::Snapshot { reason, .. }) if reason.contains("ephemeral root")),
             "{refused:?}"
         );
+    });
+}
+
+/// A network across a snapshot: the restored instance and a fork get a network service of
+/// their own (the restoring sandbox's policy decides their flows; the source's open flows do
+/// not come along) and reach a granted loopback origin through it, as the source still does.
+#[test]
+fn a_restored_or_forked_instance_reaches_the_network_through_its_own_policy() {
+    use krunbox::net::{Flow, Protocol, Resolver, Verdict};
+    common::run(async {
+        let (port, heads) = http_origin::start().await;
+        let keys = tempfile::tempdir().unwrap();
+        let network = krunbox::Network::with_policy(move |flow: Flow| async move {
+            match (flow.protocol(), flow.hostname()) {
+                (Protocol::Dns, Some("origin.test")) => Verdict::resolve(Resolver::fixed([
+                    std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+                ])),
+                (Protocol::Tcp, Some("origin.test")) if flow.destination().port() == port => {
+                    Verdict::accept()
+                }
+                _ => Verdict::deny(),
+            }
+        });
+        let sandbox = Sandbox::builder()
+            .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
+            .memory_mib(256)
+            .network(network)
+            .snapshots(true)
+            .snapshot_key_dir(keys.path())
+            .build()
+            .unwrap();
+        let fetch = |who: &str| format!("wget -q -O - http://origin.test:{port}/{who}; echo rc=$?");
+        let vm = sandbox.boot().await.unwrap();
+        assert_eq!(sh(&vm, &fetch("source")).await, "origin says /source\nrc=0");
+        let place = tempfile::tempdir().unwrap();
+        let dir = place.path().join("snap");
+        vm.snapshot(&dir).await.unwrap();
+        let restored = sandbox
+            .restore(&krunbox::Snapshot::open(&dir, keys.path()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(
+            sh(&restored, &fetch("restored")).await,
+            "origin says /restored\nrc=0"
+        );
+        restored.shutdown().await.unwrap();
+        let forks = vm.fork(1).await.unwrap();
+        assert_eq!(
+            sh(&forks[0], &fetch("fork")).await,
+            "origin says /fork\nrc=0"
+        );
+        forks[0].shutdown().await.unwrap();
+        assert_eq!(sh(&vm, &fetch("again")).await, "origin says /again\nrc=0");
+        vm.shutdown().await.unwrap();
+        let paths: Vec<String> = heads
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|head| head.split(' ').nth(1).unwrap_or("?").to_owned())
+            .collect();
+        assert_eq!(paths, ["/source", "/restored", "/fork", "/again"]);
     });
 }

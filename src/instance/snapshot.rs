@@ -28,11 +28,14 @@ const DRAIN_POLL: Duration = Duration::from_millis(5);
 
 impl Instance {
     /// Takes a snapshot of the running instance into the new directory `dir`: its guest
-    /// memory, the state of its VM, vCPUs and devices, checked whole by [`Snapshot::open`].
-    /// The instance is stilled meanwhile (new commands and file operations fail with
-    /// [`Error::Paused`]; running processes wait) and goes on afterwards. Needs a sandbox
-    /// built with [`snapshots(true)`](crate::SandboxBuilder::snapshots), an image root and no
-    /// mounts or network (for now). Restoring one is the next stage of this work.
+    /// memory, the state of its VM, vCPUs and devices, an ephemeral root's layer, checked
+    /// whole by [`Snapshot::open`]. The instance is stilled meanwhile (new commands and file
+    /// operations fail with [`Error::Paused`]; running processes wait) and goes on
+    /// afterwards. Needs a sandbox built with [`snapshots(true)`](crate::SandboxBuilder::snapshots),
+    /// an image or ephemeral root and no mounts (for now). A network's open connections do
+    /// not come along: a restore or fork has a network service of its own, its sandbox's
+    /// policy deciding each flow its guest starts, and the guest's old connections are reset.
+    /// [`Sandbox::restore`](crate::Sandbox::restore) brings a snapshot back.
     ///
     /// ```no_run
     /// # async fn demo() -> krunbox::Result<()> {

@@ -1,4 +1,6 @@
-//! Guest memory in a file this process made, so that it can serve a device's queues itself.
+//! Guest memory in a file this process made, so that it can serve a device's queues itself
+//! (and snapshot it: `snapshot::memory`, where a restore's or fork's memory is another file,
+//! mapped copy-on-write).
 //!
 //! A device in the helper that forwarded each request to this process would cost a hop per request
 //! both ways (a helper thread wakes, a socket, this process's task, and back), which under

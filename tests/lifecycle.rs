@@ -602,9 +602,11 @@ fn a_restored_or_forked_instance_reaches_the_network_through_its_own_policy() {
         let keys = tempfile::tempdir().unwrap();
         let network = krunbox::Network::with_policy(move |flow: Flow| async move {
             match (flow.protocol(), flow.hostname()) {
-                (Protocol::Dns, Some("origin.test")) => Verdict::resolve(Resolver::fixed([
-                    std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
-                ])),
+                (Protocol::Dns, Some("origin.test")) => {
+                    Verdict::resolve(Resolver::fixed([std::net::IpAddr::V4(
+                        std::net::Ipv4Addr::LOCALHOST,
+                    )]))
+                }
                 (Protocol::Tcp, Some("origin.test")) if flow.destination().port() == port => {
                     Verdict::accept()
                 }

@@ -204,7 +204,15 @@ pub(super) async fn run(
     let net_socket = net_pair.and_then(|(ours, _helper_end)| ours.map(OwnedFd::from));
     let report = tokio::spawn(crate::jail::host::read_report(report_read).in_current_span());
 
-    match until_ready(plan, &mut child, &logs, report, deadline, may_stall).await {
+    let ready = until_ready(plan, &mut child, &logs, report, deadline, may_stall).await;
+    if let (Ok(Some(_)), Some(_), Some(memory)) = (&ready, plan.restore, &guest_memory) {
+        // A fork's helper laid its source's pages over its memory before its vCPUs ran:
+        // kept in its memory now, they need not be kept here too.
+        if let Err(e) = memory.forget_private_pages() {
+            tracing::warn!("emptying a restore's private-pages file: {e}");
+        }
+    }
+    match ready {
         Ok(Some((stream, decoder, hello, report))) => Ok(Attempted::Ready(Box::new(Ready {
             child,
             lifeline,
@@ -347,7 +355,10 @@ fn guest_memory(
             .map_err(Error::io("creating the guest's private-pages file"))
     };
     match plan.restore.map(|source| (&source.from, &source.manifest)) {
-        Some((crate::snapshot::RestoreFrom::Fork { memory, .. }, _)) => private(memory.clone()),
+        Some((crate::snapshot::RestoreFrom::Fork { memory, pages, .. }, _)) => {
+            let memory = InstanceMemory::with_pages(memory.clone(), true, pages.clone());
+            Ok((Some(Arc::new(memory)), Vec::new()))
+        }
         Some((crate::snapshot::RestoreFrom::Dir { dir, .. }, manifest)) => {
             let length = crate::guest_memory::GuestMemoryFile::len_for(config.memory_mib);
             if manifest.memory.length != length {
@@ -361,6 +372,7 @@ fn guest_memory(
             }
             let file = crate::snapshot::part::open(dir, &manifest.memory)
                 .map_err(crate::snapshot::part_error)?;
+            only_owner_writes(&file, dir)?;
             private(Arc::new(file))
         }
         None if config.mounts.is_empty() && !config.snapshots => Ok((None, Vec::new())),
@@ -385,6 +397,29 @@ fn guest_memory(
             Ok((Some(Arc::new(memory)), ends))
         }
     }
+}
+
+/// Refuses a snapshot's memory file that another user could write: it is mapped, not copied,
+/// so a write after the check would reach the guest (its owner's are the documented limit).
+fn only_owner_writes(file: &File, dir: &Path) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = file
+        .metadata()
+        .map_err(Error::io("reading the snapshot's memory file"))?;
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    if meta.uid() != euid || meta.mode() & 0o022 != 0 {
+        return Err(Error::Snapshot {
+            step: "restored",
+            reason: format!(
+                "{} is not this user's alone to write (owner {}, mode {:o}): `chmod go-w` it, or copy the snapshot",
+                dir.join(crate::snapshot::MEMORY).display(),
+                meta.uid(),
+                meta.mode() & 0o7777
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// Fills a restore's machine-state file and checks its memory (from a snapshot's directory,
@@ -423,16 +458,6 @@ async fn fill_from_snapshot(
         }
         crate::snapshot::RestoreFrom::Fork { filled, .. } => {
             let fork = crate::snapshot::Restore::fork_state(filled).await?;
-            if let Some(pages) = fork.own_pages.clone() {
-                let memory = memory.clone();
-                tokio::task::spawn_blocking(move || memory.copy_private_pages_from(&pages))
-                    .await
-                    .map_err(|e| Error::Snapshot {
-                        step: "restored",
-                        reason: e.to_string(),
-                    })?
-                    .map_err(Error::io("copying the fork's source's own pages"))?;
-            }
             std::os::unix::fs::FileExt::write_all_at(commands.state_file(), &fork.state, 0)
                 .map_err(Error::io("writing the fork's machine state"))?;
             fork.state.len() as u64

@@ -54,7 +54,7 @@ pub(crate) async fn restore(
         .await
 }
 
-/// Boots an instance from `source` (a fork's copy of another's memory and state).
+/// Boots an instance from `source` (a snapshot's or a fork's source's memory and state).
 pub(crate) async fn restore_from(
     config: Arc<SandboxConfig>,
     source: crate::snapshot::Restore,

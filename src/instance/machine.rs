@@ -13,6 +13,11 @@ use crate::error::{Error, Result};
 /// (krunbox has at most 8), and the helper's event loop may be busy with a device meanwhile.
 const COMMAND_DEADLINE: Duration = Duration::from_secs(15);
 
+/// How long the helper may take per GiB of guest memory to write the guest's own pages out
+/// ([`VmmCommand::WritePrivatePages`]), beyond [`COMMAND_DEADLINE`]: a page a time through
+/// the kernel, which nested emulation slows to tens of MB/s.
+const PAGES_DEADLINE_PER_GIB: Duration = Duration::from_secs(60);
+
 /// How long the guest may take to answer a quiesce (it answers from its control loop, which
 /// may be busy with a file operation).
 pub(super) const QUIESCE_DEADLINE: Duration = Duration::from_secs(30);
@@ -92,10 +97,21 @@ impl Instance {
         command: VmmCommand,
         step: &'static str,
     ) -> Result<VmmReply> {
+        let deadline = match command {
+            VmmCommand::WritePrivatePages => {
+                let gib = self
+                    .inner
+                    .snapshots
+                    .as_ref()
+                    .map_or(0, |source| source.memory_mib.div_ceil(1024));
+                COMMAND_DEADLINE + PAGES_DEADLINE_PER_GIB * gib
+            }
+            _ => COMMAND_DEADLINE,
+        };
         let reply = self
             .inner
             .commands
-            .send(command, COMMAND_DEADLINE)
+            .send(command, deadline)
             .await
             .map_err(|reason| Error::Snapshot { step, reason })?;
         match reply {

@@ -54,11 +54,11 @@ impl Instance {
         )))?;
         let staging = Staging::new(dir.as_ref())?;
         let token = random_token();
-        let _one_at_a_time = source.memory.one_at_a_time.lock().await;
+        let one_at_a_time = source.memory.one_at_a_time().await;
         let layer = self.memory_layer()?;
         let (memory, dir) = (source.memory.clone(), staging.path().to_path_buf());
         let (parts, _, processes) = self
-            .stilled(token, Freeze::No, move |state| async move {
+            .stilled(token, Freeze::No, one_at_a_time, move |state| async move {
                 let parts = copy_parts(memory, layer, dir, state).await?;
                 Ok((parts, Vec::new()))
             })
@@ -107,89 +107,56 @@ impl Instance {
         }
         let source = self.snapshot_source()?;
         let token = random_token();
-        let _one_at_a_time = source.memory.one_at_a_time.lock().await;
-        // Memory mapped shared is frozen in place; memory mapped copy-on-write already has its
-        // own pages laid over the same file in each fork. The forks map that file either way.
-        let (freeze, own_pages) = match source.memory.is_private() {
-            false => (Freeze::InPlace, None),
-            true => (Freeze::No, Some(source.memory.private_pages().clone())),
-        };
-        // What a snapshot's manifest would say; the parts are in memory, not on disk, and the
-        // processes and machine state come once the source is stilled.
-        let in_memory = |name: &str, length: u64| snapshot::Part {
-            name: name.to_owned(),
-            length,
-            extents: Vec::new(),
-            sha256: String::new(),
-        };
-        let memory_len = source.memory.len().unwrap_or(0);
-        // An ephemeral root's layer is copied into one of each fork's while the source is
-        // stilled (a memfd cannot share another's pages).
-        let layer = self.memory_layer()?;
-        let layers = match &layer {
-            None => vec![None; n],
-            Some(layer) => {
-                let len = layer
-                    .metadata()
-                    .map_err(Error::io("sizing the layer"))?
-                    .len();
-                (0..n)
-                    .map(|_| {
-                        let empty = crate::rootfs::MemoryLayer::empty(len)?;
-                        let file = empty
-                            .file()
-                            .try_clone()
-                            .map_err(Error::io("a fork's layer"))?;
-                        Ok(Some(Arc::new(file)))
-                    })
-                    .collect::<Result<Vec<_>>>()?
+        let one_at_a_time = source.memory.one_at_a_time().await;
+        // Memory mapped shared is frozen in place; memory mapped copy-on-write already keeps
+        // its file as it is (made sure of: the forks share it), and its own pages are laid
+        // over that file in each fork.
+        let freeze = match source.memory.is_private() {
+            false => Freeze::InPlace,
+            true => {
+                source.memory.ensure_frozen().map_err(|e| Error::Snapshot {
+                    step: "frozen",
+                    reason: format!("the memory its forks would share can be written: {e}"),
+                })?;
+                Freeze::No
             }
         };
-        let manifest = self.manifest(
-            source,
-            token,
-            Vec::new(),
-            in_memory(snapshot::MEMORY, memory_len),
-            in_memory(snapshot::MACHINE, 0),
-            layer
-                .as_ref()
-                .map(|file| in_memory(snapshot::LAYER, file.metadata().map_or(0, |m| m.len()))),
-        )?;
-        // Each fork's helper jails itself and builds its VM while this one is stilled and its
-        // memory copied; the forks' guests run once it is.
+        let layer = self.memory_layer()?;
+        let copies = ForkCopies::make(n, &source.memory, layer.as_ref())?;
+        let manifest = self.fork_manifest(source, token, layer.as_ref())?;
+        // Each fork's helper jails itself and builds its VM while this one is stilled; the
+        // forks' guests run once it is.
         let (filled, filled_rx) = tokio::sync::watch::channel(None);
         let definition = source.definition.0.clone();
-        let boots = layers.iter().map(|layer| {
-            let restore = snapshot::Restore {
-                manifest: manifest.clone(),
-                from: snapshot::RestoreFrom::Fork {
-                    memory: source.memory.base().clone(),
-                    layer: layer.clone(),
-                    filled: filled_rx.clone(),
-                },
-            };
-            super::restore_from(definition.clone(), restore)
-        });
-        let targets = layers.clone();
+        let boots: Vec<_> = (0..n)
+            .map(|i| {
+                let restore = snapshot::Restore {
+                    manifest: manifest.clone(),
+                    from: snapshot::RestoreFrom::Fork {
+                        memory: source.memory.base().clone(),
+                        pages: copies.pages[i].clone(),
+                        layer: copies.layers[i].clone(),
+                        filled: filled_rx.clone(),
+                    },
+                };
+                super::restore_from(definition.clone(), restore)
+            })
+            .collect();
+        let memory = source.memory.clone();
         let copy_and_tell = async move {
-            // Nothing of memory to copy: the forks map the frozen file, and lay the source's
-            // own pages (written out while it was stilled) over it. The layer is copied.
+            // Nothing of memory is copied but the source's own pages, if it has any; its
+            // ephemeral layer is (a memfd cannot share another's pages).
             let stilled = self
-                .stilled(token, freeze, move |state| async move {
-                    if let Some(from) = layer {
-                        tokio::task::spawn_blocking(move || {
-                            targets
-                                .iter()
-                                .flatten()
-                                .try_for_each(|to| copy_data(&from, to))
-                        })
+                .stilled(token, freeze, one_at_a_time, move |state| async move {
+                    tokio::task::spawn_blocking(move || copies.fill(&memory, layer.as_ref()))
                         .await
                         .map_err(|e| Error::Snapshot {
                             step: "copied",
                             reason: e.to_string(),
                         })?
-                        .map_err(Error::io("copying the writable layer for a fork"))?;
-                    }
+                        .map_err(Error::io(
+                            "copying the source's pages and layer for its forks",
+                        ))?;
                     Ok(((), state))
                 })
                 .await;
@@ -198,7 +165,6 @@ impl Instance {
                     state: state.clone(),
                     processes: processes.clone(),
                     next_process_id: self.inner.next_id.load(std::sync::atomic::Ordering::SeqCst),
-                    own_pages,
                 })),
                 Err(e) => Err(e.to_string()),
             };
@@ -206,10 +172,6 @@ impl Instance {
             stilled.map(|_| ())
         };
         let (stilled, booted) = tokio::join!(copy_and_tell, futures_util::future::join_all(boots));
-        // Every fork has copied the pages it lays over its memory (or failed).
-        if let Err(e) = source.memory.forget_private_pages() {
-            tracing::warn!("emptying the source's private-pages file: {e}");
-        }
         let mut forks = Vec::with_capacity(n);
         let mut failed = stilled.err();
         for boot in booted {
@@ -230,6 +192,32 @@ impl Instance {
                 Err(e)
             }
         }
+    }
+
+    /// What a snapshot of this instance, stilled with `token`, would say for a fork: its
+    /// parts are in memory, not on disk, and the processes and machine state come once the
+    /// source is stilled.
+    fn fork_manifest(
+        &self,
+        source: &snapshot::SnapshotSource,
+        token: u64,
+        layer: Option<&std::fs::File>,
+    ) -> Result<Manifest> {
+        let in_memory = |name: &str, length: u64| snapshot::Part {
+            name: name.to_owned(),
+            length,
+            extents: Vec::new(),
+            sha256: String::new(),
+        };
+        let length = |file: &std::fs::File| file.metadata().map_or(0, |m| m.len());
+        self.manifest(
+            source,
+            token,
+            Vec::new(),
+            in_memory(snapshot::MEMORY, source.memory.len().unwrap_or(0)),
+            in_memory(snapshot::MACHINE, 0),
+            layer.map(|file| in_memory(snapshot::LAYER, length(file))),
+        )
     }
 
     /// What a snapshot of this instance, stilled with `token`, says it is.
@@ -300,6 +288,7 @@ impl Instance {
         &self,
         token: u64,
         freeze: Freeze,
+        one_at_a_time: tokio::sync::OwnedMutexGuard<()>,
         copy: F,
     ) -> Result<(T, Vec<u8>, Vec<crate::control::SavedProcess>)>
     where
@@ -308,7 +297,12 @@ impl Instance {
         Fut: std::future::Future<Output = Result<(T, Vec<u8>)>> + Send + 'static,
     {
         let this = self.clone();
-        tokio::spawn(async move { this.stilled_here(token, freeze, copy).await }.in_current_span())
+        // The task holds the instance's one-at-a-time guard: it goes on without its caller.
+        let stilling = async move {
+            let _one_at_a_time = one_at_a_time;
+            this.stilled_here(token, freeze, copy).await
+        };
+        tokio::spawn(stilling.in_current_span())
             .await
             .map_err(|e| Error::Snapshot {
                 step: "saved",
@@ -410,6 +404,10 @@ impl Instance {
     async fn prepare_memory(&self, freeze: Freeze) -> Result<()> {
         let memory = &self.snapshot_source()?.memory;
         let (command, step) = if memory.is_private() {
+            // Written afresh: pages left from a use that failed half-way are not the guest's.
+            memory
+                .forget_private_pages()
+                .map_err(Error::io("emptying the private-pages file"))?;
             (VmmCommand::WritePrivatePages, "saved")
         } else if freeze == Freeze::InPlace {
             // Before asking: a remap that failed half-way leaves some regions copy-on-write,
@@ -472,6 +470,61 @@ pub(super) fn guest_init_sha256(config: &crate::config::SandboxConfig) -> Result
         .and_then(|mut file| crate::rootfs::seal::digest_of(&mut file, Some(&seals)))
         .map(|(digest, _)| digest)
         .map_err(Error::io(format!("hashing guest-init {}", path.display())))
+}
+
+/// What each fork gets of its own from its source, filled while the source is stilled: a
+/// private-pages file (the source's own pages, when its memory is mapped copy-on-write;
+/// empty otherwise) and an ephemeral root's layer.
+struct ForkCopies {
+    pages: Vec<Arc<std::fs::File>>,
+    layers: Vec<Option<Arc<std::fs::File>>>,
+}
+
+impl ForkCopies {
+    /// `n` forks' empty files, as long as `memory`'s and `layer`'s.
+    fn make(n: usize, memory: &InstanceMemory, layer: Option<&std::fs::File>) -> Result<Self> {
+        let memory_len = memory.len().map_err(Error::io("sizing guest memory"))?;
+        let layer_len = layer
+            .map(|layer| layer.metadata().map(|m| m.len()))
+            .transpose()
+            .map_err(Error::io("sizing the layer"))?;
+        let mut copies = ForkCopies {
+            pages: Vec::with_capacity(n),
+            layers: Vec::with_capacity(n),
+        };
+        for _ in 0..n {
+            let pages = InstanceMemory::pages_file(memory_len)
+                .map_err(Error::io("creating a fork's private-pages file"))?;
+            copies.pages.push(Arc::new(pages));
+            copies.layers.push(match layer_len {
+                None => None,
+                Some(len) => Some(Arc::new(
+                    crate::rootfs::MemoryLayer::empty(len)?
+                        .file()
+                        .try_clone()
+                        .map_err(Error::io("a fork's layer"))?,
+                )),
+            });
+        }
+        Ok(copies)
+    }
+
+    /// Copies the source's own pages (just written by its helper) and `layer` into each
+    /// fork's files, in the kernel; the source's pages file is emptied after.
+    fn fill(&self, memory: &InstanceMemory, layer: Option<&std::fs::File>) -> std::io::Result<()> {
+        if memory.is_private() {
+            for pages in &self.pages {
+                memory.copy_private_pages_to(pages)?;
+            }
+            memory.forget_private_pages()?;
+        }
+        if let Some(layer) = layer {
+            for to in self.layers.iter().flatten() {
+                copy_data(layer, to)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Whether a stilling freezes guest memory mapped shared in place (a fork's source).

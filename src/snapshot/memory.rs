@@ -29,28 +29,43 @@ pub(crate) struct InstanceMemory {
     /// the helper's own pages over `base` is right for both kinds of region).
     private: AtomicBool,
     /// Where the helper writes the guest's own pages (`Inherited::PrivatePages`): as long as
-    /// guest memory, its size sealed, emptied after each use.
+    /// guest memory, its size sealed, emptied after each use. A fork's holds its source's
+    /// pages until its helper has laid them over its memory.
     private_pages: Arc<File>,
-    /// One snapshot or fork at a time: a fork decides from `private` which file its copies
-    /// map, and must not be overtaken by another that freezes `base`.
-    pub(crate) one_at_a_time: std::panic::AssertUnwindSafe<tokio::sync::Mutex<()>>,
+    /// One snapshot or fork at a time, held by the stilling's own task (which outlives a
+    /// caller that gave up): a fork decides from `private` how its copies map `base`, and
+    /// must not be overtaken by another that freezes it or rewrites the pages file.
+    one_at_a_time: std::panic::AssertUnwindSafe<Arc<tokio::sync::Mutex<()>>>,
 }
 
 impl InstanceMemory {
     /// Memory mapped from `base`, `private`ly or not, with a fresh private-pages file.
     pub(crate) fn new(base: Arc<File>, private: bool) -> std::io::Result<InstanceMemory> {
-        let len = base.metadata()?.len();
-        Ok(InstanceMemory {
+        let pages = Arc::new(Self::pages_file(base.metadata()?.len())?);
+        Ok(Self::with_pages(base, private, pages))
+    }
+
+    /// Memory mapped from `base` with the private-pages file `pages` (a fork's, which its
+    /// source filled).
+    pub(crate) fn with_pages(base: Arc<File>, private: bool, pages: Arc<File>) -> InstanceMemory {
+        InstanceMemory {
             base,
             private: AtomicBool::new(private),
-            private_pages: Arc::new(crate::guest_memory::sealed_memfd(
-                c"krunbox-private-pages",
-                len,
-                LaterSeals::None,
-            )?),
+            private_pages: pages,
             // A lock of nothing: a panic under it leaves nothing half-changed.
-            one_at_a_time: std::panic::AssertUnwindSafe(tokio::sync::Mutex::new(())),
-        })
+            one_at_a_time: std::panic::AssertUnwindSafe(Arc::new(tokio::sync::Mutex::new(()))),
+        }
+    }
+
+    /// An empty private-pages file for guest memory of `len` bytes.
+    pub(crate) fn pages_file(len: u64) -> std::io::Result<File> {
+        crate::guest_memory::sealed_memfd(c"krunbox-private-pages", len, LaterSeals::None)
+    }
+
+    /// Waits for any other snapshot or fork of this instance to end; the guard lets the next
+    /// one go when dropped (wherever it was moved).
+    pub(crate) async fn one_at_a_time(&self) -> tokio::sync::OwnedMutexGuard<()> {
+        self.one_at_a_time.0.clone().lock_owned().await
     }
 
     /// The file guest memory is mapped from, for the helper.
@@ -64,10 +79,10 @@ impl InstanceMemory {
         &self.private_pages
     }
 
-    /// Fills the private-pages file (a fork's, all holes) with the pages its source's helper
-    /// wrote into its own (`pages`): the fork's helper lays them over `base` at its gate.
-    pub(crate) fn copy_private_pages_from(&self, pages: &File) -> std::io::Result<()> {
-        copy_data(pages, &self.private_pages)
+    /// Fills `into` (a fork's private-pages file, all holes) with the pages the helper wrote
+    /// into this private-pages file: the fork's helper lays them over `base` at its gate.
+    pub(crate) fn copy_private_pages_to(&self, into: &File) -> std::io::Result<()> {
+        copy_data(&self.private_pages, into)
     }
 
     /// Empties the private-pages file once what the helper wrote there is used: each use
@@ -101,7 +116,8 @@ impl InstanceMemory {
 
     /// Seals `base` (a memfd made with [`LaterSeals::Write`]) against writes, once the helper
     /// maps it copy-on-write: forks map it too, and no process holding it, the helper that
-    /// mapped it shared before included, can change the pages they share from then on.
+    /// mapped it shared before included, can change the pages they share from then on. Fails
+    /// (`EBUSY`) while any process still maps it shared and writable.
     pub(crate) fn seal_base(&self) -> std::io::Result<()> {
         use nix::fcntl::{fcntl, FcntlArg, SealFlag};
         fcntl(
@@ -109,6 +125,25 @@ impl InstanceMemory {
             FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_WRITE | SealFlag::F_SEAL_SEAL),
         )?;
         Ok(())
+    }
+
+    /// Makes sure no process can change `base` any more before forks map it: it is open
+    /// read-only everywhere (a snapshot's `memory.img`, which the library opens so), or sealed
+    /// against writes (sealed now if it is not yet; a remap that failed half-way, or a helper
+    /// that keeps a writable shared mapping, makes that fail).
+    pub(crate) fn ensure_frozen(&self) -> std::io::Result<()> {
+        use nix::fcntl::{fcntl, FcntlArg, OFlag, SealFlag};
+        let access = OFlag::from_bits_truncate(fcntl(self.base.as_fd(), FcntlArg::F_GETFL)?);
+        if access & OFlag::O_ACCMODE == OFlag::O_RDONLY {
+            return Ok(());
+        }
+        let seals = fcntl(self.base.as_fd(), FcntlArg::F_GET_SEALS)
+            .map(SealFlag::from_bits_truncate)
+            .unwrap_or(SealFlag::empty());
+        if seals.contains(SealFlag::F_SEAL_WRITE) {
+            return Ok(());
+        }
+        self.seal_base()
     }
 
     /// Fills `into` (as long as guest memory, all zeros) with guest memory: `base`'s data
@@ -201,6 +236,45 @@ mod tests {
         let mut seen = [0u8; 6];
         base.read_exact_at(&mut seen, 0).unwrap();
         assert_eq!(&seen, b"before");
+    }
+
+    #[test]
+    fn memory_forks_would_share_is_frozen_first_or_the_fork_refused() {
+        use std::os::fd::AsRawFd;
+        // A snapshot's memory, open read-only: frozen as it is.
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("memory.img"), [1u8; 4096]).unwrap();
+        let read_only = File::open(dir.path().join("memory.img")).unwrap();
+        InstanceMemory::new(Arc::new(read_only), true)
+            .unwrap()
+            .ensure_frozen()
+            .unwrap();
+        // A memfd not sealed yet is sealed now.
+        let base = Arc::new(sealed_memfd(c"base", 1 << 20, LaterSeals::Write).unwrap());
+        InstanceMemory::new(base.clone(), true)
+            .unwrap()
+            .ensure_frozen()
+            .unwrap();
+        assert!(base.write_all_at(b"x", 0).is_err(), "not sealed");
+        // One a process still maps shared and writable cannot be: the fork is refused.
+        let mapped = Arc::new(sealed_memfd(c"mapped", 1 << 20, LaterSeals::Write).unwrap());
+        // SAFETY: a fresh shared mapping of one page, unmapped below, used only here.
+        let page = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                mapped.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(page, libc::MAP_FAILED);
+        let memory = InstanceMemory::new(mapped.clone(), true).unwrap();
+        assert!(memory.ensure_frozen().is_err());
+        // SAFETY: the mapping made above, not used after.
+        unsafe { libc::munmap(page, 4096) };
+        memory.ensure_frozen().unwrap();
     }
 
     #[test]

@@ -225,6 +225,9 @@ pub(crate) enum RestoreFrom {
     /// will be.
     Fork {
         memory: Arc<std::fs::File>,
+        /// The fork's own private-pages file: its source's own pages once filled (empty when
+        /// the source's memory was mapped shared), laid over `memory` at the gate.
+        pages: Arc<std::fs::File>,
         /// The fork's own ephemeral layer (empty; its source copies its layer into it while
         /// stilled), when the source has one.
         layer: Option<Arc<std::fs::File>>,
@@ -240,10 +243,6 @@ pub(crate) struct ForkState {
     pub state: Vec<u8>,
     pub processes: Vec<crate::control::SavedProcess>,
     pub next_process_id: u32,
-    /// The pages the source had made its own over the file the fork maps (its private-pages
-    /// file, just written), when it mapped that file copy-on-write already: each fork's
-    /// helper lays them over its memory at the gate.
-    pub own_pages: Option<Arc<std::fs::File>>,
 }
 
 impl Restore {
@@ -261,7 +260,7 @@ impl Restore {
     /// A fork's state, once its source is stilled.
     pub(crate) async fn fork_state(filled: &ForkFilled) -> Result<Arc<ForkState>> {
         let abandoned = || Error::Snapshot {
-            step: "copied",
+            step: "stilled",
             reason: "the fork's source gave up before it was stilled".into(),
         };
         let mut filled = filled.clone();
@@ -273,7 +272,7 @@ impl Restore {
         outcome
             .ok_or_else(abandoned)?
             .map_err(|reason| Error::Snapshot {
-                step: "copied",
+                step: "stilled",
                 reason,
             })
     }

@@ -222,10 +222,10 @@ pub(crate) fn open(dir: &Path, part: &Part) -> Result<File, PartError> {
 }
 
 /// Whether every byte of `file` outside `extents` (in order, not overlapping) reads as zero
-/// (holes are not read).
+/// (holes are not read). One pass over the file's data extents and the listed ones together.
 fn unlisted_data_is_zeros(file: &File, extents: &[(u64, u64)]) -> std::io::Result<bool> {
-    let zeros = |from: u64, to: u64| -> std::io::Result<bool> {
-        let mut buf = vec![0u8; CHUNK];
+    let mut buf = vec![0u8; CHUNK];
+    let mut zeros = |from: u64, to: u64| -> std::io::Result<bool> {
         let mut at = from;
         while at < to {
             let len = ((to - at) as usize).min(CHUNK);
@@ -237,25 +237,29 @@ fn unlisted_data_is_zeros(file: &File, extents: &[(u64, u64)]) -> std::io::Resul
         }
         Ok(true)
     };
+    let mut listed = extents.iter().copied().peekable();
     for (start, end) in crate::rootfs::layer::data_extents(file)? {
         let mut at = start;
-        for &(listed_start, listed_end) in extents {
-            if listed_end <= at {
-                continue;
+        while at < end {
+            // Listed extents wholly before `at` are behind both walks.
+            while listed
+                .next_if(|&(_, listed_end)| listed_end <= at)
+                .is_some()
+            {}
+            match listed.peek() {
+                Some(&(listed_start, listed_end)) if listed_start < end => {
+                    if listed_start > at && !zeros(at, listed_start)? {
+                        return Ok(false);
+                    }
+                    at = at.max(listed_end);
+                }
+                _ => {
+                    if !zeros(at, end)? {
+                        return Ok(false);
+                    }
+                    at = end;
+                }
             }
-            if listed_start >= end {
-                break;
-            }
-            if listed_start > at && !zeros(at, listed_start)? {
-                return Ok(false);
-            }
-            at = listed_end;
-            if at >= end {
-                break;
-            }
-        }
-        if at < end && !zeros(at, end)? {
-            return Ok(false);
         }
     }
     Ok(true)
@@ -378,6 +382,43 @@ mod tests {
         expected[..PAGE].fill(1);
         expected[2 * PAGE + 7..2 * PAGE + 107].fill(2);
         assert!(back == expected);
+    }
+
+    #[test]
+    fn data_outside_listed_extents_is_found_wherever_the_two_lists_interleave() {
+        let file = tempfile::tempfile().unwrap();
+        file.set_len(1 << 20).unwrap();
+        // Data in three runs; zeros written in a fourth.
+        for at in [0u64, 64 << 10, 512 << 10] {
+            file.write_all_at(&[5u8; 8192], at).unwrap();
+        }
+        file.write_all_at(&[0u8; 8192], 256 << 10).unwrap();
+        let all = [
+            (0, 8192),
+            (64 << 10, (64 << 10) + 8192),
+            (512 << 10, (512 << 10) + 8192),
+        ];
+        assert!(unlisted_data_is_zeros(&file, &all).unwrap());
+        // Listed extents that also cover holes, one spanning two runs.
+        assert!(
+            unlisted_data_is_zeros(&file, &[(0, (64 << 10) + 8192), (500 << 10, 1 << 20)]).unwrap()
+        );
+        // Each run left out in turn, or cut short by a page.
+        for missing in 0..3 {
+            let mut some = all.to_vec();
+            some.remove(missing);
+            assert!(
+                !unlisted_data_is_zeros(&file, &some).unwrap(),
+                "run {missing} left out"
+            );
+            let mut short = all.to_vec();
+            short[missing].1 -= 4096;
+            assert!(
+                !unlisted_data_is_zeros(&file, &short).unwrap(),
+                "run {missing} cut short"
+            );
+        }
+        assert!(!unlisted_data_is_zeros(&file, &[]).unwrap());
     }
 
     #[test]

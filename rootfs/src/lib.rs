@@ -418,17 +418,46 @@ pub fn load(cache_dir: &Path, image: BuiltinImage) -> Result<Option<ImageManifes
     }
 }
 
-/// Reads and parses the manifest file; `None` if it does not exist.
+/// Reads and parses the manifest file; `None` if it does not exist. A manifest parsed before
+/// by this process is taken from memory while its file's state (device, inode, size, mtime,
+/// ctime) is unchanged: the agent image's lists every package (40 KB of JSON), and parsing it
+/// on every boot made a boot's host work grow with the image. Only a file whose ctime is
+/// [`MANIFEST_SETTLED`] old is remembered: a rewrite within the same clock tick could leave its
+/// state as it was, but not once the tick is long past.
 fn read_manifest(
     cache_dir: &Path,
     image: BuiltinImage,
 ) -> Result<Option<ImageManifest>, BuildError> {
+    use std::collections::HashMap;
+    use std::os::unix::fs::MetadataExt;
+    use std::sync::Mutex;
+    type Stamp = (u64, u64, u64, i64, i64, i64, i64);
+    static PARSED: Mutex<Option<HashMap<PathBuf, (Stamp, ImageManifest)>>> = Mutex::new(None);
     let path = manifest_path(cache_dir, image);
-    let bytes = match fs::read(&path) {
-        Ok(bytes) => bytes,
+    let mut file = match File::open(&path) {
+        Ok(file) => file,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(e).at(&path),
     };
+    let meta = file.metadata().at(&path)?;
+    let stamp: Stamp = (
+        meta.dev(),
+        meta.ino(),
+        meta.len(),
+        meta.mtime(),
+        meta.mtime_nsec(),
+        meta.ctime(),
+        meta.ctime_nsec(),
+    );
+    let parsed = |cache: &mut Option<HashMap<PathBuf, (Stamp, ImageManifest)>>| {
+        let (known, manifest) = cache.as_ref()?.get(&path)?;
+        (*known == stamp).then(|| manifest.clone())
+    };
+    if let Some(manifest) = parsed(&mut PARSED.lock().unwrap_or_else(|e| e.into_inner())) {
+        return Ok(Some(manifest));
+    }
+    let mut bytes = Vec::new();
+    file.read_to_end(&mut bytes).at(&path)?;
     let manifest: ImageManifest =
         serde_json::from_slice(&bytes).map_err(|source| BuildError::Manifest {
             path: path.clone(),
@@ -443,8 +472,20 @@ fn read_manifest(
             ),
         });
     }
+    let changed = std::time::UNIX_EPOCH + std::time::Duration::new(stamp.5.max(0) as u64, 0);
+    let settled = changed.elapsed().is_ok_and(|age| age >= MANIFEST_SETTLED);
+    if settled {
+        PARSED
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_or_insert_with(HashMap::new)
+            .insert(path, (stamp, manifest.clone()));
+    }
     Ok(Some(manifest))
 }
+
+/// How old a manifest file's last change must be before [`read_manifest`] remembers it.
+const MANIFEST_SETTLED: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Builds `image` into `cache_dir` unless it is already built; returns its manifest.
 ///
@@ -808,6 +849,39 @@ mod tests {
             assert_eq!(image.name().parse::<BuiltinImage>(), Ok(image));
             assert_eq!(image.to_string(), image.name());
         }
+    }
+
+    #[test]
+    fn a_manifest_is_parsed_again_only_when_its_file_changed() {
+        let cache = tempfile::tempdir().unwrap();
+        let image = BuiltinImage::Busybox;
+        let write = |sha: &str| {
+            let manifest = ImageManifest {
+                name: "busybox".into(),
+                format: FORMAT_EROFS.into(),
+                sha256: sha.repeat(32),
+                size: 4096,
+                inputs: Vec::new(),
+                builder: BUILDER_VERSION.into(),
+                tools: Vec::new(),
+            };
+            let path = manifest_path(cache.path(), image);
+            fs::create_dir_all(path.parent().unwrap()).unwrap();
+            fs::write(&path, serde_json::to_vec(&manifest).unwrap()).unwrap();
+        };
+        write("aa");
+        let first = read_manifest(cache.path(), image).unwrap().unwrap();
+        assert_eq!(first.sha256, "aa".repeat(32));
+        // Remembered once settled.
+        std::thread::sleep(MANIFEST_SETTLED + std::time::Duration::from_millis(100));
+        assert_eq!(read_manifest(cache.path(), image).unwrap().unwrap(), first);
+        assert_eq!(read_manifest(cache.path(), image).unwrap().unwrap(), first);
+        // Rewritten (same length, same inode): its ctime moved, read again.
+        write("bb");
+        let second = read_manifest(cache.path(), image).unwrap().unwrap();
+        assert_eq!(second.sha256, "bb".repeat(32));
+        fs::remove_file(manifest_path(cache.path(), image)).unwrap();
+        assert!(read_manifest(cache.path(), image).unwrap().is_none());
     }
 
     #[test]

@@ -3,8 +3,8 @@
 //! ran anything.
 
 mod common;
-#[path = "common/http_origin.rs"]
-mod http_origin;
+#[path = "common/https_origin.rs"]
+mod https_origin;
 
 use std::time::Duration;
 
@@ -591,65 +591,85 @@ fn an_ephemeral_roots_writes_survive_a_restore_and_reach_each_fork_apart() {
     });
 }
 
-/// A network across a snapshot: the restored instance and a fork get a network service of
-/// their own (the restoring sandbox's policy decides their flows; the source's open flows do
-/// not come along) and reach a granted loopback origin through it, as the source still does.
+/// A network across a snapshot: the restored instance and a fork each get a network service
+/// of their own (their sandbox's policy decides their flows; the source's open flows do not
+/// come along), which intercepts HTTPS with the sandbox CA their guest already trusts and
+/// swaps the secret placeholder their guest's environment already holds, also when the
+/// restoring sandbox's network was made anew (its own placeholder) as in another process.
 #[test]
-fn a_restored_or_forked_instance_reaches_the_network_through_its_own_policy() {
-    use krunbox::net::{Flow, Protocol, Resolver, Verdict};
+fn a_restored_or_forked_instance_reaches_the_network_with_its_sources_ca_and_placeholders() {
+    use krunbox::net::{Flow, Intercept, Protocol, Resolver, Secret, UpstreamTrust, Verdict};
     common::run(async {
-        let (port, heads) = http_origin::start().await;
+        let handler = |request: hyper::Request<bytes::Bytes>| {
+            let key = request
+                .headers()
+                .get("x-api-key")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("none")
+                .to_owned();
+            https_origin::respond(
+                200,
+                "text/plain",
+                format!("{} key={key}", request.uri().path()),
+            )
+        };
+        let origin = https_origin::start(&["origin.test"], std::sync::Arc::new(handler)).await;
+        let (port, origin_ca) = (origin.port, origin.ca_pem.clone());
         let keys = tempfile::tempdir().unwrap();
-        let network = krunbox::Network::with_policy(move |flow: Flow| async move {
-            match (flow.protocol(), flow.hostname()) {
-                (Protocol::Dns, Some("origin.test")) => {
-                    Verdict::resolve(Resolver::fixed([std::net::IpAddr::V4(
-                        std::net::Ipv4Addr::LOCALHOST,
-                    )]))
+        // A sandbox's definition; each call makes its secret anew (a placeholder of its own).
+        let sandbox = || {
+            let network = krunbox::Network::with_policy(move |flow: Flow| async move {
+                match (flow.protocol(), flow.hostname()) {
+                    (Protocol::Dns, Some("origin.test")) => {
+                        Verdict::resolve(Resolver::fixed([std::net::IpAddr::V4(
+                            std::net::Ipv4Addr::LOCALHOST,
+                        )]))
+                    }
+                    (Protocol::Tcp, Some("origin.test")) if flow.destination().port() == port => {
+                        Verdict::intercept(Intercept::new())
+                    }
+                    _ => Verdict::deny(),
                 }
-                (Protocol::Tcp, Some("origin.test")) if flow.destination().port() == port => {
-                    Verdict::accept()
-                }
-                _ => Verdict::deny(),
-            }
-        });
-        let sandbox = Sandbox::builder()
-            .rootfs(Rootfs::builtin(BuiltinImage::Busybox))
-            .memory_mib(256)
-            .network(network)
-            .snapshots(true)
-            .snapshot_key_dir(keys.path())
-            .build()
-            .unwrap();
-        let fetch = |who: &str| format!("wget -q -O - http://origin.test:{port}/{who}; echo rc=$?");
-        let vm = sandbox.boot().await.unwrap();
-        assert_eq!(sh(&vm, &fetch("source")).await, "origin says /source\nrc=0");
+            })
+            .upstream_trust(UpstreamTrust::pem(origin_ca.as_bytes()).unwrap())
+            .secret(
+                Secret::new("API_KEY", "real-api-key")
+                    .unwrap()
+                    .bind_to("origin.test"),
+            );
+            Sandbox::builder()
+                .rootfs(Rootfs::builtin(BuiltinImage::Agent))
+                .memory_mib(512)
+                .network(network)
+                .snapshots(true)
+                .snapshot_key_dir(keys.path())
+                .build()
+                .unwrap()
+        };
+        let fetch = |who: &str| {
+            format!("curl -sS -H \"X-Api-Key: $API_KEY\" https://origin.test:{port}/{who}")
+        };
+        let vm = sandbox().boot().await.unwrap();
+        assert_eq!(sh(&vm, &fetch("source")).await, "/source key=real-api-key");
         let place = tempfile::tempdir().unwrap();
         let dir = place.path().join("snap");
         vm.snapshot(&dir).await.unwrap();
-        let restored = sandbox
+        let restored = sandbox()
             .restore(&krunbox::Snapshot::open(&dir, keys.path()).unwrap())
             .await
             .unwrap();
         assert_eq!(
             sh(&restored, &fetch("restored")).await,
-            "origin says /restored\nrc=0"
+            "/restored key=real-api-key"
         );
         restored.shutdown().await.unwrap();
         let forks = vm.fork(1).await.unwrap();
         assert_eq!(
             sh(&forks[0], &fetch("fork")).await,
-            "origin says /fork\nrc=0"
+            "/fork key=real-api-key"
         );
         forks[0].shutdown().await.unwrap();
-        assert_eq!(sh(&vm, &fetch("again")).await, "origin says /again\nrc=0");
+        assert_eq!(sh(&vm, &fetch("again")).await, "/again key=real-api-key");
         vm.shutdown().await.unwrap();
-        let paths: Vec<String> = heads
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|head| head.split(' ').nth(1).unwrap_or("?").to_owned())
-            .collect();
-        assert_eq!(paths, ["/source", "/restored", "/fork", "/again"]);
     });
 }

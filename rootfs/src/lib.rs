@@ -472,17 +472,23 @@ fn read_manifest(
             ),
         });
     }
-    let changed = std::time::UNIX_EPOCH + std::time::Duration::new(stamp.5.max(0) as u64, 0);
+    let changed = std::time::UNIX_EPOCH
+        + std::time::Duration::new(stamp.5.max(0) as u64, stamp.6.clamp(0, 999_999_999) as u32);
     let settled = changed.elapsed().is_ok_and(|age| age >= MANIFEST_SETTLED);
     if settled {
-        PARSED
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get_or_insert_with(HashMap::new)
-            .insert(path, (stamp, manifest.clone()));
+        let mut parsed = PARSED.lock().unwrap_or_else(|e| e.into_inner());
+        let parsed = parsed.get_or_insert_with(HashMap::new);
+        // One per image and cache directory: a caller making many directories starts over.
+        if parsed.len() >= MANIFESTS_REMEMBERED {
+            parsed.clear();
+        }
+        parsed.insert(path, (stamp, manifest.clone()));
     }
     Ok(Some(manifest))
 }
+
+/// The most manifests [`read_manifest`] remembers.
+const MANIFESTS_REMEMBERED: usize = 64;
 
 /// How old a manifest file's last change must be before [`read_manifest`] remembers it.
 const MANIFEST_SETTLED: std::time::Duration = std::time::Duration::from_secs(2);

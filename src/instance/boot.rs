@@ -66,6 +66,22 @@ pub(crate) async fn restore_from(
         .await
 }
 
+/// `config` with the secrets' placeholders a restored guest's environment holds (its
+/// source's), so that its network service swaps those for the secrets.
+fn with_saved_placeholders(
+    config: Arc<SandboxConfig>,
+    saved: &crate::snapshot::NetworkState,
+) -> Arc<SandboxConfig> {
+    match &config.network {
+        Some(network) if !saved.placeholders.is_empty() => {
+            let mut changed = (*config).clone();
+            changed.network = Some(network.with_placeholders(&saved.placeholders));
+            Arc::new(changed)
+        }
+        _ => config,
+    }
+}
+
 /// A new instance's id: `kb-` and 12 random hex digits.
 fn new_instance_id() -> String {
     let mut bytes = [0u8; 6];
@@ -88,7 +104,15 @@ async fn boot_in_span(
     restore: Option<crate::snapshot::Restore>,
 ) -> Result<Instance> {
     let preparing = std::time::Instant::now();
-    let mut parts = Parts::prepare(&config, &id).await?;
+    let config = match restore.as_ref().and_then(|r| r.manifest.network.as_ref()) {
+        Some(saved) => with_saved_placeholders(config, saved),
+        None => config,
+    };
+    let saved_ca = restore
+        .as_ref()
+        .and_then(|r| r.manifest.network.as_ref())
+        .and_then(|network| network.ca.as_ref());
+    let mut parts = Parts::prepare(&config, &id, saved_ca).await?;
     let mut vmm_config = parts.vmm_config(&config);
     if let Some(source) = &restore {
         check_restorable(&config, &source.manifest, &parts.root.image.sha256)?;
@@ -154,6 +178,14 @@ fn check_restorable(
             manifest.cpus, manifest.memory_mib, config.cpus, config.memory_mib
         )));
     }
+    if manifest.network.is_some() != config.network.is_some() {
+        let has = |network: bool| if network { "a network" } else { "no network" };
+        return Err(refuse(format!(
+            "it was taken with {}, this sandbox has {}",
+            has(manifest.network.is_some()),
+            has(config.network.is_some())
+        )));
+    }
     let layer_bytes = config.rootfs.layer_quota().map(|quota| quota & !4095);
     if manifest.layer.as_ref().map(|layer| layer.length) != layer_bytes {
         let had = |bytes: Option<u64>| match bytes {
@@ -217,11 +249,18 @@ struct Parts {
     dir: super::dir::InstanceDir,
     /// The verified image and the writable root's layer.
     root: RootPart,
+    /// What snapshots of the instance carry for its guest's network.
+    network_state: Option<crate::snapshot::NetworkState>,
 }
 
 impl Parts {
-    /// Each part prepared, checking what it can before anything starts.
-    async fn prepare(config: &SandboxConfig, id: &str) -> Result<Parts> {
+    /// Each part prepared, checking what it can before anything starts. `saved_ca`: the
+    /// sandbox CA a restored guest trusts (its source's), instead of a new one.
+    async fn prepare(
+        config: &SandboxConfig,
+        id: &str,
+        saved_ca: Option<&crate::net::SavedCa>,
+    ) -> Result<Parts> {
         let start = std::time::Instant::now();
         let root = RootPart::prepare(config).await?;
         let root_ready = start.elapsed();
@@ -272,12 +311,26 @@ impl Parts {
             ),
             None => None,
         };
-        let certificate_authority = match &config.network {
-            Some(network) => network.certificate_authority(&config.hostname)?,
-            None => None,
+        let certificate_authority = match (&config.network, saved_ca) {
+            (Some(_), Some(saved)) => Some(Arc::new(crate::net::intercept_ca_from_saved(saved)?)),
+            (Some(network), None) => network.certificate_authority(&config.hostname)?,
+            (None, _) => None,
+        };
+        // What its snapshots must carry for the guest's network (see `NetworkState`).
+        let network_state = match &config.network {
+            Some(network) if config.snapshots => Some(crate::snapshot::NetworkState {
+                ca: certificate_authority.as_ref().map(|ca| ca.saved()),
+                placeholders: network
+                    .secrets()
+                    .iter()
+                    .map(|s| (s.env_var().to_owned(), s.placeholder().to_owned()))
+                    .collect(),
+            }),
+            _ => None,
         };
         tracing::debug!(?root_ready, ?dir_ready, all = ?start.elapsed(), "parts prepared");
         Ok(Parts {
+            network_state,
             root,
             dir,
             listener: Some(listener),
@@ -511,7 +564,12 @@ impl Parts {
                 kill,
                 _lifeline: ready.lifeline,
                 commands: ready.commands,
-                snapshots: snapshot_source(definition, ready.guest_memory, &self.root.image.sha256),
+                snapshots: snapshot_source(
+                    definition,
+                    ready.guest_memory,
+                    &self.root.image.sha256,
+                    self.network_state.take(),
+                ),
                 isolation,
                 _logs: logs,
                 network,
@@ -562,10 +620,12 @@ fn snapshot_source(
     config: Arc<SandboxConfig>,
     memory: Option<Arc<crate::snapshot::memory::InstanceMemory>>,
     image_sha256: &str,
+    network: Option<crate::snapshot::NetworkState>,
 ) -> Option<crate::snapshot::SnapshotSource> {
     let memory = memory.filter(|_| config.snapshots)?;
     Some(crate::snapshot::SnapshotSource {
         memory,
+        network,
         cpus: config.cpus,
         memory_mib: config.memory_mib,
         image_sha256: image_sha256.to_owned(),

@@ -106,6 +106,24 @@ impl Instance {
             )));
         }
         let source = self.snapshot_source()?;
+        let fixed_ports = source
+            .definition
+            .network
+            .as_ref()
+            .map_or(Vec::new(), |network| {
+                network
+                    .published()
+                    .iter()
+                    .filter(|port| port.host_port != 0)
+                    .map(|port| port.host_port)
+                    .collect()
+            });
+        if !fixed_ports.is_empty() {
+            return Err(Error::InvalidConfig(format!(
+                "this instance publishes fixed host ports {fixed_ports:?}, which its forks cannot \
+                 also listen on: publish with host port 0 (any free port) to fork it"
+            )));
+        }
         let token = random_token();
         let one_at_a_time = source.memory.one_at_a_time().await;
         // Memory mapped shared is frozen in place; memory mapped copy-on-write already keeps
@@ -244,6 +262,7 @@ impl Instance {
             memory,
             machine,
             layer,
+            network: source.network.clone(),
             processes,
         })
     }

@@ -44,6 +44,14 @@ pub(crate) mod dns;
 pub(crate) mod dns_stream;
 pub(crate) mod frame;
 mod intercept;
+pub(crate) use intercept::ca::SavedCa;
+
+/// The sandbox CA a snapshot kept (see [`SavedCa`]).
+pub(crate) fn intercept_ca_from_saved(
+    saved: &SavedCa,
+) -> crate::Result<intercept::ca::CertificateAuthority> {
+    intercept::ca::CertificateAuthority::from_saved(saved)
+}
 mod names;
 mod policy;
 mod relay;
@@ -245,6 +253,22 @@ impl Network {
 
     pub(crate) fn secrets(&self) -> &[Secret] {
         &self.secrets
+    }
+
+    /// This network with each secret whose variable `placeholders` names given that
+    /// placeholder: a restored guest's environment holds its source's placeholders, which its
+    /// new network service must swap for the secrets.
+    pub(crate) fn with_placeholders(&self, placeholders: &[(String, String)]) -> Network {
+        let mut network = self.clone();
+        for secret in &mut network.secrets {
+            if let Some((_, placeholder)) = placeholders
+                .iter()
+                .find(|(env_var, _)| env_var == secret.env_var())
+            {
+                *secret = secret.clone().with_placeholder(placeholder);
+            }
+        }
+        network
     }
 
     pub(crate) fn upstream_trust_roots(&self) -> &UpstreamTrust {
@@ -672,6 +696,23 @@ pub(crate) mod fuzz_ops {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_restored_guests_placeholders_replace_those_its_new_network_made() {
+        let network = Network::deny_all()
+            .secret(Secret::new("API_KEY", "real").unwrap().bind_to("a.test"))
+            .secret(Secret::new("OTHER", "kept").unwrap());
+        let other = network.secrets()[1].placeholder().to_owned();
+        let restored = network.with_placeholders(&[
+            ("API_KEY".into(), "krunbox-secret-from-the-source".into()),
+            ("GONE".into(), "krunbox-secret-nobody".into()),
+        ]);
+        let secrets = restored.secrets();
+        assert_eq!(secrets[0].placeholder(), "krunbox-secret-from-the-source");
+        assert_eq!(secrets[0].env_var(), "API_KEY");
+        assert_eq!(secrets[1].placeholder(), other, "not named: its own");
+        assert_eq!(secrets.len(), 2);
+    }
 
     /// The fuzz property on a replayable sample: random streams with plausible lengths, and a
     /// stream of well-formed frames (ARP for the gateway, then SYNs to every port) cut finely.

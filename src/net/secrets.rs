@@ -162,9 +162,9 @@ impl Secret {
         self
     }
 
-    /// The same secret with `placeholder` in place of its random one: for the fuzz harness,
-    /// whose inputs (and committed seeds) must be able to name it.
-    #[cfg(any(test, feature = "fuzzing"))]
+    /// The same secret with `placeholder` in place of its random one: for a restored guest,
+    /// whose environment holds its source's, and for the fuzz harness, whose inputs (and
+    /// committed seeds) must be able to name it.
     pub(crate) fn with_placeholder(mut self, placeholder: &str) -> Self {
         self.placeholder = placeholder.to_owned();
         self

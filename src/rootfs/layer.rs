@@ -7,8 +7,8 @@
 //! An ephemeral layer ([`MemoryLayer`]) is a memfd: sized to the quota, formatted, then sealed
 //! so that it can neither grow nor shrink. The filesystem on it is exactly the quota, so a guest
 //! that fills it gets `ENOSPC` from its own kernel, and the host memory it can make us hold is
-//! the memfd's pages: at most the quota, whatever the guest does. It is never written to any
-//! host disk and goes with the instance.
+//! the memfd's pages: at most the quota, whatever the guest does. It goes with the instance and
+//! is never written to a host disk, but into a snapshot the caller takes (`layer.img`).
 
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd};

@@ -156,7 +156,8 @@ pub enum Rootfs {
     },
     /// `base`, writable for one boot. The image itself is never written: the guest's root is
     /// an overlay whose upper layer is an ext4 filesystem of exactly `max_dirty_bytes` in host
-    /// memory (a sealed memfd, never on a host disk). A guest that fills it gets `ENOSPC`;
+    /// memory (a sealed memfd, on a host disk only in a snapshot the caller takes). A guest
+    /// that fills it gets `ENOSPC`;
     /// host memory held never passes the quota; everything written is gone when the instance
     /// stops, and each boot starts from `base` again. Only `/tmp` and `/run` are tmpfs.
     Ephemeral {

@@ -4,9 +4,11 @@
 //! (docs/architecture.md, "Snapshots, restore and fork").
 //!
 //! A snapshot's directory holds `memory.img` (guest memory: its data at the same offsets,
-//! holes kept), `machine.json` (what the helper saved) and `manifest.json`: what the snapshot
-//! is (sizes, versions, the token its guest rejoins with), each part's extents and digest,
-//! authenticated with a key of this user's ([`key`]). [`Snapshot::open`] refuses a snapshot
+//! holes kept), `machine.json` (what the helper saved), `layer.img` (an ephemeral root's layer
+//! disk, if any) and `manifest.json`: what the snapshot is (sizes, versions, the token its
+//! guest rejoins with, what its network expects of a host: the sandbox CA, the secrets'
+//! placeholders), each part's extents and digest, authenticated with a key of this user's
+//! ([`key`]). The directory is 0700 and every file 0600. [`Snapshot::open`] refuses a snapshot
 //! whose manifest or any part changed, before anything of it is used.
 
 pub(crate) mod copy;
@@ -71,6 +73,21 @@ pub(crate) struct Manifest {
     /// An ephemeral root's layer disk (`layer.img`), when the instance had one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layer: Option<Part>,
+    /// What the guest's network expects of its host, when it had a network.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<NetworkState>,
+}
+
+/// What a guest with a network expects of its host that a fresh network service would not
+/// give it: the sandbox CA it trusts (the key too: the manifest is in a directory only its
+/// owner reads, as guest memory is) and the placeholders its environment holds for secrets.
+/// A restore's or fork's service is made with these.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct NetworkState {
+    pub ca: Option<crate::net::SavedCa>,
+    /// Each secret's environment variable and the placeholder the guest holds for it.
+    pub placeholders: Vec<(String, String)>,
 }
 
 /// The manifest with its authentication, as `manifest.json` holds it.
@@ -133,7 +150,11 @@ impl Snapshot {
     /// Reads every part and checks its digest: [`Error::SnapshotTampered`] names the first
     /// that changed.
     pub fn verify(&self) -> Result<()> {
-        for part in [&self.manifest.memory, &self.manifest.machine] {
+        let layer = self.manifest.layer.as_ref();
+        for part in [&self.manifest.memory, &self.manifest.machine]
+            .into_iter()
+            .chain(layer)
+        {
             part::read(&self.dir, part, None, None).map_err(part_error)?;
         }
         Ok(())
@@ -149,9 +170,17 @@ impl Snapshot {
         };
         let bytes = serde_json::to_vec(&signed).expect("a manifest always serializes");
         let path = dir.join(MANIFEST);
-        std::fs::write(&path, &bytes)
-            .and_then(|()| std::fs::File::open(&path)?.sync_all())
-            .map_err(Error::io(format!("writing {}", path.display())))?;
+        // 0600, as the parts: it may hold the sandbox CA's key.
+        std::os::unix::fs::OpenOptionsExt::mode(
+            std::fs::File::options().write(true).create_new(true),
+            0o600,
+        )
+        .open(&path)
+        .and_then(|mut file| {
+            std::io::Write::write_all(&mut file, &bytes)?;
+            file.sync_all()
+        })
+        .map_err(Error::io(format!("writing {}", path.display())))?;
         Ok(hex::encode(Sha256::digest(&bytes)))
     }
 }
@@ -295,6 +324,8 @@ impl Restore {
 /// What an instance booted with snapshots on keeps to take them.
 pub(crate) struct SnapshotSource {
     pub memory: Arc<memory::InstanceMemory>,
+    /// What its guest's network expects of a host (its snapshots and forks carry it).
+    pub network: Option<NetworkState>,
     pub cpus: u8,
     pub memory_mib: u32,
     pub image_sha256: String,
@@ -381,6 +412,7 @@ mod tests {
             memory: part::write(&memory, staging.path(), MEMORY).unwrap().0,
             machine: part::write(&machine, staging.path(), MACHINE).unwrap().0,
             layer: None,
+            network: None,
         };
         let key = SnapshotKey::load_or_create(key_dir).unwrap();
         Snapshot::sign(staging.path(), manifest, &key).unwrap();

@@ -539,7 +539,7 @@ impl ForkCopies {
         }
         if let Some(layer) = layer {
             for to in self.layers.iter().flatten() {
-                copy_data(layer, to)?;
+                snapshot::copy::copy_data(layer, to)?;
             }
         }
         Ok(())
@@ -589,10 +589,4 @@ async fn copy_parts(
         reason: e.to_string(),
     })?
     .map_err(Error::io("writing the snapshot"))
-}
-
-/// Copies `from`'s data into `to` (as long, all zeros) at the same offsets, in the kernel:
-/// a fork's layer.
-fn copy_data(from: &std::fs::File, to: &std::fs::File) -> std::io::Result<()> {
-    snapshot::copy::copy_extents(from, to, &crate::rootfs::layer::data_extents(from)?)
 }

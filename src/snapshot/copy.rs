@@ -15,6 +15,12 @@ const PIPE_BYTES: usize = 1 << 20;
 /// The most threads a copy of many extents runs on.
 const MAX_COPY_THREADS: usize = 4;
 
+/// Copies all of `from`'s data (its `SEEK_DATA` extents) into `to` (as long, zeros there) at
+/// the same offsets: a fork's layer, a merge of guest memory.
+pub(crate) fn copy_data(from: &File, to: &File) -> io::Result<()> {
+    copy_extents(from, to, &crate::rootfs::layer::data_extents(from)?)
+}
+
 /// Copies each `[start, end)` of `extents` from `from` into `to` at the same offsets, split
 /// across the host's cores (up to [`MAX_COPY_THREADS`]): the kernel copies a page at a time
 /// on the calling thread, and a restore waits for all of it.

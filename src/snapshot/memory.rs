@@ -16,6 +16,7 @@ use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use super::copy::copy_data;
 use crate::guest_memory::LaterSeals;
 
 /// An instance's guest memory: the file the helper maps, how, and where it writes the pages
@@ -158,11 +159,6 @@ impl InstanceMemory {
         }
         Ok(())
     }
-}
-
-/// Copies `from`'s data into `to` at the same offsets, in the kernel.
-fn copy_data(from: &File, to: &File) -> std::io::Result<()> {
-    super::copy::copy_extents(from, to, &crate::rootfs::layer::data_extents(from)?)
 }
 
 #[cfg(test)]
